@@ -1,0 +1,111 @@
+// The kv-canary fold: splitmix64, the 16-byte chunk step and the slot-to-byte
+// mapping. Shared by the host (CPU kernel) and device (CUDA kernel) code, so the
+// CPU tests exercise the arithmetic the GPU runs. Contract: ../shared/SPEC.md.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KVC_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define KVC_HOST_DEVICE inline
+#endif
+
+namespace kvcanary {
+
+// Every read is a whole 16-byte chunk: read_bytes, token sizes, strides and
+// data pointers are multiples of this (the CUDA kernel uses 128-bit loads).
+constexpr int64_t kReadAlign = 16;
+
+// Token dims left after coalescing contiguous ones; the innermost one is the
+// contiguous run and is not counted here. Real layouts need at most 2.
+constexpr int kMaxOuterDims = 6;
+
+constexpr uint64_t kSplitmixMul1 = 0xBF58476D1CE4E5B9ull;
+constexpr uint64_t kSplitmixMul2 = 0x94D049BB133111EBull;
+
+KVC_HOST_DEVICE uint64_t splitmix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * kSplitmixMul1;
+  x = (x ^ (x >> 27)) * kSplitmixMul2;
+  return x ^ (x >> 31);
+}
+
+// One 16-byte chunk = two little-endian words, folded in order.
+KVC_HOST_DEVICE uint64_t fold_chunk(uint64_t h, uint64_t lo, uint64_t hi) {
+  return splitmix64(splitmix64(h ^ lo) ^ hi);
+}
+
+// A source after validation: the bytes of slot s are the first `read_bytes`
+// bytes, in logical row-major order, of the token at
+//   data + (s / page_size) * page_stride + (s % page_size) * slot_stride.
+// A token is `num_outer` nested dims of contiguous runs of `run_bytes` each.
+// All sizes and strides are in bytes and int64 (pools exceed 4 GiB).
+struct SourceLayout {
+  const unsigned char* data;
+  int64_t page_size;
+  int64_t page_stride;
+  int64_t slot_stride;
+  int64_t read_bytes;
+  int64_t run_bytes;
+  int32_t num_outer;
+  int64_t outer_size[kMaxOuterDims];
+  int64_t outer_stride[kMaxOuterDims];
+};
+
+KVC_HOST_DEVICE int64_t token_offset(const SourceLayout& src, int64_t slot) {
+  return (slot / src.page_size) * src.page_stride +
+         (slot % src.page_size) * src.slot_stride;
+}
+
+// Byte offset of contiguous run `run` inside a token (mixed radix over the
+// outer dims, innermost last).
+KVC_HOST_DEVICE int64_t run_offset(const SourceLayout& src, int64_t run) {
+  int64_t offset = 0;
+  for (int d = src.num_outer - 1; d >= 0; --d) {
+    offset += (run % src.outer_size[d]) * src.outer_stride[d];
+    run /= src.outer_size[d];
+  }
+  return offset;
+}
+
+// Byte offset, inside a token, of the 16-byte chunk starting at logical byte
+// `byte` (a multiple of kReadAlign).
+KVC_HOST_DEVICE int64_t chunk_offset(const SourceLayout& src, int64_t byte) {
+  if (src.num_outer == 0) {
+    return byte;
+  }
+  return run_offset(src, byte / src.run_bytes) + byte % src.run_bytes;
+}
+
+// The per-source hash h of the SPEC, given a loader for 16-byte chunks:
+// load(ptr, &lo, &hi) reads the two words at a 16-byte aligned address.
+template <typename LoadChunk>
+KVC_HOST_DEVICE uint64_t fold_token(const SourceLayout& src, int64_t slot,
+                                    LoadChunk load) {
+  const unsigned char* token = src.data + token_offset(src, slot);
+  uint64_t h = 0;
+  for (int64_t byte = 0; byte < src.read_bytes; byte += kReadAlign) {
+    uint64_t lo, hi;
+    load(token + chunk_offset(src, byte), &lo, &hi);
+    h = fold_chunk(h, lo, hi);
+  }
+  return h;
+}
+
+// The SPEC's fold of one slot over all sources. `capacity` is the smallest
+// source capacity: padding (slot < 0) and slots past it give 0, read nothing.
+template <typename LoadChunk>
+KVC_HOST_DEVICE int64_t fold_slot(const SourceLayout* sources, int num_sources,
+                                  int64_t capacity, int64_t slot,
+                                  LoadChunk load) {
+  if (slot < 0 || slot >= capacity) {
+    return 0;
+  }
+  uint64_t acc = 0;
+  for (int i = 0; i < num_sources; ++i) {
+    acc = splitmix64(acc ^ fold_token(sources[i], slot, load));
+  }
+  return static_cast<int64_t>(acc);
+}
+
+}  // namespace kvcanary

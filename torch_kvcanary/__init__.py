@@ -1,0 +1,34 @@
+"""torch_kvcanary: fingerprint KV-cache slots to catch silent cache corruption.
+
+The core is ``torch.ops.kvcanary.fold``, SGLang's kv-canary fold (a splitmix64
+chain over each slot's leading bytes across one or more sources) as a PyTorch
+custom op; `fold` is its Python entry point.
+"""
+
+from .ops import fold
+from .reference import reference_fold
+from .sources import (
+    READ_ALIGN,
+    HashMode,
+    RealKvSource,
+    ViewSource,
+    clip_read_bytes,
+    make_packed_source,
+    make_row_source,
+    resolve_read_bytes,
+    view_source,
+)
+
+__all__ = [
+    "READ_ALIGN",
+    "HashMode",
+    "RealKvSource",
+    "ViewSource",
+    "clip_read_bytes",
+    "fold",
+    "make_packed_source",
+    "make_row_source",
+    "reference_fold",
+    "resolve_read_bytes",
+    "view_source",
+]

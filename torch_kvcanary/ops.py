@@ -1,0 +1,69 @@
+"""``torch.ops.kvcanary.fold``: its library, its fake kernel and the `fold` shim."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from . import _C  # noqa: F401  (loading the library registers torch.ops.kvcanary)
+from .sources import HashMode, RealKvSource, ViewSource
+
+Source = RealKvSource | ViewSource
+
+_PARTIAL_READ_BYTES = 16
+
+
+@torch.library.register_fake("kvcanary::fold")
+def _fold_fake(sources, slots, read_bytes, check_bounds=True):
+    return slots.new_empty(slots.shape, dtype=torch.int64)
+
+
+def _as_mode(mode) -> HashMode:
+    if isinstance(mode, bool) or mode not in tuple(HashMode):
+        raise ValueError(f"kv-canary: mode must be a HashMode (OFF=0, PARTIAL=1, ALL=2), got {mode!r}")
+    return HashMode(mode)
+
+
+def _as_sources(sources: Source | Iterable[Source]) -> list[Source]:
+    if isinstance(sources, (RealKvSource, ViewSource)):
+        return [sources]
+    sources = list(sources)
+    for source in sources:
+        if not isinstance(source, (RealKvSource, ViewSource)):
+            raise TypeError(
+                "kv-canary: sources must be RealKvSource or ViewSource objects (from make_row_source, "
+                f"make_packed_source or view_source), got {type(source).__name__}"
+            )
+    return sources
+
+
+def fold(
+    sources: Source | Iterable[Source],
+    slots: torch.Tensor,
+    *,
+    mode: HashMode = HashMode.ALL,
+    check_bounds: bool = True,
+) -> torch.Tensor:
+    """Fingerprint ``slots`` over ``sources`` (../shared/SPEC.md, "The fold of one slot").
+
+    Args:
+        sources: one source or a sequence of them, folded in order; sources whose
+            read_bytes is 0 are left out.
+        slots: int32 or int64 tensor of any shape on the sources' device; negative
+            slots are padding and give 0.
+        mode: OFF gives zeros, PARTIAL folds the first 16 bytes of each source,
+            ALL folds each source's read_bytes.
+        check_bounds: raise IndexError for a slot >= the smallest source capacity.
+            With False such slots give 0; nothing is ever read out of bounds.
+
+    Returns:
+        int64 tensor shaped like ``slots``.
+    """
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
+    mode = _as_mode(mode)
+    active = [s for s in _as_sources(sources) if s.read_bytes > 0] if mode is not HashMode.OFF else []
+    views = [s.as_view() for s in active]
+    read_bytes = [_PARTIAL_READ_BYTES if mode is HashMode.PARTIAL else s.read_bytes for s in active]
+    return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)

@@ -1,0 +1,70 @@
+"""A pure-torch fold: the executable form of the SPEC, vectorised over slots.
+
+It is the oracle the kernels are tested against and a baseline for the
+benchmark. It shares nothing with the C++ code but the sources' views.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops import Source, _as_mode, _as_sources
+from .sources import HashMode
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes seen as uint64."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 on int64 lanes (wrapping arithmetic modulo 2^64)."""
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def _token_words(view: torch.Tensor, slots: torch.Tensor, read_bytes: int) -> torch.Tensor:
+    """The first read_bytes of each slot's token, as int64 words [n, read_bytes // 8]."""
+    page_size = view.shape[1]
+    tokens = view[slots // page_size, slots % page_size].reshape(slots.numel(), math.prod(view.shape[2:]))
+    raw = tokens.contiguous().view(torch.uint8)
+    return raw[:, :read_bytes].contiguous().view(torch.int64)
+
+
+def reference_fold(
+    sources: Source | list[Source], slots: torch.Tensor, *, mode: HashMode = HashMode.ALL
+) -> torch.Tensor:
+    """Same result as `torch_kvcanary.fold`, computed with eager torch ops."""
+    mode = _as_mode(mode)
+    flat = slots.reshape(-1).long()
+    acc = torch.zeros_like(flat)
+    active = [s for s in _as_sources(sources) if s.read_bytes > 0] if mode is not HashMode.OFF else []
+    if not active:
+        return acc.view(slots.shape)
+    views = [s.as_view() for s in active]
+    capacity = min(v.shape[0] * v.shape[1] for v in views)
+    too_big = flat >= capacity
+    if bool(too_big.any()):
+        raise IndexError(f"kv-canary: slot {int(flat[too_big][0])} is out of range for sources of capacity {capacity}")
+    padding = flat < 0
+    safe = flat.clamp(min=0)
+    for source, view in zip(active, views):
+        read_bytes = 16 if mode is HashMode.PARTIAL else source.read_bytes
+        h = torch.zeros_like(flat)
+        for word in _token_words(view, safe, read_bytes).unbind(1):
+            h = splitmix64(h ^ word)
+        acc = splitmix64(acc ^ h)
+    return acc.masked_fill(padding, 0).view(slots.shape)
