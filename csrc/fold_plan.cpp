@@ -32,8 +32,6 @@ std::vector<std::pair<int64_t, int64_t>> coalesced_token_dims(
 
 SourceLayout layout_source(const at::Tensor& view, int64_t index,
                            int64_t read_bytes) {
-  TORCH_CHECK_VALUE(view.layout() == at::kStrided, "kv-canary: source ", index,
-                    " must be a strided tensor, got layout ", view.layout());
   TORCH_CHECK_VALUE(view.dim() >= 2, "kv-canary: source ", index,
                     " must be a view [num_pages, page_size, *token_shape], got "
                     "shape ",
@@ -96,10 +94,12 @@ SourceLayout layout_source(const at::Tensor& view, int64_t index,
   }
 
   const auto address = reinterpret_cast<std::uintptr_t>(layout.data);
-  TORCH_CHECK_VALUE(view.numel() == 0 || address % kReadAlign == 0, "kv-canary: source ", index,
-                    " starts at address ", address, " (storage offset ",
-                    view.storage_offset(), " elements), which is not ",
-                    kReadAlign, "-byte aligned");
+  TORCH_CHECK_VALUE(view.numel() == 0 || address % kReadAlign == 0,
+                    "kv-canary: source ", index, " starts at an address that "
+                    "is not ", kReadAlign, "-byte aligned (storage offset ",
+                    view.storage_offset(), " elements of ", itemsize,
+                    " bytes); pass a view whose first byte is ", kReadAlign,
+                    "-byte aligned");
   return layout;
 }
 

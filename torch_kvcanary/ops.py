@@ -16,6 +16,12 @@ _PARTIAL_READ_BYTES = 16
 
 @torch.library.register_fake("kvcanary::fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
+    # Mixed devices dispatch here when one of them is meta; the kernels check the rest.
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(
+                f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device"
+            )
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 

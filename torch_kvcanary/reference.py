@@ -6,12 +6,10 @@ benchmark. It shares nothing with the C++ code but the sources' views.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .ops import Source, _as_mode, _as_sources
-from .sources import HashMode
+from .sources import HashMode, token_bytes
 
 _MASK64 = (1 << 64) - 1
 
@@ -39,9 +37,9 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 def _token_words(view: torch.Tensor, slots: torch.Tensor, read_bytes: int) -> torch.Tensor:
     """The first read_bytes of each slot's token, as int64 words [n, read_bytes // 8]."""
     page_size = view.shape[1]
-    tokens = view[slots // page_size, slots % page_size].reshape(slots.numel(), math.prod(view.shape[2:]))
-    raw = tokens.contiguous().view(torch.uint8)
-    return raw[:, :read_bytes].contiguous().view(torch.int64)
+    as_bytes = view.unsqueeze(-1).view(torch.uint8)  # integer copies keep every bit pattern
+    tokens = as_bytes[slots // page_size, slots % page_size].reshape(slots.numel(), token_bytes(view))
+    return tokens[:, :read_bytes].contiguous().view(torch.int64)
 
 
 def reference_fold(

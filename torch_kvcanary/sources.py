@@ -71,6 +71,13 @@ def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
     return requested
 
 
+def _check_strided(tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"kv-canary: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"kv-canary: {what} must be a strided (dense) tensor, got {tensor.layout}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RealKvSource:
     """SGLang's row form: slot ``s`` is ``num_bytes_per_token`` bytes of row ``s // page_size``,
@@ -98,9 +105,9 @@ class RealKvSource:
                 f"kv-canary: RealKvSource.read_bytes must be a positive multiple of {READ_ALIGN} in "
                 f"(0, num_bytes_per_token={self.num_bytes_per_token}], got {self.read_bytes}"
             )
-        if not isinstance(self.tensor, torch.Tensor) or self.tensor.dim() < 2:
-            shape = tuple(self.tensor.shape) if isinstance(self.tensor, torch.Tensor) else type(self.tensor).__name__
-            raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got {shape}")
+        _check_strided(self.tensor, "RealKvSource.tensor")
+        if self.tensor.dim() < 2:
+            raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got {tuple(self.tensor.shape)}")
         row_bytes = math.prod(self.tensor.shape[1:]) * self.tensor.element_size()
         page_bytes = self.page_size * self.num_bytes_per_token
         if page_bytes > row_bytes:
@@ -156,9 +163,11 @@ def view_source(view: torch.Tensor, *, read_bytes: int) -> ViewSource:
     ``read_bytes`` is clipped against the token's byte size (`clip_read_bytes`). Strides
     and alignment are checked when the source is folded.
     """
-    if not isinstance(view, torch.Tensor) or view.dim() < 2:
-        got = f"shape {tuple(view.shape)}" if isinstance(view, torch.Tensor) else type(view).__name__
-        raise ValueError(f"kv-canary: view_source needs a view [num_pages, page_size, *token_shape], got {got}")
+    _check_strided(view, "view_source's view")
+    if view.dim() < 2:
+        raise ValueError(
+            f"kv-canary: view_source needs a view [num_pages, page_size, *token_shape], got shape {tuple(view.shape)}"
+        )
     clipped = clip_read_bytes(requested=read_bytes, num_bytes_per_token=token_bytes(view))
     return ViewSource(view=view, read_bytes=clipped)
 

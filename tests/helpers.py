@@ -1,0 +1,100 @@
+"""Shared test helpers: the golden vectors and random cache layouts."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_kvcanary as kc
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("KVCANARY_SHARED", REPO.parent / "shared"))
+GOLDEN_PATH = SHARED / "golden" / "fold_vectors.json"
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
+
+# dtypes a KV cache is stored in, with the element size of each
+DTYPES = [torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
+
+
+def load_golden() -> list[dict]:
+    if not GOLDEN_PATH.is_file():
+        raise FileNotFoundError(f"golden vectors not found at {GOLDEN_PATH}; set KVCANARY_SHARED to the shared/ folder")
+    return json.loads(GOLDEN_PATH.read_text())["cases"]
+
+
+def golden_tensor(spec: dict, device: str = "cpu") -> torch.Tensor:
+    dtype = getattr(torch, spec["dtype"])
+    raw = bytearray(base64.b64decode(spec["storage_b64"]))
+    storage = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).to(device)
+    return torch.as_strided(storage, spec["shape"], spec["stride"], spec["offset"])
+
+
+def golden_source(spec: dict, device: str = "cpu"):
+    tensor = golden_tensor(spec, device)
+    if spec["form"] == "rows":
+        return kc.RealKvSource(
+            tensor=tensor,
+            page_size=spec["page_size"],
+            num_bytes_per_token=spec["num_bytes_per_token"],
+            read_bytes=spec["read_bytes"],
+        )
+    return kc.view_source(tensor, read_bytes=spec["read_bytes"])
+
+
+def random_bytes(shape, dtype: torch.dtype, generator: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    """A tensor of random bit patterns (NaNs and all), made on `device`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).squeeze(-1).to(device)
+
+
+def random_view_source(rng: random.Random, gen: torch.Generator, device: str = "cpu"):
+    """A view-form source with holes: padded pages, slots and token dims, a storage
+    offset, and the page/slot/head dims in a random memory order."""
+    dtype = rng.choice(DTYPES)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_chunk = 16 // itemsize
+    num_pages, page_size = rng.randint(1, 6), rng.choice([1, 2, 3, 16])
+    heads, dim = rng.randint(1, 3), per_chunk * rng.randint(1, 4)
+    pad_pages, pad_slots, pad_heads = rng.randint(0, 2), rng.randint(0, 1), rng.randint(0, 1)
+    pad_dim = per_chunk * rng.randint(0, 1)
+    # Physical order of the (page, slot, head) axes; the dim axis stays innermost.
+    order = rng.sample(range(3), 3)
+    logical = [num_pages + pad_pages, page_size + pad_slots, heads + pad_heads]
+    base = random_bytes([logical[i] for i in order] + [dim + pad_dim], dtype, gen, device)
+    inverse = [order.index(i) for i in range(3)]
+    full = base.permute(*inverse, 3)
+    view = full[pad_pages:, :page_size, :heads, :dim]
+    read_bytes = rng.choice([16 * rng.randint(1, heads * dim * itemsize // 16), sys.maxsize])
+    return kc.view_source(view, read_bytes=read_bytes)
+
+
+def random_row_source(rng: random.Random, gen: torch.Generator, device: str = "cpu"):
+    """A row-form source: rows of page_size tokens plus trailing bytes, rows
+    strided inside a wider buffer."""
+    page_size, token = rng.choice([1, 2, 4, 16]), 16 * rng.randint(1, 6)
+    rows, tail, gap = rng.randint(1, 8), 16 * rng.randint(0, 2), 16 * rng.randint(0, 2)
+    buffer = random_bytes([rows, page_size * token + tail + gap], torch.uint8, gen, device)
+    tensor = buffer[:, : page_size * token + tail]
+    read_bytes = 16 * rng.randint(1, token // 16)
+    return kc.RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=token, read_bytes=read_bytes)
+
+
+def capacity(source) -> int:
+    view = source.as_view()
+    return view.shape[0] * view.shape[1]
+
+
+def random_slots(rng: random.Random, cap: int, n: int, dtype=torch.int64, device: str = "cpu") -> torch.Tensor:
+    """Slots in [0, cap) with some -1 padding mixed in."""
+    values = [rng.randrange(cap) if rng.random() > 0.1 else -rng.randint(1, 3) for _ in range(n)]
+    return torch.tensor(values, dtype=dtype, device=device)

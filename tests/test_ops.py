@@ -1,0 +1,269 @@
+"""torch.ops.kvcanary.fold through the public `fold`: golden vectors, random layouts
+against the reference, the PT2 stack (opcheck, compile, export, meta) and bad input."""
+
+import random
+import sys
+
+import expecttest
+import pytest
+import torch
+from helpers import DEVICES, golden_source, load_golden, random_row_source, random_slots, random_view_source
+
+import torch_kvcanary as kc
+
+GOLDEN = load_golden()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", GOLDEN, ids=[f"{c['name']}-{c['mode']}" for c in GOLDEN])
+def test_golden(case, device):
+    sources = [golden_source(spec, device) for spec in case["sources"]]
+    mode = kc.HashMode[case["mode"]]
+    expected = torch.tensor(case["expected"], dtype=torch.int64)
+    for dtype in (torch.int64, torch.int32):
+        slots = torch.tensor(case["slots"], dtype=dtype, device=device)
+        assert torch.equal(kc.fold(sources, slots, mode=mode).cpu(), expected)
+    assert torch.equal(kc.reference_fold(sources, slots, mode=mode).cpu(), expected)
+
+
+def _random_case(seed: int, device: str):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    make = [random_view_source, random_row_source]
+    sources = [rng.choice(make)(rng, gen, device) for _ in range(rng.randint(1, 8))]
+    capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in sources)
+    slots = random_slots(rng, capacity, rng.randint(0, 40), rng.choice([torch.int32, torch.int64]), device)
+    return sources, slots, rng.choice(list(kc.HashMode))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(60))
+def test_random_layouts_match_reference(seed, device):
+    sources, slots, mode = _random_case(seed, device)
+    assert torch.equal(kc.fold(sources, slots, mode=mode), kc.reference_fold(sources, slots, mode=mode))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_result_is_shaped_like_slots(device):
+    gen = torch.Generator().manual_seed(0)
+    source = random_view_source(random.Random(1), gen, device)
+    slots = torch.tensor([[0, -1, 1], [1, 0, -5]], device=device)
+    out = kc.fold(source, slots)
+    assert out.shape == (2, 3) and out.dtype == torch.int64
+    assert torch.equal(out.flatten(), kc.fold(source, slots.flatten()))
+    assert torch.equal(kc.fold(source, slots.t()), out.t())  # non-contiguous slots
+    assert kc.fold(source, slots[:0]).shape == (0, 3)
+    assert (out[slots < 0] == 0).all() and (out[slots >= 0] != 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_off_and_empty_sources_give_zeros(device):
+    source = kc.view_source(torch.ones(4, 2, 16, dtype=torch.uint8, device=device), read_bytes=16)
+    slots = torch.tensor([0, 1, 7], device=device)
+    assert torch.equal(kc.fold(source, slots, mode=kc.HashMode.OFF), torch.zeros(3, dtype=torch.int64, device=device))
+    assert torch.equal(kc.fold([], slots), torch.zeros(3, dtype=torch.int64, device=device))
+    zero_read = kc.view_source(torch.ones(4, 2, 16, dtype=torch.uint8, device=device), read_bytes=0)
+    assert torch.equal(kc.fold([zero_read, source], slots), kc.fold(source, slots))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_reads_sixteen_bytes(device):
+    pool = torch.zeros(8, 64, dtype=torch.uint8, device=device)
+    source = kc.make_row_source(layer_buffer=pool, read_bytes=sys.maxsize)
+    slots = torch.arange(8, device=device)
+    before = [kc.fold(source, slots, mode=m) for m in (kc.HashMode.PARTIAL, kc.HashMode.ALL)]
+    pool[3, 16] = 1  # past the first 16 bytes
+    assert torch.equal(kc.fold(source, slots, mode=kc.HashMode.PARTIAL), before[0])
+    changed = kc.fold(source, slots) != before[1]
+    assert changed.tolist() == [s == 3 for s in range(8)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_sources_in_one_call(device):
+    gen = torch.Generator().manual_seed(3)
+    rng = random.Random(3)
+    sources = [random_row_source(rng, gen, device) for _ in range(24)]
+    capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in sources)
+    slots = random_slots(rng, capacity, 50, device=device)
+    assert torch.equal(kc.fold(sources, slots), kc.reference_fold(sources, slots))
+
+
+def test_check_bounds_off_gives_zero_for_out_of_range():
+    source = kc.view_source(torch.ones(2, 4, 16, dtype=torch.uint8), read_bytes=16)
+    out = kc.fold(source, torch.tensor([7, 8, 1 << 40, -1]), check_bounds=False)
+    assert out[0] != 0 and out[1:].tolist() == [0, 0, 0]
+
+
+# --- the PT2 stack ---------------------------------------------------------------------------
+
+
+def _opcheck_samples(device):
+    rng = random.Random(7)
+    samples = []
+    for seed in range(6):
+        sources, slots, _ = _random_case(seed, device)
+        # opcheck compares inputs with arithmetic fp8 lacks: same bytes, read as int8
+        views = [v.view(torch.int8) if v.dtype == torch.float8_e4m3fn else v for v in (s.as_view() for s in sources)]
+        samples.append((views, slots, [s.read_bytes for s in sources], True))
+    pool = torch.randint(0, 255, (4, 16, 32), dtype=torch.uint8, device=device)
+    samples.append(([pool], torch.empty(0, dtype=torch.int64, device=device), [32], True))
+    samples.append(([], random_slots(rng, 10, 5, device=device), [], False))
+    return samples
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for args in _opcheck_samples(device):
+        torch.library.opcheck(torch.ops.kvcanary.fold.default, args)
+
+
+def _k_and_v(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # vLLM-style [2, blocks, block_size, heads, dim] pool: K and V halves as two sources.
+    sources = [kc.view_source(pool[i], read_bytes=kc.resolve_read_bytes(kc.HashMode.ALL)) for i in range(2)]
+    return kc.fold(sources, slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_dynamic(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(_k_and_v, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 255, (2, 6, 4, 2, 16), dtype=torch.uint8, generator=gen).to(device)
+    for n in (3, 17, 24):
+        slots = torch.randint(-1, 24, (n,), generator=gen).to(device)
+        assert torch.equal(compiled(pool, slots), _k_and_v(pool, slots))
+    bigger = torch.randint(0, 255, (2, 9, 4, 2, 32), dtype=torch.uint8, generator=gen).to(device)
+    slots = torch.randint(-1, 36, (11,), generator=gen).to(device)
+    assert torch.equal(compiled(bigger, slots), _k_and_v(bigger, slots))
+
+
+class _KV(torch.nn.Module):
+    def forward(self, pool, slots):
+        return _k_and_v(pool, slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export(device):
+    pool = torch.randint(0, 255, (2, 6, 4, 2, 16), dtype=torch.uint8).to(device)
+    slots = torch.tensor([0, 5, -1, 23], device=device)
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(_KV(), (pool, slots), dynamic_shapes=({}, {0: batch}))
+    assert any(n.target is torch.ops.kvcanary.fold.default for n in exported.graph.nodes)
+    longer = torch.tensor([1, 2, 3, 4, 5, 6, -1], device=device)
+    assert torch.equal(exported.module()(pool, longer), _k_and_v(pool, longer))
+
+
+def test_meta_tensors():
+    pool = torch.empty(2, 6, 4, 2, 16, dtype=torch.uint8, device="meta")
+    out = _k_and_v(pool, torch.empty(5, 3, dtype=torch.int32, device="meta"))
+    assert out.device.type == "meta" and out.shape == (5, 3) and out.dtype == torch.int64
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def _raw(views, slots, read_bytes):
+    return lambda: torch.ops.kvcanary.fold(views, slots, read_bytes)
+
+
+class TestErrors(expecttest.TestCase):
+    def _message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as info:
+            fn()
+        return str(info.exception)
+
+    def test_slot_out_of_range(self):
+        source = kc.view_source(torch.zeros(3, 4, 16, dtype=torch.uint8), read_bytes=16)
+        self.assertExpectedInline(
+            self._message(IndexError, lambda: kc.fold(source, torch.tensor([0, 12, 13]))),
+            """kv-canary: slot 12 is out of range for sources of capacity 12; slots must be < 12 (or negative for padding)""",
+        )
+        # the smallest capacity counts
+        small = kc.view_source(torch.zeros(1, 4, 16, dtype=torch.uint8), read_bytes=16)
+        self.assertIn("slot 4 is out of range for sources of capacity 4", self._message(IndexError, lambda: kc.fold([source, small], torch.tensor([4], dtype=torch.int32))))
+        self.assertIn(
+            "kv-canary: slot 12 is out of range",
+            self._message(IndexError, lambda: kc.reference_fold(source, torch.tensor([12]))),
+        )
+
+    def test_slots(self):
+        source = kc.view_source(torch.zeros(3, 4, 16, dtype=torch.uint8), read_bytes=16)
+        self.assertExpectedInline(
+            self._message(TypeError, lambda: kc.fold(source, torch.tensor([0.0]))),
+            """kv-canary: slots must be an int32 or int64 tensor, got Float""",
+        )
+        self.assertExpectedInline(
+            self._message(TypeError, lambda: kc.fold(source, [0, 1])),
+            """kv-canary: slots must be an int32 or int64 tensor, got list""",
+        )
+        self.assertExpectedInline(
+            self._message(TypeError, lambda: kc.fold(source, torch.tensor([0], dtype=torch.int16))),
+            """kv-canary: slots must be an int32 or int64 tensor, got Short""",
+        )
+
+    def test_mode_and_sources(self):
+        source = kc.view_source(torch.zeros(3, 4, 16, dtype=torch.uint8), read_bytes=16)
+        slots = torch.tensor([0])
+        self.assertExpectedInline(
+            self._message(ValueError, lambda: kc.fold(source, slots, mode=3)),
+            """kv-canary: mode must be a HashMode (OFF=0, PARTIAL=1, ALL=2), got 3""",
+        )
+        self.assertExpectedInline(
+            self._message(ValueError, lambda: kc.fold(source, slots, mode="ALL")),
+            """kv-canary: mode must be a HashMode (OFF=0, PARTIAL=1, ALL=2), got 'ALL'""",
+        )
+        self.assertExpectedInline(
+            self._message(TypeError, lambda: kc.fold([torch.zeros(3, 4, 16)], slots)),
+            """kv-canary: sources must be RealKvSource or ViewSource objects (from make_row_source, make_packed_source or view_source), got Tensor""",
+        )
+
+    def test_layouts(self):
+        u8 = torch.zeros(4, 2, 80, dtype=torch.uint8)
+        slots = torch.tensor([0])
+        cases = {
+            "innermost not contiguous": kc.view_source(torch.zeros(4, 2, 32, 16)[..., 0], read_bytes=16),
+            "run of 8 bytes": kc.view_source(torch.zeros(4, 2, 4, 16, dtype=torch.uint8)[..., :8], read_bytes=16),
+            "page stride 40": kc.view_source(torch.zeros(4, 40, dtype=torch.uint8)[:, :32].view(4, 2, 16), read_bytes=16),
+            "misaligned pointer": kc.view_source(u8.view(-1)[8:8 + 4 * 128].view(4, 2, 64), read_bytes=16),
+            "row stride 100": kc.RealKvSource(tensor=torch.zeros(4, 100, dtype=torch.uint8), page_size=1, num_bytes_per_token=96, read_bytes=16),
+        }
+        messages = {name: self._message(ValueError, lambda s=s: kc.fold(s, slots)) for name, s in cases.items()}
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            """\
+innermost not contiguous: kv-canary: source 0 must have a contiguous innermost dim (stride 1), got shape [4, 2, 32] and strides [1024, 512, 16]; make the fastest-moving dim of each token the last one
+run of 8 bytes: kv-canary: source 0 has contiguous runs of 8 bytes (shape [4, 2, 4, 8], strides [128, 64, 16, 1]); each contiguous innermost run must be a multiple of 16 bytes
+page stride 40: kv-canary: source 0 has a stride of 40 bytes (shape [4, 2, 16], strides [40, 16, 1], dtype Byte); every stride must be a multiple of 16 bytes
+misaligned pointer: kv-canary: source 0 starts at an address that is not 16-byte aligned (storage offset 8 elements of 1 bytes); pass a view whose first byte is 16-byte aligned
+row stride 100: kv-canary: source 0 has a stride of 100 bytes (shape [4, 1, 96], strides [100, 96, 1], dtype Byte); every stride must be a multiple of 16 bytes""",
+        )
+
+    def test_raw_op_arguments(self):
+        pool = torch.zeros(4, 2, 32, dtype=torch.uint8)
+        slots = torch.tensor([0])
+        cases = {
+            "list lengths": _raw([pool, pool], slots, [16]),
+            "read_bytes 24": _raw([pool], slots, [24]),
+            "read_bytes 0": _raw([pool], slots, [0]),
+            "read_bytes > token": _raw([pool], slots, [48]),
+            "rank 1": _raw([pool.view(-1)], slots, [16]),
+            "token of 8 bytes": _raw([torch.zeros(4, 2, 8, dtype=torch.uint8)], slots, [16]),
+        }
+        messages = {name: self._message(ValueError, fn) for name, fn in cases.items()}
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            """\
+list lengths: kv-canary: got 2 sources but 1 read_bytes; pass one read_bytes per source
+read_bytes 24: kv-canary: read_bytes[0] must be a positive multiple of 16 and <= the source's 32 bytes per token, got 24
+read_bytes 0: kv-canary: read_bytes[0] must be a positive multiple of 16 and <= the source's 32 bytes per token, got 0
+read_bytes > token: kv-canary: read_bytes[0] must be a positive multiple of 16 and <= the source's 32 bytes per token, got 48
+rank 1: kv-canary: source 0 must be a view [num_pages, page_size, *token_shape], got shape [256]
+token of 8 bytes: kv-canary: source 0 has 8 bytes per token (shape [4, 2, 8], dtype Byte); it must be a positive multiple of 16""",
+        )
+
+    def test_devices(self):
+        pool = torch.zeros(4, 2, 32, dtype=torch.uint8, device="meta")
+        self.assertExpectedInline(
+            self._message(ValueError, _raw([pool], torch.tensor([0]), [16])),
+            """kv-canary: source 0 is on meta but slots are on cpu; put them on one device""",
+        )

@@ -1,0 +1,159 @@
+"""The upstream read_bytes contract and the source helpers (views, never copies)."""
+
+import sys
+
+import expecttest
+import pytest
+import torch
+
+import torch_kvcanary as kc
+from torch_kvcanary.sources import token_bytes
+
+
+def test_read_align_and_modes():
+    assert kc.READ_ALIGN == 16
+    assert [int(m) for m in (kc.HashMode.OFF, kc.HashMode.PARTIAL, kc.HashMode.ALL)] == [0, 1, 2]
+    assert [kc.resolve_read_bytes(m) for m in kc.HashMode] == [0, 16, sys.maxsize]
+
+
+@pytest.mark.parametrize(
+    "requested, nb, expected",
+    [(0, 64, 0), (sys.maxsize, 64, 64), (16, 64, 16), (64, 64, 64), (48, 64, 48), (0, 16, 0)],
+)
+def test_clip_read_bytes_values(requested, nb, expected):
+    assert kc.clip_read_bytes(requested=requested, num_bytes_per_token=nb) == expected
+
+
+# The messages and their order are upstream's (../shared/SPEC.md), written out here by hand.
+@pytest.mark.parametrize(
+    "requested, nb, message",
+    [
+        (16, 0, "kv-canary: num_bytes_per_token must be a positive multiple of 16, got 0"),
+        (16, -16, "kv-canary: num_bytes_per_token must be a positive multiple of 16, got -16"),
+        (0, 40, "kv-canary: num_bytes_per_token must be a positive multiple of 16, got 40"),
+        (-16, 64, "kv-canary: read_bytes must be non-negative, got -16"),
+        (-1, 64, "kv-canary: read_bytes must be non-negative, got -1"),
+        (80, 64, "kv-canary: read_bytes must be <= num_bytes_per_token (64), got 80"),
+        (81, 64, "kv-canary: read_bytes must be <= num_bytes_per_token (64), got 81"),
+        (24, 64, "kv-canary: read_bytes must be a multiple of 16, got 24"),
+        (1, 64, "kv-canary: read_bytes must be a multiple of 16, got 1"),
+    ],
+)
+def test_clip_read_bytes_errors(requested, nb, message):
+    with pytest.raises(ValueError) as info:
+        kc.clip_read_bytes(requested=requested, num_bytes_per_token=nb)
+    assert str(info.value) == message
+
+
+def _shares_memory(view: torch.Tensor, base: torch.Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+class TestRealKvSource(expecttest.TestCase):
+    def _error(self, **kwargs) -> str:
+        args = dict(tensor=torch.zeros(4, 64, dtype=torch.uint8), page_size=1, num_bytes_per_token=64, read_bytes=64)
+        args.update(kwargs)
+        with self.assertRaises(ValueError) as info:
+            kc.RealKvSource(**args)
+        return str(info.exception)
+
+    def test_messages(self):
+        self.assertExpectedInline(self._error(page_size=0), """kv-canary: RealKvSource.page_size must be >= 1, got 0""")
+        self.assertExpectedInline(
+            self._error(num_bytes_per_token=40),
+            """kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, got 40""",
+        )
+        self.assertExpectedInline(
+            self._error(read_bytes=80),
+            """kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token=64], got 80""",
+        )
+        self.assertExpectedInline(
+            self._error(read_bytes=0),
+            """kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token=64], got 0""",
+        )
+        self.assertExpectedInline(
+            self._error(tensor=torch.zeros(64, dtype=torch.uint8)),
+            """kv-canary: RealKvSource.tensor must be at least 2-D, got (64,)""",
+        )
+        self.assertExpectedInline(
+            self._error(page_size=2),
+            """kv-canary: RealKvSource page of 2 x 64 bytes does not fit in a row of 64 bytes (tensor shape (4, 64), dtype torch.uint8); lower page_size or num_bytes_per_token""",
+        )
+
+    def test_rows_that_need_a_copy_are_refused(self):
+        # Rows (dims 1..) that are not one contiguous run cannot be windows of bytes.
+        pool = torch.zeros(4, 8, 6, dtype=torch.uint8)[:, :, :4]
+        source = kc.RealKvSource(tensor=pool, page_size=2, num_bytes_per_token=16, read_bytes=16)
+        with self.assertRaises(ValueError) as info:
+            source.as_view()
+        self.assertExpectedInline(
+            str(info.exception),
+            """kv-canary: RealKvSource.tensor with shape (4, 8, 4) and strides (48, 6, 1) cannot be read as rows without a copy; make each row (dims 1..) contiguous, or describe the layout with view_source""",
+        )
+
+    def test_as_view_is_the_row_window(self):
+        pool = torch.arange(3 * 80, dtype=torch.int32).view(3, 80).to(torch.uint8)
+        view = kc.RealKvSource(tensor=pool, page_size=2, num_bytes_per_token=32, read_bytes=16).as_view()
+        assert view.shape == (3, 2, 32) and _shares_memory(view, pool)
+        assert torch.equal(view[1, 1], pool[1, 32:64])
+
+
+def test_make_row_source_views_a_strided_layer_without_copy():
+    # K half of a fused [slots, 2, heads, dim] buffer: rows are not contiguous across slots.
+    fused = torch.randn(10, 2, 4, 16, dtype=torch.bfloat16)
+    (source,) = kc.make_row_source(layer_buffer=fused[:, 0], read_bytes=sys.maxsize)
+    assert source.page_size == 1 and source.num_bytes_per_token == 4 * 16 * 2 and source.read_bytes == 128
+    view = source.as_view()
+    assert _shares_memory(view, fused) and view.data_ptr() == fused.data_ptr()
+    slots = torch.arange(10)
+    copied = kc.make_row_source(layer_buffer=fused[:, 0].contiguous(), read_bytes=sys.maxsize)
+    assert torch.equal(kc.fold(source, slots), kc.fold(copied, slots))
+
+
+def test_make_row_source_non_mergeable_token_dims():
+    # A head-strided layer (dims 1.. not one run) still folds every byte of the token, in order.
+    pool = torch.randint(0, 255, (6, 3, 64), dtype=torch.uint8)
+    layer = pool[:, :, :32]
+    (source,) = kc.make_row_source(layer_buffer=layer, read_bytes=sys.maxsize)
+    assert _shares_memory(source.as_view(), pool)
+    (copied,) = kc.make_row_source(layer_buffer=layer.contiguous(), read_bytes=sys.maxsize)
+    slots = torch.arange(6)
+    assert torch.equal(kc.fold(source, slots), kc.fold(copied, slots))
+
+
+@pytest.mark.parametrize("read_bytes, buffer", [(0, torch.zeros(4, 16)), (16, torch.zeros(0, 16)), (16, torch.zeros(()))])
+def test_make_row_source_empty(read_bytes, buffer):
+    assert kc.make_row_source(layer_buffer=buffer, read_bytes=read_bytes) == ()
+
+
+def test_make_row_source_clips_like_upstream():
+    (source,) = kc.make_row_source(layer_buffer=torch.zeros(4, 8, dtype=torch.float32), read_bytes=16)
+    assert (source.num_bytes_per_token, source.read_bytes) == (32, 16)
+    with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be <= num_bytes_per_token \(32\), got 48$"):
+        kc.make_row_source(layer_buffer=torch.zeros(4, 8, dtype=torch.float32), read_bytes=48)
+    with pytest.raises(ValueError, match=r"^kv-canary: num_bytes_per_token must be a positive multiple of 16, got 12$"):
+        kc.make_row_source(layer_buffer=torch.zeros(4, 3, dtype=torch.float32), read_bytes=16)
+
+
+def test_make_packed_source():
+    pages = torch.zeros(5, 16, 2, 32, dtype=torch.float16)  # [pages, page_size, heads, dim]
+    (source,) = kc.make_packed_source(page_buffer=pages, page_size=16, bytes_per_token=128, read_bytes=sys.maxsize)
+    assert source.read_bytes == 128 and source.as_view().shape == (5, 16, 2, 32)
+    assert source.as_view().data_ptr() == pages.data_ptr()
+    (flat,) = kc.make_packed_source(page_buffer=torch.zeros(256, dtype=torch.uint8), page_size=4, bytes_per_token=64, read_bytes=32)
+    assert flat.tensor.shape == (1, 256) and flat.as_view().shape == (1, 4, 64)
+    assert kc.make_packed_source(page_buffer=pages, page_size=16, bytes_per_token=128, read_bytes=0) == ()
+    assert kc.make_packed_source(page_buffer=pages[:0], page_size=16, bytes_per_token=128, read_bytes=16) == ()
+    a = kc.make_packed_source(page_buffer=pages, page_size=16, bytes_per_token=128, read_bytes=16)
+    assert len(a + kc.make_row_source(layer_buffer=pages.view(80, 64), read_bytes=16)) == 2
+
+
+def test_view_source():
+    cache = torch.zeros(2, 4, 8, 16, dtype=torch.bfloat16)  # HF [batch, heads, max_len, dim]
+    source = kc.view_source(cache.permute(0, 2, 1, 3), read_bytes=sys.maxsize)
+    assert source.read_bytes == token_bytes(source.view) == 4 * 16 * 2
+    assert kc.view_source(cache, read_bytes=0).read_bytes == 0
+    with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be a multiple of 16, got 8$"):
+        kc.view_source(cache, read_bytes=8)
+    with pytest.raises(ValueError, match=r"^kv-canary: view_source needs a view \[num_pages, page_size, \*token_shape\], got shape \(4,\)$"):
+        kc.view_source(torch.zeros(4), read_bytes=16)
