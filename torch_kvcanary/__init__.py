@@ -5,6 +5,8 @@ chain over each slot's leading bytes across one or more sources) as a PyTorch
 custom op; `fold` is its Python entry point.
 """
 
+from importlib.metadata import version as _version
+
 from .ops import fold
 from .reference import reference_fold
 from .sources import (
@@ -18,6 +20,8 @@ from .sources import (
     resolve_read_bytes,
     view_source,
 )
+
+__version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
