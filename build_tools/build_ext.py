@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda.cu")
+CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda_kernel.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 CXX_FLAGS = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
