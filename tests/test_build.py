@@ -1,0 +1,59 @@
+"""What was built: a CUDA kernel whenever torch is a CUDA build and a toolkit is
+present, with sm_80 and sm_90 machine code and compute_90 PTX."""
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO
+
+import torch_kvcanary
+from torch_kvcanary.cli import fold_backends
+
+sys.path.insert(0, str(REPO / "build_tools"))
+from build_ext import find_cuda_home  # noqa: E402
+
+CUDA_BUILD = torch.version.cuda is not None and find_cuda_home() is not None
+
+
+def _library() -> Path:
+    return Path(importlib.util.find_spec("torch_kvcanary._C").origin)
+
+
+def _cuobjdump() -> str | None:
+    triton = importlib.util.find_spec("triton")
+    if triton is not None:
+        candidate = Path(triton.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if candidate.is_file():
+            return str(candidate)
+    return shutil.which("cuobjdump")
+
+
+def test_backends_match_the_build():
+    backends = fold_backends()
+    assert "CPU" in backends and "Meta" in backends
+    assert ("CUDA" in backends) == CUDA_BUILD
+
+
+def test_info_says_what_was_built():
+    out = subprocess.run(
+        [sys.executable, "-m", "torch_kvcanary", "info"], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"torch_kvcanary {torch_kvcanary.__version__}" in out
+    assert "matches the reference" in out
+    assert ("CPU-only build" in out) != CUDA_BUILD
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason="CPU-only torch or no CUDA toolkit: no CUDA code was built")
+def test_cuda_library_holds_sm80_sm90_and_ptx():
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.fail("a CUDA build needs cuobjdump to be checked (it ships with triton)")
+    elf = subprocess.run([tool, "--list-elf", str(_library())], capture_output=True, text=True, check=True).stdout
+    ptx = subprocess.run([tool, "--list-ptx", str(_library())], capture_output=True, text=True, check=True).stdout
+    assert "sm_80.cubin" in elf and "sm_90.cubin" in elf
+    assert "sm_90.ptx" in ptx
