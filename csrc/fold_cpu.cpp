@@ -1,51 +1,107 @@
-// CPU kernel of kvcanary::fold.
-#include <ATen/Dispatch.h>
+// CPU kernel of kvcanary::fold: checks, the choice of instruction-set path,
+// and the split of the slots across torch's threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <cstdlib>
+#include <string>
 
+#include "fold_cpu.h"
 #include "fold_plan.h"
 
 namespace kvcanary {
 namespace {
 
-// Little-endian host: the two words of a chunk are its bytes as uint64.
-inline void load_chunk(const unsigned char* p, uint64_t* lo, uint64_t* hi) {
-  std::memcpy(lo, p, 8);
-  std::memcpy(hi, p + 8, 8);
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
+constexpr const char* kIsaVariable = "KVCANARY_CPU_ISA";
+
+CpuIsa best_cpu_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
+    return CpuIsa::kAvx512;
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    return CpuIsa::kAvx2;
+  }
+#endif
+  return CpuIsa::kScalar;
 }
 
-// Slots per parallel task: enough work to amortise scheduling.
-constexpr int64_t kGrainSlots = 2048;
+// The best path this CPU has, or the one KVCANARY_CPU_ISA names (tests force
+// each path that way; a path the CPU lacks is refused).
+CpuIsa selected_cpu_isa() {
+  static const CpuIsa best = best_cpu_isa();
+  const char* forced = std::getenv(kIsaVariable);
+  if (forced == nullptr || *forced == '\0') {
+    return best;
+  }
+  for (int isa = 0; isa <= static_cast<int>(best); ++isa) {
+    if (std::string(forced) == kIsaNames[isa]) {
+      return static_cast<CpuIsa>(isa);
+    }
+  }
+  TORCH_CHECK_VALUE(false, "kv-canary: ", kIsaVariable, "=", forced,
+                    " is not a path this CPU can run; use one of scalar..",
+                    kIsaNames[static_cast<int>(best)], " or unset it");
+}
+
+void fold_range(CpuIsa isa, const CpuFoldRange& range) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case CpuIsa::kAvx512:
+      return fold_range_avx512(range);
+    case CpuIsa::kAvx2:
+      return fold_range_avx2(range);
+#endif
+    default:
+      return fold_range_scalar(range);
+  }
+}
+
+// Slots per task: about 256 KiB of reads, so small batches stay on one thread.
+int64_t grain_size(const FoldPlan& plan) {
+  int64_t bytes_per_slot = 1;
+  for (const SourceLayout& src : plan.sources) bytes_per_slot += src.read_bytes;
+  return std::max<int64_t>(64, (int64_t{1} << 18) / bytes_per_slot);
+}
 
 at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
                     at::IntArrayRef read_bytes, bool check_bounds) {
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
+  const CpuIsa isa = selected_cpu_isa();
   const at::Tensor flat = slots.contiguous();
   at::Tensor out = at::empty(slots.sizes(), slots.options().dtype(at::kLong));
-  int64_t* result = out.mutable_data_ptr<int64_t>();
-  const int64_t n = flat.numel();
-  const int num_sources = static_cast<int>(plan.sources.size());
-  AT_DISPATCH_INDEX_TYPES(flat.scalar_type(), "kvcanary_fold_cpu", [&] {
-    const index_t* slot = flat.const_data_ptr<index_t>();
-    if (check_bounds) {
-      check_slots_in_range(slot, n, plan.capacity);
+  CpuFoldRange range{};
+  range.sources = plan.sources.data();
+  range.num_sources = static_cast<int>(plan.sources.size());
+  range.capacity = plan.capacity;
+  range.slots = flat.const_data_ptr();
+  range.slots_are_int32 = flat.scalar_type() == at::kInt;
+  range.out = out.mutable_data_ptr<int64_t>();
+  if (check_bounds) {
+    if (range.slots_are_int32) {
+      check_slots_in_range(flat.const_data_ptr<int32_t>(), flat.numel(), plan.capacity);
+    } else {
+      check_slots_in_range(flat.const_data_ptr<int64_t>(), flat.numel(), plan.capacity);
     }
-    at::parallel_for(0, n, kGrainSlots, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        result[i] = fold_slot(plan.sources.data(), num_sources, plan.capacity,
-                              slot[i], load_chunk);
-      }
-    });
+  }
+  at::parallel_for(0, flat.numel(), grain_size(plan), [&](int64_t begin, int64_t end) {
+    CpuFoldRange task = range;
+    task.begin = begin;
+    task.end = end;
+    fold_range(isa, task);
   });
   return out;
 }
 
+std::string cpu_isa() { return kIsaNames[static_cast<int>(selected_cpu_isa())]; }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcanary, CPU, m) { m.impl("fold", &fold_cpu); }
+TORCH_LIBRARY_IMPL(kvcanary, CatchAll, m) { m.impl("cpu_isa", &cpu_isa); }
 
 }  // namespace kvcanary

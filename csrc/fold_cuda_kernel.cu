@@ -56,7 +56,7 @@ __device__ uint64_t fold_tokens_cooperatively(const SourceLayout& src,
       const int64_t end = chunks - first < width ? chunks - first : width;
       for (int col = 0; col < end; ++col) {
         const ulonglong2 v = tile[lane * kRowPitch + col];
-        h = fold_chunk(h, v.x, v.y);
+        h = fold_chunk<uint64_t>(h, v.x, v.y);
       }
     }
     __syncwarp();

@@ -5,10 +5,13 @@
 
 #include <cstdint>
 
+// Internal linkage on the host: the CPU's SIMD translation units compile this
+// header for other instruction sets, and their copies must never be merged
+// with the portable ones.
 #if defined(__CUDACC__)
-#define KVC_HOST_DEVICE __host__ __device__ __forceinline__
+#define KVC_HOST_DEVICE static __host__ __device__ __forceinline__
 #else
-#define KVC_HOST_DEVICE inline
+#define KVC_HOST_DEVICE static inline
 #endif
 
 namespace kvcanary {
@@ -24,14 +27,18 @@ constexpr int kMaxOuterDims = 6;
 constexpr uint64_t kSplitmixMul1 = 0xBF58476D1CE4E5B9ull;
 constexpr uint64_t kSplitmixMul2 = 0x94D049BB133111EBull;
 
-KVC_HOST_DEVICE uint64_t splitmix64(uint64_t x) {
+// `Word` is uint64_t, or a SIMD vector of uint64 lanes with the same operators
+// (^, logical >>, wrapping * by a constant).
+template <typename Word>
+KVC_HOST_DEVICE Word splitmix64(Word x) {
   x = (x ^ (x >> 30)) * kSplitmixMul1;
   x = (x ^ (x >> 27)) * kSplitmixMul2;
   return x ^ (x >> 31);
 }
 
 // One 16-byte chunk = two little-endian words, folded in order.
-KVC_HOST_DEVICE uint64_t fold_chunk(uint64_t h, uint64_t lo, uint64_t hi) {
+template <typename Word>
+KVC_HOST_DEVICE Word fold_chunk(Word h, Word lo, Word hi) {
   return splitmix64(splitmix64(h ^ lo) ^ hi);
 }
 
@@ -75,37 +82,6 @@ KVC_HOST_DEVICE int64_t chunk_offset(const SourceLayout& src, int64_t byte) {
     return byte;
   }
   return run_offset(src, byte / src.run_bytes) + byte % src.run_bytes;
-}
-
-// The per-source hash h of the SPEC, given a loader for 16-byte chunks:
-// load(ptr, &lo, &hi) reads the two words at a 16-byte aligned address.
-template <typename LoadChunk>
-KVC_HOST_DEVICE uint64_t fold_token(const SourceLayout& src, int64_t slot,
-                                    LoadChunk load) {
-  const unsigned char* token = src.data + token_offset(src, slot);
-  uint64_t h = 0;
-  for (int64_t byte = 0; byte < src.read_bytes; byte += kReadAlign) {
-    uint64_t lo, hi;
-    load(token + chunk_offset(src, byte), &lo, &hi);
-    h = fold_chunk(h, lo, hi);
-  }
-  return h;
-}
-
-// The SPEC's fold of one slot over all sources. `capacity` is the smallest
-// source capacity: padding (slot < 0) and slots past it give 0, read nothing.
-template <typename LoadChunk>
-KVC_HOST_DEVICE int64_t fold_slot(const SourceLayout* sources, int num_sources,
-                                  int64_t capacity, int64_t slot,
-                                  LoadChunk load) {
-  if (slot < 0 || slot >= capacity) {
-    return 0;
-  }
-  uint64_t acc = 0;
-  for (int i = 0; i < num_sources; ++i) {
-    acc = splitmix64(acc ^ fold_token(sources[i], slot, load));
-  }
-  return static_cast<int64_t>(acc);
 }
 
 }  // namespace kvcanary

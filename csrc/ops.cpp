@@ -22,4 +22,7 @@ TORCH_LIBRARY(kvcanary, m) {
   m.def(
       "fold(Tensor[] sources, Tensor slots, SymInt[] read_bytes, "
       "bool check_bounds=True) -> Tensor");
+  // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
+  // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
+  m.def("cpu_isa() -> str");
 }

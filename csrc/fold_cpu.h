@@ -1,0 +1,33 @@
+// The CPU fold's instruction-set paths. Each lives in its own translation unit
+// (fold_cpu_scalar.cpp, fold_cpu_avx2.cpp, fold_cpu_avx512.cpp) that includes
+// no torch header, so nothing compiled there for a wider instruction set can
+// be shared with portable code; fold_cpu.cpp picks one at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "fold_math.h"
+
+namespace kvcanary {
+
+// out[i] for slots[i], begin <= i < end.
+struct CpuFoldRange {
+  const SourceLayout* sources;
+  int num_sources;
+  int64_t capacity;  // smallest source capacity; slots outside give 0
+  const void* slots;
+  bool slots_are_int32;
+  int64_t begin;
+  int64_t end;
+  int64_t* out;
+};
+
+enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+void fold_range_scalar(const CpuFoldRange& range);
+#if defined(__x86_64__)
+void fold_range_avx2(const CpuFoldRange& range);
+void fold_range_avx512(const CpuFoldRange& range);
+#endif
+
+}  // namespace kvcanary
