@@ -15,7 +15,10 @@ from pathlib import Path
 
 CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda_kernel.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
-CXX_FLAGS = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+# -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The
+# OpenMP runtime is not linked here: torch's own one, loaded with libtorch_cpu,
+# serves the calls, so a process never holds two.
+CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
 
 

@@ -41,6 +41,7 @@ inline __m256i load_two_chunks(const unsigned char* low_half, const unsigned cha
 struct Avx2Lanes {
   using Vec = U64x4;
   static constexpr int kLanes = 4;
+  static constexpr int kBlockChunks = 1;
   static Vec zero() { return {_mm256_setzero_si256()}; }
   static void load_chunks(const unsigned char* const* tokens, int64_t offset, Vec* lo, Vec* hi) {
     // a = [t0 | t2], b = [t1 | t3]; unpacking per 128-bit half gives lanes t0..t3 in order.

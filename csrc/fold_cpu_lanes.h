@@ -10,11 +10,22 @@
 //   load_chunks(tokens, offset, &lo, &hi)
 //                            the 16-byte chunk at tokens[i] + offset of each
 //                            lane i, split into its low and high words
+//   kBlockChunks, load_block(tokens, offset, words)
+//                            optional (kBlockChunks > 1): kBlockChunks
+//                            contiguous chunks of each lane at once, as
+//                            2 * kBlockChunks vectors of words, in order
 //   store(out, vec)          the lanes, in order, to out[0..kLanes)
 #pragma once
 
 #include "fold_cpu.h"
 #include "fold_math.h"
+
+// The per-vector loops must be unrolled for the vectors to stay in registers.
+#if defined(__clang__)
+#define KVC_UNROLL _Pragma("unroll")
+#else
+#define KVC_UNROLL _Pragma("GCC unroll 16")
+#endif
 
 namespace kvcanary {
 namespace {
@@ -28,7 +39,7 @@ struct LaneFold {
   static void fold_group(const CpuFoldRange& range, const int64_t* slots,
                          int64_t* out) {
     Vec acc[kVectors];
-    for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
     const unsigned char* tokens[kSlots];
     for (int s = 0; s < range.num_sources; ++s) {
       const SourceLayout& src = range.sources[s];
@@ -36,18 +47,52 @@ struct LaneFold {
         tokens[i] = src.data + token_offset(src, slots[i]);
       }
       Vec h[kVectors];
-      for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
-      for (int64_t byte = 0; byte < src.read_bytes; byte += kReadAlign) {
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
+      int64_t byte = 0;
+      if constexpr (V::kBlockChunks > 1) {
+        constexpr int64_t kBlockBytes = V::kBlockChunks * kReadAlign;
+        if (src.num_outer == 0 || src.run_bytes % kBlockBytes == 0) {
+          for (; byte + kBlockBytes <= src.read_bytes; byte += kBlockBytes) {
+            const int64_t offset = chunk_offset(src, byte);
+            Vec words[kVectors][2 * V::kBlockChunks];
+            KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+              V::load_block(tokens + v * V::kLanes, offset, words[v]);
+            }
+            // word by word across the vectors: independent chains side by side
+            KVC_UNROLL for (int w = 0; w < 2 * V::kBlockChunks; ++w) {
+              KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+                h[v] = splitmix64(h[v] ^ words[v][w]);
+              }
+            }
+          }
+        }
+      }
+      for (; byte < src.read_bytes; byte += kReadAlign) {
         const int64_t offset = chunk_offset(src, byte);
-        for (int v = 0; v < kVectors; ++v) {
+        KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
           Vec lo, hi;
           V::load_chunks(tokens + v * V::kLanes, offset, &lo, &hi);
           h[v] = fold_chunk(h[v], lo, hi);
         }
       }
-      for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
     }
-    for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
+  }
+
+  // Starts loading the first bytes of the next group's tokens, so that their
+  // cache and TLB misses overlap the folding of this group.
+  template <typename index_t>
+  static void prefetch_group(const CpuFoldRange& range, const index_t* slots,
+                             int64_t first) {
+    const int64_t end = first + kSlots < range.end ? first + kSlots : range.end;
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0 || slot >= range.capacity) continue;
+      for (int s = 0; s < range.num_sources; ++s) {
+        __builtin_prefetch(range.sources[s].data + token_offset(range.sources[s], slot));
+      }
+    }
   }
 
   template <typename index_t>
@@ -61,19 +106,29 @@ struct LaneFold {
     for (int64_t first = range.begin; first < range.end; first += kSlots) {
       const int count = static_cast<int>(
           range.end - first < kSlots ? range.end - first : kSlots);
-      // Padding, out-of-range and missing lanes fold a live slot of the
-      // group instead (every read stays inside the sources) and give 0.
       int64_t stand_in = -1;
-      for (int i = 0; i < count && stand_in < 0; ++i) {
-        if (live(slots[first + i])) stand_in = slots[first + i];
+      bool all_live = count == kSlots;
+      for (int i = 0; i < count; ++i) {
+        group[i] = slots[first + i];
+        if (!live(group[i])) {
+          all_live = false;
+        } else if (stand_in < 0) {
+          stand_in = group[i];
+        }
       }
       if (stand_in < 0 || range.num_sources == 0) {
         for (int i = 0; i < count; ++i) range.out[first + i] = 0;
         continue;
       }
+      prefetch_group(range, slots, first + kSlots);
+      if (all_live) {
+        fold_group(range, group, range.out + first);
+        continue;
+      }
+      // Padding, out-of-range and missing lanes fold a live slot of the
+      // group instead (every read stays inside the sources) and give 0.
       for (int i = 0; i < kSlots; ++i) {
-        const int64_t slot = i < count ? static_cast<int64_t>(slots[first + i]) : -1;
-        group[i] = live(slot) ? slot : stand_in;
+        if (i >= count || !live(group[i])) group[i] = stand_in;
       }
       fold_group(range, group, folded);
       for (int i = 0; i < count; ++i) {

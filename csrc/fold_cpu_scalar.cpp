@@ -9,6 +9,7 @@ namespace {
 struct ScalarLanes {
   using Vec = uint64_t;
   static constexpr int kLanes = 1;
+  static constexpr int kBlockChunks = 1;
   static Vec zero() { return 0; }
   static void load_chunks(const unsigned char* const* tokens, int64_t offset,
                           Vec* lo, Vec* hi) {

@@ -1,0 +1,87 @@
+"""Each instruction-set path of the CPU kernel, forced with KVCANARY_CPU_ISA, is
+bit-exact with the reference on the golden vectors and on random layouts."""
+
+import random
+
+import pytest
+import torch
+from helpers import golden_source, load_golden, random_row_source, random_slots, random_view_source
+
+import torch_kvcanary as kc
+
+PATHS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=PATHS)
+def cpu_path(request, monkeypatch):
+    monkeypatch.setenv("KVCANARY_CPU_ISA", request.param)
+    try:
+        assert torch.ops.kvcanary.cpu_isa() == request.param
+    except ValueError as error:
+        pytest.skip(f"this CPU cannot run the {request.param} path: {error}")
+    return request.param
+
+
+def test_default_is_the_best_path(monkeypatch):
+    monkeypatch.delenv("KVCANARY_CPU_ISA", raising=False)
+    best = torch.ops.kvcanary.cpu_isa()
+    assert best in PATHS
+    monkeypatch.setenv("KVCANARY_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match=rf"^kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best} or unset it$"):
+        kc.fold(kc.view_source(torch.zeros(1, 1, 16, dtype=torch.uint8), read_bytes=16), torch.tensor([0]))
+
+
+def test_golden_vectors(cpu_path):
+    for case in load_golden():
+        sources = [golden_source(spec) for spec in case["sources"]]
+        slots = torch.tensor(case["slots"], dtype=torch.int64)
+        expected = torch.tensor(case["expected"], dtype=torch.int64)
+        assert torch.equal(kc.fold(sources, slots, mode=kc.HashMode[case["mode"]]), expected), case["name"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_layouts(cpu_path, seed):
+    rng = random.Random(1000 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    make = [random_view_source, random_row_source]
+    sources = [rng.choice(make)(rng, gen) for _ in range(rng.randint(1, 8))]
+    capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in sources)
+    # long enough for whole lane groups, short tails and padding in every group position
+    slots = random_slots(rng, capacity, rng.choice([1, 7, 63, 64, 65, 200, 1500]), rng.choice([torch.int32, torch.int64]))
+    mode = rng.choice(list(kc.HashMode))
+    assert torch.equal(kc.fold(sources, slots, mode=mode), kc.reference_fold(sources, slots, mode=mode))
+
+
+@pytest.mark.parametrize("read_bytes", [16, 48, 64, 80, 128, 1024, 1040])
+def test_block_and_chunk_tails(cpu_path, read_bytes):
+    # Rows read in 64-byte blocks plus a 16-byte-chunk tail: contiguous tokens, tokens in
+    # runs of 64 bytes (blocks allowed), of 48 bytes and of 16 bytes (chunks only).
+    gen = torch.Generator().manual_seed(read_bytes)
+    pool = torch.randint(0, 256, (300, 2, 1040), dtype=torch.uint8, generator=gen)
+    runs = pool.view(300, 2, 13, 80)
+    sources = [
+        kc.view_source(pool[:, :, :read_bytes], read_bytes=read_bytes),
+        kc.view_source(runs[..., :64], read_bytes=min(read_bytes, 13 * 64)),
+        kc.view_source(runs[..., :48], read_bytes=min(read_bytes, 13 * 48)),
+        kc.view_source(pool.view(300, 2, 65, 16)[:, :, ::2], read_bytes=min(read_bytes, 33 * 16)),
+    ]
+    slots = torch.randint(-1, 600, (500,), generator=gen)
+    for source in sources:
+        assert torch.equal(kc.fold(source, slots), kc.reference_fold(source, slots))
+
+
+def test_threads_agree(cpu_path):
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randint(0, 256, (4096, 256), dtype=torch.uint8, generator=gen)
+    source = kc.make_row_source(layer_buffer=pool, read_bytes=256)
+    slots = torch.randint(-1, 4096, (20000,), generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in range(1, max(threads, 2) + 1):
+            torch.set_num_threads(n)
+            results.append(kc.fold(source, slots))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert torch.equal(results[0], kc.reference_fold(source, slots))
