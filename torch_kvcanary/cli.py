@@ -1,4 +1,4 @@
-"""``python -m torch_kvcanary``: what is installed, and (later) the demo and benchmark."""
+"""``python -m torch_kvcanary``: what is installed, the benchmark, the demo."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import __version__
+from . import __version__, bench
 from .ops import fold
 from .reference import reference_fold
 from .sources import HashMode, make_packed_source, make_row_source
@@ -55,5 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kvcanary", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, fold kernels, a sample fold").set_defaults(run=info)
+    bench_parser = commands.add_parser("bench", help="the fold's speed beside its baselines", description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.main)
     args = parser.parse_args(argv)
     return args.run(args)

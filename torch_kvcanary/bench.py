@@ -1,0 +1,246 @@
+"""``python -m torch_kvcanary bench``: the fold's speed beside its baselines.
+
+Every figure is the median of torch.utils.benchmark's blocked_autorange
+measurements (their count is reported), taken in one process, with all the
+threads torch uses. Baselines, on the same bytes:
+
+* stream:    a plain read of the whole pool (``pool.view(int64).sum()``; on CUDA a
+             device-to-device copy, whose rate counts bytes read plus written);
+* gather:    ``torch.index_select`` of the folded bytes (the cost of copying them out);
+* reference: the package's eager-torch fold (`reference_fold`), where bearable;
+* upstream:  on CUDA, a kernel written the upstream way (64 blocks of 512 threads, one
+             thread per slot looping 16-byte loads), compiled at run time when nvcc is found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils import benchmark
+
+from .ops import fold
+from .reference import reference_fold
+from .sources import HashMode, view_source
+
+# A case whose eager reference would read more than this is not timed against it.
+_REFERENCE_BUDGET_BYTES = 64 << 20
+_POOL_BUDGET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    read_bytes: int  # per source
+    num_slots: int
+    num_sources: int
+    order: str  # "seq" or "random"
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return (16 if self.mode == "PARTIAL" else self.read_bytes) * self.num_sources
+
+
+@dataclass
+class Result:
+    device: str
+    case: Case
+    seconds: float
+    repeats: int
+    baselines: dict[str, float] = field(default_factory=dict)  # seconds, same bytes
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.case.num_slots * self.case.bytes_per_slot / self.seconds
+
+    @property
+    def slots_per_s(self) -> float:
+        return self.case.num_slots / self.seconds
+
+    def ratio(self, baseline: str) -> float | None:
+        """How many times faster than the baseline (for stream: the fold's byte rate over the
+        stream's byte rate)."""
+        seconds = self.baselines.get(baseline)
+        return None if seconds is None else seconds / self.seconds
+
+
+def default_cases(quick: bool) -> list[Case]:
+    big, n = (4096, 4096) if quick else (1 << 20, 65536)
+    cases = [Case("ALL", rb, n, 1, order) for rb in (16, 64, 256, 1024, 4096) for order in ("seq", "random")]
+    cases += [Case("ALL", 256, s, 1, "random") for s in (1, 256, 4096, big)]
+    cases += [Case("ALL", 256, n, k, "random") for k in (2, 4, 8)]
+    cases += [Case("PARTIAL", 64, big, 1, "random"), Case("PARTIAL", 64, big, 4, "random")]
+    return list(dict.fromkeys(cases))
+
+
+def _median(stmt, device: str, min_run_time: float) -> tuple[float, int]:
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt}, num_threads=torch.get_num_threads())
+    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    return measurement.median, len(measurement.times)
+
+
+def _pool_rows(case: Case) -> int:
+    row_bytes = max(case.read_bytes, 64)
+    return max(1, min(case.num_slots, _POOL_BUDGET_BYTES // (row_bytes * case.num_sources)))
+
+
+def run_case(case: Case, device: str, min_run_time: float, upstream=None) -> Result:
+    gen = torch.Generator().manual_seed(0)
+    rows = _pool_rows(case)
+    row_bytes = max(case.read_bytes, 64)
+    pools = [torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen).to(device) for _ in range(case.num_sources)]
+    sources = [view_source(p[:, : case.read_bytes].unsqueeze(1), read_bytes=case.read_bytes) for p in pools]
+    index = torch.arange(case.num_slots) % rows
+    if case.order == "random":
+        index = index[torch.randperm(case.num_slots, generator=gen)]
+    slots = index.to(device)
+    mode = HashMode[case.mode]
+    folded_bytes = 16 if mode is HashMode.PARTIAL else case.read_bytes
+    seconds, repeats = _median(lambda: fold(sources, slots, mode=mode, check_bounds=False), device, min_run_time)
+    result = Result(device, case, seconds, repeats)
+
+    # Baselines, scaled to the bytes the fold read.
+    pool_bytes = rows * row_bytes * case.num_sources
+    if device == "cpu":
+        stream_s, _ = _median(lambda: [p.view(torch.int64).sum() for p in pools], device, min_run_time)
+    else:
+        copies = [torch.empty_like(p) for p in pools]
+        stream_s, _ = _median(lambda: [c.copy_(p) for c, p in zip(copies, pools)], device, min_run_time)
+        pool_bytes *= 2  # a copy reads and writes
+    folded_total = case.num_slots * case.bytes_per_slot
+    result.baselines["stream"] = stream_s * folded_total / pool_bytes
+    prefixes = [p[:, :folded_bytes] for p in pools]
+    result.baselines["gather"], _ = _median(lambda: [torch.index_select(p, 0, slots) for p in prefixes], device, min_run_time)
+    if folded_total <= _REFERENCE_BUDGET_BYTES:
+        result.baselines["reference"], _ = _median(lambda: reference_fold(sources, slots, mode=mode), device, min_run_time / 4)
+    else:
+        result.notes.append("reference skipped (too slow at this size)")
+    if upstream is not None:
+        result.baselines["upstream"], _ = _median(lambda: upstream(pools, slots, folded_bytes), device, min_run_time)
+    return result
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(results: list[Result]) -> str:
+    head = f"{'device':6} {'mode':7} {'rb':>5} {'slots':>8} {'src':>3} {'order':6} {'time':>10} {'GB/s':>7} {'Mslot/s':>8} {'/stream':>7} {'xgather':>7} {'xref':>7} {'xupstrm':>7} {'n':>4}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        c = r.case
+        lines.append(
+            f"{r.device:6} {c.mode:7} {c.read_bytes:5} {c.num_slots:8} {c.num_sources:3} {c.order:6} "
+            f"{r.seconds * 1e6:8.1f}us {r.bytes_per_s / 1e9:7.2f} {r.slots_per_s / 1e6:8.1f} "
+            f"{_fmt_ratio(r.ratio('stream')):>7} {_fmt_ratio(r.ratio('gather')):>7} {_fmt_ratio(r.ratio('reference')):>7} "
+            f"{_fmt_ratio(r.ratio('upstream')):>7} {r.repeats:4}"
+        )
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "cpu_isa": torch.ops.kvcanary.cpu_isa(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def compile_reference_seconds(case: Case, device: str) -> float:
+    """Compile time of torch.compile(reference_fold) on one case (it can take minutes)."""
+    rows = _pool_rows(case)
+    pool = torch.zeros(rows, max(case.read_bytes, 64), dtype=torch.uint8, device=device)
+    source = view_source(pool[:, : case.read_bytes].unsqueeze(1), read_bytes=case.read_bytes)
+    slots = torch.arange(case.num_slots, device=device) % rows
+    compiled = torch.compile(reference_fold)
+    start = time.perf_counter()
+    compiled(source, slots, mode=HashMode[case.mode])
+    return time.perf_counter() - start
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for device in sorted({r.device for r in results}):
+        for order in ("seq", "random"):
+            rows = sorted(
+                (r for r in results if r.device == device and r.case.order == order and r.case.num_sources == 1 and r.case.mode == "ALL" and r.case.num_slots >= 4096),
+                key=lambda r: r.case.read_bytes,
+            )
+            rows = list({r.case.read_bytes: r for r in rows}.values())
+            if rows:
+                x = [r.case.read_bytes for r in rows]
+                ax.plot(x, [r.bytes_per_s / 1e9 for r in rows], marker="o", label=f"fold {device} {order}")
+                roof = [r.bytes_per_s / r.ratio("stream") / 1e9 for r in rows]
+                ax.plot(x, roof, linestyle="--", label=f"stream read {device} {order}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("read_bytes per slot")
+    ax.set_ylabel("GB/s folded")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(args: argparse.Namespace) -> int:
+    devices = args.device or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    cases = default_cases(args.quick)
+    info = machine()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr)
+    results = []
+    total = len(cases) * len(devices)
+    for device in devices:
+        upstream = None
+        if device != "cpu" and args.upstream:
+            from .upstream_baseline import load_upstream_fold
+
+            upstream = load_upstream_fold()
+        for case in cases:
+            print(f"[{len(results) + 1}/{total}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
+            results.append(run_case(case, device, args.min_run_time, upstream))
+    compile_note = None
+    if args.compile_reference:
+        case = Case("ALL", args.compile_reference, 4096, 1, "random")
+        seconds = compile_reference_seconds(case, devices[0])
+        compile_note = f"torch.compile(reference_fold) at read_bytes={case.read_bytes}: {seconds:.1f} s to compile"
+    print(format_table(results))
+    print("each figure is the median of n blocked_autorange measurements; /stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
+    if compile_note:
+        print(compile_note)
+    if args.json:
+        payload = {"machine": info, "results": [{**asdict(r), "bytes_per_s": r.bytes_per_s, "slots_per_s": r.slots_per_s} for r in results], "compile_reference": compile_note}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", action="append", choices=["cpu", "cuda"], help="default: cpu, and cuda when present")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
+    parser.add_argument("--json", metavar="FILE", help="write the raw figures")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw GB/s against read_bytes (needs matplotlib)")
+    parser.add_argument("--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size")
+    parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")
