@@ -7,6 +7,8 @@ custom op; `fold` is its Python entry point.
 
 from importlib.metadata import version as _version
 
+from . import layouts
+from .canary import KvCanary
 from .ops import fold
 from .reference import reference_fold
 from .sources import (
@@ -24,12 +26,14 @@ from .sources import (
 __version__ = _version("torch_kvcanary")
 
 __all__ = [
+    "KvCanary",
     "READ_ALIGN",
     "HashMode",
     "RealKvSource",
     "ViewSource",
     "clip_read_bytes",
     "fold",
+    "layouts",
     "make_packed_source",
     "make_row_source",
     "reference_fold",

@@ -1,0 +1,96 @@
+"""KvCanary: exactly the changed slots are flagged, eagerly, compiled and (on CUDA) in graphs."""
+
+import pytest
+import torch
+from helpers import CUDA, DEVICES
+
+import torch_kvcanary as kc
+from torch_kvcanary import layouts
+
+
+def _paged_pool(device, blocks=8, block_size=16, heads=2, dim=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, blocks, block_size, heads, dim, generator=gen).to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flags_exactly_the_changed_slots(device):
+    kv = _paged_pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv))
+    assert canary.capacity == 8 * 16 and canary.device.type == device
+    slots = torch.arange(128, device=device)
+    canary.record(slots)
+    assert canary.violations(slots) == []
+    kv[1, 3, 5, 1, 31] = 7.0  # V of slot 3 * 16 + 5, its last bytes
+    kv[0, 0, 0, 0, 0] = -1.0  # K of slot 0, its first bytes
+    assert canary.violations(slots) == [0, 53]
+    flags = canary.verify(slots.view(8, 16))
+    assert flags.shape == (8, 16) and flags.sum() == 2
+    canary.record(torch.tensor([53, -1, 0], device=device))  # re-record after a legitimate write
+    assert canary.violations(slots) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_misses_what_all_catches(device):
+    kv = _paged_pool(device)
+    sources = layouts.vllm(kv)
+    full, partial = kc.KvCanary(sources), kc.KvCanary(sources, mode=kc.HashMode.PARTIAL)
+    slots = torch.arange(128, device=device)
+    full.record(slots)
+    partial.record(slots)
+    kv.view(torch.int16)[0, 2, 2, 1, 3] ^= 1  # one bit, past the first 16 bytes of slot 34
+    assert full.violations(slots) == [34] and partial.violations(slots) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_and_out_of_range(device):
+    kv = _paged_pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv), capacity=100)
+    canary.record(torch.tensor([-1, 5, 100, 127], device=device))  # 100 and 127 are past the capacity
+    assert canary.fingerprints.shape == (100,) and int((canary.fingerprints != 0).sum()) == 1
+    flags = canary.verify(torch.tensor([-1, 5, 100, -7], device=device))
+    assert flags.tolist() == [False, False, True, False]
+
+
+def test_constructor_errors():
+    kv = _paged_pool("cpu")
+    with pytest.raises(ValueError, match=r"^kv-canary: KvCanary capacity must be in \[1, 128\]"):
+        kc.KvCanary(layouts.vllm(kv), capacity=129)
+    with pytest.raises(ValueError, match="^kv-canary: KvCanary needs at least one source$"):
+        kc.KvCanary(())
+    with pytest.raises(ValueError, match="^kv-canary: mode must be a HashMode"):
+        kc.KvCanary(layouts.vllm(kv), mode=7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_record_and_verify(device):
+    torch._dynamo.reset()
+    kv = _paged_pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv))
+    record = torch.compile(canary.record, fullgraph=True, dynamic=True)
+    verify = torch.compile(canary.verify, fullgraph=True, dynamic=True)
+    written = torch.tensor([3, 17, -1, 90, 91], device=device)
+    record(written)
+    assert not verify(written).any()
+    kv[0, 5, 11, 0, 4] += 1  # slot 91
+    assert verify(written).tolist() == [False, False, False, False, True]
+    assert verify(torch.tensor([91, 3, 17], device=device)).tolist() == [True, False, False]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_record_and_verify_in_a_cuda_graph():
+    kv = _paged_pool("cuda")
+    canary = kc.KvCanary(layouts.vllm(kv))
+    slots = torch.full((64,), -1, device="cuda")
+    canary.record(slots)
+    canary.verify(slots)
+    record_graph, verify_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(record_graph):
+        canary.record(slots)
+    with torch.cuda.graph(verify_graph):
+        flags = canary.verify(slots)
+    slots.copy_(torch.arange(64))
+    record_graph.replay()
+    kv[1, 2, 7, 0, 0] += 1  # slot 39
+    verify_graph.replay()
+    assert flags.nonzero().flatten().tolist() == [39]
