@@ -12,7 +12,8 @@ BUILD_INPUTS := pyproject.toml $(wildcard build_tools/*.py) $(wildcard csrc/*)
 
 .PHONY: demo info test
 
-demo: info
+demo: $(VENV)/.built
+	$(BIN)/python -m torch_kvcanary demo
 
 info: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary info

@@ -94,3 +94,20 @@ def test_record_and_verify_in_a_cuda_graph():
     kv[1, 2, 7, 0, 0] += 1  # slot 39
     verify_graph.replay()
     assert flags.nonzero().flatten().tolist() == [39]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tags_catch_a_slot_recorded_by_another_owner(device):
+    kv = _paged_pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv))
+    mine = torch.arange(16, 32, device=device)  # block 1 belongs to request 7
+    canary.record(mine, tag=7)
+    assert canary.violations(mine, tag=7) == []
+    # The block is freed while request 7 still reads it; request 9 writes and records slot 20.
+    kv[:, 1, 4] = 0.5
+    canary.record(torch.tensor([20], device=device), tag=9)
+    assert canary.violations(mine) == []  # the bytes match their last record...
+    assert canary.violations(mine, tag=7) == [20]  # ...but not their owner
+    assert canary.owners(torch.tensor([20, 16, -1], device=device)).tolist() == [9, 7, -1]
+    tags = torch.full((16,), 7, device=device)
+    assert canary.verify(mine, tags).nonzero().flatten().tolist() == [4]

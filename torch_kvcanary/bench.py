@@ -22,7 +22,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.utils import benchmark
 
 from .ops import fold
 from .reference import reference_fold
@@ -80,6 +79,8 @@ def default_cases(quick: bool) -> list[Case]:
 
 
 def _median(stmt, device: str, min_run_time: float) -> tuple[float, int]:
+    from torch.utils import benchmark  # imported when used: it loads the C++ extension tools
+
     timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt}, num_threads=torch.get_num_threads())
     measurement = timer.blocked_autorange(min_run_time=min_run_time)
     return measurement.median, len(measurement.times)

@@ -23,6 +23,11 @@ class KvCanary:
     recorded, never flagged). Neither call synchronises with the host, so both work inside
     ``torch.compile(fullgraph=True)`` and CUDA graphs; slots outside ``[0, capacity)`` are
     not recorded, and verify flags them (a caller bug, reported without a sync).
+
+    A fingerprint only says the bytes are those last recorded. When two writers can both
+    record a slot (a page freed while still read, then reused), pass ``tag`` (the owner:
+    a request id, a position) to both calls: verify then also flags slots last recorded
+    under another tag, as SGLang's canary does with its token and position fields.
     """
 
     def __init__(self, sources: Source | Iterable[Source], *, mode: HashMode = HashMode.ALL, capacity: int | None = None):
@@ -42,6 +47,7 @@ class KvCanary:
         self.device = devices.pop()
         # One spare entry at the end takes the writes of padding and out-of-range slots.
         self._fingerprints = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
+        self._tags = torch.full((capacity + 1,), -1, dtype=torch.int64, device=self.device)
 
     @property
     def fingerprints(self) -> torch.Tensor:
@@ -55,18 +61,29 @@ class KvCanary:
         current = fold(self.sources, torch.where(in_range, slots, -1), mode=self.mode, check_bounds=False)
         return current, index, in_range
 
-    def record(self, slots: torch.Tensor) -> None:
-        """Store the current fingerprints of ``slots`` (after the engine wrote them)."""
+    def record(self, slots: torch.Tensor, tag: torch.Tensor | int = -1) -> None:
+        """Store the current fingerprints of ``slots`` (after the engine wrote them), and
+        ``tag`` (an int, or int64 values shaped like ``slots``) as their owner."""
         current, index, _ = self._fold(slots)
-        self._fingerprints.index_put_((index.reshape(-1),), current.reshape(-1))
+        index = index.reshape(-1)
+        self._fingerprints.index_put_((index,), current.reshape(-1))
+        self._tags.index_put_((index,), torch.as_tensor(tag, dtype=torch.int64, device=self.device).expand(slots.shape).reshape(-1))
 
-    def verify(self, slots: torch.Tensor) -> torch.Tensor:
+    def verify(self, slots: torch.Tensor, tag: torch.Tensor | int | None = None) -> torch.Tensor:
         """A bool tensor shaped like ``slots``: True where the slot's bytes changed since
-        `record`, or the slot is past the capacity; False for padding."""
+        `record`, where it was last recorded under another ``tag`` (when given), or where the
+        slot is past the capacity; False for padding."""
         current, index, in_range = self._fold(slots)
-        changed = current != self._fingerprints[index]
-        return torch.where(in_range, changed, slots >= self.capacity)
+        flagged = current != self._fingerprints[index]
+        if tag is not None:
+            flagged |= self._tags[index] != tag
+        return torch.where(in_range, flagged, slots >= self.capacity)
 
-    def violations(self, slots: torch.Tensor) -> list[int]:
+    def owners(self, slots: torch.Tensor) -> torch.Tensor:
+        """The tags ``slots`` were last recorded under (-1: never, or padding)."""
+        in_range = (slots >= 0) & (slots < self.capacity)
+        return torch.where(in_range, self._tags[torch.where(in_range, slots, self.capacity).long()], -1)
+
+    def violations(self, slots: torch.Tensor, tag: torch.Tensor | int | None = None) -> list[int]:
         """The slots of ``slots`` that `verify` flags, in order (eager; syncs)."""
-        return slots[self.verify(slots)].tolist()
+        return slots[self.verify(slots, tag)].tolist()
