@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .ops import Source, _as_mode, _as_sources, fold
-from .sources import HashMode
+from .ops import Source, _as_sources, fold
+from .sources import HashMode, _as_mode
 
 
 def _capacity(source: Source) -> int:

@@ -7,12 +7,9 @@ from collections.abc import Iterable
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.kvcanary)
-from .sources import HashMode, RealKvSource, ViewSource
+from .sources import HashMode, RealKvSource, ViewSource, _as_mode, folded_bytes
 
 Source = RealKvSource | ViewSource
-
-_PARTIAL_READ_BYTES = 16
-
 
 @torch.library.register_fake("kvcanary::fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
@@ -23,12 +20,6 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
                 f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device"
             )
     return slots.new_empty(slots.shape, dtype=torch.int64)
-
-
-def _as_mode(mode) -> HashMode:
-    if isinstance(mode, bool) or mode not in tuple(HashMode):
-        raise ValueError(f"kv-canary: mode must be a HashMode (OFF=0, PARTIAL=1, ALL=2), got {mode!r}")
-    return HashMode(mode)
 
 
 def _as_sources(sources: Source | Iterable[Source]) -> list[Source]:
@@ -42,6 +33,12 @@ def _as_sources(sources: Source | Iterable[Source]) -> list[Source]:
                 f"make_packed_source or view_source), got {type(source).__name__}"
             )
     return sources
+
+
+def _active_sources(sources: Source | Iterable[Source], mode: HashMode) -> list[Source]:
+    """The sources a fold in ``mode`` reads: none for OFF, else those with read_bytes > 0."""
+    sources = _as_sources(sources)
+    return [s for s in sources if s.read_bytes > 0] if mode is not HashMode.OFF else []
 
 
 def fold(
@@ -69,7 +66,7 @@ def fold(
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
     mode = _as_mode(mode)
-    active = [s for s in _as_sources(sources) if s.read_bytes > 0] if mode is not HashMode.OFF else []
+    active = _active_sources(sources, mode)
     views = [s.as_view() for s in active]
-    read_bytes = [_PARTIAL_READ_BYTES if mode is HashMode.PARTIAL else s.read_bytes for s in active]
+    read_bytes = [folded_bytes(s, mode) for s in active]
     return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import Source, _as_mode, _as_sources
-from .sources import HashMode, token_bytes
+from .ops import Source, _active_sources
+from .sources import HashMode, _as_mode, folded_bytes, token_bytes
 
 _MASK64 = (1 << 64) - 1
 
@@ -49,7 +49,7 @@ def reference_fold(
     mode = _as_mode(mode)
     flat = slots.reshape(-1).long()
     acc = torch.zeros_like(flat)
-    active = [s for s in _as_sources(sources) if s.read_bytes > 0] if mode is not HashMode.OFF else []
+    active = _active_sources(sources, mode)
     if not active:
         return acc.view(slots.shape)
     views = [s.as_view() for s in active]
@@ -58,11 +58,12 @@ def reference_fold(
     if bool(too_big.any()):
         raise IndexError(f"kv-canary: slot {int(flat[too_big][0])} is out of range for sources of capacity {capacity}")
     padding = flat < 0
+    if capacity == 0:  # every slot is padding
+        return acc.view(slots.shape)
     safe = flat.clamp(min=0)
     for source, view in zip(active, views):
-        read_bytes = 16 if mode is HashMode.PARTIAL else source.read_bytes
         h = torch.zeros_like(flat)
-        for word in _token_words(view, safe, read_bytes).unbind(1):
+        for word in _token_words(view, safe, folded_bytes(source, mode)).unbind(1):
             h = splitmix64(h ^ word)
         acc = splitmix64(acc ^ h)
     return acc.masked_fill(padding, 0).view(slots.shape)

@@ -33,14 +33,30 @@ class HashMode(enum.IntEnum):
     ALL = 2  # read_bytes of each source
 
 
+def _as_mode(mode) -> HashMode:
+    if isinstance(mode, bool) or mode not in tuple(HashMode):
+        raise ValueError(f"kv-canary: mode must be a HashMode (OFF=0, PARTIAL=1, ALL=2), got {mode!r}")
+    return HashMode(mode)
+
+
 def resolve_read_bytes(mode: HashMode) -> int:
     """The read size a mode requests: OFF -> 0, PARTIAL -> 16, ALL -> sys.maxsize."""
-    mode = HashMode(mode)
+    mode = _as_mode(mode)
     if mode is HashMode.OFF:
         return 0
     if mode is HashMode.ALL:
         return sys.maxsize
     return _PARTIAL_READ_BYTES
+
+
+def _check_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"kv-canary: {name} must be an int, got {type(value).__name__}")
+
+
+def folded_bytes(source: RealKvSource | ViewSource, mode: HashMode) -> int:
+    """Leading bytes of each slot of ``source`` that a fold in ``mode`` reads (the SPEC's n)."""
+    return _PARTIAL_READ_BYTES if mode is HashMode.PARTIAL else source.read_bytes
 
 
 def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
@@ -50,6 +66,8 @@ def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
     be a multiple of `READ_ALIGN` no larger than the token. Raises ValueError
     with upstream's messages, in upstream's order.
     """
+    _check_int(requested, "read_bytes")
+    _check_int(num_bytes_per_token, "num_bytes_per_token")
     if num_bytes_per_token <= 0 or num_bytes_per_token % READ_ALIGN != 0:
         raise ValueError(
             f"kv-canary: num_bytes_per_token must be a positive multiple of {READ_ALIGN}, "
@@ -93,6 +111,8 @@ class RealKvSource:
     read_bytes: int
 
     def __post_init__(self) -> None:
+        for name in ("page_size", "num_bytes_per_token", "read_bytes"):
+            _check_int(getattr(self, name), f"RealKvSource.{name}")
         if self.page_size < 1:
             raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
         if self.num_bytes_per_token <= 0 or self.num_bytes_per_token % READ_ALIGN != 0:
@@ -185,6 +205,7 @@ def make_row_source(*, layer_buffer: torch.Tensor, read_bytes: int) -> tuple[Rea
 
     Returns ``()`` when ``read_bytes`` is 0 or the buffer has no slots.
     """
+    _check_strided(layer_buffer, "layer_buffer")
     if layer_buffer.dim() == 0 or layer_buffer.shape[0] == 0 or read_bytes == 0:
         return ()
     rows = layer_buffer.unsqueeze(1) if layer_buffer.dim() == 1 else layer_buffer
@@ -199,6 +220,7 @@ def make_packed_source(
 
     Returns ``()`` when ``read_bytes`` is 0 or the buffer is empty.
     """
+    _check_strided(page_buffer, "page_buffer")
     if read_bytes == 0 or page_buffer.numel() == 0:
         return ()
     rows = page_buffer.unsqueeze(0) if page_buffer.dim() == 1 else page_buffer
