@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 BUILD_INPUTS := pyproject.toml $(wildcard build_tools/*.py) $(wildcard csrc/*)
 
-.PHONY: demo info test
+.PHONY: demo info test sanitize
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -29,3 +29,7 @@ $(VENV)/.deps: build_tools/requirements.txt
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $@
+
+# The CPU kernel under AddressSanitizer and UndefinedBehaviorSanitizer (see the script).
+sanitize: $(VENV)/.deps
+	build_tools/sanitizer_check.sh $(abspath $(BIN))/python

@@ -20,6 +20,13 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # serves the calls, so a process never holds two.
 CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
+# KVCANARY_SANITIZE=1: a CPU-only build under AddressSanitizer and UndefinedBehaviorSanitizer
+# (build_tools/sanitizer_check.sh), where any report aborts.
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1"]
+
+
+def sanitize() -> bool:
+    return os.environ.get("KVCANARY_SANITIZE") == "1"
 
 
 def _is_cuda_home(path: Path) -> bool:
@@ -55,7 +62,7 @@ from torch.utils import cpp_extension  # noqa: E402
 
 
 def with_cuda() -> bool:
-    if os.environ.get("KVCANARY_CPU_ONLY") == "1":
+    if os.environ.get("KVCANARY_CPU_ONLY") == "1" or sanitize():
         return False
     return torch.version.cuda is not None and _CUDA_HOME is not None
 
@@ -69,7 +76,7 @@ class BuildExtension(cpp_extension.BuildExtension):
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         for ext in self.extensions:
             _configure(ext, cuda)
-        print(f"torch_kvcanary: building {'with CUDA' if cuda else 'CPU-only'}")
+        print(f"torch_kvcanary: building {'with CUDA' if cuda else 'CPU-only'}{' with sanitizers' if sanitize() else ''}")
         super().build_extensions()
 
 
@@ -80,6 +87,9 @@ def _configure(ext, cuda: bool) -> None:
     ext.libraries += ["c10", "torch", "torch_cpu"]
     ext.language = "c++"
     ext.extra_compile_args = {"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)}
+    if sanitize():
+        ext.extra_compile_args["cxx"] += SANITIZE_FLAGS
+        ext.extra_link_args += SANITIZE_FLAGS[:1]
     if cuda:
         ext.sources += list(CUDA_SOURCES)
         ext.libraries += ["c10_cuda", "torch_cuda", "cudart"]

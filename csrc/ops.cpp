@@ -7,8 +7,9 @@ extern "C" {
 // `import torch_kvcanary._C` loads this library, whose static initializers
 // register the ops; the module itself is empty.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr,
-                                          -1, nullptr};
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+      nullptr,               nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
 }
