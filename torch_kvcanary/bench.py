@@ -78,6 +78,47 @@ def default_cases(quick: bool) -> list[Case]:
     return list(dict.fromkeys(cases))
 
 
+def cuda_cases() -> list[Case]:
+    """The CUDA goals: ALL over 256 Ki slots of 1 KiB, PARTIAL over 4 Mi slots, decode sizes."""
+    return [
+        Case("ALL", 1024, 1 << 18, 1, "random"),
+        Case("ALL", 1024, 1 << 18, 1, "seq"),
+        Case("PARTIAL", 64, 1 << 22, 1, "random"),
+        Case("ALL", 256, 256, 4, "random"),
+        Case("ALL", 256, 1, 4, "random"),
+        Case("ALL", 1024, 4096, 1, "random"),
+    ]
+
+
+def cuda_graph_decode(replays: int = 2000) -> dict[str, float]:
+    """A decode step (256 slots, 4 sources of 256 bytes) captured in a CUDA graph: microseconds
+    per replay, beside a graph of one trivial kernel (the launch floor)."""
+    gen = torch.Generator().manual_seed(0)
+    pools = [torch.randint(0, 256, (1 << 16, 256), dtype=torch.uint8, generator=gen).cuda() for _ in range(4)]
+    sources = [view_source(p.unsqueeze(1), read_bytes=256) for p in pools]
+    slots = torch.randint(0, 1 << 16, (256,), generator=gen).cuda()
+    floor_input = torch.zeros(256, device="cuda")
+
+    def per_replay(body) -> float:
+        body()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / replays
+
+    return {
+        "decode_fold_us": per_replay(lambda: fold(sources, slots, check_bounds=False)),
+        "launch_floor_us": per_replay(lambda: floor_input.add_(1)),
+    }
+
+
 def _median(stmt, device: str, min_run_time: float) -> tuple[float, int]:
     from torch.utils import benchmark  # imported when used: it loads the C++ extension tools
 
@@ -205,20 +246,19 @@ def plot(results: list[Result], path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     devices = args.device or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    cases = default_cases(args.quick)
     info = machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr)
+    plan = [(d, c) for d in devices for c in (cuda_cases() if d == "cuda" and args.goals else default_cases(args.quick))]
     results = []
-    total = len(cases) * len(devices)
-    for device in devices:
-        upstream = None
-        if device != "cpu" and args.upstream:
-            from .upstream_baseline import load_upstream_fold
+    upstream = None
+    if "cuda" in devices and args.upstream:
+        from .upstream_baseline import load_upstream_fold
 
-            upstream = load_upstream_fold()
-        for case in cases:
-            print(f"[{len(results) + 1}/{total}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
-            results.append(run_case(case, device, args.min_run_time, upstream))
+        upstream = load_upstream_fold()
+    for device, case in plan:
+        print(f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
+        results.append(run_case(case, device, args.min_run_time, upstream if device == "cuda" else None))
+    graph = cuda_graph_decode() if "cuda" in devices else None
     compile_note = None
     if args.compile_reference:
         case = Case("ALL", args.compile_reference, 4096, 1, "random")
@@ -228,8 +268,16 @@ def main(args: argparse.Namespace) -> int:
     print("each figure is the median of n blocked_autorange measurements; /stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
     if compile_note:
         print(compile_note)
+    if graph:
+        print(f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
+              f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us")
     if args.json:
-        payload = {"machine": info, "results": [{**asdict(r), "bytes_per_s": r.bytes_per_s, "slots_per_s": r.slots_per_s} for r in results], "compile_reference": compile_note}
+        payload = {
+            "machine": info,
+            "results": [{**asdict(r), "bytes_per_s": r.bytes_per_s, "slots_per_s": r.slots_per_s} for r in results],
+            "compile_reference": compile_note,
+            "cuda_graph_decode": graph,
+        }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     if args.plot:
@@ -244,4 +292,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the raw figures")
     parser.add_argument("--plot", metavar="FILE.png", help="draw GB/s against read_bytes (needs matplotlib)")
     parser.add_argument("--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size")
+    parser.add_argument("--goals", action="store_true", help="on CUDA, measure the goal cases instead of the sweep")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")

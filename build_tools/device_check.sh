@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent GPU machine, in one call (under 8 minutes):
+#   build the extension against the torch there, run the test suite (GPU tests included,
+#   compute-sanitizer memcheck among them), run the GPU benchmark, print a short table
+#   last; the log and the JSON go under $OUT.
+# That machine has no package registry: wheels it lacks (expecttest, a recent setuptools)
+# travel in .whl/ (fetch them with build_tools/device_wheels.sh, then carry .whl).
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/device_check.log") 2>&1
+status=0
+step() { echo; echo "== $* =="; }
+
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+CUDA_HOME=$(python3 -c "import sys; sys.path.insert(0, 'build_tools'); from build_ext import find_cuda_home; print(find_cuda_home() or '')")
+export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"  # compute-sanitizer lives beside nvcc
+export MAX_JOBS=${MAX_JOBS:-16}
+
+step "build against this machine's torch"
+python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || { echo "BUILD FAILED"; exit 1; }
+python3 -m torch_kvcanary info || status=1
+
+step "tests (GPU tests, memcheck included)"
+python3 -m pytest -q -rs --junitxml="$OUT/tests.xml" tests || status=1
+
+step "GPU benchmark"
+python3 -m torch_kvcanary bench --device cuda --goals --min-run-time 0.3 --json "$OUT/bench_cuda.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_cuda.txt" || status=1
+
+step "summary"
+python3 - "$OUT/bench_cuda.json" "$OUT/tests.xml" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+bench = json.load(open(sys.argv[1]))
+suite = ET.parse(sys.argv[2]).getroot()
+suite = suite if suite.tag == "testsuite" else suite[0]
+print(f"tests: {suite.get('tests')} run, {suite.get('failures')} failed, {suite.get('errors')} errors, {suite.get('skipped')} skipped")
+for r in bench["results"]:
+    c, base = r["case"], r["baselines"]
+    ratio = lambda k: f"{base[k] / r['seconds']:.2f}" if k in base else "-"
+    print(f"{c['mode']:7} {c['read_bytes']:5}B x {c['num_slots']:8} slots x {c['num_sources']} {c['order']:6}: "
+          f"{r['bytes_per_s'] / 1e9:8.1f} GB/s {r['slots_per_s'] / 1e9:6.2f} Gslot/s  /copy {ratio('stream')}  x upstream {ratio('upstream')}")
+graph = bench.get("cuda_graph_decode") or {}
+if graph:
+    print(f"decode step from a CUDA graph: {graph['decode_fold_us']:.2f} us (launch floor {graph['launch_floor_us']:.2f} us)")
+PY
+echo "device check exit status: $status"
+exit $status
