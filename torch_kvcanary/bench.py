@@ -245,6 +245,8 @@ def plot(results: list[Result], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail before measuring, not after)
     devices = args.device or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     info = machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr)

@@ -58,7 +58,9 @@ def fold(
         mode: OFF gives zeros, PARTIAL folds the first 16 bytes of each source,
             ALL folds each source's read_bytes.
         check_bounds: raise IndexError for a slot >= the smallest source capacity.
-            With False such slots give 0; nothing is ever read out of bounds.
+            With False such slots give 0; nothing is ever read out of bounds. On CUDA
+            the check costs a host sync, so it is skipped under torch.compile and
+            CUDA-graph capture.
 
     Returns:
         int64 tensor shaped like ``slots``.
@@ -69,4 +71,7 @@ def fold(
     active = _active_sources(sources, mode)
     views = [s.as_view() for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
+    # A CUDA range check synchronises with the host: never inside a compiled graph
+    # (the CUDA kernel itself skips it while a graph is being captured).
+    check_bounds = check_bounds and not (torch.compiler.is_compiling() and slots.device.type != "cpu")
     return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)
