@@ -225,7 +225,7 @@ class TestErrors(expecttest.TestCase):
             "run of 8 bytes": kc.view_source(torch.zeros(4, 2, 4, 16, dtype=torch.uint8)[..., :8], read_bytes=16),
             "page stride 40": kc.view_source(torch.zeros(4, 40, dtype=torch.uint8)[:, :32].view(4, 2, 16), read_bytes=16),
             "misaligned pointer": kc.view_source(u8.view(-1)[8:8 + 4 * 128].view(4, 2, 64), read_bytes=16),
-            "row stride 100": kc.RealKvSource(tensor=torch.zeros(4, 100, dtype=torch.uint8), page_size=1, num_bytes_per_token=96, read_bytes=16),
+            "row stride 100": kc.RealKvSource(tensor=torch.zeros(4, 100, dtype=torch.uint8)[:, :96], page_size=1, num_bytes_per_token=96, read_bytes=16),
         }
         messages = {name: self._message(ValueError, lambda s=s: kc.fold(s, slots)) for name, s in cases.items()}
         self.assertExpectedInline(

@@ -73,7 +73,7 @@ class TestRealKvSource(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self._error(tensor=torch.zeros(64, dtype=torch.uint8)),
-            """kv-canary: RealKvSource.tensor must be at least 2-D, got (64,)""",
+            """kv-canary: RealKvSource.tensor must be at least 2-D, got shape (64,)""",
         )
         self.assertExpectedInline(
             self._error(page_size=2),
@@ -96,6 +96,13 @@ class TestRealKvSource(expecttest.TestCase):
         view = kc.RealKvSource(tensor=pool, page_size=2, num_bytes_per_token=32, read_bytes=16).as_view()
         assert view.shape == (3, 2, 32) and _shares_memory(view, pool)
         assert torch.equal(view[1, 1], pool[1, 32:64])
+
+
+def test_make_row_source_gives_byte_rows_like_upstream():
+    layer = torch.zeros(10, 4, 16, dtype=torch.bfloat16)
+    (source,) = kc.make_row_source(layer_buffer=layer, read_bytes=sys.maxsize)
+    assert source.tensor.dtype == torch.uint8 and source.tensor.shape == (10, 128)
+    assert source.tensor.data_ptr() == layer.data_ptr()
 
 
 def test_make_row_source_views_a_strided_layer_without_copy():
@@ -138,8 +145,9 @@ def test_make_row_source_clips_like_upstream():
 def test_make_packed_source():
     pages = torch.zeros(5, 16, 2, 32, dtype=torch.float16)  # [pages, page_size, heads, dim]
     (source,) = kc.make_packed_source(page_buffer=pages, page_size=16, bytes_per_token=128, read_bytes=sys.maxsize)
-    assert source.read_bytes == 128 and source.as_view().shape == (5, 16, 2, 32)
-    assert source.as_view().data_ptr() == pages.data_ptr()
+    # like upstream, the tensor is the buffer's bytes per page: here a view, not a copy
+    assert source.read_bytes == 128 and source.tensor.dtype == torch.uint8 and source.tensor.shape == (5, 16 * 128)
+    assert source.as_view().shape == (5, 16, 128) and source.as_view().data_ptr() == pages.data_ptr()
     (flat,) = kc.make_packed_source(page_buffer=torch.zeros(256, dtype=torch.uint8), page_size=4, bytes_per_token=64, read_bytes=32)
     assert flat.tensor.shape == (1, 256) and flat.as_view().shape == (1, 4, 64)
     assert kc.make_packed_source(page_buffer=pages, page_size=16, bytes_per_token=128, read_bytes=0) == ()

@@ -127,8 +127,13 @@ class RealKvSource:
             )
         _check_strided(self.tensor, "RealKvSource.tensor")
         if self.tensor.dim() < 2:
-            raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got {tuple(self.tensor.shape)}")
+            raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(self.tensor.shape)}")
         row_bytes = math.prod(self.tensor.shape[1:]) * self.tensor.element_size()
+        if row_bytes % READ_ALIGN != 0:
+            raise ValueError(
+                f"kv-canary: RealKvSource.tensor dim-1 byte width must be a multiple of {READ_ALIGN}, got "
+                f"{row_bytes} bytes (shape={tuple(self.tensor.shape)}, dtype={self.tensor.dtype})"
+            )
         page_bytes = self.page_size * self.num_bytes_per_token
         if page_bytes > row_bytes:
             raise ValueError(
@@ -192,11 +197,21 @@ def view_source(view: torch.Tensor, *, read_bytes: int) -> ViewSource:
     return ViewSource(view=view, read_bytes=clipped)
 
 
+def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as uint8 rows ``[dim 0, bytes]``, as upstream passes it, when that is a
+    view; a tensor whose rows are not contiguous runs stays as it is (upstream copies it)."""
+    try:
+        return tensor.view(torch.uint8).view(tensor.shape[0], -1)
+    except RuntimeError:
+        return tensor
+
+
 def _row_source(tensor: torch.Tensor, page_size: int, bytes_per_token: int, read_bytes: int):
     clipped = clip_read_bytes(requested=read_bytes, num_bytes_per_token=bytes_per_token)
     if clipped == 0:
         return ()
-    return (RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=bytes_per_token, read_bytes=clipped),)
+    rows = _byte_rows(tensor)
+    return (RealKvSource(tensor=rows, page_size=page_size, num_bytes_per_token=bytes_per_token, read_bytes=clipped),)
 
 
 def make_row_source(*, layer_buffer: torch.Tensor, read_bytes: int) -> tuple[RealKvSource, ...]:
