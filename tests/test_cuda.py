@@ -140,6 +140,7 @@ def test_memcheck_clean():
         ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _MEMCHECK_SCRIPT],
         capture_output=True,
         text=True,
+        check=False,
         env={**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -26,9 +26,9 @@ from .sources import (
 __version__ = _version("torch_kvcanary")
 
 __all__ = [
-    "KvCanary",
     "READ_ALIGN",
     "HashMode",
+    "KvCanary",
     "RealKvSource",
     "ViewSource",
     "clip_read_bytes",

@@ -187,8 +187,8 @@ class Demo:
         """A kernel writes a request's newest token of layer 1 one page past its slot,
         into a slot that another running request has written."""
         page_size = self.cfg.page_size
-        writer, victim, slot, target = next(
-            (w, v, s, s + page_size)
+        victim, slot, target = next(
+            (v, s, s + page_size)
             for w in self.active
             for s in w.slots(page_size)[-1:]
             for v in self.active

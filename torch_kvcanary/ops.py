@@ -11,6 +11,7 @@ from .sources import HashMode, RealKvSource, ViewSource, _as_mode, folded_bytes
 
 Source = RealKvSource | ViewSource
 
+
 @torch.library.register_fake("kvcanary::fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
     # Mixed devices dispatch here when one of them is meta; the kernels check the rest.

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 _CUDA_SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
