@@ -36,6 +36,15 @@ def _as_sources(sources: Source | Iterable[Source]) -> list[Source]:
     return sources
 
 
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _integer_view(view: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer dtype of the same size: the op hashes bytes, and
+    tools that inspect its inputs (opcheck, FakeTensor) need no float8 arithmetic."""
+    return view.view(_INTEGER_OF_SIZE.get(view.element_size(), view.dtype))
+
+
 def _active_sources(sources: Source | Iterable[Source], mode: HashMode) -> list[Source]:
     """The sources a fold in ``mode`` reads: none for OFF, else those with read_bytes > 0."""
     sources = _as_sources(sources)
@@ -70,7 +79,7 @@ def fold(
         raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
     mode = _as_mode(mode)
     active = _active_sources(sources, mode)
-    views = [s.as_view() for s in active]
+    views = [_integer_view(s.as_view()) for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
     # A CUDA range check synchronises with the host: never inside a compiled graph
     # (the CUDA kernel itself skips it while a graph is being captured).
