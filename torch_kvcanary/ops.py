@@ -42,7 +42,8 @@ _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 def _integer_view(view: torch.Tensor) -> torch.Tensor:
     """The same bytes as an integer dtype of the same size: the op hashes bytes, and
     tools that inspect its inputs (opcheck, FakeTensor) need no float8 arithmetic."""
-    return view.view(_INTEGER_OF_SIZE.get(view.element_size(), view.dtype))
+    dtype = _INTEGER_OF_SIZE.get(view.element_size(), view.dtype)
+    return view if view.dtype == dtype else view.view(dtype)
 
 
 def _active_sources(sources: Source | Iterable[Source], mode: HashMode) -> list[Source]:

@@ -33,8 +33,13 @@ class HashMode(enum.IntEnum):
     ALL = 2  # read_bytes of each source
 
 
+_MODES = frozenset(HashMode)
+
+
 def _as_mode(mode) -> HashMode:
-    if isinstance(mode, bool) or mode not in tuple(HashMode):
+    if type(mode) is HashMode:
+        return mode
+    if isinstance(mode, bool) or mode not in _MODES:
         raise ValueError(f"kv-canary: mode must be a HashMode (OFF=0, PARTIAL=1, ALL=2), got {mode!r}")
     return HashMode(mode)
 
