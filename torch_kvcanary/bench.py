@@ -208,16 +208,28 @@ def machine() -> dict:
     return info
 
 
-def compile_reference_seconds(case: Case, device: str) -> float:
-    """Compile time of torch.compile(reference_fold) on one case (it can take minutes)."""
+def compiled_reference(case: Case, device: str, min_run_time: float) -> str:
+    """torch.compile(reference_fold) on one case: its compile time, and its speed beside the
+    fold's (compiling the unrolled chain takes minutes at 1 KiB rows)."""
     rows = _pool_rows(case)
-    pool = torch.zeros(rows, max(case.read_bytes, 64), dtype=torch.uint8, device=device)
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (rows, max(case.read_bytes, 64)), dtype=torch.uint8, generator=gen).to(device)
     source = view_source(pool[:, : case.read_bytes].unsqueeze(1), read_bytes=case.read_bytes)
-    slots = torch.arange(case.num_slots, device=device) % rows
+    slots = (torch.randperm(case.num_slots, generator=gen) % rows).to(device)
+    mode = HashMode[case.mode]
     compiled = torch.compile(reference_fold)
     start = time.perf_counter()
-    compiled(source, slots, mode=HashMode[case.mode])
-    return time.perf_counter() - start
+    expected = compiled(source, slots, mode=mode)
+    compile_s = time.perf_counter() - start
+    if not torch.equal(expected, fold(source, slots, mode=mode)):
+        raise AssertionError("kv-canary: the compiled reference disagrees with the fold")
+    compiled_s, _ = _median(lambda: compiled(source, slots, mode=mode), device, min_run_time)
+    fold_s, _ = _median(lambda: fold(source, slots, mode=mode), device, min_run_time)
+    return (
+        f"torch.compile(reference_fold), {case.mode} read_bytes={case.read_bytes}, {case.num_slots} slots on {device}: "
+        f"{compile_s:.1f} s to compile, {compiled_s * 1e3:.2f} ms a call against {fold_s * 1e3:.2f} ms for fold "
+        f"(fold {compiled_s / fold_s:.1f}x faster)"
+    )
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -267,9 +279,8 @@ def main(args: argparse.Namespace) -> int:
     graph = cuda_graph_decode() if "cuda" in devices else None
     compile_note = None
     if args.compile_reference:
-        case = Case("ALL", args.compile_reference, 4096, 1, "random")
-        seconds = compile_reference_seconds(case, devices[0])
-        compile_note = f"torch.compile(reference_fold) at read_bytes={case.read_bytes}: {seconds:.1f} s to compile"
+        case = Case("ALL", args.compile_reference, 65536, 1, "random")
+        compile_note = compiled_reference(case, devices[0], args.min_run_time)
     print(format_table(results))
     print("each figure is the median of n blocked_autorange measurements; /stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
     if compile_note:

@@ -212,9 +212,8 @@ def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _row_source(tensor: torch.Tensor, page_size: int, bytes_per_token: int, read_bytes: int):
+    """The helpers' common tail; read_bytes is not 0 here (that gave ``()`` already)."""
     clipped = clip_read_bytes(requested=read_bytes, num_bytes_per_token=bytes_per_token)
-    if clipped == 0:
-        return ()
     rows = _byte_rows(tensor)
     return (RealKvSource(tensor=rows, page_size=page_size, num_bytes_per_token=bytes_per_token, read_bytes=clipped),)
 
