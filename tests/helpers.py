@@ -89,7 +89,7 @@ def random_row_source(rng: random.Random, gen: torch.Generator, device: str = "c
     return kc.RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=token, read_bytes=read_bytes)
 
 
-def capacity(source) -> int:
+def source_capacity(source) -> int:
     view = source.as_view()
     return view.shape[0] * view.shape[1]
 

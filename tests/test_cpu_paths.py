@@ -5,7 +5,14 @@ import random
 
 import pytest
 import torch
-from helpers import golden_source, load_golden, random_row_source, random_slots, random_view_source
+from helpers import (
+    golden_source,
+    load_golden,
+    random_row_source,
+    random_slots,
+    random_view_source,
+    source_capacity,
+)
 
 import torch_kvcanary as kc
 
@@ -45,7 +52,7 @@ def test_random_layouts(cpu_path, seed):
     gen = torch.Generator().manual_seed(seed)
     make = [random_view_source, random_row_source]
     sources = [rng.choice(make)(rng, gen) for _ in range(rng.randint(1, 8))]
-    capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in sources)
+    capacity = min(source_capacity(s) for s in sources)
     # long enough for whole lane groups, short tails and padding in every group position
     slots = random_slots(rng, capacity, rng.choice([1, 7, 63, 64, 65, 200, 1500]), rng.choice([torch.int32, torch.int64]))
     mode = rng.choice(list(kc.HashMode))

@@ -10,7 +10,13 @@ import sys
 
 import pytest
 import torch
-from helpers import CUDA, random_row_source, random_slots, random_view_source
+from helpers import (
+    CUDA,
+    random_row_source,
+    random_slots,
+    random_view_source,
+    source_capacity,
+)
 
 import torch_kvcanary as kc
 
@@ -34,7 +40,7 @@ def test_matches_cpu_on_random_layouts():
         make = [random_view_source, random_row_source]
         cpu = [rng.choice(make)(rng, gen) for _ in range(rng.randint(1, 20))]
         cuda = [type(s)(**{k: (v.cuda() if torch.is_tensor(v) else v) for k, v in vars(s).items()}) for s in cpu]
-        capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in cpu)
+        capacity = min(source_capacity(s) for s in cpu)
         slots = random_slots(rng, capacity, rng.randint(0, 3000), rng.choice([torch.int32, torch.int64]))
         mode = rng.choice(list(kc.HashMode))
         assert torch.equal(kc.fold(cuda, slots.cuda(), mode=mode).cpu(), kc.fold(cpu, slots, mode=mode))

@@ -7,7 +7,15 @@ import sys
 import expecttest
 import pytest
 import torch
-from helpers import DEVICES, golden_source, load_golden, random_row_source, random_slots, random_view_source
+from helpers import (
+    DEVICES,
+    golden_source,
+    load_golden,
+    random_row_source,
+    random_slots,
+    random_view_source,
+    source_capacity,
+)
 
 import torch_kvcanary as kc
 from torch_kvcanary import ops
@@ -32,7 +40,7 @@ def _random_case(seed: int, device: str):
     gen = torch.Generator().manual_seed(seed)
     make = [random_view_source, random_row_source]
     sources = [rng.choice(make)(rng, gen, device) for _ in range(rng.randint(1, 8))]
-    capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in sources)
+    capacity = min(source_capacity(s) for s in sources)
     slots = random_slots(rng, capacity, rng.randint(0, 40), rng.choice([torch.int32, torch.int64]), device)
     return sources, slots, rng.choice(list(kc.HashMode))
 
@@ -84,7 +92,7 @@ def test_many_sources_in_one_call(device):
     gen = torch.Generator().manual_seed(3)
     rng = random.Random(3)
     sources = [random_row_source(rng, gen, device) for _ in range(24)]
-    capacity = min(s.as_view().shape[0] * s.as_view().shape[1] for s in sources)
+    capacity = min(source_capacity(s) for s in sources)
     slots = random_slots(rng, capacity, 50, device=device)
     assert torch.equal(kc.fold(sources, slots), kc.reference_fold(sources, slots))
 

@@ -124,7 +124,9 @@ def cuda_graph_decode(replays: int = 2000) -> dict[str, float]:
 
 
 def _median(stmt, device: str, min_run_time: float) -> tuple[float, int]:
-    from torch.utils import benchmark  # imported when used: it loads the C++ extension tools
+    from torch.utils import (
+        benchmark,  # imported when used: it loads the C++ extension tools
+    )
 
     timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt}, num_threads=torch.get_num_threads())
     measurement = timer.blocked_autorange(min_run_time=min_run_time)
