@@ -45,6 +45,9 @@ at::Tensor fold_cuda(at::TensorList sources, const at::Tensor& slots,
   if (check_bounds) {
     check_slots_in_range_cuda(flat, plan.capacity);
   }
+  TORCH_CHECK_VALUE(flat.numel() <= kMaxSlotsPerCall, "kv-canary: at most ",
+                    kMaxSlotsPerCall, " slots per call on CUDA, got ",
+                    flat.numel(), "; split the batch");
   at::Tensor out = at::empty(slots.sizes(), slots.options().dtype(at::kLong));
   const int num_sources = static_cast<int>(plan.sources.size());
   if (num_sources == 0) {

@@ -13,8 +13,7 @@ namespace kvcanary {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kWarpsPerBlock = 4;
-constexpr int kThreadsPerBlock = kWarpsPerBlock * kWarpSize;
+constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
 constexpr int kTileChunks = 8;
 // Row pitch of the staging tile, in chunks: one spare chunk per row puts the
 // eight lanes of each shared-memory phase on distinct banks.
