@@ -98,3 +98,15 @@ def random_slots(rng: random.Random, cap: int, n: int, dtype=torch.int64, device
     """Slots in [0, cap) with some -1 padding mixed in."""
     values = [rng.randrange(cap) if rng.random() > 0.1 else -rng.randint(1, 3) for _ in range(n)]
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def random_case(seed: int, device: str = "cpu", *, max_sources: int = 8, lengths=range(41)):
+    """(sources, slots, mode): 1..max_sources view- and row-form sources, int32 or int64
+    slots of a length drawn from `lengths` (with padding), and a mode."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    make = [random_view_source, random_row_source]
+    sources = [rng.choice(make)(rng, gen, device) for _ in range(rng.randint(1, max_sources))]
+    capacity = min(source_capacity(s) for s in sources)
+    slots = random_slots(rng, capacity, rng.choice(lengths), rng.choice([torch.int32, torch.int64]), device)
+    return sources, slots, rng.choice(list(kc.HashMode))

@@ -1,18 +1,10 @@
 """Each instruction-set path of the CPU kernel, forced with KVCANARY_CPU_ISA, is
 bit-exact with the reference on the golden vectors and on random layouts."""
 
-import random
 
 import pytest
 import torch
-from helpers import (
-    golden_source,
-    load_golden,
-    random_row_source,
-    random_slots,
-    random_view_source,
-    source_capacity,
-)
+from helpers import golden_source, load_golden, random_case
 
 import torch_kvcanary as kc
 
@@ -48,14 +40,8 @@ def test_golden_vectors(cpu_path):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_layouts(cpu_path, seed):
-    rng = random.Random(1000 + seed)
-    gen = torch.Generator().manual_seed(seed)
-    make = [random_view_source, random_row_source]
-    sources = [rng.choice(make)(rng, gen) for _ in range(rng.randint(1, 8))]
-    capacity = min(source_capacity(s) for s in sources)
     # long enough for whole lane groups, short tails and padding in every group position
-    slots = random_slots(rng, capacity, rng.choice([1, 7, 63, 64, 65, 200, 1500]), rng.choice([torch.int32, torch.int64]))
-    mode = rng.choice(list(kc.HashMode))
+    sources, slots, mode = random_case(1000 + seed, lengths=[1, 7, 63, 64, 65, 200, 1500])
     assert torch.equal(kc.fold(sources, slots, mode=mode), kc.reference_fold(sources, slots, mode=mode))
 
 

@@ -3,20 +3,13 @@ the eager range check, and compute-sanitizer. Bit-exactness against the CPU
 kernel and the golden vectors runs in test_ops.py on every device."""
 
 import os
-import random
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import (
-    CUDA,
-    random_row_source,
-    random_slots,
-    random_view_source,
-    source_capacity,
-)
+from helpers import CUDA, random_case
 
 import torch_kvcanary as kc
 
@@ -35,14 +28,8 @@ def _sources(pool):
 
 def test_matches_cpu_on_random_layouts():
     for seed in range(40):
-        rng = random.Random(seed)
-        gen = torch.Generator().manual_seed(seed)
-        make = [random_view_source, random_row_source]
-        cpu = [rng.choice(make)(rng, gen) for _ in range(rng.randint(1, 20))]
+        cpu, slots, mode = random_case(seed, max_sources=20, lengths=range(3001))
         cuda = [type(s)(**{k: (v.cuda() if torch.is_tensor(v) else v) for k, v in vars(s).items()}) for s in cpu]
-        capacity = min(source_capacity(s) for s in cpu)
-        slots = random_slots(rng, capacity, rng.randint(0, 3000), rng.choice([torch.int32, torch.int64]))
-        mode = rng.choice(list(kc.HashMode))
         assert torch.equal(kc.fold(cuda, slots.cuda(), mode=mode).cpu(), kc.fold(cpu, slots, mode=mode))
 
 

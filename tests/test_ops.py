@@ -11,6 +11,7 @@ from helpers import (
     DEVICES,
     golden_source,
     load_golden,
+    random_case,
     random_row_source,
     random_slots,
     random_view_source,
@@ -35,20 +36,10 @@ def test_golden(case, device):
     assert torch.equal(kc.reference_fold(sources, slots, mode=mode).cpu(), expected)
 
 
-def _random_case(seed: int, device: str):
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    make = [random_view_source, random_row_source]
-    sources = [rng.choice(make)(rng, gen, device) for _ in range(rng.randint(1, 8))]
-    capacity = min(source_capacity(s) for s in sources)
-    slots = random_slots(rng, capacity, rng.randint(0, 40), rng.choice([torch.int32, torch.int64]), device)
-    return sources, slots, rng.choice(list(kc.HashMode))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(60))
 def test_random_layouts_match_reference(seed, device):
-    sources, slots, mode = _random_case(seed, device)
+    sources, slots, mode = random_case(seed, device)
     assert torch.equal(kc.fold(sources, slots, mode=mode), kc.reference_fold(sources, slots, mode=mode))
 
 
@@ -110,7 +101,7 @@ def _opcheck_samples(device):
     rng = random.Random(7)
     samples = []
     for seed in range(6):
-        sources, slots, _ = _random_case(seed, device)
+        sources, slots, _ = random_case(seed, device)
         views = [s.as_view() for s in sources]
         samples.append((views, slots, [s.read_bytes for s in sources], True))
     pool = torch.randint(0, 255, (4, 16, 32), dtype=torch.uint8, device=device)
