@@ -34,6 +34,47 @@ template <class V, int kVectors>
 struct LaneFold {
   using Vec = typename V::Vec;
   static constexpr int kSlots = V::kLanes * kVectors;
+  static constexpr int kBlockWords = 2 * V::kBlockChunks;
+  static constexpr int64_t kBlockBytes = V::kBlockChunks * kReadAlign;
+  // Lines this many blocks ahead are requested into L2 while a block is
+  // hashed: about one memory latency at the hash's pace.
+  static constexpr int64_t kPrefetchBlocks = 2;
+
+  // The whole blocks of one source for kSlots lanes; returns the bytes folded.
+  // Software-pipelined: while the words of one block are hashed (word by word
+  // across the vectors, independent chains side by side), the next block is
+  // loaded and transposed into the other half of a small staging buffer, one
+  // vector per step, so loads overlap the hash instead of alternating with it.
+  static int64_t fold_blocks(const SourceLayout& src, const unsigned char* const* tokens,
+                             Vec* h) {
+    static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
+    constexpr int kWordsPerLoad = kBlockWords / kVectors;
+    const int64_t num_blocks = src.read_bytes / kBlockBytes;
+    if (num_blocks == 0) return 0;
+    Vec stage[2][kVectors][kBlockWords];
+    const int64_t first = chunk_offset(src, 0);
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+      V::load_block(tokens + v * V::kLanes, first, stage[0][v]);
+    }
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const int cur = static_cast<int>(block & 1);
+      const bool load_next = block + 1 < num_blocks;
+      const int64_t next = load_next ? chunk_offset(src, (block + 1) * kBlockBytes) : 0;
+      const bool prefetch = block + kPrefetchBlocks < num_blocks;
+      const int64_t ahead = prefetch ? chunk_offset(src, (block + kPrefetchBlocks) * kBlockBytes) : 0;
+      KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
+        KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = splitmix64(h[v] ^ stage[cur][v][w]);
+        if (w % kWordsPerLoad == 0) {
+          const unsigned char* const* lanes = tokens + (w / kWordsPerLoad) * V::kLanes;
+          if (prefetch) {
+            for (int i = 0; i < V::kLanes; ++i) __builtin_prefetch(lanes[i] + ahead, 0, 1);
+          }
+          if (load_next) V::load_block(lanes, next, stage[cur ^ 1][w / kWordsPerLoad]);
+        }
+      }
+    }
+    return num_blocks * kBlockBytes;
+  }
 
   // out[0..kSlots) for kSlots slots, all in range.
   static void fold_group(const CpuFoldRange& range, const int64_t* slots,
@@ -50,21 +91,8 @@ struct LaneFold {
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
       int64_t byte = 0;
       if constexpr (V::kBlockChunks > 1) {
-        constexpr int64_t kBlockBytes = V::kBlockChunks * kReadAlign;
         if (src.num_outer == 0 || src.run_bytes % kBlockBytes == 0) {
-          for (; byte + kBlockBytes <= src.read_bytes; byte += kBlockBytes) {
-            const int64_t offset = chunk_offset(src, byte);
-            Vec words[kVectors][2 * V::kBlockChunks];
-            KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
-              V::load_block(tokens + v * V::kLanes, offset, words[v]);
-            }
-            // word by word across the vectors: independent chains side by side
-            KVC_UNROLL for (int w = 0; w < 2 * V::kBlockChunks; ++w) {
-              KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
-                h[v] = splitmix64(h[v] ^ words[v][w]);
-              }
-            }
-          }
+          byte = fold_blocks(src, tokens, h);
         }
       }
       for (; byte < src.read_bytes; byte += kReadAlign) {
