@@ -1,4 +1,4 @@
-// The AVX-512 CPU path: eight slots per 512-bit vector, four vectors in
+// The AVX-512 CPU path: eight slots per 512-bit vector, eight vectors in
 // flight, native 64-bit multiplies (AVX512DQ).
 #if defined(__x86_64__)
 #include <immintrin.h>

@@ -55,7 +55,7 @@ def generation():
     prompt = torch.randint(0, 96, (2, PROMPT))
     with torch.no_grad():
         output = model.generate(
-            prompt, past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            prompt, cache=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
             do_sample=False, logits_processor=[processor], pad_token_id=0,
         )
     return cache, processor, output
