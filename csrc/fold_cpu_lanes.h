@@ -39,6 +39,7 @@ struct LaneFold {
   // Lines this many blocks ahead are requested into L2 while a block is
   // hashed: about one memory latency at the hash's pace.
   static constexpr int64_t kPrefetchBlocks = 2;
+  static constexpr int kPrefetchToL2 = 1;  // __builtin_prefetch locality: prefetcht2
 
   // The whole blocks of one source for kSlots lanes; returns the bytes folded.
   // Software-pipelined: while the words of one block are hashed (word by word
@@ -67,7 +68,7 @@ struct LaneFold {
         if (w % kWordsPerLoad == 0) {
           const unsigned char* const* lanes = tokens + (w / kWordsPerLoad) * V::kLanes;
           if (prefetch) {
-            for (int i = 0; i < V::kLanes; ++i) __builtin_prefetch(lanes[i] + ahead, 0, 1);
+            for (int i = 0; i < V::kLanes; ++i) __builtin_prefetch(lanes[i] + ahead, 0, kPrefetchToL2);
           }
           if (load_next) V::load_block(lanes, next, stage[cur ^ 1][w / kWordsPerLoad]);
         }
