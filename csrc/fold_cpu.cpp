@@ -81,12 +81,12 @@ int64_t task_size(const FoldPlan& plan) {
 template <typename F>
 void for_each_task(int64_t n, int64_t task, const F& fold) {
   const int64_t num_tasks = (n + task - 1) / task;
-  if (num_tasks <= 1) {
+  const int64_t workers = std::min<int64_t>(num_tasks, at::get_num_threads());
+  if (workers <= 1) {
     fold(0, n);
     return;
   }
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(num_tasks, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t t = next++; t < num_tasks; t = next++) {
       fold(t * task, std::min(n, (t + 1) * task));
