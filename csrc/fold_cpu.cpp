@@ -64,13 +64,13 @@ void fold_range(CpuIsa isa, const CpuFoldRange& range) {
 }
 
 // Slots per task: about 256 KiB of reads (small batches stay on one thread),
-// in whole groups of 64 so that no lane group is split between tasks.
+// in whole lane groups.
 int64_t task_size(const FoldPlan& plan) {
-  constexpr int64_t kGroup = 64;
   int64_t bytes_per_slot = 1;
   for (const SourceLayout& src : plan.sources) bytes_per_slot += src.read_bytes;
   const int64_t slots = (int64_t{1} << 18) / bytes_per_slot;
-  return std::max<int64_t>(1, (slots + kGroup - 1) / kGroup) * kGroup;
+  const int64_t groups = (slots + kLaneGroupMultiple - 1) / kLaneGroupMultiple;
+  return std::max<int64_t>(1, groups) * kLaneGroupMultiple;
 }
 
 // Runs fold(begin, end) over [0, n) in tasks of `task` slots on torch's threads.

@@ -22,6 +22,10 @@ struct CpuFoldRange {
   int64_t* out;
 };
 
+// Every path folds slots in lane groups whose size divides this; tasks handed
+// to threads are multiples of it, so no group is split between two tasks.
+constexpr int64_t kLaneGroupMultiple = 64;
+
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 void fold_range_scalar(const CpuFoldRange& range);

@@ -34,6 +34,7 @@ template <class V, int kVectors>
 struct LaneFold {
   using Vec = typename V::Vec;
   static constexpr int kSlots = V::kLanes * kVectors;
+  static_assert(kLaneGroupMultiple % kSlots == 0, "tasks must hold whole lane groups");
   static constexpr int kBlockWords = 2 * V::kBlockChunks;
   static constexpr int64_t kBlockBytes = V::kBlockChunks * kReadAlign;
   // Lines this many blocks ahead are requested into L2 while a block is
