@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, for a lent GPU machine, in one call (under 8 minutes):
 #   build the extension against the torch there, run the test suite (GPU tests included,
-#   compute-sanitizer memcheck among them), run the GPU benchmark, print a short table
-#   last; the log and the JSON go under $OUT.
+#   compute-sanitizer memcheck among them), run the GPU benchmark (the goal cases, then
+#   the sweep), print a short table last; the log, the JSON and the plot go under $OUT.
 # That machine has no package registry: wheels it lacks (expecttest, a recent setuptools)
 # travel in .whl/ (fetch them with build_tools/device_wheels.sh, then carry .whl).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
+export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 exec > >(tee "$OUT/device_check.log") 2>&1
 status=0
@@ -28,10 +29,13 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || { ec
 python3 -m torch_kvcanary info || status=1
 
 step "tests (GPU tests, memcheck included)"
-python3 -m pytest -q -rs --junitxml="$OUT/tests.xml" tests || status=1
+timeout 300 python3 -m pytest -q -rs --durations=10 --junitxml="$OUT/tests.xml" tests || status=1
 
-step "GPU benchmark"
-python3 -m torch_kvcanary bench --device cuda --goals --min-run-time 0.3 --json "$OUT/bench_cuda.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench_cuda.txt" || status=1
+step "GPU benchmark: the goal cases"
+timeout 150 python3 -m torch_kvcanary bench --device cuda --goals --min-run-time 0.3 --json "$OUT/bench_cuda.json" | tee "$OUT/bench_cuda.txt" || status=1
+
+step "GPU benchmark: the sweep"
+timeout 150 python3 -m torch_kvcanary bench --device cuda --min-run-time 0.2 --json "$OUT/bench_cuda_sweep.json" --plot "$OUT/bench_cuda_sweep.png" | tee "$OUT/bench_cuda_sweep.txt" || status=1
 
 step "summary"
 python3 - "$OUT/bench_cuda.json" "$OUT/tests.xml" <<'PY'

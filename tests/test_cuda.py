@@ -136,5 +136,7 @@ def test_memcheck_clean():
         check=False,
         env={**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
     )
+    if "Device not supported" in proc.stdout + proc.stderr:
+        pytest.skip("compute-sanitizer does not support this device here (a gVisor sandbox refuses it)")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout

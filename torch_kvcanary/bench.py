@@ -9,7 +9,8 @@ threads torch uses. Baselines, on the same bytes:
 * gather:    ``torch.index_select`` of the folded bytes (the cost of copying them out);
 * reference: the package's eager-torch fold (`reference_fold`), where bearable;
 * upstream:  on CUDA, a kernel written the upstream way (64 blocks of 512 threads, one
-             thread per slot looping 16-byte loads), compiled at run time when nvcc is found.
+             thread per slot looping 16-byte loads), built at run time with nvcc and
+             checked to give the fold's fingerprints.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from .ops import fold
 from .reference import reference_fold
 from .sources import HashMode, view_source
+from .upstream_baseline import upstream_fold
 
 # A case whose eager reference would read more than this is not timed against it.
 _REFERENCE_BUDGET_BYTES = 64 << 20
@@ -138,7 +140,7 @@ def _pool_rows(case: Case) -> int:
     return max(1, min(case.num_slots, _POOL_BUDGET_BYTES // (row_bytes * case.num_sources)))
 
 
-def run_case(case: Case, device: str, min_run_time: float, upstream=None) -> Result:
+def run_case(case: Case, device: str, min_run_time: float, upstream: bool = False) -> Result:
     gen = torch.Generator().manual_seed(0)
     rows = _pool_rows(case)
     row_bytes = max(case.read_bytes, 64)
@@ -150,7 +152,8 @@ def run_case(case: Case, device: str, min_run_time: float, upstream=None) -> Res
     slots = index.to(device)
     mode = HashMode[case.mode]
     folded_bytes = 16 if mode is HashMode.PARTIAL else case.read_bytes
-    seconds, repeats = _median(lambda: fold(sources, slots, mode=mode, check_bounds=False), device, min_run_time)
+    run = lambda: fold(sources, slots, mode=mode, check_bounds=False)  # noqa: E731
+    seconds, repeats = _median(run, device, min_run_time)
     result = Result(device, case, seconds, repeats)
 
     # Baselines, scaled to the bytes the fold read.
@@ -169,8 +172,11 @@ def run_case(case: Case, device: str, min_run_time: float, upstream=None) -> Res
         result.baselines["reference"], _ = _median(lambda: reference_fold(sources, slots, mode=mode), device, min_run_time / 4)
     else:
         result.notes.append("reference skipped (too slow at this size)")
-    if upstream is not None:
-        result.baselines["upstream"], _ = _median(lambda: upstream(pools, slots, folded_bytes), device, min_run_time)
+    if upstream:
+        baseline = upstream_fold(pools, folded_bytes)
+        if not torch.equal(baseline(slots), run()):
+            raise AssertionError("kv-canary: the upstream baseline disagrees with the fold")
+        result.baselines["upstream"], _ = _median(lambda: baseline(slots), device, min_run_time)
     return result
 
 
@@ -270,14 +276,9 @@ def main(args: argparse.Namespace) -> int:
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr)
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
-    upstream = None
-    if "cuda" in devices and args.upstream:
-        from .upstream_baseline import load_upstream_fold
-
-        upstream = load_upstream_fold()
     for device, case in plan:
         print(f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
-        results.append(run_case(case, device, args.min_run_time, upstream if device == "cuda" else None))
+        results.append(run_case(case, device, args.min_run_time, upstream=args.upstream and device == "cuda"))
     graph = cuda_graph_decode() if "cuda" in devices else None
     compile_note = None
     if args.compile_reference:

@@ -1,19 +1,38 @@
 """A CUDA fold written the upstream way, as a benchmark baseline: a persistent grid of
 64 blocks of 512 threads, one thread per slot, each thread looping 16-byte loads over
-its own row. Compiled at run time with nvcc (torch.utils.cpp_extension.load_inline).
-Row sources only (page_size 1, contiguous rows)."""
+its own row. Row sources only (page_size 1, rows of `read_bytes` or more).
+
+The kernel holds no torch headers: nvcc builds it into a small shared library in
+seconds (a torch extension would take minutes), cached by source and architecture, and
+ctypes launches it on torch's current stream.
+"""
 
 from __future__ import annotations
 
-import functools
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+MAX_POOLS = 8
 
 _CUDA_SOURCE = r"""
-#include <torch/extension.h>
-#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 namespace {
-constexpr int kMaxSources = 8;
-struct Rows { const unsigned char* data[kMaxSources]; long long stride[kMaxSources]; int count; long long read_bytes; };
+constexpr int kMaxPools = %(max_pools)d;
+struct Rows {
+  const unsigned char* data[kMaxPools];
+  long long stride[kMaxPools];
+  int count;
+  long long read_bytes;
+};
 
 __device__ unsigned long long mix(unsigned long long x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -42,32 +61,90 @@ __global__ void __launch_bounds__(512) upstream_fold(Rows rows, const long long*
 }
 }  // namespace
 
-torch::Tensor upstream_fold_cuda(std::vector<torch::Tensor> pools, torch::Tensor slots, int64_t read_bytes) {
-  TORCH_CHECK(pools.size() <= kMaxSources);
+extern "C" int upstream_fold_launch(const void* const* data, const long long* strides, int count,
+                                    long long read_bytes, const long long* slots, long long n,
+                                    long long* out, void* stream) {
+  if (count < 0 || count > kMaxPools) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
   Rows rows{};
-  rows.count = (int)pools.size();
+  rows.count = count;
   rows.read_bytes = read_bytes;
-  for (size_t i = 0; i < pools.size(); ++i) {
-    rows.data[i] = pools[i].data_ptr<unsigned char>();
-    rows.stride[i] = pools[i].stride(0);
+  for (int i = 0; i < count; ++i) {
+    rows.data[i] = static_cast<const unsigned char*>(data[i]);
+    rows.stride[i] = strides[i];
   }
-  auto out = torch::empty_like(slots);
-  upstream_fold<<<64, 512, 0, c10::cuda::getCurrentCUDAStream()>>>(rows, slots.data_ptr<int64_t>(), slots.numel(), out.data_ptr<int64_t>());
-  return out;
+  upstream_fold<<<64, 512, 0, static_cast<cudaStream_t>(stream)>>>(rows, slots, n, out);
+  return cudaGetLastError();
 }
-"""
+""" % {"max_pools": MAX_POOLS}
 
 
-@functools.cache
-def load_upstream_fold():
-    """The baseline as a callable (pools, slots, read_bytes) -> int64 fingerprints."""
-    from torch.utils.cpp_extension import load_inline
+def find_nvcc() -> str | None:
+    """nvcc from CUDA_HOME (or CUDA_PATH) when set, else the one on PATH."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and Path(home, "bin", "nvcc").is_file():
+            return str(Path(home, "bin", "nvcc"))
+    return shutil.which("nvcc")
 
-    module = load_inline(
-        name="kvcanary_upstream_baseline",
-        cpp_sources="torch::Tensor upstream_fold_cuda(std::vector<torch::Tensor> pools, torch::Tensor slots, int64_t read_bytes);",
-        cuda_sources=_CUDA_SOURCE,
-        functions=["upstream_fold_cuda"],
-        extra_cuda_cflags=["-O3"],
-    )
-    return lambda pools, slots, read_bytes: module.upstream_fold_cuda(list(pools), slots, read_bytes)
+
+def build_library(arch: str) -> Path:
+    """The baseline as a shared library for `arch` (e.g. "90"), built once per source and
+    architecture into the temp folder."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("kv-canary: the upstream baseline needs nvcc: put it on PATH or set CUDA_HOME")
+    digest = hashlib.sha256(_CUDA_SOURCE.encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir(), "torch_kvcanary")
+    folder.mkdir(exist_ok=True)
+    library = folder / f"upstream_fold_{digest}_sm{arch}.so"
+    if library.exists():
+        return library
+    source = folder / f"upstream_fold_{digest}.cu"
+    source.write_text(_CUDA_SOURCE)
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    command = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial), str(source)]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kv-canary: nvcc could not build the upstream baseline:\n{proc.stderr[-2000:]}")
+    os.replace(partial, library)  # atomic: a concurrent build never loads half a file
+    return library
+
+
+@cache
+def _load(arch: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(arch)))
+    lib.upstream_fold_launch.restype = ctypes.c_int
+    lib.upstream_fold_launch.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_longlong,
+        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+    ]
+    return lib
+
+
+def upstream_fold(pools: list[torch.Tensor], read_bytes: int):
+    """A callable slots -> int64 fingerprints over uint8 row pools on one CUDA device (slots:
+    a contiguous int64 tensor there, all in range or -1). The pools' pointers are bound
+    here, so a call costs one launch."""
+    if not 0 < len(pools) <= MAX_POOLS:
+        raise ValueError(f"kv-canary: the upstream baseline folds 1 to {MAX_POOLS} pools, got {len(pools)}")
+    for pool in pools:
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1 or not pool.is_cuda:
+            raise ValueError("kv-canary: the upstream baseline folds uint8 rows [rows, bytes] on a CUDA device")
+        if pool.shape[1] < read_bytes or read_bytes % 16:
+            raise ValueError("kv-canary: the upstream baseline reads whole 16-byte chunks within each row")
+    major, minor = torch.cuda.get_device_capability(pools[0].device)
+    lib = _load(f"{major}{minor}")
+    data = (ctypes.c_void_p * len(pools))(*[p.data_ptr() for p in pools])
+    strides = (ctypes.c_longlong * len(pools))(*[p.stride(0) for p in pools])
+
+    def call(slots: torch.Tensor) -> torch.Tensor:
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.device != pools[0].device:
+            raise ValueError("kv-canary: the upstream baseline takes contiguous int64 slots on the pools' device")
+        out = torch.empty_like(slots)
+        stream = torch.cuda.current_stream(slots.device).cuda_stream
+        err = lib.upstream_fold_launch(data, strides, len(pools), read_bytes, slots.data_ptr(), slots.numel(), out.data_ptr(), stream)
+        if err:
+            raise RuntimeError(f"kv-canary: the upstream baseline kernel did not launch (CUDA error {err})")
+        return out
+
+    return call

@@ -1,0 +1,61 @@
+"""The benchmark: its figures and files, and the upstream-style CUDA baseline it times."""
+
+import ctypes
+import json
+
+import pytest
+import torch
+from helpers import CUDA, DEVICES
+
+import torch_kvcanary as kc
+from torch_kvcanary import bench, upstream_baseline
+from torch_kvcanary.cli import main
+
+NVCC = upstream_baseline.find_nvcc() is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_run_case_times_the_fold_beside_its_baselines(device):
+    case = bench.Case("ALL", 256, 512, 2, "random")
+    result = bench.run_case(case, device, min_run_time=0.01, upstream=device == "cuda")
+    assert result.seconds > 0 and result.repeats >= 1
+    assert result.bytes_per_s == pytest.approx(512 * 256 * 2 / result.seconds)
+    expected = {"stream", "gather", "reference"} | ({"upstream"} if device == "cuda" else set())
+    assert set(result.baselines) == expected
+    assert all(result.ratio(name) > 0 for name in expected)
+
+
+def test_cli_writes_table_and_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", "--quick", "--min-run-time", "0.002", "--json", str(path)]) == 0
+    table = capsys.readouterr().out
+    payload = json.loads(path.read_text())
+    assert len(payload["results"]) == len(bench.default_cases(quick=True))
+    assert payload["machine"]["cpu_isa"] == torch.ops.kvcanary.cpu_isa()
+    for row in payload["results"]:
+        assert row["seconds"] > 0 and row["repeats"] >= 1 and row["baselines"]["stream"] > 0
+    assert table.count("\ncpu ") == len(payload["results"])
+
+
+@pytest.mark.skipif(not NVCC, reason="nvcc is not on PATH and CUDA_HOME is unset")
+def test_upstream_baseline_builds_without_a_gpu():
+    library = upstream_baseline.build_library("90")
+    assert library.stat().st_size > 0
+    assert hasattr(ctypes.CDLL(str(library)), "upstream_fold_launch")
+    assert upstream_baseline.build_library("90") == library  # cached
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_upstream_baseline_gives_the_folds_fingerprints():
+    gen = torch.Generator().manual_seed(3)
+    pools = [torch.randint(0, 256, (1000, 320), dtype=torch.uint8, generator=gen).cuda() for _ in range(3)]
+    slots = torch.cat([torch.randint(0, 1000, (4000,), generator=gen), torch.tensor([-1])]).cuda()
+    sources = [kc.view_source(p[:, :256].unsqueeze(1), read_bytes=256) for p in pools]
+    assert torch.equal(upstream_baseline.upstream_fold(pools, 256)(slots), kc.fold(sources, slots))
+
+
+def test_upstream_baseline_refuses_what_it_cannot_fold():
+    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds 1 to 8 pools"):
+        upstream_baseline.upstream_fold([], 16)
+    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds uint8 rows"):
+        upstream_baseline.upstream_fold([torch.zeros(4, 16, dtype=torch.uint8)], 16)
