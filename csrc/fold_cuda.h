@@ -14,7 +14,7 @@ namespace kvcanary {
 constexpr int kSourcesPerLaunch = 16;
 
 // One thread per slot, in a 1-D grid of at most 2^31 - 1 blocks.
-constexpr int kThreadsPerBlock = 64;
+constexpr int kThreadsPerBlock = 128;
 constexpr int64_t kMaxSlotsPerCall = ((int64_t{1} << 31) - 1) * kThreadsPerBlock;
 
 struct FoldLaunchArgs {
