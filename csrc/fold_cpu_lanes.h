@@ -110,17 +110,21 @@ struct LaneFold {
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
   }
 
-  // Starts loading the first bytes of the next group's tokens, so that their
-  // cache and TLB misses overlap the folding of this group.
+  // Starts loading the first bytes of the next group's tokens into L2, so that
+  // their cache and TLB misses overlap the folding of this group. Always
+  // inlined: GCC counts a prefetch as no effect at all, so it drops every call
+  // of a function that only prefetches (it did, until 2026-11-30).
   template <typename index_t>
-  static void prefetch_group(const CpuFoldRange& range, const index_t* slots,
-                             int64_t first) {
+  [[gnu::always_inline]] static void prefetch_group(const CpuFoldRange& range,
+                                                    const index_t* slots,
+                                                    int64_t first) {
     const int64_t end = first + kSlots < range.end ? first + kSlots : range.end;
     for (int64_t i = first; i < end; ++i) {
       const int64_t slot = slots[i];
       if (slot < 0 || slot >= range.capacity) continue;
       for (int s = 0; s < range.num_sources; ++s) {
-        __builtin_prefetch(range.sources[s].data + token_offset(range.sources[s], slot));
+        __builtin_prefetch(range.sources[s].data + token_offset(range.sources[s], slot), 0,
+                           kPrefetchToL2);
       }
     }
   }

@@ -1,7 +1,9 @@
 """What was built: a CUDA kernel whenever torch is a CUDA build and a toolkit is
-present, with sm_80 and sm_90 machine code and compute_90 PTX."""
+present, with sm_80 and sm_90 machine code and compute_90 PTX; CPU paths that prefetch."""
 
 import importlib.util
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -57,3 +59,15 @@ def test_cuda_library_holds_sm80_sm90_and_ptx():
     ptx = subprocess.run([tool, "--list-ptx", str(_library())], capture_output=True, text=True, check=True).stdout
     assert "sm_80.cubin" in elf and "sm_90.cubin" in elf
     assert "sm_90.ptx" in ptx
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump on x86-64")
+@pytest.mark.parametrize("path", ["scalar", "avx2"])
+def test_cpu_path_prefetches_the_next_group(path):
+    # These paths have no in-row prefetch, so a prefetch in their code is the next-group
+    # one, which a compiler drops when it sees a function that only prefetches.
+    asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(_library())], capture_output=True, text=True, check=True).stdout
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", asm)
+    mine = [f for f in functions if f"fold_range_{path}(" in f.split("\n", 1)[0] or f"{path.capitalize()}Lanes" in f.split("\n", 1)[0]]
+    assert mine, f"no code of the {path} path found"
+    assert any("prefetch" in f for f in mine)
