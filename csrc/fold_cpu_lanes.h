@@ -131,8 +131,9 @@ struct LaneFold {
       for (int s = 0; s < range.num_sources; ++s) {
         const SourceLayout& src = range.sources[s];
         const unsigned char* token = src.data + token_offset(src, slot);
+        __builtin_prefetch(token, 0, kPrefetchToL2);  // apart: rows of one line pay for the loop
         const int64_t bytes = src.read_bytes < kGroupPrefetchBytes ? src.read_bytes : kGroupPrefetchBytes;
-        for (int64_t byte = 0; byte < bytes; byte += kLineBytes) {
+        for (int64_t byte = kLineBytes; byte < bytes; byte += kLineBytes) {
           __builtin_prefetch(token + chunk_offset(src, byte), 0, kPrefetchToL2);
         }
       }
