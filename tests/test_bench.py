@@ -38,11 +38,14 @@ def test_cli_writes_table_and_json(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not NVCC, reason="nvcc is not on PATH and CUDA_HOME is unset")
-def test_upstream_baseline_builds_without_a_gpu():
+def test_upstream_baseline_builds_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     library = upstream_baseline.build_library("90")
-    assert library.stat().st_size > 0
+    assert library.parent == tmp_path / "torch_kvcanary" and library.stat().st_size > 0
     assert hasattr(ctypes.CDLL(str(library)), "upstream_fold_launch")
-    assert upstream_baseline.build_library("90") == library  # cached
+    built = library.stat().st_mtime_ns
+    assert upstream_baseline.build_library("90") == library and library.stat().st_mtime_ns == built  # cached
+    assert [p.name for p in library.parent.iterdir()] == [library.name]  # no scratch left
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -89,24 +89,24 @@ def find_nvcc() -> str | None:
 
 def build_library(arch: str) -> Path:
     """The baseline as a shared library for `arch` (e.g. "90"), built once per source and
-    architecture into the temp folder."""
+    architecture into the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("kv-canary: the upstream baseline needs nvcc: put it on PATH or set CUDA_HOME")
     digest = hashlib.sha256(_CUDA_SOURCE.encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir(), "torch_kvcanary")
-    folder.mkdir(exist_ok=True)
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch_kvcanary")
+    folder.mkdir(parents=True, exist_ok=True)
     library = folder / f"upstream_fold_{digest}_sm{arch}.so"
     if library.exists():
         return library
-    source = folder / f"upstream_fold_{digest}.cu"
-    source.write_text(_CUDA_SOURCE)
-    partial = library.with_suffix(f".{os.getpid()}.tmp")
-    command = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial), str(source)]
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"kv-canary: nvcc could not build the upstream baseline:\n{proc.stderr[-2000:]}")
-    os.replace(partial, library)  # atomic: a concurrent build never loads half a file
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        source, partial = Path(scratch, "upstream_fold.cu"), Path(scratch, library.name)
+        source.write_text(_CUDA_SOURCE)
+        command = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial), str(source)]
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kv-canary: nvcc could not build the upstream baseline:\n{proc.stderr[-2000:]}")
+        os.replace(partial, library)  # atomic: a concurrent build never loads half a file
     return library
 
 
