@@ -84,7 +84,7 @@ __device__ __forceinline__ void stage_tile(int width, const Tile& regs,
 
 template <typename index_t>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    fold_kernel(const __grid_constant__ FoldLaunchArgs args) {
+    fold_kernel(const FoldLaunchArgs args) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   const int lane = threadIdx.x % kWarpSize;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
