@@ -12,6 +12,9 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 MAX_LEN = 32
 PROMPT = 6
 NEW_TOKENS = 12
+# generate() takes the cache as `cache` in recent transformers (5.24), as `past_key_values` in
+# older ones (5.17, on the GPU machine).
+CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 class CanaryProcessor(transformers.LogitsProcessor):
@@ -55,7 +58,7 @@ def generation():
     prompt = torch.randint(0, 96, (2, PROMPT))
     with torch.no_grad():
         output = model.generate(
-            prompt, cache=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            prompt, **{CACHE_KWARG: cache}, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
             do_sample=False, logits_processor=[processor], pad_token_id=0,
         )
     return cache, processor, output
