@@ -201,12 +201,30 @@ struct LaneFold {
     }
   }
 
-  static void run(const CpuFoldRange& range) {
+  static void fold_range_any(const CpuFoldRange& range) {
     if (range.slots_are_int32) {
       fold_range<int32_t>(range);
     } else {
       fold_range<int64_t>(range);
     }
+  }
+
+  // Whole groups of kSlots, and what is left (the end of a small batch) in one
+  // group of as few vectors as hold it: a few slots should not cost the
+  // hashing of kSlots lanes, and up to four vectors fold in about the time of
+  // one (their chains' latency bounds them, not the vector ports).
+  static void run(const CpuFoldRange& range) {
+    CpuFoldRange whole = range;
+    whole.end = range.begin + (range.end - range.begin) / kSlots * kSlots;
+    if (whole.end > whole.begin) fold_range_any(whole);
+    CpuFoldRange rest = range;
+    rest.begin = whole.end;
+    const int64_t vectors = (rest.end - rest.begin + V::kLanes - 1) / V::kLanes;
+    if (vectors == 0) return;
+    if (vectors <= 1) return LaneFold<V, 1>::fold_range_any(rest);
+    if (vectors <= 2) return LaneFold<V, 2>::fold_range_any(rest);
+    if (vectors <= 4) return LaneFold<V, 4>::fold_range_any(rest);
+    fold_range_any(rest);
   }
 };
 

@@ -79,3 +79,18 @@ def test_threads_agree(cpu_path):
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.equal(results[0], kc.reference_fold(source, slots))
+
+
+@pytest.mark.parametrize("read_bytes", [16, 64, 256])
+def test_every_batch_size_up_to_two_groups(cpu_path, read_bytes):
+    # Whole groups and the rest: the rest is folded in a narrower group (1, 2, 4 or all
+    # vectors), with padding and out-of-range slots in it.
+    gen = torch.Generator().manual_seed(read_bytes + 7)
+    pool = torch.randint(0, 256, (97, 2, 256), dtype=torch.uint8, generator=gen)
+    sources = [kc.view_source(pool, read_bytes=read_bytes), kc.view_source(pool[:, :, :128], read_bytes=min(read_bytes, 128))]
+    batch = torch.randint(-1, 194, (130,), generator=gen)
+    for n in range(1, 131):
+        slots = batch[:n]
+        expected = kc.reference_fold(sources, slots)
+        assert torch.equal(kc.fold(sources, slots), expected), n
+        assert torch.equal(kc.fold(sources, slots.int()), expected), n
