@@ -104,6 +104,25 @@ struct LaneFold {
     return num_blocks * kBlockBytes;
   }
 
+  // h of each lane over the read_bytes of `src`, lane i reading tokens[i]
+  // (every token laid out as `src` says).
+  static void fold_tokens(const SourceLayout& src, const unsigned char* const* tokens,
+                          Vec* h) {
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
+    int64_t byte = 0;
+    if constexpr (V::kBlockChunks > 1) {
+      if (takes_block_path(src)) byte = fold_blocks(src, tokens, h);
+    }
+    for (; byte < src.read_bytes; byte += kReadAlign) {
+      const int64_t offset = chunk_offset(src, byte);
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+        Vec lo, hi;
+        V::load_chunks(tokens + v * V::kLanes, offset, &lo, &hi);
+        h[v] = fold_chunk(h[v], lo, hi);
+      }
+    }
+  }
+
   // out[0..kSlots) for kSlots slots, all in range.
   static void fold_group(const CpuFoldRange& range, const int64_t* slots,
                          int64_t* out) {
@@ -116,19 +135,7 @@ struct LaneFold {
         tokens[i] = src.data + token_offset(src, slots[i]);
       }
       Vec h[kVectors];
-      KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
-      int64_t byte = 0;
-      if constexpr (V::kBlockChunks > 1) {
-        if (takes_block_path(src)) byte = fold_blocks(src, tokens, h);
-      }
-      for (; byte < src.read_bytes; byte += kReadAlign) {
-        const int64_t offset = chunk_offset(src, byte);
-        KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
-          Vec lo, hi;
-          V::load_chunks(tokens + v * V::kLanes, offset, &lo, &hi);
-          h[v] = fold_chunk(h[v], lo, hi);
-        }
-      }
+      fold_tokens(src, tokens, h);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
     }
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
