@@ -94,3 +94,22 @@ def test_every_batch_size_up_to_two_groups(cpu_path, read_bytes):
         expected = kc.reference_fold(sources, slots)
         assert torch.equal(kc.fold(sources, slots), expected), n
         assert torch.equal(kc.fold(sources, slots.int()), expected), n
+
+
+@pytest.mark.parametrize("run_bytes", [None, 64, 32])
+def test_small_batches_over_sources_of_one_token_layout(cpu_path, run_bytes):
+    # A few slots over many sources that read the same bytes of their tokens (lanes then
+    # take (source, slot) pairs): the sources differ in page size, strides and bytes, and
+    # the tokens are contiguous or runs of 64 or 32 bytes of two heads.
+    gen = torch.Generator().manual_seed(run_bytes or 1)
+    sources = []
+    for i in range(11):
+        page_size = (1, 4, 16)[i % 3]
+        pool = torch.randint(0, 256, (96 // page_size + i, page_size, 2, 96), dtype=torch.uint8, generator=gen)
+        view = pool if run_bytes is None else pool[..., :run_bytes]
+        sources.append(kc.view_source(view, read_bytes=view[0, 0].numel()))
+    for n in (1, 2, 5, 9, 31, 63, 64, 70):
+        slots = torch.randint(-1, 100, (n,), generator=gen)  # capacity 96: a few out of range
+        expected = kc.reference_fold(sources, slots.where(slots < 96, -1))
+        assert torch.equal(kc.fold(sources, slots, check_bounds=False), expected), n
+        assert torch.equal(kc.fold(sources[:2], slots, check_bounds=False), kc.reference_fold(sources[:2], slots.where(slots < 96, -1))), n
