@@ -272,28 +272,13 @@ struct LaneFold {
     }
   }
 
-  static void fold_pairs_any(const CpuFoldRange& range) {
-    if (range.slots_are_int32) {
-      fold_pairs<int32_t>(range);
-    } else {
-      fold_pairs<int64_t>(range);
-    }
-  }
-
-  static void fold_range_any(const CpuFoldRange& range) {
-    if (range.slots_are_int32) {
-      fold_range<int32_t>(range);
-    } else {
-      fold_range<int64_t>(range);
-    }
-  }
-
   // Folds what is left after whole groups, by pairs or by slots.
+  template <typename index_t>
   static void fold_rest(const CpuFoldRange& rest, bool by_pairs) {
     if (by_pairs) {
-      fold_pairs_any(rest);
+      fold_pairs<index_t>(rest);
     } else {
-      fold_range_any(rest);
+      fold_range<index_t>(rest);
     }
   }
 
@@ -302,10 +287,11 @@ struct LaneFold {
   // hashing of kSlots lanes, and up to four vectors fold in about the time of
   // one (their chains' latency bounds them, not the vector ports). When the
   // sources share a token layout, the rest's lanes take (source, slot) pairs.
-  static void run(const CpuFoldRange& range) {
+  template <typename index_t>
+  static void fold_batch(const CpuFoldRange& range) {
     CpuFoldRange whole = range;
     whole.end = range.begin + (range.end - range.begin) / kSlots * kSlots;
-    if (whole.end > whole.begin) fold_range_any(whole);
+    if (whole.end > whole.begin) fold_range<index_t>(whole);
     CpuFoldRange rest = range;
     rest.begin = whole.end;
     if (rest.begin == rest.end) return;
@@ -313,10 +299,18 @@ struct LaneFold {
                           same_token_layout(range);
     const int64_t lanes = (rest.end - rest.begin) * (by_pairs ? range.num_sources : 1);
     const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (vectors <= 1) return LaneFold<V, 1>::fold_rest(rest, by_pairs);
-    if (vectors <= 2) return LaneFold<V, 2>::fold_rest(rest, by_pairs);
-    if (vectors <= 4) return LaneFold<V, 4>::fold_rest(rest, by_pairs);
-    fold_rest(rest, by_pairs);
+    if (vectors <= 1) return LaneFold<V, 1>::template fold_rest<index_t>(rest, by_pairs);
+    if (vectors <= 2) return LaneFold<V, 2>::template fold_rest<index_t>(rest, by_pairs);
+    if (vectors <= 4) return LaneFold<V, 4>::template fold_rest<index_t>(rest, by_pairs);
+    fold_rest<index_t>(rest, by_pairs);
+  }
+
+  static void run(const CpuFoldRange& range) {
+    if (range.slots_are_int32) {
+      fold_batch<int32_t>(range);
+    } else {
+      fold_batch<int64_t>(range);
+    }
   }
 };
 

@@ -40,15 +40,15 @@ __device__ __forceinline__ int tile_width(const SourceLayout& src) {
   return chunks >= 4 ? 4 : (chunks >= 2 ? 2 : 1);
 }
 
-// Issues this lane's loads of the tile of `src` starting at chunk `first`:
-// load k is chunk c % width of row c / width, c = lane + 32 k, where row r is
-// lane r's `token` (null: nothing to read). Every lane must call it.
-__device__ __forceinline__ void load_tile(const SourceLayout& src,
+// Issues this lane's loads of the tile of `src` starting at chunk `first`
+// (`width` = tile_width(src)): load k is chunk c % width of row c / width,
+// c = lane + 32 k, where row r is lane r's `token` (null: nothing to read).
+// Every lane must call it.
+__device__ __forceinline__ void load_tile(const SourceLayout& src, int width,
                                           const unsigned char* token,
                                           int64_t first, Tile& regs) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t chunks = num_chunks(src);
-  const int width = tile_width(src);
   const int shift = __ffs(width) - 1;
 #pragma unroll
   for (int k = 0; k < kTileChunks; ++k) {
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     uint64_t h = 0;
     for (int64_t first = 0; first < chunks; first += width) {
       Tile regs;
-      load_tile(src, token, first, regs);
+      load_tile(src, width, token, first, regs);
       stage_tile(width, regs, tile);
       __syncwarp();
       if (token != nullptr) {
