@@ -73,23 +73,28 @@ int64_t task_size(const FoldPlan& plan) {
   return std::max<int64_t>(1, groups) * kLaneGroupMultiple;
 }
 
-// Runs fold(begin, end) over [0, n) in tasks of `task` slots on torch's threads.
+// Runs fold(begin, end, next_begin, next_end) over [0, n) in tasks of `task`
+// slots on torch's threads; [next_begin, next_end) is the task the same
+// thread runs next (empty when none), whose first slots the fold prefetches.
 // Threads claim tasks from a shared counter instead of taking an even share up
 // front: the fold waits on memory, and on a shared machine an even split makes
 // every call as slow as its slowest thread (+11 to 17% on random 256 B to 1 KiB
-// rows here).
+// rows here). Each thread claims its next task before it runs the current one.
 template <typename F>
 void for_each_task(int64_t n, int64_t task, const F& fold) {
   const int64_t num_tasks = (n + task - 1) / task;
   const int64_t workers = std::min<int64_t>(num_tasks, at::get_num_threads());
   if (workers <= 1) {
-    fold(0, n);
+    fold(0, n, n, n);
     return;
   }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < num_tasks; t = next++) {
-      fold(t * task, std::min(n, (t + 1) * task));
+    const auto first_slot = [&](int64_t t) { return std::min(n, t * task); };
+    for (int64_t t = next++; t < num_tasks;) {
+      const int64_t after = next++;
+      fold(first_slot(t), first_slot(t + 1), first_slot(after), first_slot(after + 1));
+      t = after;
     }
   });
 }
@@ -114,12 +119,15 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
       check_slots_in_range(flat.const_data_ptr<int64_t>(), flat.numel(), plan.capacity);
     }
   }
-  for_each_task(flat.numel(), task_size(plan), [&](int64_t begin, int64_t end) {
-    CpuFoldRange task = range;
-    task.begin = begin;
-    task.end = end;
-    fold_range(isa, task);
-  });
+  for_each_task(flat.numel(), task_size(plan),
+                [&](int64_t begin, int64_t end, int64_t next_begin, int64_t next_end) {
+                  CpuFoldRange task = range;
+                  task.begin = begin;
+                  task.end = end;
+                  task.next_begin = next_begin;
+                  task.next_end = next_end;
+                  fold_range(isa, task);
+                });
   return out;
 }
 

@@ -19,6 +19,10 @@ struct CpuFoldRange {
   bool slots_are_int32;
   int64_t begin;
   int64_t end;
+  // The slots the same thread folds next, [next_begin, next_end) (empty when
+  // none): the first of them are prefetched while the last group is folded.
+  int64_t next_begin;
+  int64_t next_end;
   int64_t* out;
 };
 

@@ -30,6 +30,83 @@
 namespace kvcanary {
 namespace {
 
+// Requests the tokens of the work after the current fold (the next source of
+// a group, or the first source of the next group) while the current one is
+// folded. Tokens of up to kAtOnceLines lines are requested at once; longer
+// ones token by token, each token's lines in order, a few per step of the
+// fold, so that they reach memory as short sequential runs spread over the
+// fold: random 1 KiB rows folded 1.8x slower with all requested at once, and
+// 1.45x slower with the same line of every token in turn (docs/benchmarks.md).
+class TokenPrefetch {
+ public:
+  // Plans the tokens of `src` for `count` slots (at most kLaneGroupMultiple),
+  // skipping slots out of range: their first kMaxLines lines.
+  template <typename index_t>
+  void plan(const SourceLayout& src, const index_t* slots, int64_t count, int64_t capacity) {
+    num_lines_ = 0;
+    for (int64_t byte = 0; byte < src.read_bytes && num_lines_ < kMaxLines; byte += kLineBytes) {
+      line_offsets_[num_lines_++] = chunk_offset(src, byte);
+    }
+    const bool at_once = num_lines_ <= kAtOnceLines;
+    num_tokens_ = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0 || slot >= capacity) continue;
+      const unsigned char* token = src.data + token_offset(src, slot);
+      if (at_once) {
+        for (int line = 0; line < num_lines_; ++line) {
+          __builtin_prefetch(token + line_offsets_[line], 0, kLocality);
+        }
+      } else {
+        tokens_[num_tokens_++] = token;
+      }
+    }
+    token_ = 0;
+    line_ = 0;
+  }
+
+  // Spreads what is planned over `steps` calls of step().
+  void pace(int64_t steps) {
+    const int64_t lines = int64_t{num_tokens_} * num_lines_;
+    per_step_ = steps > 1 ? (lines + steps - 1) / steps : lines;
+  }
+
+  // Always inlined, like everything that prefetches here: GCC counts a
+  // prefetch as no effect at all and may drop calls of a function that only
+  // prefetches (it did here until 2026-11-30).
+  [[gnu::always_inline]] void step() {
+    for (int64_t i = 0; i < per_step_ && token_ < num_tokens_; ++i) request();
+  }
+
+  [[gnu::always_inline]] void finish() {
+    while (token_ < num_tokens_) request();
+  }
+
+ private:
+  // 4 KiB of each token: a group's next tokens then take at most 256 KiB,
+  // a fraction of L2.
+  static constexpr int kMaxLines = 64;
+  static constexpr int kAtOnceLines = 2;  // 128 B: a decode step's short rows, PARTIAL
+  static constexpr int64_t kLineBytes = 64;
+  static constexpr int kLocality = 3;  // __builtin_prefetch: into L1 and L2
+
+  [[gnu::always_inline]] void request() {
+    __builtin_prefetch(tokens_[token_] + line_offsets_[line_], 0, kLocality);
+    if (++line_ == num_lines_) {
+      line_ = 0;
+      ++token_;
+    }
+  }
+
+  const unsigned char* tokens_[kLaneGroupMultiple];
+  int64_t line_offsets_[kMaxLines];
+  int num_tokens_ = 0;
+  int num_lines_ = 0;
+  int token_ = 0;
+  int line_ = 0;
+  int64_t per_step_ = 0;
+};
+
 template <class V, int kVectors>
 struct LaneFold {
   using Vec = typename V::Vec;
@@ -37,13 +114,6 @@ struct LaneFold {
   static_assert(kLaneGroupMultiple % kSlots == 0, "tasks must hold whole lane groups");
   static constexpr int kBlockWords = 2 * V::kBlockChunks;
   static constexpr int64_t kBlockBytes = V::kBlockChunks * kReadAlign;
-  // Lines this many blocks ahead are requested into L2 while a block is
-  // hashed: about one memory latency at the hash's pace.
-  static constexpr int64_t kPrefetchBlocks = 2;
-  static constexpr int kPrefetchToL2 = 1;  // __builtin_prefetch locality: prefetcht2
-  // Tokens up to this long are prefetched whole (prefetches_whole).
-  static constexpr int64_t kWholePrefetchBytes = 512;
-  static constexpr int64_t kLineBytes = 64;
   // Sources read at least this far fold a short batch by (source, slot) pairs
   // (fold_pairs): shorter chains gain less from running side by side than the
   // pairs' bookkeeping costs (AVX-512, 16 slots of 64 sources: 32 bytes 6.8 us
@@ -56,24 +126,13 @@ struct LaneFold {
     return V::kBlockChunks > 1 && (src.num_outer == 0 || src.run_bytes % kBlockBytes == 0);
   }
 
-  // Whether prefetch_tokens requests the tokens of `src`: whole, when they are
-  // short (the in-row prefetch of fold_blocks starts too late for them) and
-  // not at most two blocks, which fold_blocks loads at once anyway.
-  // In-process on AVX-512: 256 and 512-byte rows 30% faster, PARTIAL 5%;
-  // 64-byte and 1 KiB rows were 10% and 7% slower with it, 4 KiB unchanged.
-  static bool prefetches_whole(const SourceLayout& src) {
-    const bool loaded_at_once = takes_block_path(src) && src.read_bytes % kBlockBytes == 0 &&
-                                src.read_bytes <= 2 * kBlockBytes;
-    return !loaded_at_once && src.read_bytes <= kWholePrefetchBytes;
-  }
-
   // The whole blocks of one source for kSlots lanes; returns the bytes folded.
   // Software-pipelined: while the words of one block are hashed (word by word
   // across the vectors, independent chains side by side), the next block is
   // loaded and transposed into the other half of a small staging buffer, one
   // vector per step, so loads overlap the hash instead of alternating with it.
   static int64_t fold_blocks(const SourceLayout& src, const unsigned char* const* tokens,
-                             Vec* h) {
+                             Vec* h, TokenPrefetch& prefetch) {
     static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
     constexpr int kWordsPerLoad = kBlockWords / kVectors;
     const int64_t num_blocks = src.read_bytes / kBlockBytes;
@@ -87,16 +146,11 @@ struct LaneFold {
       const int cur = static_cast<int>(block & 1);
       const bool load_next = block + 1 < num_blocks;
       const int64_t next = load_next ? chunk_offset(src, (block + 1) * kBlockBytes) : 0;
-      const bool prefetch = block + kPrefetchBlocks < num_blocks;
-      const int64_t ahead = prefetch ? chunk_offset(src, (block + kPrefetchBlocks) * kBlockBytes) : 0;
       KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
         KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = splitmix64(h[v] ^ stage[cur][v][w]);
-        if (w % kWordsPerLoad == 0) {
-          const unsigned char* const* lanes = tokens + (w / kWordsPerLoad) * V::kLanes;
-          if (prefetch) {
-            for (int i = 0; i < V::kLanes; ++i) __builtin_prefetch(lanes[i] + ahead, 0, kPrefetchToL2);
-          }
-          if (load_next) V::load_block(lanes, next, stage[cur ^ 1][w / kWordsPerLoad]);
+        prefetch.step();
+        if (load_next && w % kWordsPerLoad == 0) {
+          V::load_block(tokens + (w / kWordsPerLoad) * V::kLanes, next, stage[cur ^ 1][w / kWordsPerLoad]);
         }
       }
     }
@@ -104,15 +158,20 @@ struct LaneFold {
   }
 
   // h of each lane over the read_bytes of `src`, lane i reading tokens[i]
-  // (every token laid out as `src` says).
+  // (every token laid out as `src` says), while `prefetch` requests the next
+  // work's tokens a few lines per step.
   static void fold_tokens(const SourceLayout& src, const unsigned char* const* tokens,
-                          Vec* h) {
+                          Vec* h, TokenPrefetch& prefetch) {
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
+    const bool by_blocks = takes_block_path(src);
+    const int64_t block_bytes = by_blocks ? src.read_bytes / kBlockBytes * kBlockBytes : 0;
+    prefetch.pace(block_bytes / kBlockBytes * kBlockWords + (src.read_bytes - block_bytes) / kReadAlign);
     int64_t byte = 0;
     if constexpr (V::kBlockChunks > 1) {
-      if (takes_block_path(src)) byte = fold_blocks(src, tokens, h);
+      if (by_blocks) byte = fold_blocks(src, tokens, h, prefetch);
     }
     for (; byte < src.read_bytes; byte += kReadAlign) {
+      prefetch.step();
       const int64_t offset = chunk_offset(src, byte);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
         Vec lo, hi;
@@ -120,26 +179,7 @@ struct LaneFold {
         h[v] = fold_chunk(h[v], lo, hi);
       }
     }
-  }
-
-  // Starts loading the tokens of `src` for `count` slots into L2 (skipping
-  // slots out of range), when prefetches_whole(src). Always inlined: GCC
-  // counts a prefetch as no effect at all, so it drops every call of a
-  // function that only prefetches (it did here, until 2026-11-30).
-  template <typename index_t>
-  [[gnu::always_inline]] static void prefetch_tokens(const CpuFoldRange& range,
-                                                     const SourceLayout& src,
-                                                     const index_t* slots, int64_t count) {
-    if (!prefetches_whole(src)) return;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t slot = slots[i];
-      if (slot < 0 || slot >= range.capacity) continue;
-      const unsigned char* token = src.data + token_offset(src, slot);
-      __builtin_prefetch(token, 0, kPrefetchToL2);  // apart: rows of one line pay for the loop
-      for (int64_t byte = kLineBytes; byte < src.read_bytes; byte += kLineBytes) {
-        __builtin_prefetch(token + chunk_offset(src, byte), 0, kPrefetchToL2);
-      }
-    }
+    prefetch.finish();
   }
 
   // out[0..kSlots) for kSlots slots, all in range. While one source is
@@ -152,18 +192,19 @@ struct LaneFold {
     Vec acc[kVectors];
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
     const unsigned char* tokens[kSlots];
+    TokenPrefetch prefetch;
     for (int s = 0; s < range.num_sources; ++s) {
       const SourceLayout& src = range.sources[s];
       for (int i = 0; i < kSlots; ++i) {
         tokens[i] = src.data + token_offset(src, slots[i]);
       }
       if (s + 1 < range.num_sources) {
-        prefetch_tokens(range, range.sources[s + 1], slots, kSlots);
+        prefetch.plan(range.sources[s + 1], slots, kSlots, range.capacity);
       } else {
-        prefetch_tokens(range, range.sources[0], next, next_count);
+        prefetch.plan(range.sources[0], next, next_count, range.capacity);
       }
       Vec h[kVectors];
-      fold_tokens(src, tokens, h);
+      fold_tokens(src, tokens, h, prefetch);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
     }
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
@@ -194,8 +235,13 @@ struct LaneFold {
         for (int i = 0; i < count; ++i) range.out[first + i] = 0;
         continue;
       }
-      const index_t* next = slots + first + count;
-      const int64_t next_count = range.end - first - count < kSlots ? range.end - first - count : kSlots;
+      // The next group: this range's, or after its last group the first of
+      // the range this thread folds next.
+      const bool last = first + count == range.end;
+      const int64_t next_first = last ? range.next_begin : first + count;
+      const int64_t next_end = last ? range.next_end : range.end;
+      const index_t* next = slots + next_first;
+      const int64_t next_count = next_end - next_first < kSlots ? next_end - next_first : kSlots;
       if (all_live) {
         fold_group(range, group, range.out + first, next, next_count);
         continue;
@@ -260,7 +306,8 @@ struct LaneFold {
       }
       for (int lane = pairs; lane < kSlots; ++lane) tokens[lane] = tokens[0];
       Vec h[kVectors];
-      fold_tokens(range.sources[first_source], tokens, h);
+      TokenPrefetch none;
+      fold_tokens(range.sources[first_source], tokens, h, none);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(h_lanes + v * V::kLanes, h[v]);
       for (int lane = 0, i = first_slot; lane < pairs; ++lane) {
         acc[i] = splitmix64(acc[i] ^ static_cast<uint64_t>(h_lanes[lane]));
@@ -291,9 +338,13 @@ struct LaneFold {
   static void fold_batch(const CpuFoldRange& range) {
     CpuFoldRange whole = range;
     whole.end = range.begin + (range.end - range.begin) / kSlots * kSlots;
-    if (whole.end > whole.begin) fold_range<index_t>(whole);
     CpuFoldRange rest = range;
     rest.begin = whole.end;
+    if (rest.begin < rest.end) {
+      whole.next_begin = rest.begin;
+      whole.next_end = rest.end;
+    }
+    if (whole.end > whole.begin) fold_range<index_t>(whole);
     if (rest.begin == rest.end) return;
     const bool by_pairs = range.num_sources > 1 && range.sources[0].read_bytes >= kPairsMinBytes &&
                           same_token_layout(range);
