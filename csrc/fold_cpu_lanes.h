@@ -33,10 +33,11 @@ namespace {
 // Requests the tokens of the work after the current fold (the next source of
 // a group, or the first source of the next group) while the current one is
 // folded. Tokens of up to kAtOnceLines lines are requested at once; longer
-// ones token by token, each token's lines in order, a few per step of the
-// fold, so that they reach memory as short sequential runs spread over the
-// fold: random 1 KiB rows folded 1.8x slower with all requested at once, and
-// 1.45x slower with the same line of every token in turn (docs/benchmarks.md).
+// ones a piece of up to kPieceLines lines at a time, token by token, paced
+// over the steps of the fold, so that they reach memory as short sequential
+// runs spread over the fold: random 1 KiB rows folded 1.8x slower with all
+// requested at once, 1.45x slower with the same line of every token in turn,
+// and 4 KiB rows 1.4x slower in whole-token pieces (docs/benchmarks.md).
 class TokenPrefetch {
  public:
   // Plans the tokens of `src` for `count` slots (at most kLaneGroupMultiple),
@@ -54,32 +55,33 @@ class TokenPrefetch {
       if (slot < 0 || slot >= capacity) continue;
       const unsigned char* token = src.data + token_offset(src, slot);
       if (at_once) {
-        for (int line = 0; line < num_lines_; ++line) {
-          __builtin_prefetch(token + line_offsets_[line], 0, kLocality);
-        }
+        request(token, 0, num_lines_);
       } else {
         tokens_[num_tokens_++] = token;
       }
     }
+    num_pieces_ = num_tokens_ * ((num_lines_ + kPieceLines - 1) / kPieceLines);
+    piece_ = 0;
     token_ = 0;
     line_ = 0;
   }
 
-  // Spreads what is planned over `steps` calls of step().
+  // Spreads the pieces planned over `steps` calls of step().
   void pace(int64_t steps) {
-    const int64_t lines = int64_t{num_tokens_} * num_lines_;
-    per_step_ = steps > 1 ? (lines + steps - 1) / steps : lines;
+    steps_ = steps > 1 ? steps : 1;
+    credit_ = 0;
   }
 
   // Always inlined, like everything that prefetches here: GCC counts a
   // prefetch as no effect at all and may drop calls of a function that only
   // prefetches (it did here until 2026-11-30).
   [[gnu::always_inline]] void step() {
-    for (int64_t i = 0; i < per_step_ && token_ < num_tokens_; ++i) request();
+    credit_ += num_pieces_;
+    for (; credit_ >= steps_ && piece_ < num_pieces_; credit_ -= steps_) request_piece();
   }
 
   [[gnu::always_inline]] void finish() {
-    while (token_ < num_tokens_) request();
+    while (piece_ < num_pieces_) request_piece();
   }
 
  private:
@@ -87,24 +89,35 @@ class TokenPrefetch {
   // a fraction of L2.
   static constexpr int kMaxLines = 64;
   static constexpr int kAtOnceLines = 2;  // 128 B: a decode step's short rows, PARTIAL
+  static constexpr int kPieceLines = 16;
   static constexpr int64_t kLineBytes = 64;
   static constexpr int kLocality = 3;  // __builtin_prefetch: into L1 and L2
 
-  [[gnu::always_inline]] void request() {
-    __builtin_prefetch(tokens_[token_] + line_offsets_[line_], 0, kLocality);
-    if (++line_ == num_lines_) {
-      line_ = 0;
-      ++token_;
+  [[gnu::always_inline]] void request(const unsigned char* token, int first, int end) {
+    for (int line = first; line < end; ++line) {
+      __builtin_prefetch(token + line_offsets_[line], 0, kLocality);
     }
+  }
+
+  [[gnu::always_inline]] void request_piece() {
+    ++piece_;
+    if (num_lines_ <= kPieceLines) return request(tokens_[token_++], 0, num_lines_);
+    const int end = line_ + kPieceLines < num_lines_ ? line_ + kPieceLines : num_lines_;
+    request(tokens_[token_], line_, end);
+    line_ = end < num_lines_ ? end : 0;
+    token_ += end == num_lines_;
   }
 
   const unsigned char* tokens_[kLaneGroupMultiple];
   int64_t line_offsets_[kMaxLines];
-  int num_tokens_ = 0;
   int num_lines_ = 0;
+  int num_tokens_ = 0;
+  int num_pieces_ = 0;
+  int piece_ = 0;  // the next piece: lines [line_, line_ + kPieceLines) of token_
   int token_ = 0;
   int line_ = 0;
-  int64_t per_step_ = 0;
+  int64_t steps_ = 1;
+  int64_t credit_ = 0;
 };
 
 template <class V, int kVectors>
