@@ -32,12 +32,12 @@ namespace {
 
 // Requests the tokens of the work after the current fold (the next source of
 // a group, or the first source of the next group) while the current one is
-// folded. Tokens of up to kAtOnceLines lines are requested at once; longer
-// ones a piece of up to kPieceLines lines at a time, token by token, paced
-// over the steps of the fold, so that they reach memory as short sequential
-// runs spread over the fold: random 1 KiB rows folded 1.8x slower with all
-// requested at once, 1.45x slower with the same line of every token in turn,
-// and 4 KiB rows 1.4x slower in whole-token pieces (docs/benchmarks.md).
+// folded. Up to kAtOnceLines lines in all are requested at once; more a piece
+// of up to kPieceLines lines at a time, token by token, paced over the steps
+// of the fold, so that they reach memory as short sequential runs spread over
+// the fold: random 1 KiB rows folded 1.8x slower with all requested at once,
+// 1.45x slower with the same line of every token in turn, and 4 KiB rows 1.3x
+// slower in whole-token pieces (docs/benchmarks.md).
 class TokenPrefetch {
  public:
   // Plans the tokens of `src` for `count` slots (at most kLaneGroupMultiple),
@@ -48,7 +48,7 @@ class TokenPrefetch {
     for (int64_t byte = 0; byte < src.read_bytes && num_lines_ < kMaxLines; byte += kLineBytes) {
       line_offsets_[num_lines_++] = chunk_offset(src, byte);
     }
-    const bool at_once = num_lines_ <= kAtOnceLines;
+    const bool at_once = count * num_lines_ <= kAtOnceLines;
     num_tokens_ = 0;
     for (int64_t i = 0; i < count; ++i) {
       const int64_t slot = slots[i];
@@ -88,7 +88,7 @@ class TokenPrefetch {
   // 4 KiB of each token: a group's next tokens then take at most 256 KiB,
   // a fraction of L2.
   static constexpr int kMaxLines = 64;
-  static constexpr int kAtOnceLines = 2;  // 128 B: a decode step's short rows, PARTIAL
+  static constexpr int kAtOnceLines = 128;  // 8 KiB
   static constexpr int kPieceLines = 16;
   static constexpr int64_t kLineBytes = 64;
   static constexpr int kLocality = 3;  // __builtin_prefetch: into L1 and L2
