@@ -48,7 +48,7 @@ def test_random_layouts(cpu_path, seed):
 @pytest.mark.parametrize("read_bytes", [16, 48, 64, 80, 128, 192, 1024, 1040])
 def test_block_and_chunk_tails(cpu_path, read_bytes):
     # Rows read in 64-byte blocks (1, 2, 3 and 16 of them: the AVX-512 path loads the next block
-    # and prefetches two ahead) plus a 16-byte-chunk tail: contiguous tokens, tokens in
+    # while it hashes one) plus a 16-byte-chunk tail: contiguous tokens, tokens in
     # runs of 64 bytes (blocks allowed), of 48 bytes and of 16 bytes (chunks only).
     gen = torch.Generator().manual_seed(read_bytes)
     pool = torch.randint(0, 256, (300, 2, 1040), dtype=torch.uint8, generator=gen)
