@@ -64,21 +64,28 @@ def test_block_and_chunk_tails(cpu_path, read_bytes):
         assert torch.equal(kc.fold(source, slots), kc.reference_fold(source, slots))
 
 
-def test_threads_agree(cpu_path):
+@pytest.mark.parametrize("rows, row_bytes, num_slots", [(4096, 256, 20000), (64, 8208, 2000)])
+def test_threads_agree(cpu_path, rows, row_bytes, num_slots):
+    # Many tasks per thread (each thread prefetches the start of the next task it claims),
+    # two sources (each group prefetches the next source's tokens), and rows past the 4 KiB
+    # that the prefetch requests of each token.
     gen = torch.Generator().manual_seed(5)
-    pool = torch.randint(0, 256, (4096, 256), dtype=torch.uint8, generator=gen)
-    source = kc.make_row_source(layer_buffer=pool, read_bytes=256)
-    slots = torch.randint(-1, 4096, (20000,), generator=gen)
+    pool = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen)
+    sources = [
+        *kc.make_row_source(layer_buffer=pool, read_bytes=row_bytes),
+        kc.view_source(pool[:, 64:].unsqueeze(1), read_bytes=row_bytes - 64),
+    ]
+    slots = torch.randint(-1, rows, (num_slots,), generator=gen)
     threads = torch.get_num_threads()
     results = []
     try:
         for n in range(1, max(threads, 2) + 1):
             torch.set_num_threads(n)
-            results.append(kc.fold(source, slots))
+            results.append(kc.fold(sources, slots))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results)
-    assert torch.equal(results[0], kc.reference_fold(source, slots))
+    assert torch.equal(results[0], kc.reference_fold(sources, slots))
 
 
 @pytest.mark.parametrize("read_bytes", [16, 64, 256])
