@@ -61,7 +61,6 @@ class TokenPrefetch {
       }
     }
     num_pieces_ = num_tokens_ * ((num_lines_ + kPieceLines - 1) / kPieceLines);
-    piece_ = 0;
     token_ = 0;
     line_ = 0;
   }
@@ -77,11 +76,11 @@ class TokenPrefetch {
   // prefetches (it did here until 2026-11-30).
   [[gnu::always_inline]] void step() {
     credit_ += num_pieces_;
-    for (; credit_ >= steps_ && piece_ < num_pieces_; credit_ -= steps_) request_piece();
+    for (; credit_ >= steps_ && token_ < num_tokens_; credit_ -= steps_) request_piece();
   }
 
   [[gnu::always_inline]] void finish() {
-    while (piece_ < num_pieces_) request_piece();
+    while (token_ < num_tokens_) request_piece();
   }
 
  private:
@@ -99,9 +98,9 @@ class TokenPrefetch {
     }
   }
 
+  // The piece at [line_, line_ + kPieceLines) of token_, then the cursor moves on.
   [[gnu::always_inline]] void request_piece() {
-    ++piece_;
-    if (num_lines_ <= kPieceLines) return request(tokens_[token_++], 0, num_lines_);
+    if (num_lines_ <= kPieceLines) return request(tokens_[token_++], 0, num_lines_);  // whole tokens
     const int end = line_ + kPieceLines < num_lines_ ? line_ + kPieceLines : num_lines_;
     request(tokens_[token_], line_, end);
     line_ = end < num_lines_ ? end : 0;
@@ -112,8 +111,7 @@ class TokenPrefetch {
   int64_t line_offsets_[kMaxLines];
   int num_lines_ = 0;
   int num_tokens_ = 0;
-  int num_pieces_ = 0;
-  int piece_ = 0;  // the next piece: lines [line_, line_ + kPieceLines) of token_
+  int num_pieces_ = 0;  // paces the requests
   int token_ = 0;
   int line_ = 0;
   int64_t steps_ = 1;
