@@ -20,6 +20,7 @@ import json
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -240,6 +241,17 @@ def compiled_reference(case: Case, device: str, min_run_time: float) -> str:
     )
 
 
+def read_bytes_series(results: list[Result], device: str, order: str) -> list[Result]:
+    """The ALL-mode, one-source results of `device` and slot `order` that sweep read_bytes, one
+    per read_bytes in increasing order, all at the slot count most of them share (the sweep
+    also holds other slot counts at some sizes, whose pools and roofs differ)."""
+    rows = [r for r in results if r.device == device and r.case.order == order and r.case.num_sources == 1 and r.case.mode == "ALL"]
+    if not rows:
+        return []
+    num_slots = Counter(r.case.num_slots for r in rows).most_common(1)[0][0]
+    return sorted((r for r in rows if r.case.num_slots == num_slots), key=lambda r: r.case.read_bytes)
+
+
 def plot(results: list[Result], path: str) -> None:
     import matplotlib
 
@@ -249,16 +261,13 @@ def plot(results: list[Result], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for device in sorted({r.device for r in results}):
         for order in ("seq", "random"):
-            rows = sorted(
-                (r for r in results if r.device == device and r.case.order == order and r.case.num_sources == 1 and r.case.mode == "ALL" and r.case.num_slots >= 4096),
-                key=lambda r: r.case.read_bytes,
-            )
-            rows = list({r.case.read_bytes: r for r in rows}.values())
+            rows = read_bytes_series(results, device, order)
             if rows:
                 x = [r.case.read_bytes for r in rows]
-                ax.plot(x, [r.bytes_per_s / 1e9 for r in rows], marker="o", label=f"fold {device} {order}")
+                label = f"{device} {order}, {rows[0].case.num_slots} slots"
+                ax.plot(x, [r.bytes_per_s / 1e9 for r in rows], marker="o", label=f"fold {label}")
                 roof = [r.bytes_per_s / r.ratio("stream") / 1e9 for r in rows]
-                ax.plot(x, roof, linestyle="--", label=f"stream read {device} {order}")
+                ax.plot(x, roof, linestyle="--", label=f"stream read {label}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("read_bytes per slot")
     ax.set_ylabel("GB/s folded")
