@@ -21,8 +21,8 @@ def test_run_case_times_the_fold_beside_its_baselines(device):
     assert result.seconds > 0 and result.repeats >= 1
     assert result.bytes_per_s == pytest.approx(512 * 256 * 2 / result.seconds)
     expected = {"stream", "gather", "reference"} | ({"upstream"} if device == "cuda" else set())
-    assert set(result.baselines) == expected
-    assert all(result.ratio(name) > 0 for name in expected)
+    assert set(result.baselines) == set(result.baseline_repeats) == expected
+    assert all(result.ratio(name) > 0 and result.baseline_repeats[name] >= 1 for name in expected)
 
 
 def test_cli_writes_table_and_json(tmp_path, capsys):
@@ -34,7 +34,9 @@ def test_cli_writes_table_and_json(tmp_path, capsys):
     assert payload["machine"]["cpu_isa"] == torch.ops.kvcanary.cpu_isa()
     for row in payload["results"]:
         assert row["seconds"] > 0 and row["repeats"] >= 1 and row["baselines"]["stream"] > 0
+        assert set(row["baseline_repeats"]) == set(row["baselines"]) and min(row["baseline_repeats"].values()) >= 1
     assert table.count("\ncpu ") == len(payload["results"])
+    assert table.splitlines()[0].split()[-2:] == ["n", "nb"]
 
 
 def test_plot_series_keeps_one_slot_count():

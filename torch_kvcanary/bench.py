@@ -55,6 +55,7 @@ class Result:
     seconds: float
     repeats: int
     baselines: dict[str, float] = field(default_factory=dict)  # seconds, same bytes
+    baseline_repeats: dict[str, int] = field(default_factory=dict)  # measurements behind each
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -157,27 +158,32 @@ def run_case(case: Case, device: str, min_run_time: float, upstream: bool = Fals
     seconds, repeats = _median(run, device, min_run_time)
     result = Result(device, case, seconds, repeats)
 
-    # Baselines, scaled to the bytes the fold read.
+    def baseline(name: str, stmt, scale: float = 1.0) -> None:
+        # `scale` turns the baseline's time into its time for the bytes the fold read.
+        seconds, repeats = _median(stmt, device, min_run_time)
+        result.baselines[name] = seconds * scale
+        result.baseline_repeats[name] = repeats
+
     pool_bytes = rows * row_bytes * case.num_sources
     if device == "cpu":
-        stream_s, _ = _median(lambda: [p.view(torch.int64).sum() for p in pools], device, min_run_time)
+        stream = lambda: [p.view(torch.int64).sum() for p in pools]  # noqa: E731
     else:
         copies = [torch.empty_like(p) for p in pools]
-        stream_s, _ = _median(lambda: [c.copy_(p) for c, p in zip(copies, pools)], device, min_run_time)
+        stream = lambda: [c.copy_(p) for c, p in zip(copies, pools)]  # noqa: E731
         pool_bytes *= 2  # a copy reads and writes
     folded_total = case.num_slots * case.bytes_per_slot
-    result.baselines["stream"] = stream_s * folded_total / pool_bytes
+    baseline("stream", stream, scale=folded_total / pool_bytes)
     prefixes = [p[:, :folded_bytes] for p in pools]
-    result.baselines["gather"], _ = _median(lambda: [torch.index_select(p, 0, slots) for p in prefixes], device, min_run_time)
+    baseline("gather", lambda: [torch.index_select(p, 0, slots) for p in prefixes])
     if folded_total <= _REFERENCE_BUDGET_BYTES:
-        result.baselines["reference"], _ = _median(lambda: reference_fold(sources, slots, mode=mode), device, min_run_time / 4)
+        baseline("reference", lambda: reference_fold(sources, slots, mode=mode))
     else:
         result.notes.append("reference skipped (too slow at this size)")
     if upstream:
-        baseline = upstream_fold(pools, folded_bytes)
-        if not torch.equal(baseline(slots), run()):
+        upstream_kernel = upstream_fold(pools, folded_bytes)
+        if not torch.equal(upstream_kernel(slots), run()):
             raise AssertionError("kv-canary: the upstream baseline disagrees with the fold")
-        result.baselines["upstream"], _ = _median(lambda: baseline(slots), device, min_run_time)
+        baseline("upstream", lambda: upstream_kernel(slots))
     return result
 
 
@@ -186,7 +192,7 @@ def _fmt_ratio(value: float | None) -> str:
 
 
 def format_table(results: list[Result]) -> str:
-    head = f"{'device':6} {'mode':7} {'rb':>5} {'slots':>8} {'src':>3} {'order':6} {'time':>10} {'GB/s':>7} {'Mslot/s':>8} {'/stream':>7} {'xgather':>7} {'xref':>7} {'xupstrm':>7} {'n':>4}"
+    head = f"{'device':6} {'mode':7} {'rb':>5} {'slots':>8} {'src':>3} {'order':6} {'time':>10} {'GB/s':>7} {'Mslot/s':>8} {'/stream':>7} {'xgather':>7} {'xref':>7} {'xupstrm':>7} {'n':>4} {'nb':>4}"
     lines = [head, "-" * len(head)]
     for r in results:
         c = r.case
@@ -194,7 +200,7 @@ def format_table(results: list[Result]) -> str:
             f"{r.device:6} {c.mode:7} {c.read_bytes:5} {c.num_slots:8} {c.num_sources:3} {c.order:6} "
             f"{r.seconds * 1e6:8.1f}us {r.bytes_per_s / 1e9:7.2f} {r.slots_per_s / 1e6:8.1f} "
             f"{_fmt_ratio(r.ratio('stream')):>7} {_fmt_ratio(r.ratio('gather')):>7} {_fmt_ratio(r.ratio('reference')):>7} "
-            f"{_fmt_ratio(r.ratio('upstream')):>7} {r.repeats:4}"
+            f"{_fmt_ratio(r.ratio('upstream')):>7} {r.repeats:4} {min(r.baseline_repeats.values()):4}"
         )
     return "\n".join(lines)
 
@@ -294,7 +300,8 @@ def main(args: argparse.Namespace) -> int:
         case = Case("ALL", args.compile_reference, 65536, 1, "random")
         compile_note = compiled_reference(case, devices[0], args.min_run_time)
     print(format_table(results))
-    print("each figure is the median of n blocked_autorange measurements; /stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
+    print("each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
+          "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
     if compile_note:
         print(compile_note)
     if graph:
