@@ -24,6 +24,9 @@ struct CpuFoldRange {
   int64_t next_begin;
   int64_t next_end;
   int64_t* out;
+
+  // Whether `slot` is folded; padding (negative) and out-of-range slots give 0.
+  bool live(int64_t slot) const { return slot >= 0 && slot < capacity; }
 };
 
 // Every path folds slots in lane groups whose size divides this; tasks handed

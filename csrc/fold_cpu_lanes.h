@@ -43,9 +43,9 @@ namespace {
 class TokenPrefetch {
  public:
   // Plans the tokens of `src` for `count` slots (at most kLaneGroupMultiple),
-  // skipping slots out of range: their first kMaxLines lines.
+  // skipping those `range` does not fold: their first kMaxLines lines.
   template <typename index_t>
-  void plan(const SourceLayout& src, const index_t* slots, int64_t count, int64_t capacity) {
+  void plan(const CpuFoldRange& range, const SourceLayout& src, const index_t* slots, int64_t count) {
     num_lines_ = 0;
     for (int64_t byte = 0; byte < src.read_bytes && num_lines_ < kMaxLines; byte += kLineBytes) {
       line_offsets_[num_lines_++] = chunk_offset(src, byte);
@@ -53,9 +53,8 @@ class TokenPrefetch {
     const bool at_once = count * num_lines_ <= kAtOnceLines;
     num_tokens_ = 0;
     for (int64_t i = 0; i < count; ++i) {
-      const int64_t slot = slots[i];
-      if (slot < 0 || slot >= capacity) continue;
-      const unsigned char* token = src.data + token_offset(src, slot);
+      if (!range.live(slots[i])) continue;
+      const unsigned char* token = src.data + token_offset(src, slots[i]);
       if (at_once) {
         request(token, 0, num_lines_);
       } else {
@@ -212,9 +211,9 @@ struct LaneFold {
         tokens[i] = src.data + token_offset(src, slots[i]);
       }
       if (s + 1 < range.num_sources) {
-        prefetch.plan(range.sources[s + 1], slots, kSlots, range.capacity);
+        prefetch.plan(range, range.sources[s + 1], slots, kSlots);
       } else {
-        prefetch.plan(range.sources[0], next, next_count, range.capacity);
+        prefetch.plan(range, range.sources[0], next, next_count);
       }
       Vec h[kVectors];
       fold_tokens(src, tokens, h, prefetch);
@@ -226,9 +225,6 @@ struct LaneFold {
   template <typename index_t>
   static void fold_range(const CpuFoldRange& range) {
     const auto* slots = static_cast<const index_t*>(range.slots);
-    const auto live = [&](int64_t slot) {
-      return slot >= 0 && slot < range.capacity;
-    };
     int64_t group[kSlots];
     int64_t folded[kSlots];
     for (int64_t first = range.begin; first < range.end; first += kSlots) {
@@ -238,7 +234,7 @@ struct LaneFold {
       bool all_live = count == kSlots;
       for (int i = 0; i < count; ++i) {
         group[i] = slots[first + i];
-        if (!live(group[i])) {
+        if (!range.live(group[i])) {
           all_live = false;
         } else if (stand_in < 0) {
           stand_in = group[i];
@@ -262,11 +258,11 @@ struct LaneFold {
       // Padding, out-of-range and missing lanes fold a live slot of the
       // group instead (every read stays inside the sources) and give 0.
       for (int i = 0; i < kSlots; ++i) {
-        if (i >= count || !live(group[i])) group[i] = stand_in;
+        if (i >= count || !range.live(group[i])) group[i] = stand_in;
       }
       fold_group(range, group, folded, next, next_count);
       for (int i = 0; i < count; ++i) {
-        range.out[first + i] = live(slots[first + i]) ? folded[i] : 0;
+        range.out[first + i] = range.live(slots[first + i]) ? folded[i] : 0;
       }
     }
   }
@@ -300,26 +296,25 @@ struct LaneFold {
   static void fold_pairs(const CpuFoldRange& range) {
     const auto* slots = static_cast<const index_t*>(range.slots) + range.begin;
     const int count = static_cast<int>(range.end - range.begin);
-    const auto live = [&](int64_t slot) { return slot >= 0 && slot < range.capacity; };
     int64_t stand_in = -1;  // read instead of padding and out-of-range slots
     for (int i = 0; i < count && stand_in < 0; ++i) {
-      if (live(slots[i])) stand_in = slots[i];
+      if (range.live(slots[i])) stand_in = slots[i];
     }
     uint64_t acc[kLaneGroupMultiple] = {};
     const unsigned char* tokens[kSlots];
     int64_t h_lanes[kSlots];
+    TokenPrefetch none;  // pairs are not prefetched
     int source = 0, slot = 0;  // the next pair
     while (stand_in >= 0 && source < range.num_sources) {
       const int first_source = source, first_slot = slot;
       int pairs = 0;
       for (; pairs < kSlots && source < range.num_sources; ++pairs) {
         const SourceLayout& src = range.sources[source];
-        tokens[pairs] = src.data + token_offset(src, live(slots[slot]) ? slots[slot] : stand_in);
+        tokens[pairs] = src.data + token_offset(src, range.live(slots[slot]) ? slots[slot] : stand_in);
         if (++slot == count) slot = 0, ++source;
       }
       for (int lane = pairs; lane < kSlots; ++lane) tokens[lane] = tokens[0];
       Vec h[kVectors];
-      TokenPrefetch none;
       fold_tokens(range.sources[first_source], tokens, h, none);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(h_lanes + v * V::kLanes, h[v]);
       for (int lane = 0, i = first_slot; lane < pairs; ++lane) {
@@ -328,7 +323,7 @@ struct LaneFold {
       }
     }
     for (int i = 0; i < count; ++i) {
-      range.out[range.begin + i] = live(slots[i]) ? static_cast<int64_t>(acc[i]) : 0;
+      range.out[range.begin + i] = range.live(slots[i]) ? static_cast<int64_t>(acc[i]) : 0;
     }
   }
 
