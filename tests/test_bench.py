@@ -2,10 +2,13 @@
 
 import ctypes
 import json
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
-from helpers import CUDA, DEVICES
+from helpers import CUDA, DEVICES, REPO
 
 import torch_kvcanary as kc
 from torch_kvcanary import bench, upstream_baseline
@@ -75,3 +78,22 @@ def test_upstream_baseline_refuses_what_it_cannot_fold():
         upstream_baseline.upstream_fold([], 16)
     with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds uint8 rows"):
         upstream_baseline.upstream_fold([torch.zeros(4, 16, dtype=torch.uint8)], 16)
+
+
+def _kernel_ab(base, *args: str) -> subprocess.CompletedProcess:
+    command = [str(REPO / "tools" / "kernel_ab.sh"), str(base), "--pool-mib", "1", "--rounds", "2", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="tools/kernel_ab.sh needs a C++ compiler")
+def test_kernel_ab_times_two_builds_and_compares_their_fingerprints(tmp_path):
+    same = _kernel_ab(REPO / "csrc", "--isa", torch.ops.kvcanary.cpu_isa(), "--row-bytes", "256")
+    assert same.returncode == 0, same.stderr
+    assert "4096 slots of 256 bytes" in same.stdout and "fingerprints agree" in same.stdout
+    # A build whose hash differs must be caught, or "agree" would mean nothing.
+    changed = tmp_path / "csrc"
+    shutil.copytree(REPO / "csrc", changed)
+    math_h = changed / "fold_math.h"
+    math_h.write_text(math_h.read_text().replace("0xBF58476D1CE4E5B9ull", "0xBF58476D1CE4E5BBull"))
+    differ = _kernel_ab(changed, "--isa", "scalar")
+    assert differ.returncode == 1 and "fingerprints DIFFER" in differ.stdout
