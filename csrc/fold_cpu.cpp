@@ -63,14 +63,10 @@ void fold_range(CpuIsa isa, const CpuFoldRange& range) {
   }
 }
 
-// Slots per task: about 256 KiB of reads (small batches stay on one thread),
-// in whole lane groups.
 int64_t task_size(const FoldPlan& plan) {
-  int64_t bytes_per_slot = 1;
+  int64_t bytes_per_slot = 0;
   for (const SourceLayout& src : plan.sources) bytes_per_slot += src.read_bytes;
-  const int64_t slots = (int64_t{1} << 18) / bytes_per_slot;
-  const int64_t groups = (slots + kLaneGroupMultiple - 1) / kLaneGroupMultiple;
-  return std::max<int64_t>(1, groups) * kLaneGroupMultiple;
+  return task_slots(bytes_per_slot);
 }
 
 // Runs fold(begin, end, next_begin, next_end) over [0, n) in tasks of `task`

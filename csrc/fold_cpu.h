@@ -33,6 +33,14 @@ struct CpuFoldRange {
 // to threads are multiples of it, so no group is split between two tasks.
 constexpr int64_t kLaneGroupMultiple = 64;
 
+// Slots per task handed to a thread: about 256 KiB of reads (small batches
+// stay on one thread), in whole lane groups.
+inline int64_t task_slots(int64_t read_bytes_per_slot) {
+  const int64_t slots = (int64_t{1} << 18) / (read_bytes_per_slot + 1);
+  const int64_t groups = (slots + kLaneGroupMultiple - 1) / kLaneGroupMultiple;
+  return (groups > 1 ? groups : 1) * kLaneGroupMultiple;
+}
+
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 void fold_range_scalar(const CpuFoldRange& range);

@@ -60,12 +60,12 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// Folds all slots on `threads` threads in tasks of about 256 KiB of reads,
-// each thread claiming its next task before running the current one, as
+// Folds all slots on `threads` threads in tasks of task_slots() slots, each
+// thread claiming its next task before running the current one, as
 // fold_cpu.cpp does with torch's threads (these are started per call, for both
 // builds alike).
 void fold_all(Kernel kernel, const CpuFoldRange& whole, int64_t n, int threads) {
-  const int64_t task = std::max<int64_t>(1, ((int64_t{1} << 18) / (whole.sources[0].read_bytes + 1) + 63) / 64) * 64;
+  const int64_t task = kvcanary::task_slots(whole.sources[0].read_bytes);
   const int64_t num_tasks = (n + task - 1) / task;
   const auto first_slot = [&](int64_t t) { return std::min(n, t * task); };
   std::atomic<int64_t> next{threads};
