@@ -1,32 +1,28 @@
 // In-process A/B timing of two builds of the CPU fold kernel: the machine's
 // memory speed drifts by tens of percent within minutes, so two builds are
 // compared by calling them in turn, round after round, in one process, on the
-// same pool and slots. Built and run by tools/kernel_ab.sh, which compiles one
-// instruction-set translation unit of each build with its entry point renamed
-// to fold_range_a and fold_range_b.
+// same pool and slots. Built and run by tools/kernel_ab.sh; each build is
+// reached through its side (kernel_ab_side.cpp), fold_all_a or fold_all_b.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "fold_cpu.h"
+#include "fold_math.h"  // this tree's (B's)
 
-namespace kvcanary {
-void fold_range_a(const CpuFoldRange& range);
-void fold_range_b(const CpuFoldRange& range);
-}  // namespace kvcanary
+extern "C" {
+void fold_all_a(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n, int threads, int64_t* out);
+void fold_all_b(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n, int threads, int64_t* out);
+}
 
 namespace {
 
-using kvcanary::CpuFoldRange;
-using Kernel = void (*)(const CpuFoldRange&);
+using FoldAll = decltype(&fold_all_a);
 
 struct Options {
   int64_t row_bytes = 1024;
@@ -36,8 +32,8 @@ struct Options {
   bool random_order = true;
 };
 
-[[noreturn]] void usage(const char* problem) {
-  std::fprintf(stderr, "kernel_ab: %s\n", problem);
+[[noreturn]] void usage(const std::string& problem) {
+  std::fprintf(stderr, "kernel_ab: %s\n", problem.c_str());
   std::exit(2);
 }
 
@@ -55,36 +51,10 @@ Options parse(int argc, char** argv) {
   }
   if (o.row_bytes <= 0 || o.row_bytes % kvcanary::kReadAlign != 0 || o.pool_mib <= 0 ||
       (o.pool_mib << 20) < o.row_bytes || o.threads < 1 || o.rounds < 1) {
-    usage("--row-bytes must be a positive multiple of 16 no larger than the pool; the other numbers positive");
+    usage("--row-bytes must be a positive multiple of " + std::to_string(kvcanary::kReadAlign) +
+          " no larger than the pool; the other numbers positive");
   }
   return o;
-}
-
-// Folds all slots on `threads` threads in tasks of task_slots() slots, each
-// thread claiming its next task before running the current one, as
-// fold_cpu.cpp does with torch's threads (these are started per call, for both
-// builds alike).
-void fold_all(Kernel kernel, const CpuFoldRange& whole, int64_t n, int threads) {
-  const int64_t task = kvcanary::task_slots(whole.sources[0].read_bytes);
-  const int64_t num_tasks = (n + task - 1) / task;
-  const auto first_slot = [&](int64_t t) { return std::min(n, t * task); };
-  std::atomic<int64_t> next{threads};
-  const auto worker = [&](int64_t t) {
-    while (t < num_tasks) {
-      const int64_t after = next++;
-      CpuFoldRange range = whole;
-      range.begin = first_slot(t);
-      range.end = first_slot(t + 1);
-      range.next_begin = first_slot(after);
-      range.next_end = first_slot(after + 1);
-      kernel(range);
-      t = after;
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int w = 1; w < threads; ++w) pool.emplace_back(worker, w);
-  worker(0);
-  for (std::thread& t : pool) t.join();
 }
 
 // Whether this CPU runs the path the script compiled (KERNEL_AB_ISA).
@@ -117,26 +87,15 @@ int main(int argc, char** argv) {
   std::iota(slots.begin(), slots.end(), 0);
   if (o.random_order) std::shuffle(slots.begin(), slots.end(), rng);
 
-  kvcanary::SourceLayout src{};
-  src.data = reinterpret_cast<const unsigned char*>(pool.data());
-  src.page_size = 1;
-  src.page_stride = src.slot_stride = src.read_bytes = src.run_bytes = o.row_bytes;
-  CpuFoldRange whole{};
-  whole.sources = &src;
-  whole.num_sources = 1;
-  whole.capacity = n;
-  whole.slots = slots.data();
-
-  const Kernel kernels[2] = {kvcanary::fold_range_a, kvcanary::fold_range_b};
+  const auto* rows = reinterpret_cast<const unsigned char*>(pool.data());
+  const FoldAll sides[2] = {fold_all_a, fold_all_b};
   std::vector<int64_t> out[2] = {std::vector<int64_t>(n), std::vector<int64_t>(n)};
   std::vector<double> us[2];
   for (int round = -1; round < o.rounds; ++round) {  // round -1 warms up, untimed
     for (int k = 0; k < 2; ++k) {
       const int which = (round + 2 + k) % 2;  // alternate which build goes first
-      CpuFoldRange range = whole;
-      range.out = out[which].data();
       const auto start = std::chrono::steady_clock::now();
-      fold_all(kernels[which], range, n, o.threads);
+      sides[which](rows, o.row_bytes, slots.data(), n, o.threads, out[which].data());
       const double elapsed = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
       if (round >= 0) us[which].push_back(elapsed);
     }

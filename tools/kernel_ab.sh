@@ -5,9 +5,8 @@
 #   --isa scalar|avx2|avx512   the path compared (default avx512)
 #   --row-bytes N --pool-mib N --threads N --rounds N --order random|sequential
 # Example: tools/kernel_ab.sh HEAD~3 --row-bytes 256 --threads 1
-# One harness passes the same CpuFoldRange and SourceLayout to both builds, so
-# A's fold_cpu.h and fold_math.h must declare them as B's do; a base whose
-# fold_cpu.h differs is refused.
+# Each build is compiled with its own headers and namespace, so A may be any
+# revision whose csrc builds tools/kernel_ab_side.cpp (f72c730 and later).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 base=${1:-HEAD}
@@ -30,13 +29,13 @@ else
   git -C "$repo" archive "$base" csrc | tar -x -C "$work/a" --strip-components=1
 fi
 cp -r "$repo/csrc" "$work/b"
-if ! cmp -s "$work/a/fold_cpu.h" "$work/b/fold_cpu.h"; then
-  echo "kernel_ab: fold_cpu.h differs between $base and this tree; compare builds that share it" >&2
-  exit 2
-fi
 CXX=${CXX:-g++}
 flags=(-O3 -std=c++17)
-"$CXX" "${flags[@]}" -Dfold_range_$isa=fold_range_a -c "$work/a/fold_cpu_$isa.cpp" -o "$work/a.o"
-"$CXX" "${flags[@]}" -Dfold_range_$isa=fold_range_b -c "$work/b/fold_cpu_$isa.cpp" -o "$work/b.o"
-"$CXX" "${flags[@]}" -DKERNEL_AB_ISA="\"$isa\"" -I"$work/b" "$repo/tools/kernel_ab.cpp" "$work/a.o" "$work/b.o" -o "$work/kernel_ab" -pthread
+for side in a b; do
+  renamed=(-Dkvcanary=kvcanary_$side -I"$work/$side")
+  "$CXX" "${flags[@]}" "${renamed[@]}" -c "$work/$side/fold_cpu_$isa.cpp" -o "$work/kernel_$side.o"
+  "$CXX" "${flags[@]}" "${renamed[@]}" -DKERNEL_AB_ENTRY=fold_all_$side -DKERNEL_AB_KERNEL=fold_range_$isa \
+    -c "$repo/tools/kernel_ab_side.cpp" -o "$work/side_$side.o"
+done
+"$CXX" "${flags[@]}" -DKERNEL_AB_ISA="\"$isa\"" -I"$work/b" "$repo/tools/kernel_ab.cpp" "$work"/*.o -o "$work/kernel_ab" -pthread
 "$work/kernel_ab" "${args[@]}"

@@ -1,0 +1,61 @@
+// One side of tools/kernel_ab: folds a pool of rows with one build's kernel,
+// headers and task split. tools/kernel_ab.sh compiles it once per build, with
+// that build's csrc on the include path, its namespace renamed
+// (-Dkvcanary=kvcanary_a or _b, so the two builds share no symbol) and
+//   KERNEL_AB_ENTRY   the extern "C" name of this side's entry point
+//   KERNEL_AB_KERNEL  the instruction-set path it calls (fold_range_avx512, ...)
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "fold_cpu.h"
+
+namespace {
+
+using kvcanary::CpuFoldRange;
+
+// Runs the kernel over all slots on `threads` threads in tasks of task_slots()
+// slots, each thread claiming its next task before running the current one, as
+// fold_cpu.cpp does with torch's threads (these are started per call, on both
+// sides alike).
+void fold_all(const CpuFoldRange& whole, int64_t n, int threads) {
+  const int64_t task = kvcanary::task_slots(whole.sources[0].read_bytes);
+  const int64_t num_tasks = (n + task - 1) / task;
+  const auto first_slot = [&](int64_t t) { return std::min(n, t * task); };
+  std::atomic<int64_t> next{threads};
+  const auto worker = [&](int64_t t) {
+    while (t < num_tasks) {
+      const int64_t after = next++;
+      CpuFoldRange range = whole;
+      range.begin = first_slot(t);
+      range.end = first_slot(t + 1);
+      range.next_begin = first_slot(after);
+      range.next_end = first_slot(after + 1);
+      kvcanary::KERNEL_AB_KERNEL(range);
+      t = after;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int w = 1; w < threads; ++w) pool.emplace_back(worker, w);
+  worker(0);
+  for (std::thread& t : pool) t.join();
+}
+
+}  // namespace
+
+// out[i] = the fold of row slots[i] of `pool` (rows of row_bytes, all read).
+extern "C" void KERNEL_AB_ENTRY(const unsigned char* pool, int64_t row_bytes, const int64_t* slots,
+                                int64_t n, int threads, int64_t* out) {
+  kvcanary::SourceLayout src{};
+  src.data = pool;
+  src.page_size = 1;
+  src.page_stride = src.slot_stride = src.read_bytes = src.run_bytes = row_bytes;
+  CpuFoldRange whole{};
+  whole.sources = &src;
+  whole.num_sources = 1;
+  whole.capacity = n;
+  whole.slots = slots;
+  whole.out = out;
+  fold_all(whole, n, threads);
+}
