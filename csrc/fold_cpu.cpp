@@ -70,13 +70,12 @@ int64_t task_size(const FoldPlan& plan) {
 }
 
 // Runs fold(begin, end, next_begin, next_end) over [0, n) in tasks of `task`
-// slots on torch's threads; [next_begin, next_end) is the task the same
-// thread runs next (empty when none), whose first slots the fold prefetches,
-// so each thread knows its next task before it runs the current one.
-// Threads start with one task each and then claim tasks from a shared counter
-// instead of taking an even share up front: the fold waits on memory, and on
-// a shared machine an even split makes every call as slow as its slowest
-// thread (+11 to 17% on random 256 B to 1 KiB rows here).
+// slots on torch's threads (run_tasks: each thread knows its next task before
+// it runs the current one). Threads start with one task each and then claim
+// tasks from a shared counter instead of taking an even share up front: the
+// fold waits on memory, and on a shared machine an even split makes every
+// call as slow as its slowest thread (+11 to 17% on random 256 B to 1 KiB rows
+// here).
 template <typename F>
 void for_each_task(int64_t n, int64_t task, const F& fold) {
   const int64_t num_tasks = (n + task - 1) / task;
@@ -85,16 +84,11 @@ void for_each_task(int64_t n, int64_t task, const F& fold) {
     fold(0, n, n, n);
     return;
   }
-  const auto first_slot = [&](int64_t t) { return std::min(n, t * task); };
   std::atomic<int64_t> next{workers};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     // Tasks [begin, end) are this thread's to start with (one, unless
     // parallel_for runs inline), then whatever it claims.
-    for (int64_t t = begin; t < num_tasks;) {
-      const int64_t after = t + 1 < end ? t + 1 : next++;
-      fold(first_slot(t), first_slot(t + 1), first_slot(after), first_slot(after + 1));
-      t = after;
-    }
+    run_tasks(begin, end, next, n, task, fold);
   });
 }
 

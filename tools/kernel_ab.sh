@@ -6,7 +6,7 @@
 #   --row-bytes N --pool-mib N --threads N --rounds N --order random|sequential
 # Example: tools/kernel_ab.sh HEAD~3 --row-bytes 256 --threads 1
 # Each build is compiled with its own headers and namespace, so A may be any
-# revision whose csrc builds tools/kernel_ab_side.cpp (f72c730 and later).
+# revision whose csrc builds tools/kernel_ab_side.cpp (from the commit that added run_tasks to fold_cpu.h).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 base=${1:-HEAD}

@@ -4,7 +4,6 @@
 // (-Dkvcanary=kvcanary_a or _b, so the two builds share no symbol) and
 //   KERNEL_AB_ENTRY   the extern "C" name of this side's entry point
 //   KERNEL_AB_KERNEL  the instruction-set path it calls (fold_range_avx512, ...)
-#include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -16,26 +15,20 @@ namespace {
 using kvcanary::CpuFoldRange;
 
 // Runs the kernel over all slots on `threads` threads in tasks of task_slots()
-// slots, each thread claiming its next task before running the current one, as
-// fold_cpu.cpp does with torch's threads (these are started per call, on both
-// sides alike).
+// slots, claimed as fold_cpu.cpp's threads claim them (run_tasks; these
+// threads are started per call, on both sides alike).
 void fold_all(const CpuFoldRange& whole, int64_t n, int threads) {
   const int64_t task = kvcanary::task_slots(whole.sources[0].read_bytes);
-  const int64_t num_tasks = (n + task - 1) / task;
-  const auto first_slot = [&](int64_t t) { return std::min(n, t * task); };
   std::atomic<int64_t> next{threads};
-  const auto worker = [&](int64_t t) {
-    while (t < num_tasks) {
-      const int64_t after = next++;
-      CpuFoldRange range = whole;
-      range.begin = first_slot(t);
-      range.end = first_slot(t + 1);
-      range.next_begin = first_slot(after);
-      range.next_end = first_slot(after + 1);
-      kvcanary::KERNEL_AB_KERNEL(range);
-      t = after;
-    }
+  const auto fold = [&](int64_t begin, int64_t end, int64_t next_begin, int64_t next_end) {
+    CpuFoldRange range = whole;
+    range.begin = begin;
+    range.end = end;
+    range.next_begin = next_begin;
+    range.next_end = next_end;
+    kvcanary::KERNEL_AB_KERNEL(range);
   };
+  const auto worker = [&](int w) { kvcanary::run_tasks(w, w + 1, next, n, task, fold); };
   std::vector<std::thread> pool;
   for (int w = 1; w < threads; ++w) pool.emplace_back(worker, w);
   worker(0);
