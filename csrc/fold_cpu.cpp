@@ -11,7 +11,7 @@
 #include <string>
 
 #include "fold_cpu.h"
-#include "fold_plan.h"
+#include "fold_cpu_entry.h"
 
 namespace kvcanary {
 namespace {
@@ -95,24 +95,37 @@ void for_each_task(int64_t n, int64_t task, const F& fold) {
 at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
                     at::IntArrayRef read_bytes, bool check_bounds) {
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
-  const CpuIsa isa = selected_cpu_isa();
   const at::Tensor flat = slots.contiguous();
+  if (check_bounds) {
+    check_slots_cpu(flat, plan.capacity);
+  }
   at::Tensor out = at::empty(slots.sizes(), slots.options().dtype(at::kLong));
+  fold_slots_cpu(plan, flat, out.mutable_data_ptr<int64_t>());
+  return out;
+}
+
+std::string cpu_isa() { return kIsaNames[static_cast<int>(selected_cpu_isa())]; }
+
+}  // namespace
+
+void check_slots_cpu(const at::Tensor& flat_slots, int64_t capacity) {
+  if (flat_slots.scalar_type() == at::kInt) {
+    check_slots_in_range(flat_slots.const_data_ptr<int32_t>(), flat_slots.numel(), capacity);
+  } else {
+    check_slots_in_range(flat_slots.const_data_ptr<int64_t>(), flat_slots.numel(), capacity);
+  }
+}
+
+void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out) {
+  const CpuIsa isa = selected_cpu_isa();
   CpuFoldRange range{};
   range.sources = plan.sources.data();
   range.num_sources = static_cast<int>(plan.sources.size());
   range.capacity = plan.capacity;
-  range.slots = flat.const_data_ptr();
-  range.slots_are_int32 = flat.scalar_type() == at::kInt;
-  range.out = out.mutable_data_ptr<int64_t>();
-  if (check_bounds) {
-    if (range.slots_are_int32) {
-      check_slots_in_range(flat.const_data_ptr<int32_t>(), flat.numel(), plan.capacity);
-    } else {
-      check_slots_in_range(flat.const_data_ptr<int64_t>(), flat.numel(), plan.capacity);
-    }
-  }
-  for_each_task(flat.numel(), task_size(plan),
+  range.slots = flat_slots.const_data_ptr();
+  range.slots_are_int32 = flat_slots.scalar_type() == at::kInt;
+  range.out = out;
+  for_each_task(flat_slots.numel(), task_size(plan),
                 [&](int64_t begin, int64_t end, int64_t next_begin, int64_t next_end) {
                   CpuFoldRange task = range;
                   task.begin = begin;
@@ -121,12 +134,7 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
                   task.next_end = next_end;
                   fold_range(isa, task);
                 });
-  return out;
 }
-
-std::string cpu_isa() { return kIsaNames[static_cast<int>(selected_cpu_isa())]; }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(kvcanary, CPU, m) { m.impl("fold", &fold_cpu); }
 TORCH_LIBRARY_IMPL(kvcanary, CatchAll, m) { m.impl("cpu_isa", &cpu_isa); }
