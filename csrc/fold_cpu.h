@@ -61,6 +61,10 @@ void run_tasks(int64_t first, int64_t end, std::atomic<int64_t>& next, int64_t n
 
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// The path the CPU kernels take: the best one this CPU has, or the lesser one
+// $KVCANARY_CPU_ISA names.
+CpuIsa selected_cpu_isa();
+
 void fold_range_scalar(const CpuFoldRange& range);
 #if defined(__x86_64__)
 void fold_range_avx2(const CpuFoldRange& range);

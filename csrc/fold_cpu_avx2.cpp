@@ -11,6 +11,7 @@
 #pragma GCC target("avx2")
 #endif
 
+#include "digest_cpu_lanes.h"
 #include "fold_cpu_lanes.h"
 
 namespace kvcanary {
@@ -56,6 +57,8 @@ struct Avx2Lanes {
 }  // namespace
 
 void fold_range_avx2(const CpuFoldRange& range) { LaneFold<Avx2Lanes, 4>::run(range); }
+
+void digest_range_avx2(const CpuDigestRange& range) { LaneDigest<Avx2Lanes, 4>::run(range); }
 
 }  // namespace kvcanary
 

@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#include "digest_cpu_lanes.h"
 #include "fold_cpu_lanes.h"
 
 namespace kvcanary {
@@ -80,6 +81,8 @@ struct Avx512Lanes {
 }  // namespace
 
 void fold_range_avx512(const CpuFoldRange& range) { LaneFold<Avx512Lanes, 8>::run(range); }
+
+void digest_range_avx512(const CpuDigestRange& range) { LaneDigest<Avx512Lanes, 8>::run(range); }
 
 }  // namespace kvcanary
 

@@ -1,6 +1,8 @@
-// The portable CPU path: plain 64-bit arithmetic, eight slots in flight.
+// The portable CPU path: plain 64-bit arithmetic, eight slots (or digest units)
+// in flight.
 #include <cstring>
 
+#include "digest_cpu_lanes.h"
 #include "fold_cpu_lanes.h"
 
 namespace kvcanary {
@@ -25,5 +27,7 @@ struct ScalarLanes {
 void fold_range_scalar(const CpuFoldRange& range) {
   LaneFold<ScalarLanes, 8>::run(range);
 }
+
+void digest_range_scalar(const CpuDigestRange& range) { LaneDigest<ScalarLanes, 8>::run(range); }
 
 }  // namespace kvcanary
