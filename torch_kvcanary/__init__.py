@@ -7,8 +7,9 @@ custom op; `fold` is its Python entry point.
 
 from importlib.metadata import version as _version
 
-from . import layouts
+from . import digest, layouts
 from .canary import KvCanary
+from .digest import kv_digest
 from .ops import fold
 from .reference import reference_fold
 from .sources import (
@@ -32,7 +33,9 @@ __all__ = [
     "RealKvSource",
     "ViewSource",
     "clip_read_bytes",
+    "digest",
     "fold",
+    "kv_digest",
     "layouts",
     "make_packed_source",
     "make_row_source",
