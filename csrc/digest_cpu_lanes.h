@@ -39,11 +39,11 @@ struct LaneDigest {
 
   // terms[i] = mix3(keys[i][0], keys[i][1], the unit fold of units[i]) for kChains
   // units of `view`; `chunks` is view.unit cut to its whole 16-byte chunks.
+  // `prefetch` requests the next lanes' tokens meanwhile.
   static void hash_lanes(const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                         const uint64_t (*keys)[2], int64_t* terms) {
+                         const uint64_t (*keys)[2], int64_t* terms, TokenPrefetch& prefetch) {
     Vec h[kVectors];
-    TokenPrefetch none;  // the units of a term group are adjacent; nothing to request ahead
-    Fold::fold_tokens(chunks, units, h, none);
+    Fold::fold_tokens(chunks, units, h, prefetch);
     // The words past the whole chunks: 4, 8 or 12 bytes, the last one zero-padded.
     const int64_t first_word = chunks.read_bytes / 8;
     const int64_t tail = unit_words(view) - first_word;
@@ -65,69 +65,127 @@ struct LaneDigest {
 
   // hash_lanes for the first `lanes` (<= kChains) of the arrays, in as few
   // vectors as hold them: the end of a view's terms need not cost kChains chains.
-  static void hash_some(int lanes, const DigestView& view, const SourceLayout& chunks,
-                        const unsigned char* const* units, const uint64_t (*keys)[2], int64_t* terms) {
+  static void hash_some(int lanes, const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
+                        const uint64_t (*keys)[2], int64_t* terms, TokenPrefetch& prefetch) {
     const int vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (kVectors > 1 && vectors <= 1) return LaneDigest<V, 1>::hash_lanes(view, chunks, units, keys, terms);
-    if (kVectors > 2 && vectors <= 2) return LaneDigest<V, 2>::hash_lanes(view, chunks, units, keys, terms);
-    if (kVectors > 4 && vectors <= 4) return LaneDigest<V, 4>::hash_lanes(view, chunks, units, keys, terms);
-    hash_lanes(view, chunks, units, keys, terms);
+    if (kVectors > 1 && vectors <= 1) return LaneDigest<V, 1>::hash_lanes(view, chunks, units, keys, terms, prefetch);
+    if (kVectors > 2 && vectors <= 2) return LaneDigest<V, 2>::hash_lanes(view, chunks, units, keys, terms, prefetch);
+    if (kVectors > 4 && vectors <= 4) return LaneDigest<V, 4>::hash_lanes(view, chunks, units, keys, terms, prefetch);
+    hash_lanes(view, chunks, units, keys, terms, prefetch);
   }
 
-  // One view's terms for the live entries `live[0..count)`, unit by unit (a
-  // layout whose chunks cross runs: each word read on its own).
-  static void add_terms_by_unit(const CpuDigestRange& r, const DigestView& view, const int64_t* live, int count) {
-    for (int e = 0; e < count; ++e) {
-      const int64_t i = live[e];
+  // The live entries of a batch: their indices, and per view being hashed the
+  // first byte of each one's token (unit 0).
+  struct Batch {
+    int64_t entries[kEntriesPerBatch];
+    int64_t slots[kEntriesPerBatch];
+    const unsigned char* tokens[kEntriesPerBatch];
+    int count = 0;
+
+    void locate(const DigestView& view) {
+      for (int e = 0; e < count; ++e) tokens[e] = view.unit.data + token_offset(view.unit, slots[e]);
+    }
+  };
+
+  // What the prefetch of a view's tokens requests: its units' bytes when they
+  // follow each other in one run, else the bytes of unit 0.
+  static SourceLayout prefetch_layout(const DigestView& view) {
+    SourceLayout token = view.unit;
+    if (view.unit.num_outer == 0 && view.unit_stride == view.unit.read_bytes) {
+      token.read_bytes = view.num_units * view.unit.read_bytes;
+    }
+    token.num_outer = 0;
+    token.read_bytes = token.read_bytes / kReadAlign * kReadAlign;
+    return token;
+  }
+
+  // Plans the prefetch of the tokens of the batch's entries [first, end) in `view`.
+  static void plan_prefetch(TokenPrefetch& prefetch, const DigestView& view, const Batch& batch, int64_t first,
+                            int64_t end) {
+    CpuFoldRange all_live{};
+    all_live.capacity = INT64_MAX;  // the batch's entries are live
+    const SourceLayout token = prefetch_layout(view);
+    const int64_t count = end < batch.count ? end - first : batch.count - first;
+    if (token.read_bytes > 0 && count > 0) prefetch.plan(all_live, token, batch.slots + first, count);
+  }
+
+  // One view's terms for the batch's entries, unit by unit (a layout whose
+  // chunks cross runs: each word read on its own).
+  static void add_terms_by_unit(const CpuDigestRange& r, const DigestView& view, const Batch& batch) {
+    for (int e = 0; e < batch.count; ++e) {
+      const int64_t i = batch.entries[e];
       for (int64_t k = 0; k < view.num_units; ++k) {
-        const uint64_t h = unit_fold(view, unit_address(view, r.slots[i], k));
+        const uint64_t h = unit_fold(view, batch.tokens[e] + k * view.unit_stride);
         r.sums[r.group(i)] += mix3<uint64_t>(view.first_unit_id + k, r.positions[i], h);
       }
     }
   }
 
-  // One view's terms for the live entries `live[0..count)`, kChains at a time.
-  static void add_terms(const CpuDigestRange& r, const DigestView& view, const int64_t* live, int count) {
-    if (!chunks_in_runs(view)) return add_terms_by_unit(r, view, live, count);
+  // One view's terms for the batch's entries, kChains at a time, lanes taking
+  // (entry, unit) in order; `next` is the view hashed after this one (null:
+  // none), whose first tokens are prefetched during the last lanes.
+  static void add_terms(const CpuDigestRange& r, const DigestView& view, const DigestView* next, const Batch& batch) {
+    if (!chunks_in_runs(view)) return add_terms_by_unit(r, view, batch);
     SourceLayout chunks = view.unit;
     chunks.read_bytes = view.unit.read_bytes / kReadAlign * kReadAlign;
     const unsigned char* units[kChains];
     uint64_t keys[kChains][2];
     int64_t groups[kChains];
     int64_t terms[kChains];
-    const int64_t num_terms = count * view.num_units;
+    const int64_t num_units = view.num_units;
+    const int64_t num_terms = batch.count * num_units;
     for (int64_t first = 0; first < num_terms; first += kChains) {
       const int lanes = static_cast<int>(num_terms - first < kChains ? num_terms - first : kChains);
-      // Lanes past the end hash the first lane's unit again (every read stays
-      // inside the view) and add nothing.
-      for (int lane = 0; lane < kChains; ++lane) {
-        const int64_t t = first + (lane < lanes ? lane : 0);
-        const int64_t i = live[t / view.num_units];
-        const int64_t k = t % view.num_units;
-        units[lane] = unit_address(view, r.slots[i], k);
+      int64_t e = first / num_units;
+      int64_t k = first - e * num_units;
+      for (int lane = 0; lane < lanes; ++lane) {
+        const int64_t i = batch.entries[e];
+        units[lane] = batch.tokens[e] + k * view.unit_stride;
         keys[lane][0] = view.first_unit_id + static_cast<uint64_t>(k);
         keys[lane][1] = static_cast<uint64_t>(r.positions[i]);
         groups[lane] = r.group(i);
+        if (++k == num_units) k = 0, ++e;
+      }
+      // Lanes past the end hash the first lane's unit again (every read stays
+      // inside the view) and add nothing.
+      for (int lane = lanes; lane < kChains; ++lane) {
+        units[lane] = units[0];
+        keys[lane][0] = keys[0][0];
+        keys[lane][1] = keys[0][1];
+      }
+      TokenPrefetch prefetch;
+      const int64_t after = first + kChains;
+      if (after < num_terms) {
+        plan_prefetch(prefetch, view, batch, after / num_units, (after + kChains - 1) / num_units + 1);
+      } else if (next != nullptr) {
+        plan_prefetch(prefetch, *next, batch, 0, (kChains - 1) / next->num_units + 1);
       }
       if (lanes == kChains) {
-        hash_lanes(view, chunks, units, keys, terms);
+        hash_lanes(view, chunks, units, keys, terms, prefetch);
       } else {
-        hash_some(lanes, view, chunks, units, keys, terms);
+        hash_some(lanes, view, chunks, units, keys, terms, prefetch);
       }
       for (int lane = 0; lane < lanes; ++lane) r.sums[groups[lane]] += static_cast<uint64_t>(terms[lane]);
     }
   }
 
   static void run(const CpuDigestRange& r) {
-    int64_t live[kEntriesPerBatch];
+    Batch batch;
     for (int64_t first = r.begin; first < r.end; first += kEntriesPerBatch) {
       const int64_t end = r.end - first < kEntriesPerBatch ? r.end : first + kEntriesPerBatch;
-      int count = 0;
+      batch.count = 0;
       for (int64_t i = first; i < end; ++i) {
-        if (r.live(i)) live[count++] = i;
+        if (!r.live(i)) continue;
+        batch.entries[batch.count] = i;
+        batch.slots[batch.count++] = r.slots[i];
       }
-      for (int j = 0; j < r.num_views && count > 0; ++j) {
-        if (r.views[j].num_units > 0) add_terms(r, r.views[j], live, count);
+      for (int j = 0; j < r.num_views && batch.count > 0; ++j) {
+        const DigestView& view = r.views[j];
+        if (view.num_units == 0) continue;
+        int next = j + 1;
+        while (next < r.num_views && r.views[next].num_units == 0) ++next;
+        batch.locate(view);
+        add_terms(r, view, next < r.num_views ? &r.views[next] : nullptr, batch);
       }
     }
   }
