@@ -8,7 +8,7 @@ custom op; `fold` is its Python entry point.
 from importlib.metadata import version as _version
 
 from . import digest, layouts
-from .canary import KvCanary
+from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
 from .ops import fold
 from .reference import reference_fold
@@ -28,10 +28,14 @@ __version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
+    "FailReason",
     "HashMode",
     "KvCanary",
+    "KvCorruptionError",
     "RealKvSource",
     "ViewSource",
+    "Violation",
+    "ViolationKind",
     "clip_read_bytes",
     "digest",
     "fold",
