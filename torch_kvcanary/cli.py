@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import __version__, bench, demo
+from . import __version__, bench, demo, transfer_demo
 from .ops import fold
 from .reference import reference_fold
 from .sources import HashMode, make_packed_source, make_row_source
@@ -51,13 +51,18 @@ def info(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def run_demo(args: argparse.Namespace) -> int:
+    return transfer_demo.main(args) if args.transfer else demo.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kvcanary", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, fold kernels, a sample fold").set_defaults(run=info)
     demo_parser = commands.add_parser("demo", help="catch four classic KV-cache bugs in a paged cache", description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.main)
+    demo_parser.add_argument("--transfer", action="store_true", help="instead: KV moved between processes over torch.distributed, and the transfer digests catching five bugs on the way")
+    demo_parser.set_defaults(run=run_demo)
     bench_parser = commands.add_parser("bench", help="the fold's speed beside its baselines", description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.main)
