@@ -33,11 +33,12 @@ void digest_range(CpuIsa isa, const CpuDigestRange& range) {
   }
 }
 
-// Entries per task: about 256 KiB of reads, as the fold's tasks.
+// Entries per task: about 256 KiB of reads, as the fold's tasks, and never
+// fewer than a batch of entries, whose terms fill the lanes.
 int64_t task_entries(const DigestPlan& plan) {
   int64_t bytes_per_entry = 0;
   for (const DigestView& view : plan.views) bytes_per_entry += view.num_units * view.unit.read_bytes;
-  return std::max<int64_t>(1, (int64_t{1} << 18) / (bytes_per_entry + 1));
+  return std::max<int64_t>(kDigestBatchEntries, (int64_t{1} << 18) / (bytes_per_entry + 1));
 }
 
 // The entries of `flat` (int32 or int64) as a contiguous int64 tensor.

@@ -10,6 +10,9 @@
 
 namespace kvcanary {
 
+// Entries whose live ones a path collects and then hashes view by view.
+constexpr int64_t kDigestBatchEntries = 64;
+
 // The terms of entries [begin, end): slots[i] >= 0 and < capacity (others add
 // nothing) with groups[i] (null: all 0) in [0, num_groups), added (wrapping)
 // to sums[groups[i]].

@@ -7,7 +7,9 @@
 // of them, the (entry, unit) terms of one view taken in order, are hashed side
 // by side by the fold's own lane code (LaneFold::fold_tokens, a lane's
 // "token" being its unit), so that the multipliers stay busy and the 8 x 8
-// transposes of whole blocks serve the digest too.
+// transposes of whole blocks serve the digest too. Besides what the fold
+// needs, a lane type provides
+//   load(in)                 the lanes, in order, from in[0..kLanes)
 #pragma once
 
 #include "digest_cpu.h"
@@ -21,8 +23,7 @@ struct LaneDigest {
   using Vec = typename V::Vec;
   using Fold = LaneFold<V, kVectors>;
   static constexpr int kChains = V::kLanes * kVectors;
-  // Entries whose live ones are collected, then hashed view by view.
-  static constexpr int kEntriesPerBatch = 64;
+  static constexpr int kEntriesPerBatch = static_cast<int>(kDigestBatchEntries);
 
   // Whether each whole 16-byte chunk of the view's units lies in one run, so
   // that the fold's lanes can read it.
@@ -37,11 +38,11 @@ struct LaneDigest {
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::load_chunks(lanes + v * V::kLanes, 0, &lo[v], &hi[v]);
   }
 
-  // terms[i] = mix3(keys[i][0], keys[i][1], the unit fold of units[i]) for kChains
+  // terms[i] = mix3(ids[i], positions[i], the unit fold of units[i]) for kChains
   // units of `view`; `chunks` is view.unit cut to its whole 16-byte chunks.
   // `prefetch` requests the next lanes' tokens meanwhile.
   static void hash_lanes(const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                         const uint64_t (*keys)[2], int64_t* terms, TokenPrefetch& prefetch) {
+                         const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetch& prefetch) {
     Vec h[kVectors];
     Fold::fold_tokens(chunks, units, h, prefetch);
     // The words past the whole chunks: 4, 8 or 12 bytes, the last one zero-padded.
@@ -58,20 +59,22 @@ struct LaneDigest {
         h[v] = tail == 2 ? fold_chunk(h[v], lo[v], hi[v]) : splitmix64(h[v] ^ lo[v]);
       }
     }
-    Vec id[kVectors], position[kVectors];
-    load_pairs(keys, id, position);
-    KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(terms + v * V::kLanes, mix3(id[v], position[v], h[v]));
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+      const Vec id = V::load(ids + v * V::kLanes);
+      const Vec position = V::load(positions + v * V::kLanes);
+      V::store(terms + v * V::kLanes, mix3(id, position, h[v]));
+    }
   }
 
   // hash_lanes for the first `lanes` (<= kChains) of the arrays, in as few
   // vectors as hold them: the end of a view's terms need not cost kChains chains.
   static void hash_some(int lanes, const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                        const uint64_t (*keys)[2], int64_t* terms, TokenPrefetch& prefetch) {
+                        const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetch& prefetch) {
     const int vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (kVectors > 1 && vectors <= 1) return LaneDigest<V, 1>::hash_lanes(view, chunks, units, keys, terms, prefetch);
-    if (kVectors > 2 && vectors <= 2) return LaneDigest<V, 2>::hash_lanes(view, chunks, units, keys, terms, prefetch);
-    if (kVectors > 4 && vectors <= 4) return LaneDigest<V, 4>::hash_lanes(view, chunks, units, keys, terms, prefetch);
-    hash_lanes(view, chunks, units, keys, terms, prefetch);
+    if (kVectors > 1 && vectors <= 1) return LaneDigest<V, 1>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
+    if (kVectors > 2 && vectors <= 2) return LaneDigest<V, 2>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
+    if (kVectors > 4 && vectors <= 4) return LaneDigest<V, 4>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
+    hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
   }
 
   // The live entries of a batch: their indices, and per view being hashed the
@@ -129,7 +132,8 @@ struct LaneDigest {
     SourceLayout chunks = view.unit;
     chunks.read_bytes = view.unit.read_bytes / kReadAlign * kReadAlign;
     const unsigned char* units[kChains];
-    uint64_t keys[kChains][2];
+    int64_t ids[kChains];
+    int64_t positions[kChains];
     int64_t groups[kChains];
     int64_t terms[kChains];
     const int64_t num_units = view.num_units;
@@ -141,8 +145,8 @@ struct LaneDigest {
       for (int lane = 0; lane < lanes; ++lane) {
         const int64_t i = batch.entries[e];
         units[lane] = batch.tokens[e] + k * view.unit_stride;
-        keys[lane][0] = view.first_unit_id + static_cast<uint64_t>(k);
-        keys[lane][1] = static_cast<uint64_t>(r.positions[i]);
+        ids[lane] = static_cast<int64_t>(view.first_unit_id + static_cast<uint64_t>(k));
+        positions[lane] = r.positions[i];
         groups[lane] = r.group(i);
         if (++k == num_units) k = 0, ++e;
       }
@@ -150,8 +154,8 @@ struct LaneDigest {
       // inside the view) and add nothing.
       for (int lane = lanes; lane < kChains; ++lane) {
         units[lane] = units[0];
-        keys[lane][0] = keys[0][0];
-        keys[lane][1] = keys[0][1];
+        ids[lane] = ids[0];
+        positions[lane] = positions[0];
       }
       TokenPrefetch prefetch;
       const int64_t after = first + kChains;
@@ -161,9 +165,9 @@ struct LaneDigest {
         plan_prefetch(prefetch, *next, batch, 0, (kChains - 1) / next->num_units + 1);
       }
       if (lanes == kChains) {
-        hash_lanes(view, chunks, units, keys, terms, prefetch);
+        hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
       } else {
-        hash_some(lanes, view, chunks, units, keys, terms, prefetch);
+        hash_some(lanes, view, chunks, units, ids, positions, terms, prefetch);
       }
       for (int lane = 0; lane < lanes; ++lane) r.sums[groups[lane]] += static_cast<uint64_t>(terms[lane]);
     }

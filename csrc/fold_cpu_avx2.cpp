@@ -52,6 +52,7 @@ struct Avx2Lanes {
     hi->v = _mm256_unpackhi_epi64(a, b);
   }
   static void store(int64_t* out, Vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v.v); }
+  static Vec load(const int64_t* in) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in))}; }
 };
 
 }  // namespace

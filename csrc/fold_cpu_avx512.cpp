@@ -76,6 +76,7 @@ struct Avx512Lanes {
     }
   }
   static void store(int64_t* out, Vec v) { _mm512_storeu_si512(out, v.v); }
+  static Vec load(const int64_t* in) { return {_mm512_loadu_si512(in)}; }
 };
 
 }  // namespace
