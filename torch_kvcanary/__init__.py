@@ -2,7 +2,9 @@
 
 The core is ``torch.ops.kvcanary.fold``, SGLang's kv-canary fold (a splitmix64
 chain over each slot's leading bytes across one or more sources) as a PyTorch
-custom op; `fold` is its Python entry point.
+custom op; `fold` is its Python entry point. ``torch.ops.kvcanary.digest`` (`kv_digest`)
+gives one value per request or chunk of KV moved between machines, the same however each
+side shards and pages the cache; `verify_transfer` compares them.
 """
 
 from importlib.metadata import version as _version
@@ -23,6 +25,7 @@ from .sources import (
     resolve_read_bytes,
     view_source,
 )
+from .transfer import KvTransferError, TransferCheck, verify_transfer
 
 __version__ = _version("torch_kvcanary")
 
@@ -32,7 +35,9 @@ __all__ = [
     "HashMode",
     "KvCanary",
     "KvCorruptionError",
+    "KvTransferError",
     "RealKvSource",
+    "TransferCheck",
     "ViewSource",
     "Violation",
     "ViolationKind",
@@ -45,5 +50,6 @@ __all__ = [
     "make_row_source",
     "reference_fold",
     "resolve_read_bytes",
+    "verify_transfer",
     "view_source",
 ]
