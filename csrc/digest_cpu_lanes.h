@@ -31,13 +31,6 @@ struct LaneDigest {
     return view.unit.num_outer == 0 || view.unit.run_bytes % kReadAlign == 0;
   }
 
-  // Lane i's two words of pairs[i], as the vectors lo and hi.
-  static void load_pairs(const uint64_t (*pairs)[2], Vec* lo, Vec* hi) {
-    const unsigned char* lanes[kChains];
-    for (int i = 0; i < kChains; ++i) lanes[i] = reinterpret_cast<const unsigned char*>(pairs[i]);
-    KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::load_chunks(lanes + v * V::kLanes, 0, &lo[v], &hi[v]);
-  }
-
   // terms[i] = mix3(ids[i], positions[i], the unit fold of units[i]) for kChains
   // units of `view`; `chunks` is view.unit cut to its whole 16-byte chunks.
   // `prefetch` requests the next lanes' tokens meanwhile.
@@ -48,16 +41,10 @@ struct LaneDigest {
     // The words past the whole chunks: 4, 8 or 12 bytes, the last one zero-padded.
     const int64_t first_word = chunks.read_bytes / 8;
     const int64_t tail = unit_words(view) - first_word;
-    if (tail > 0) {
-      uint64_t words[kChains][2] = {};
-      for (int i = 0; i < kChains; ++i) {
-        for (int64_t w = 0; w < tail; ++w) words[i][w] = unit_word(view, units[i], first_word + w);
-      }
-      Vec lo[kVectors], hi[kVectors];
-      load_pairs(words, lo, hi);
-      KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
-        h[v] = tail == 2 ? fold_chunk(h[v], lo[v], hi[v]) : splitmix64(h[v] ^ lo[v]);
-      }
+    for (int64_t w = 0; w < tail; ++w) {
+      int64_t words[kChains];
+      for (int i = 0; i < kChains; ++i) words[i] = static_cast<int64_t>(unit_word(view, units[i], first_word + w));
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = splitmix64(h[v] ^ V::load(words + v * V::kLanes));
     }
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
       const Vec id = V::load(ids + v * V::kLanes);

@@ -110,6 +110,23 @@ def test_hand_computed_term():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_last_unit_of_a_tight_view(device, isa, monkeypatch):
+    """Views whose last unit ends the allocation (units of 4 and 12 bytes, whose last word is
+    padded): digesting the last slot reads nothing past it (the sanitizer build runs this)."""
+    if isa not in kc_isas():
+        pytest.skip(f"this CPU has no {isa} path")
+    monkeypatch.setenv("KVCANARY_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(8)
+    views = [random_bytes([2, 3, 5], torch.float32, gen, device), random_bytes([2, 3, 2, 6], torch.float16, gen, device)]
+    for view in views:
+        slots = torch.tensor([5, 5, 4] * 30, device=device)  # enough terms to fill every lane
+        positions = torch.arange(90, device=device)
+        got = kc.kv_digest([view], slots, positions, unit_offsets=[3])
+        assert got.tolist() == expected([view], [3], slots, positions)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_padding_and_empty_input_add_nothing(device):
     gen = torch.Generator().manual_seed(0)
     view = random_bytes([4, 2, 3, 16], torch.bfloat16, gen, device)

@@ -78,7 +78,8 @@ def kv_digest(
     CUDA the check syncs with the host, so under torch.compile and CUDA-graph capture it
     is skipped and such entries add nothing); nothing is ever read outside a view.
     """
-    if isinstance(views, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in views):
+    views = None if isinstance(views, torch.Tensor) else list(views)
+    if views is None or not all(isinstance(v, torch.Tensor) for v in views):
         raise TypeError("kv-canary: views must be a sequence of tensors [num_pages, page_size, units, *unit_shape]")
     slots = _index_tensor(slots, "slots")
     positions = _index_tensor(positions, "positions")
