@@ -156,8 +156,24 @@ struct LaneDigest {
       } else {
         hash_some(lanes, view, chunks, units, ids, positions, terms, prefetch);
       }
-      for (int lane = 0; lane < lanes; ++lane) r.sums[groups[lane]] += static_cast<uint64_t>(terms[lane]);
+      add_to_sums(r.sums, groups, terms, lanes);
     }
+  }
+
+  // sums[groups[i]] += terms[i] for the first `lanes`, summed in registers
+  // while the group stays the same (the lanes of a request, usually all).
+  static void add_to_sums(uint64_t* sums, const int64_t* groups, const int64_t* terms, int lanes) {
+    uint64_t run = 0;
+    int64_t group = groups[0];
+    for (int lane = 0; lane < lanes; ++lane) {
+      if (groups[lane] != group) {
+        sums[group] += run;
+        group = groups[lane];
+        run = 0;
+      }
+      run += static_cast<uint64_t>(terms[lane]);
+    }
+    sums[group] += run;
   }
 
   static void run(const CpuDigestRange& r) {

@@ -154,7 +154,7 @@ def test_replicated_heads_count_once(request_kv):
     for rank in range(4):
         head = rank // 2
         u = units.sglang_mha_units([t[:, head : head + 1] for t in k2], [t[:, head : head + 1] for t in v2], tp_rank=rank, tp_size=4, num_kv_heads=2)
-        per_rank.append(digest_of(u, slots) if u.views else 0)
+        per_rank.append(digest_of(u, slots))  # a replica rank has no views: 0
     views, offsets = [], []
     for kind, layers in enumerate([k2, v2]):
         for layer, t in enumerate(layers):
@@ -171,7 +171,7 @@ def test_sglang_mla_latent_is_counted_once():
     per_rank = []
     for rank in range(2):  # the latent is replicated on both ranks
         u = units.sglang_mla_units(latent, scales=scales, tp_rank=rank, tp_size=2)
-        per_rank.append(digest_of(u, slots) if u.views else 0)
+        per_rank.append(digest_of(u, slots))  # a replica rank has no views: 0
     views = [t.unsqueeze(1) for t in latent] + [t.unsqueeze(1) for t in scales]
     offsets = [layer * 2 for layer in range(LAYERS)] + [layer * 2 + 1 for layer in range(LAYERS)]
     assert group_digest(per_rank) == oracle.digest(views, slots, POSITIONS, offsets)[0]

@@ -109,12 +109,16 @@ def unit_id(layer: int, kind: int, head: int, *, num_kv_heads: int, kinds: int =
     return (layer * kinds + kind) * num_kv_heads + head
 
 
+def _check_rank(tp_rank: int, tp_size: int) -> None:
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"kv-canary: tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+
+
 def first_global_head(local_heads: int, *, tp_rank: int, tp_size: int, num_kv_heads: int | None = None) -> int | None:
     """The global index of a rank's local head 0, or None when the rank holds replicas
     that another rank already contributes. ``num_kv_heads`` defaults to
     ``local_heads * tp_size`` (heads split evenly)."""
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"kv-canary: tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+    _check_rank(tp_rank, tp_size)
     num_kv_heads = local_heads * tp_size if num_kv_heads is None else num_kv_heads
     if local_heads * tp_size == num_kv_heads:
         return tp_rank * local_heads
@@ -190,12 +194,12 @@ def sglang_mla_units(kv_buffers, *, scales=None, tp_rank=0, tp_size=1, first_lay
     """SGLang MLA: per layer ``kv_buffers[l]`` ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]``
     and optional fp32 scales ``[num_slots, 1]``. The latent is replicated on every
     tensor-parallel rank: only rank 0 contributes."""
-    if tp_rank != 0:
-        first_global_head(1, tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=1)  # checks tp_rank
-        return DigestUnits([], [])
+    _check_rank(tp_rank, tp_size)
     units = DigestUnits([], [])
-    for kind, tensors in ((LATENT, kv_buffers), (LATENT_SCALE, scales)):
-        for layer, t in enumerate(_mapped(tensors, lambda t: t.unsqueeze(1), "kv_buffers") or []):
+    if tp_rank != 0:
+        return units
+    for kind, name, tensors in ((LATENT, "kv_buffers", kv_buffers), (LATENT_SCALE, "scales", scales)):
+        for layer, t in enumerate(_mapped(tensors, lambda t: t.unsqueeze(1), name) or []):
             units.views.append(t)
             units.unit_offsets.append(unit_id(first_layer + layer, kind, 0, num_kv_heads=1, kinds=MLA_KINDS))
     return units
