@@ -17,7 +17,8 @@ import torch_kvcanary as kc
 ISAS = ["scalar", "avx2", "avx512"]
 
 # (dtype, unit_shape): bf16 heads, fp8 heads, fp32 scale sidecars of one float, units of 12
-# and 20 bytes (the last word zero-padded), a 2-D unit
+# and 20 bytes (the last word zero-padded), 2-D units (whose rows random_digest_view may pad,
+# making units of several runs: of 24, 12 and 4 bytes)
 UNIT_KINDS = [
     (torch.bfloat16, (16,)),
     (torch.float8_e4m3fn, (32,)),
@@ -25,6 +26,8 @@ UNIT_KINDS = [
     (torch.float32, (3,)),
     (torch.float16, (10,)),
     (torch.uint8, (2, 24)),
+    (torch.float32, (2, 3)),
+    (torch.uint8, (3, 4)),
     (torch.int64, (5,)),
 ]
 
@@ -36,7 +39,7 @@ def random_digest_view(rng: random.Random, gen: torch.Generator, device: str = "
     dtype, unit_shape = rng.choice(UNIT_KINDS)
     num_pages, page_size, units = rng.randint(1, 5), rng.choice([1, 2, 3, 8]), rng.randint(1, 5)
     pad = [rng.randint(0, 2), rng.randint(0, 1), rng.randint(0, 1)]
-    inner_pad = [rng.randint(0, 1) if len(unit_shape) == 2 and i == 0 else 0 for i in range(len(unit_shape))]
+    inner_pad = [rng.randint(0, 2) if len(unit_shape) == 2 and i == 1 else 0 for i in range(len(unit_shape))]
     order = rng.sample(range(3), 3)
     logical = [num_pages + pad[0], page_size + pad[1], units + pad[2]]
     inner = [n + p for n, p in zip(unit_shape, inner_pad)]
@@ -124,6 +127,21 @@ def test_last_unit_of_a_tight_view(device, isa, monkeypatch):
         positions = torch.arange(90, device=device)
         got = kc.kv_digest([view], slots, positions, unit_offsets=[3])
         assert got.tolist() == expected([view], [3], slots, positions)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_strides_and_offsets(device):
+    """Units at odd byte addresses (a stride of 21 bytes, a storage offset of 1) and units of
+    several 6-byte runs: read in the pieces their alignment allows, same digest as the SPEC."""
+    gen = torch.Generator().manual_seed(12)
+    base = random_bytes([3 * 4 * 3 * 21 + 1], torch.uint8, gen, device)
+    odd = base[1:].view(3, 4, 3, 21)[..., :20]
+    runs = random_bytes([3, 4, 2, 2, 8], torch.uint8, gen, device)[..., :6]  # units of 12 bytes in 6-byte runs
+    slots = torch.tensor([0, 11, 5, -1, 7, 11] * 12, device=device)
+    positions = torch.arange(72, device=device)
+    for view in (odd, runs):
+        got = kc.kv_digest([view], slots, positions, unit_offsets=[1 << 40])
+        assert got.tolist() == expected([view], [1 << 40], slots, positions)
 
 
 @pytest.mark.parametrize("device", DEVICES)
