@@ -24,6 +24,9 @@ struct LaneDigest {
   using Fold = LaneFold<V, kVectors>;
   static constexpr int kChains = V::kLanes * kVectors;
   static constexpr int kEntriesPerBatch = static_cast<int>(kDigestBatchEntries);
+  // How far ahead of the lanes being hashed their tokens are requested, in
+  // bytes of reads (whole groups of lanes, at least one).
+  static constexpr int64_t kPrefetchBytes = 32 << 10;
 
   // Whether each whole 16-byte chunk of the view's units lies in one run, so
   // that the fold's lanes can read it.
@@ -125,6 +128,8 @@ struct LaneDigest {
     int64_t terms[kChains];
     const int64_t num_units = view.num_units;
     const int64_t num_terms = batch.count * num_units;
+    const int64_t group_bytes = kChains * view.unit.read_bytes;
+    const int64_t groups_ahead = group_bytes >= kPrefetchBytes ? 1 : kPrefetchBytes / group_bytes;
     for (int64_t first = 0; first < num_terms; first += kChains) {
       const int lanes = static_cast<int>(num_terms - first < kChains ? num_terms - first : kChains);
       int64_t e = first / num_units;
@@ -144,12 +149,14 @@ struct LaneDigest {
         ids[lane] = ids[0];
         positions[lane] = positions[0];
       }
+      // The tokens of the lanes `groups_ahead` groups ahead, in this view or the next.
       TokenPrefetch prefetch;
-      const int64_t after = first + kChains;
-      if (after < num_terms) {
-        plan_prefetch(prefetch, view, batch, after / num_units, (after + kChains - 1) / num_units + 1);
+      const int64_t ahead = first + groups_ahead * kChains;
+      if (ahead < num_terms) {
+        plan_prefetch(prefetch, view, batch, ahead / num_units, (ahead + kChains - 1) / num_units + 1);
       } else if (next != nullptr) {
-        plan_prefetch(prefetch, *next, batch, 0, (kChains - 1) / next->num_units + 1);
+        const int64_t there = ahead - num_terms;
+        plan_prefetch(prefetch, *next, batch, there / next->num_units, (there + kChains - 1) / next->num_units + 1);
       }
       if (lanes == kChains) {
         hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
