@@ -211,6 +211,7 @@ class KvCanary:
         self._counters = torch.zeros(len(self._counter), dtype=torch.int64, device=self.device)
         self._ring = torch.zeros(ring_capacity, _VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
         self._host = _HostReader(self._counters, self._ring)
+        self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self._ring_overflow_reported = 0
 
     @property
@@ -276,6 +277,8 @@ class KvCanary:
         )  # fmt: skip
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(tag, int) and tag == -1 and not isinstance(tag, bool):
+            return self._no_tag
         if isinstance(tag, torch.Tensor):
             return tag if tag.dtype == torch.int64 else tag.to(torch.int64)
         if isinstance(tag, bool) or not isinstance(tag, int):
