@@ -12,6 +12,7 @@
 
 #include "fold_cpu.h"
 #include "fold_cpu_entry.h"
+#include "fold_cpu_tasks.h"
 
 namespace kvcanary {
 namespace {

@@ -30,6 +30,9 @@
 namespace kvcanary {
 namespace {
 
+// Whether `slot` is folded; padding (negative) and out-of-range slots give 0.
+bool live(const CpuFoldRange& range, int64_t slot) { return slot >= 0 && slot < range.capacity; }
+
 // Requests the tokens of the work after the current fold (the next source of
 // a group, or the first source of the next group) while the current one is
 // folded. Up to kAtOnceLines lines in all are requested at once (a short
@@ -53,7 +56,7 @@ class TokenPrefetch {
     const bool at_once = count * num_lines_ <= kAtOnceLines;
     num_tokens_ = 0;
     for (int64_t i = 0; i < count; ++i) {
-      if (!range.live(slots[i])) continue;
+      if (!live(range, slots[i])) continue;
       const unsigned char* token = src.data + token_offset(src, slots[i]);
       if (at_once) {
         request(token, 0, num_lines_);
@@ -234,7 +237,7 @@ struct LaneFold {
       bool all_live = count == kSlots;
       for (int i = 0; i < count; ++i) {
         group[i] = slots[first + i];
-        if (!range.live(group[i])) {
+        if (!live(range, group[i])) {
           all_live = false;
         } else if (stand_in < 0) {
           stand_in = group[i];
@@ -258,11 +261,11 @@ struct LaneFold {
       // Padding, out-of-range and missing lanes fold a live slot of the
       // group instead (every read stays inside the sources) and give 0.
       for (int i = 0; i < kSlots; ++i) {
-        if (i >= count || !range.live(group[i])) group[i] = stand_in;
+        if (i >= count || !live(range, group[i])) group[i] = stand_in;
       }
       fold_group(range, group, folded, next, next_count);
       for (int i = 0; i < count; ++i) {
-        range.out[first + i] = range.live(slots[first + i]) ? folded[i] : 0;
+        range.out[first + i] = live(range, slots[first + i]) ? folded[i] : 0;
       }
     }
   }
@@ -298,7 +301,7 @@ struct LaneFold {
     const int count = static_cast<int>(range.end - range.begin);
     int64_t stand_in = -1;  // read instead of padding and out-of-range slots
     for (int i = 0; i < count && stand_in < 0; ++i) {
-      if (range.live(slots[i])) stand_in = slots[i];
+      if (live(range, slots[i])) stand_in = slots[i];
     }
     uint64_t acc[kLaneGroupMultiple] = {};
     const unsigned char* tokens[kSlots];
@@ -310,7 +313,7 @@ struct LaneFold {
       int pairs = 0;
       for (; pairs < kSlots && source < range.num_sources; ++pairs) {
         const SourceLayout& src = range.sources[source];
-        tokens[pairs] = src.data + token_offset(src, range.live(slots[slot]) ? slots[slot] : stand_in);
+        tokens[pairs] = src.data + token_offset(src, live(range, slots[slot]) ? slots[slot] : stand_in);
         if (++slot == count) slot = 0, ++source;
       }
       for (int lane = pairs; lane < kSlots; ++lane) tokens[lane] = tokens[0];
@@ -323,7 +326,7 @@ struct LaneFold {
       }
     }
     for (int i = 0; i < count; ++i) {
-      range.out[range.begin + i] = range.live(slots[i]) ? static_cast<int64_t>(acc[i]) : 0;
+      range.out[range.begin + i] = live(range, slots[i]) ? static_cast<int64_t>(acc[i]) : 0;
     }
   }
 

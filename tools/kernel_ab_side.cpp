@@ -1,6 +1,7 @@
 // One side of tools/kernel_ab: folds a pool of rows with one build's kernel,
-// headers and task split. tools/kernel_ab.sh compiles it once per build, with
-// that build's csrc on the include path, its namespace renamed
+// headers and task split. tools/kernel_ab.sh compiles it once per build (a
+// revision's own copy of this file for a revision), with that build's csrc on
+// the include path, its namespace renamed
 // (-Dkvcanary=kvcanary_a or _b, so the two builds share no symbol) and
 //   KERNEL_AB_ENTRY   the extern "C" name of this side's entry point
 //   KERNEL_AB_KERNEL  the instruction-set path it calls (fold_range_avx512, ...)
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "fold_cpu.h"
+#include "fold_cpu_tasks.h"
 
 namespace {
 
