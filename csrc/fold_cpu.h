@@ -14,20 +14,21 @@
 
 namespace kvcanary {
 
-// out[i] for slots[i], begin <= i < end.
-struct CpuFoldRange {
+// What a call folds: out[i] = the fold of slots[i] over the sources, for the
+// indices i it is given.
+struct CpuFoldWork {
   const SourceLayout* sources;
   int num_sources;
-  int64_t capacity;  // smallest source capacity; slots outside give 0
+  int64_t capacity;  // smallest source capacity; slots outside [0, capacity) give 0
   const void* slots;
   bool slots_are_int32;
+  int64_t* out;
+};
+
+// Indices [begin, end) into the work's slots.
+struct SlotSpan {
   int64_t begin;
   int64_t end;
-  // The slots the same thread folds next, [next_begin, next_end) (empty when
-  // none): the first of them are prefetched while the last group is folded.
-  int64_t next_begin;
-  int64_t next_end;
-  int64_t* out;
 };
 
 // Every path folds slots in lane groups whose size divides this; tasks handed
@@ -36,10 +37,13 @@ constexpr int64_t kLaneGroupMultiple = 64;
 
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-void fold_range_scalar(const CpuFoldRange& range);
+// Each path folds `task` of `work`. `next` is the span the calling thread
+// folds after it (empty when none): its first tokens are prefetched while the
+// task's last group is folded.
+void fold_task_scalar(const CpuFoldWork& work, SlotSpan task, SlotSpan next);
 #if defined(__x86_64__)
-void fold_range_avx2(const CpuFoldRange& range);
-void fold_range_avx512(const CpuFoldRange& range);
+void fold_task_avx2(const CpuFoldWork& work, SlotSpan task, SlotSpan next);
+void fold_task_avx512(const CpuFoldWork& work, SlotSpan task, SlotSpan next);
 #endif
 
 }  // namespace kvcanary

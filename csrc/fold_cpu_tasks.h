@@ -20,17 +20,19 @@ inline int64_t task_slots(int64_t read_bytes_per_slot) {
 
 // Runs one thread's share of the tasks of `task` slots that cut [0, n): tasks
 // [first, end) to start with, then each one it claims from `next`, calling
-// fold(begin, end, next_begin, next_end) with the task it will run after the
-// current one (empty when none), whose first slots the fold prefetches. A
-// thread claims that task before running the current one.
+// fold(task, next_task) with the span it will fold after the current one
+// (empty when none), whose first tokens the fold prefetches. So a thread
+// claims its next task before it folds the current one.
 template <typename F>
 void run_tasks(int64_t first, int64_t end, std::atomic<int64_t>& next, int64_t n, int64_t task,
                const F& fold) {
   const int64_t num_tasks = (n + task - 1) / task;
-  const auto first_slot = [&](int64_t t) { return t * task < n ? t * task : n; };
+  const auto span = [&](int64_t t) {
+    return SlotSpan{t * task < n ? t * task : n, (t + 1) * task < n ? (t + 1) * task : n};
+  };
   for (int64_t t = first; t < num_tasks;) {
     const int64_t after = t + 1 < end ? t + 1 : next++;
-    fold(first_slot(t), first_slot(t + 1), first_slot(after), first_slot(after + 1));
+    fold(span(t), span(after));
     t = after;
   }
 }

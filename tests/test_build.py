@@ -69,7 +69,7 @@ def test_cpu_path_prefetches_the_next_group(path):
     # one, which a compiler drops when it sees a function that only prefetches.
     asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(_library())], capture_output=True, text=True, check=True).stdout
     functions = re.split(r"\n(?=[0-9a-f]+ <)", asm)
-    mine = [f for f in functions if f"fold_range_{path}(" in f.split("\n", 1)[0] or f"{path.capitalize()}Lanes" in f.split("\n", 1)[0]]
+    mine = [f for f in functions if f"fold_task_{path}(" in f.split("\n", 1)[0] or f"{path.capitalize()}Lanes" in f.split("\n", 1)[0]]
     assert mine, f"no code of the {path} path found"
     assert any("prefetch" in f for f in mine)
 
@@ -92,4 +92,4 @@ def test_cpu_path_shares_no_code_with_other_units(path, tmp_path):
     # away, so every such definition shows: the unit must export its entry point and nothing else.
     symbols = _defined_symbols(os.environ.get("CXX", "c++"), REPO / "csrc" / f"fold_cpu_{path}.cpp", tmp_path / f"{path}.o")
     external = [name for kind, name in symbols if kind.isupper() or kind in "uvw"]
-    assert external == [f"kvcanary::fold_range_{path}(kvcanary::CpuFoldRange const&)"], external
+    assert external == [f"kvcanary::fold_task_{path}(kvcanary::CpuFoldWork const&, kvcanary::SlotSpan, kvcanary::SlotSpan)"], external

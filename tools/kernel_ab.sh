@@ -35,10 +35,11 @@ cp -r "$repo/csrc" "$work/b"
 cp "$repo/tools/kernel_ab_side.cpp" "$work/side_b.cpp"
 CXX=${CXX:-g++}
 flags=(-O3 -std=c++17)
+# KERNEL_AB_KERNEL names the path's entry point for sides older than KERNEL_AB_PATH.
 for side in a b; do
   renamed=(-Dkvcanary=kvcanary_$side -I"$work/$side")
   "$CXX" "${flags[@]}" "${renamed[@]}" -c "$work/$side/fold_cpu_$isa.cpp" -o "$work/kernel_$side.o"
-  "$CXX" "${flags[@]}" "${renamed[@]}" -DKERNEL_AB_ENTRY=fold_all_$side -DKERNEL_AB_KERNEL=fold_range_$isa \
+  "$CXX" "${flags[@]}" "${renamed[@]}" -DKERNEL_AB_ENTRY=fold_all_$side -DKERNEL_AB_KERNEL=fold_range_$isa -DKERNEL_AB_PATH=$isa \
     -c "$work/side_$side.cpp" -o "$work/side_$side.o"
 done
 "$CXX" "${flags[@]}" -DKERNEL_AB_ISA="\"$isa\"" -I"$work/b" "$repo/tools/kernel_ab.cpp" "$work"/*.o -o "$work/kernel_ab" -pthread
