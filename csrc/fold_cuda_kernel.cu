@@ -7,10 +7,9 @@
 // same row (coalesced), stages it in shared memory, and then each lane runs
 // the serial splitmix64 chain over its own row. What keeps the memory busy is
 // the loads in flight: a lane issues all loads of a tile (into registers)
-// before it uses any. (On an H200 that took ALL mode over 1 KiB rows from
-// 0.53 to 0.73 of the copy rate; also loading the next tile while hashing
-// this one, or cp.async stages, measured slower.) The grid is sized to the
-// batch.
+// before it uses any, since with one load in flight per lane the kernel is
+// bound by memory parallelism rather than bandwidth. The grid is sized to the
+// batch. docs/design.md has the reasons in full.
 #include "fold_cuda.h"
 
 namespace kvcanary {

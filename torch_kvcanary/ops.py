@@ -59,7 +59,8 @@ def fold(
     mode: HashMode = HashMode.ALL,
     check_bounds: bool = True,
 ) -> torch.Tensor:
-    """Fingerprint ``slots`` over ``sources`` (../shared/SPEC.md, "The fold of one slot").
+    """Fingerprint ``slots`` over ``sources``: SGLang's kv-canary fold, a splitmix64 chain
+    over each slot's leading bytes across the sources, in order.
 
     Args:
         sources: one source or a sequence of them, folded in order; sources whose

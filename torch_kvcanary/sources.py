@@ -1,6 +1,6 @@
 """The upstream read_bytes contract and the sources a fold reads.
 
-A source says which bytes belong to a slot (../shared/SPEC.md, "Sources"):
+A source says which bytes belong to a slot:
 
 * `RealKvSource`, SGLang's row form: row ``s // page_size`` of a 2-D (or
   wider) tensor, bytes ``(s % page_size) * num_bytes_per_token`` onwards.
