@@ -8,28 +8,25 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "fold_cpu.h"
 #include "fold_cpu_entry.h"
+#include "fold_cpu_isa.h"
 #include "fold_cpu_tasks.h"
 
 namespace kvcanary {
 namespace {
 
-constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
 constexpr const char* kIsaVariable = "KVCANARY_CPU_ISA";
 
 CpuIsa best_cpu_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
-    return CpuIsa::kAvx512;
+  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+    if (cpu_runs(isa)) {
+      return isa;
+    }
   }
-  if (__builtin_cpu_supports("avx2")) {
-    return CpuIsa::kAvx2;
-  }
-#endif
   return CpuIsa::kScalar;
 }
 
@@ -42,13 +39,13 @@ CpuIsa selected_cpu_isa() {
     return best;
   }
   for (int isa = 0; isa <= static_cast<int>(best); ++isa) {
-    if (std::string(forced) == kIsaNames[isa]) {
+    if (std::string(forced) == kCpuIsaNames[isa]) {
       return static_cast<CpuIsa>(isa);
     }
   }
   TORCH_CHECK_VALUE(false, "kv-canary: ", kIsaVariable, "=", forced,
                     " is not a path this CPU can run; use one of scalar..",
-                    kIsaNames[static_cast<int>(best)], " or unset it");
+                    kCpuIsaNames[static_cast<int>(best)], " or unset it");
 }
 
 void fold_task(CpuIsa isa, const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
@@ -104,7 +101,7 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
   return out;
 }
 
-std::string cpu_isa() { return kIsaNames[static_cast<int>(selected_cpu_isa())]; }
+std::string cpu_isa() { return kCpuIsaNames[static_cast<int>(selected_cpu_isa())]; }
 
 }  // namespace
 
