@@ -247,6 +247,10 @@ def view_source(view: torch.Tensor, *, read_bytes: int) -> ViewSource:
 
     ``read_bytes`` is clipped against the token's byte size (`clip_read_bytes`). Strides
     and alignment are checked when the source is folded.
+
+    It returns one source, like the `RealKvSource` constructor, where `make_row_source` and
+    `make_packed_source` keep upstream's contract of a tuple (empty when nothing is read): a
+    ViewSource whose read_bytes is 0 is simply left out of a fold.
     """
     _check_strided(view, "view_source's view")
     if view.dim() < 2:
