@@ -22,8 +22,8 @@ struct ScalarLanes {
 
 }  // namespace
 
-void fold_range_scalar(const CpuFoldRange& range) {
-  LaneFold<ScalarLanes, 8>::run(range);
+void fold_task_scalar(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<ScalarLanes, 8>::fold_task(work, task, next);
 }
 
 }  // namespace kvcanary

@@ -27,7 +27,7 @@ import torch
 
 from .ops import fold
 from .reference import reference_fold
-from .sources import HashMode, view_source
+from .sources import HashMode, read_bytes_in_mode, view_source
 from .upstream_baseline import upstream_fold
 
 # A case whose eager reference would read more than this is not timed against it.
@@ -44,8 +44,13 @@ class Case:
     order: str  # "seq" or "random"
 
     @property
+    def folded_bytes(self) -> int:
+        """Bytes folded per slot of each source."""
+        return read_bytes_in_mode(HashMode[self.mode], self.read_bytes)
+
+    @property
     def bytes_per_slot(self) -> int:
-        return (16 if self.mode == "PARTIAL" else self.read_bytes) * self.num_sources
+        return self.folded_bytes * self.num_sources
 
 
 @dataclass
@@ -213,7 +218,6 @@ def run_case(case: Case, device: str, min_run_time: float, upstream: bool = Fals
         index = index[torch.randperm(case.num_slots, generator=gen)]
     slots = index.to(device)
     mode = HashMode[case.mode]
-    folded_bytes = 16 if mode is HashMode.PARTIAL else case.read_bytes
     run = lambda: fold(sources, slots, mode=mode, check_bounds=False)  # noqa: E731
     seconds, repeats = _median(run, device, min_run_time)
     result = Result(device, case, seconds, repeats)
@@ -233,14 +237,14 @@ def run_case(case: Case, device: str, min_run_time: float, upstream: bool = Fals
         pool_bytes *= 2  # a copy reads and writes
     folded_total = case.num_slots * case.bytes_per_slot
     baseline("stream", stream, scale=folded_total / pool_bytes)
-    prefixes = [p[:, :folded_bytes] for p in pools]
+    prefixes = [p[:, : case.folded_bytes] for p in pools]
     baseline("gather", lambda: [torch.index_select(p, 0, slots) for p in prefixes])
     if folded_total <= _REFERENCE_BUDGET_BYTES:
         baseline("reference", lambda: reference_fold(sources, slots, mode=mode))
     else:
         result.notes.append("reference skipped (too slow at this size)")
     if upstream:
-        upstream_kernel = upstream_fold(pools, folded_bytes)
+        upstream_kernel = upstream_fold(pools, case.folded_bytes)
         if not torch.equal(upstream_kernel(slots), run()):
             raise AssertionError("kv-canary: the upstream baseline disagrees with the fold")
         baseline("upstream", lambda: upstream_kernel(slots))
