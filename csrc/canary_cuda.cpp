@@ -32,8 +32,9 @@ void check_entries_in_range_cuda(const at::Tensor& index, const char* name, int6
   if (index.numel() == 0 || capturing() || index.max().item<int64_t>() < capacity) {
     return;
   }
-  const at::Tensor first = at::ge(index, capacity).nonzero()[0][0];
-  fail_entry_out_of_range(name, index[first.item<int64_t>()].item<int64_t>(), capacity);
+  const at::Tensor flat = index.reshape(-1);
+  const at::Tensor first = at::ge(flat, capacity).nonzero()[0][0];
+  fail_entry_out_of_range(name, flat[first.item<int64_t>()].item<int64_t>(), capacity);
 }
 
 struct CanaryCall {

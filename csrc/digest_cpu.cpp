@@ -15,6 +15,8 @@
 #include "digest_cpu.h"
 #include "digest_plan.h"
 #include "fold_cpu.h"
+#include "fold_cpu_isa.h"
+#include "fold_cpu_tasks.h"
 #include "fold_plan.h"
 
 namespace kvcanary {
@@ -86,9 +88,9 @@ at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::T
     std::vector<uint64_t> sums(static_cast<size_t>(num_groups), 0);
     CpuDigestRange mine = range;
     mine.sums = sums.data();
-    run_tasks(begin, end, next, n, task, [&](int64_t first, int64_t last, int64_t, int64_t) {
-      mine.begin = first;
-      mine.end = last;
+    run_tasks(begin, end, next, n, task, [&](SlotSpan entries, SlotSpan) {
+      mine.begin = entries.begin;
+      mine.end = entries.end;
       digest_range(isa, mine);
     });
     const std::lock_guard<std::mutex> lock(merge);

@@ -1,7 +1,8 @@
 // The CPU digest's instruction-set paths. Each is compiled in the fold's
 // instruction-set translation unit (fold_cpu_scalar.cpp, fold_cpu_avx2.cpp,
-// fold_cpu_avx512.cpp) with that unit's lane type; digest_cpu.cpp picks one
-// at run time, as the fold does.
+// fold_cpu_avx512.cpp) with that unit's lane type, as its second entry point;
+// digest_cpu.cpp picks one at run time, as the fold does. Like fold_cpu.h,
+// this header holds only data, constants and declarations.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +16,7 @@ constexpr int64_t kDigestBatchEntries = 64;
 
 // The terms of entries [begin, end): slots[i] >= 0 and < capacity (others add
 // nothing) with groups[i] (null: all 0) in [0, num_groups), added (wrapping)
-// to sums[groups[i]].
+// to sums[groups[i]]. Data only, as fold_cpu.h says why.
 struct CpuDigestRange {
   const DigestView* views;
   int num_views;
@@ -27,12 +28,6 @@ struct CpuDigestRange {
   int64_t begin;
   int64_t end;
   uint64_t* sums;
-
-  bool live(int64_t i) const {
-    return slots[i] >= 0 && slots[i] < capacity &&
-           (groups == nullptr || (groups[i] >= 0 && groups[i] < num_groups));
-  }
-  int64_t group(int64_t i) const { return groups == nullptr ? 0 : groups[i]; }
 };
 
 void digest_range_scalar(const CpuDigestRange& range);

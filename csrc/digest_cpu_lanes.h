@@ -5,7 +5,7 @@
 // A unit's words form one serial splitmix64 chain, but the units of a view
 // are independent chains of the same layout: kChains = V::kLanes * kVectors
 // of them, the (entry, unit) terms of one view taken in order, are hashed side
-// by side by the fold's own lane code (LaneFold::fold_tokens, a lane's
+// by side by the fold's own lane code (LaneFold::hash_tokens, a lane's
 // "token" being its unit), so that the multipliers stay busy and the 8 x 8
 // transposes of whole blocks serve the digest too. Besides what the fold
 // needs, a lane type provides
@@ -17,6 +17,14 @@
 
 namespace kvcanary {
 namespace {
+
+// Whether entry i adds terms: a slot in [0, capacity) and a group in range.
+bool adds_terms(const CpuDigestRange& r, int64_t i) {
+  return r.slots[i] >= 0 && r.slots[i] < r.capacity &&
+         (r.groups == nullptr || (r.groups[i] >= 0 && r.groups[i] < r.num_groups));
+}
+
+int64_t group_of(const CpuDigestRange& r, int64_t i) { return r.groups == nullptr ? 0 : r.groups[i]; }
 
 template <class V, int kVectors>
 struct LaneDigest {
@@ -38,9 +46,9 @@ struct LaneDigest {
   // units of `view`; `chunks` is view.unit cut to its whole 16-byte chunks.
   // `prefetch` requests the next lanes' tokens meanwhile.
   static void hash_lanes(const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                         const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetch& prefetch) {
+                         const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetcher& prefetch) {
     Vec h[kVectors];
-    Fold::fold_tokens(chunks, units, h, prefetch);
+    Fold::hash_tokens(chunks, units, h, prefetch);
     // The words past the whole chunks: 4, 8 or 12 bytes, the last one zero-padded.
     const int64_t first_word = chunks.read_bytes / 8;
     const int64_t tail = unit_words(view) - first_word;
@@ -59,7 +67,7 @@ struct LaneDigest {
   // hash_lanes for the first `lanes` (<= kChains) of the arrays, in as few
   // vectors as hold them: the end of a view's terms need not cost kChains chains.
   static void hash_some(int lanes, const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                        const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetch& prefetch) {
+                        const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetcher& prefetch) {
     const int vectors = (lanes + V::kLanes - 1) / V::kLanes;
     if (kVectors > 1 && vectors <= 1) return LaneDigest<V, 1>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
     if (kVectors > 2 && vectors <= 2) return LaneDigest<V, 2>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
@@ -93,13 +101,15 @@ struct LaneDigest {
   }
 
   // Plans the prefetch of the tokens of the batch's entries [first, end) in `view`.
-  static void plan_prefetch(TokenPrefetch& prefetch, const DigestView& view, const Batch& batch, int64_t first,
+  static void plan_prefetch(TokenPrefetcher& prefetch, const DigestView& view, const Batch& batch, int64_t first,
                             int64_t end) {
-    CpuFoldRange all_live{};
-    all_live.capacity = INT64_MAX;  // the batch's entries are live
+    CpuFoldWork all_read{};
+    all_read.capacity = INT64_MAX;  // the batch's entries are all read
     const SourceLayout token = prefetch_layout(view);
     const int64_t count = end < batch.count ? end - first : batch.count - first;
-    if (token.read_bytes > 0 && count > 0) prefetch.plan(all_live, token, batch.slots + first, count);
+    if (token.read_bytes > 0 && count > 0) {
+      prefetch.start(all_read, TokensToRead<int64_t>{&token, batch.slots + first, count});
+    }
   }
 
   // One view's terms for the batch's entries, unit by unit (a layout whose
@@ -109,7 +119,7 @@ struct LaneDigest {
       const int64_t i = batch.entries[e];
       for (int64_t k = 0; k < view.num_units; ++k) {
         const uint64_t h = unit_fold(view, batch.tokens[e] + k * view.unit_stride);
-        r.sums[r.group(i)] += mix3<uint64_t>(view.first_unit_id + k, r.positions[i], h);
+        r.sums[group_of(r, i)] += mix3<uint64_t>(view.first_unit_id + k, r.positions[i], h);
       }
     }
   }
@@ -139,7 +149,7 @@ struct LaneDigest {
         units[lane] = batch.tokens[e] + k * view.unit_stride;
         ids[lane] = static_cast<int64_t>(view.first_unit_id + static_cast<uint64_t>(k));
         positions[lane] = r.positions[i];
-        groups[lane] = r.group(i);
+        groups[lane] = group_of(r, i);
         if (++k == num_units) k = 0, ++e;
       }
       // Lanes past the end hash the first lane's unit again (every read stays
@@ -150,7 +160,7 @@ struct LaneDigest {
         positions[lane] = positions[0];
       }
       // The tokens of the lanes `groups_ahead` groups ahead, in this view or the next.
-      TokenPrefetch prefetch;
+      TokenPrefetcher prefetch;
       const int64_t ahead = first + groups_ahead * kChains;
       if (ahead < num_terms) {
         plan_prefetch(prefetch, view, batch, ahead / num_units, (ahead + kChains - 1) / num_units + 1);
@@ -189,7 +199,7 @@ struct LaneDigest {
       const int64_t end = r.end - first < kEntriesPerBatch ? r.end : first + kEntriesPerBatch;
       batch.count = 0;
       for (int64_t i = first; i < end; ++i) {
-        if (!r.live(i)) continue;
+        if (!adds_terms(r, i)) continue;
         batch.entries[batch.count] = i;
         batch.slots[batch.count++] = r.slots[i];
       }

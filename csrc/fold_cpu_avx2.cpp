@@ -57,7 +57,9 @@ struct Avx2Lanes {
 
 }  // namespace
 
-void fold_range_avx2(const CpuFoldRange& range) { LaneFold<Avx2Lanes, 4>::run(range); }
+void fold_task_avx2(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<Avx2Lanes, 4>::fold_task(work, task, next);
+}
 
 void digest_range_avx2(const CpuDigestRange& range) { LaneDigest<Avx2Lanes, 4>::run(range); }
 

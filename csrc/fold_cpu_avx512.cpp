@@ -81,7 +81,9 @@ struct Avx512Lanes {
 
 }  // namespace
 
-void fold_range_avx512(const CpuFoldRange& range) { LaneFold<Avx512Lanes, 8>::run(range); }
+void fold_task_avx512(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<Avx512Lanes, 8>::fold_task(work, task, next);
+}
 
 void digest_range_avx512(const CpuDigestRange& range) { LaneDigest<Avx512Lanes, 8>::run(range); }
 

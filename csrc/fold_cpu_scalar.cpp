@@ -25,8 +25,8 @@ struct ScalarLanes {
 
 }  // namespace
 
-void fold_range_scalar(const CpuFoldRange& range) {
-  LaneFold<ScalarLanes, 8>::run(range);
+void fold_task_scalar(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<ScalarLanes, 8>::fold_task(work, task, next);
 }
 
 void digest_range_scalar(const CpuDigestRange& range) { LaneDigest<ScalarLanes, 8>::run(range); }

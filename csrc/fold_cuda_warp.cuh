@@ -7,7 +7,8 @@
 // same row (coalesced), stages it in shared memory, and then each lane runs
 // the serial splitmix64 chain over its own row. What keeps the memory busy is
 // the loads in flight: a lane issues all loads of a tile (into registers)
-// before it uses any.
+// before it uses any, since with one load in flight per lane the kernel is
+// bound by memory parallelism rather than bandwidth.
 #pragma once
 
 #include "fold_cuda.h"

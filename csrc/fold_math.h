@@ -1,6 +1,7 @@
 // The kv-canary fold: splitmix64, the 16-byte chunk step and the slot-to-byte
 // mapping. Shared by the host (CPU kernel) and device (CUDA kernel) code, so the
-// CPU tests exercise the arithmetic the GPU runs. Contract: ../shared/SPEC.md.
+// CPU tests exercise the arithmetic the GPU runs. The contract is the fold of
+// SGLang's kv-canary (docs/design.md, "The contract").
 #pragma once
 
 #include <cstdint>

@@ -21,6 +21,9 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(kvcanary, m) {
+  // The fake (meta) kernels are Python functions in this module: torch imports
+  // it, or says to, when an op needs one before the package was imported.
+  m.set_python_module("torch_kvcanary.ops");
   // fold(sources, slots, read_bytes, check_bounds) -> int64 tensor shaped
   // like slots. sources[i] is a view [num_pages, page_size, *token_shape] of
   // any dtype; read_bytes[i] leading bytes of each token are folded. Slots < 0

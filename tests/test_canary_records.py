@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from canary_oracle import MASK, Records
-from helpers import CUDA, DEVICES, random_case, source_capacity
+from helpers import CUDA, DEVICES, random_case
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -48,7 +48,7 @@ def _folds(canary, slots, device):
 def test_random_calls_match_the_spec(seed, device):
     sources, _, mode = random_case(seed, device, max_sources=4)
     rng = random.Random(seed)
-    capacity = min(source_capacity(s) for s in sources)
+    capacity = min(s.capacity for s in sources)
     padding = rng.choice([None, 0]) if capacity > 1 else None
     canary = kc.KvCanary(sources, mode=mode, padding_slot=padding, on_violation=None, ring_capacity=4096)
     oracle = Records(capacity)

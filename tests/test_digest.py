@@ -300,7 +300,7 @@ def test_each_transfer_bug_changes_the_digest(device):
 
 
 def _op_args(views, offsets, slots, positions, groups, num_groups, check=True):
-    return ([kc.ops._integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check)
+    return ([kc.ops.integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check)
 
 
 @pytest.mark.parametrize("device", DEVICES)

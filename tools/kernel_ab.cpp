@@ -13,7 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "fold_math.h"  // this tree's (B's)
+#include "fold_cpu_isa.h"  // this tree's (B's)
+#include "fold_math.h"
 
 extern "C" {
 void fold_all_a(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n, int threads, int64_t* out);
@@ -59,13 +60,12 @@ Options parse(int argc, char** argv) {
 
 // Whether this CPU runs the path the script compiled (KERNEL_AB_ISA).
 bool cpu_runs_isa() {
-  const std::string isa = KERNEL_AB_ISA;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  if (isa == "avx2") return __builtin_cpu_supports("avx2");
-#endif
-  return isa == "scalar";
+  for (int isa = 0; isa < 3; ++isa) {
+    if (std::string(KERNEL_AB_ISA) == kvcanary::kCpuIsaNames[isa]) {
+      return kvcanary::cpu_runs(static_cast<kvcanary::CpuIsa>(isa));
+    }
+  }
+  return false;
 }
 
 double median(std::vector<double> v) {

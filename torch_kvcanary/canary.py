@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import Source, _active_sources, _as_sources, _integer_view
-from .sources import HashMode, _as_mode, folded_bytes
+from .ops import integer_view
+from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
 logger = logging.getLogger("torch_kvcanary")
 
@@ -100,32 +100,6 @@ class KvCorruptionError(RuntimeError):
         self.violations = violations
 
 
-def _check_fake_devices(sources, slots, *tables) -> None:
-    # Mixed devices dispatch to the fakes when one of them is meta; the kernels check the rest.
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-    for table in tables:
-        if table.device != slots.device:
-            raise ValueError(f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device")
-
-
-@torch.library.register_fake("kvcanary::record")
-def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
-    _check_fake_devices(sources, slots, records, owner_tags, counters, ring)
-
-
-@torch.library.register_fake("kvcanary::verify")
-def _verify_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True):
-    _check_fake_devices(sources, slots, records, owner_tags, counters, ring)
-    return slots.new_empty(slots.shape, dtype=torch.bool)
-
-
-def _capacity(source: Source) -> int:
-    view = source.as_view()
-    return view.shape[0] * view.shape[1]
-
-
 def _counter_index() -> dict[str, int]:
     return {name: i for i, name in enumerate(torch.ops.kvcanary.canary_counters())}
 
@@ -168,7 +142,7 @@ class KvCanary:
 
     def __init__(
         self,
-        sources: Source | Iterable[Source],
+        sources: KvSource | Iterable[KvSource],
         *,
         mode: HashMode = HashMode.ALL,
         capacity: int | None = None,
@@ -177,14 +151,14 @@ class KvCanary:
         name: str = "KV",
         padding_slot: int | None = None,
     ):
-        self.sources = tuple(_as_sources(sources))
-        self.mode = _as_mode(mode)
+        self.sources = tuple(as_sources(sources))
+        self.mode = as_mode(mode)
         if not self.sources:
             raise ValueError("kv-canary: KvCanary needs at least one source")
         devices = {s.as_view().device for s in self.sources}
         if len(devices) != 1:
             raise ValueError(f"kv-canary: KvCanary sources must share one device, got {sorted(map(str, devices))}")
-        smallest = min(_capacity(s) for s in self.sources)
+        smallest = min(s.capacity for s in self.sources)
         if capacity is None:
             capacity = smallest
         if not 0 < capacity <= smallest:
@@ -202,8 +176,8 @@ class KvCanary:
         self.on_violation = on_violation
         self.name = name
         self.padding_slot = padding_slot
-        active = _active_sources(self.sources, self.mode)
-        self._views = [_integer_view(s.as_view()) for s in active]
+        active = active_sources(self.sources, self.mode)
+        self._views = [integer_view(s.as_view()) for s in active]
         self._read_bytes = [folded_bytes(s, self.mode) for s in active]
         self._counter = _counter_index()
         self._records = torch.zeros(capacity, len(RECORD_FIELDS), dtype=torch.int64, device=self.device)
@@ -211,6 +185,7 @@ class KvCanary:
         self._counters = torch.zeros(len(self._counter), dtype=torch.int64, device=self.device)
         self._ring = torch.zeros(ring_capacity, _VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
         self._host = _HostReader(self._counters, self._ring)
+        self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self._ring_overflow_reported = 0
 
     @property
@@ -244,6 +219,10 @@ class KvCanary:
         like ``slots``; ``tag`` (an int, or int64 values shaped like ``slots``) is the owner a
         later ``verify(tag=...)`` expects. Entries are applied in order, so entry i may chain
         through the slot entry i - 1 wrote. Negative slots are skipped.
+
+        On CUDA, runs of entries that chain through each other (``prev_slots[i] ==
+        slots[i - 1]``) are applied concurrently: a run must not chain through a slot another
+        run of the same call writes, and a slot is written at most once per call.
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
@@ -276,6 +255,8 @@ class KvCanary:
         )  # fmt: skip
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(tag, int) and tag == -1 and not isinstance(tag, bool):
+            return self._no_tag
         if isinstance(tag, torch.Tensor):
             return tag if tag.dtype == torch.int64 else tag.to(torch.int64)
         if isinstance(tag, bool) or not isinstance(tag, int):

@@ -22,22 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import _C  # noqa: F401  (loading the library registers torch.ops.kvcanary)
-from .ops import _integer_view
+from .ops import integer_view
 
 K, V, K_SCALE, V_SCALE = range(4)
 MHA_KINDS = 4
 LATENT, LATENT_SCALE = range(2)
 MLA_KINDS = 2
-
-
-@torch.library.register_fake("kvcanary::digest")
-def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
-    # Mixed devices dispatch here when one of them is meta; the kernels check the rest.
-    for name, tensor in [(f"digest view {i}", v) for i, v in enumerate(views)] + [("positions", positions), ("groups", groups)]:
-        if tensor is not None and tensor.device != slots.device:
-            raise ValueError(f"kv-canary: {name} is on {tensor.device} but slots are on {slots.device}; put them on one device")
-    return slots.new_empty((num_groups,), dtype=torch.int64)
 
 
 def _index_tensor(value, name: str) -> torch.Tensor:
@@ -87,7 +77,7 @@ def kv_digest(
         groups = _index_tensor(groups, "groups")
     offsets = [int(u) for u in unit_offsets]
     check_bounds = not (torch.compiler.is_compiling() and slots.device.type != "cpu")
-    return torch.ops.kvcanary.digest([_integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check_bounds)
+    return torch.ops.kvcanary.digest([integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check_bounds)
 
 
 # --- unit ids for real caches ---------------------------------------------------------------
