@@ -6,6 +6,7 @@
 #include <ATen/ops/logical_and.h>
 #include <ATen/ops/logical_or.h>
 #include <ATen/ops/lt.h>
+#include <ATen/ops/max.h>
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,7 +16,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
 
 #include "digest_cuda.h"
 #include "digest_plan.h"
@@ -24,27 +24,27 @@
 namespace kvcanary {
 namespace {
 
-// The eager checks of slots and groups: one reduction and a host sync, so they
-// are skipped while a CUDA graph is being captured (the kernel then leaves
-// such entries out, and never reads them).
+// The eager checks of slots, then groups (the CPU kernel's order): reductions
+// and host syncs, so they are skipped while a CUDA graph is being captured
+// (the kernel then leaves such entries out, and never reads them).
 void check_entries_cuda(const at::Tensor& slots, const at::Tensor& groups, int64_t capacity, int64_t num_groups) {
   if (slots.numel() == 0 ||
       c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     return;
   }
   // With no views (capacity -1) no slot reads anything.
-  const at::Tensor slot_bad = capacity >= 0 ? slots.ge(capacity) : slots.lt(std::numeric_limits<int64_t>::min());
-  const at::Tensor bad =
-      groups.defined() ? slot_bad.logical_or(slots.ge(0).logical_and(groups.lt(0).logical_or(groups.ge(num_groups))))
-                       : slot_bad;
-  if (!bad.any().item<bool>()) {
-    return;
-  }
-  const int64_t first = bad.nonzero()[0][0].item<int64_t>();
-  if (slot_bad[first].item<bool>()) {
+  if (capacity >= 0 && slots.max().item<int64_t>() >= capacity) {
+    const int64_t first = slots.ge(capacity).nonzero()[0][0].item<int64_t>();
     fail_slot_out_of_range(slots[first].item<int64_t>(), capacity);
   }
-  fail_group_out_of_range(groups[first].item<int64_t>(), num_groups);
+  if (!groups.defined()) {
+    return;
+  }
+  const at::Tensor bad = slots.ge(0).logical_and(groups.lt(0).logical_or(groups.ge(num_groups)));
+  if (bad.any().item<bool>()) {
+    const int64_t first = bad.nonzero()[0][0].item<int64_t>();
+    fail_group_out_of_range(groups[first].item<int64_t>(), num_groups);
+  }
 }
 
 at::Tensor as_flat_long(const at::Tensor& t) { return t.reshape(-1).to(at::kLong).contiguous(); }
