@@ -46,8 +46,16 @@ def test_plot_series_keeps_one_slot_count():
     def result(read_bytes, num_slots, order="random", mode="ALL", sources=1):
         return bench.Result("cpu", bench.Case(mode, read_bytes, num_slots, sources, order), 1.0, 1)
 
-    results = [result(1024, 64), result(256, 64), result(256, 1), result(256, 4096), result(16, 64),
-               result(64, 64, order="seq"), result(64, 64, mode="PARTIAL"), result(64, 64, sources=2)]
+    results = [
+        result(1024, 64),
+        result(256, 64),
+        result(256, 1),
+        result(256, 4096),
+        result(16, 64),
+        result(64, 64, order="seq"),
+        result(64, 64, mode="PARTIAL"),
+        result(64, 64, sources=2),
+    ]
     series = bench.read_bytes_series(results, "cpu", "random")
     assert [(r.case.read_bytes, r.case.num_slots) for r in series] == [(16, 64), (256, 64), (1024, 64)]
     assert bench.read_bytes_series(results, "cuda", "random") == []

@@ -1,7 +1,6 @@
 """Each instruction-set path of the CPU kernel, forced with KVCANARY_CPU_ISA, is
 bit-exact with the reference on the golden vectors and on random layouts."""
 
-
 import pytest
 import torch
 from helpers import golden_source, load_golden, random_case
@@ -26,7 +25,9 @@ def test_default_is_the_best_path(monkeypatch):
     best = torch.ops.kvcanary.cpu_isa()
     assert best in PATHS
     monkeypatch.setenv("KVCANARY_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match=rf"^kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best} or unset it$"):
+    with pytest.raises(
+        ValueError, match=rf"^kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best} or unset it$"
+    ):
         kc.fold(kc.view_source(torch.zeros(1, 1, 16, dtype=torch.uint8), read_bytes=16), torch.tensor([0]))
 
 

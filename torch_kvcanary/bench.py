@@ -296,7 +296,11 @@ def main(args: argparse.Namespace) -> int:
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
     for device, case in plan:
-        print(f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
+        print(
+            f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}",
+            file=sys.stderr,
+            flush=True,
+        )
         results.append(run_case(case, device, args.min_run_time, upstream=args.upstream and device == "cuda"))
     graph = cuda_graph_decode() if "cuda" in devices else None
     compile_note = None
@@ -304,13 +308,17 @@ def main(args: argparse.Namespace) -> int:
         case = Case("ALL", args.compile_reference, 65536, 1, "random")
         compile_note = compiled_reference(case, devices[0], args.min_run_time)
     print(format_table(results))
-    print("each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
-          "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
+    print(
+        "each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
+        "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines"
+    )
     if compile_note:
         print(compile_note)
     if graph:
-        print(f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
-              f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us")
+        print(
+            f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
+            f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us"
+        )
     if args.json:
         payload = {
             "machine": info,
@@ -331,6 +339,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
     parser.add_argument("--json", metavar="FILE", help="write the raw figures")
     parser.add_argument("--plot", metavar="FILE.png", help="draw GB/s against read_bytes (needs matplotlib)")
-    parser.add_argument("--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size")
+    parser.add_argument(
+        "--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size"
+    )
     parser.add_argument("--goals", action="store_true", help="measure the cases the goals are stated for instead of the sweep")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")

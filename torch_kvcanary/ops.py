@@ -31,13 +31,9 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
         raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
     for index, view in enumerate(sources):
         if view.device != slots.device:
-            raise ValueError(
-                f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device"
-            )
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
         if view.dim() < 2:
-            raise ValueError(
-                f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}"
-            )
+            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 
