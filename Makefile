@@ -17,6 +17,8 @@ BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(wildcard 
 WHEEL_DIR := $(VENV)-dist
 WHEEL_VENV := $(VENV)-wheel
 LINT_VENV := .venv-lint
+# Pinned: another version may format differently.
+LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
 CXX_FILES := $(wildcard csrc/*.h csrc/*.cpp csrc/*.cu tools/*.cpp)
 
 .PHONY: demo info test sanitize wheel-check lint format
@@ -55,9 +57,9 @@ wheel-check: $(VENV)/.deps
 	cd / && $(abspath $(WHEEL_VENV))/bin/python -c "import torch_kvcanary as kc, sys; sys.exit('site-packages' not in kc.__file__)"
 	$(WHEEL_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-$(LINT_VENV)/.installed:
+$(LINT_VENV)/.installed: Makefile
 	test -x $(LINT_VENV)/bin/python || $(PYTHON) -m venv $(LINT_VENV)
-	$(LINT_VENV)/bin/python -m pip install -q --disable-pip-version-check ruff clang-format
+	$(LINT_VENV)/bin/python -m pip install -q --disable-pip-version-check $(LINT_TOOLS)
 	touch $@
 
 lint: $(LINT_VENV)/.installed
