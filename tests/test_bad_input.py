@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
-from torch_kvcanary import layouts
+from torch_kvcanary import layouts, upstream_baseline
 
 U8 = torch.zeros(4, 2, 64, dtype=torch.uint8)  # a good view: 4 pages of 2 slots of 64 bytes
 ROWS = torch.zeros(8, 64, dtype=torch.uint8)
@@ -259,6 +259,23 @@ def test_no_copy_of_the_pool():
     pool[3, 1, 2, 5] = 1.0
     after = kc.fold(source, torch.arange(64))
     assert (before != after).nonzero().flatten().tolist() == [3 * 4 + 2]
+
+
+def test_forced_cpu_path_the_cpu_lacks(monkeypatch):
+    monkeypatch.delenv("KVCANARY_CPU_ISA", raising=False)
+    best = torch.ops.kvcanary.cpu_isa()
+    monkeypatch.setenv("KVCANARY_CPU_ISA", "sse9")
+    with pytest.raises(
+        ValueError, match=rf"^kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best} or unset it$"
+    ):
+        kc.fold(GOOD, SLOTS)
+
+
+def test_upstream_baseline_refuses_what_it_cannot_fold():
+    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds 1 to 8 pools"):
+        upstream_baseline.upstream_fold([], 16)
+    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds uint8 rows"):
+        upstream_baseline.upstream_fold([torch.zeros(4, 16, dtype=torch.uint8)], 16)
 
 
 # --- exact messages ------------------------------------------------------------------------

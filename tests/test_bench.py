@@ -81,13 +81,6 @@ def test_upstream_baseline_gives_the_folds_fingerprints():
     assert torch.equal(upstream_baseline.upstream_fold(pools, 256)(slots), kc.fold(sources, slots))
 
 
-def test_upstream_baseline_refuses_what_it_cannot_fold():
-    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds 1 to 8 pools"):
-        upstream_baseline.upstream_fold([], 16)
-    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds uint8 rows"):
-        upstream_baseline.upstream_fold([torch.zeros(4, 16, dtype=torch.uint8)], 16)
-
-
 def _kernel_ab(base, *args: str) -> subprocess.CompletedProcess:
     command = [str(REPO / "tools" / "kernel_ab.sh"), str(base), "--pool-mib", "1", "--rounds", "2", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
