@@ -14,6 +14,7 @@ from .reference import reference_fold
 from .sources import (
     READ_ALIGN,
     HashMode,
+    KvSource,
     RealKvSource,
     ViewSource,
     clip_read_bytes,
@@ -29,6 +30,7 @@ __all__ = [
     "READ_ALIGN",
     "HashMode",
     "KvCanary",
+    "KvSource",
     "RealKvSource",
     "ViewSource",
     "clip_read_bytes",
