@@ -8,6 +8,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.14.1
 PYTEST_ARGS ?=
+# SGLang's kv-canary references, the oracle of the canary-record tests (from its wheel).
+SGLANG_VERSION ?= 0.5.23
+export KVCANARY_SGLANG ?= $(abspath .sglang)
+SGLANG_REFERENCE := $(KVCANARY_SGLANG)/sglang/kernels/ops/kv_canary/write_ref.py
 # pyproject.toml's [build-system] requires, torch aside: a build without isolation (the
 # extension is compiled against the venv's torch) needs them installed first.
 BUILD_REQUIRES := "setuptools>=70" ninja
@@ -19,9 +23,9 @@ WHEEL_VENV := $(VENV)-wheel
 LINT_VENV := .venv-lint
 # Pinned: another version may format differently.
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
-CXX_FILES := $(wildcard csrc/*.h csrc/*.cpp csrc/*.cu tools/*.cpp)
+CXX_FILES := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu tools/*.cpp)
 
-.PHONY: demo info test sanitize wheel-check lint format
+.PHONY: demo info test sanitize sglang-reference wheel-check lint format
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -29,7 +33,7 @@ demo: $(VENV)/.built
 info: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary info
 
-test: $(VENV)/.built
+test: $(VENV)/.built $(SGLANG_REFERENCE)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 $(VENV)/.deps: pyproject.toml
@@ -38,8 +42,16 @@ $(VENV)/.deps: pyproject.toml
 	echo "$(TORCH)" > $@
 
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,hf]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,hf,prometheus]"
 	touch $@
+
+sglang-reference: $(SGLANG_REFERENCE)
+
+$(SGLANG_REFERENCE):
+	rm -rf $(KVCANARY_SGLANG) && mkdir -p $(KVCANARY_SGLANG)/wheel
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps sglang==$(SGLANG_VERSION) -d $(KVCANARY_SGLANG)/wheel
+	$(PYTHON) -c "import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/wheel/*.whl')[0]); z.extractall(sys.argv[1], [n for n in z.namelist() if n.startswith('sglang/kernels/ops/kv_canary/')])" $(KVCANARY_SGLANG)
+	rm -rf $(KVCANARY_SGLANG)/wheel
 
 # The CPU kernel under AddressSanitizer and UndefinedBehaviorSanitizer (see the script).
 sanitize: $(VENV)/.built
@@ -53,7 +65,7 @@ wheel-check: $(VENV)/.deps
 	$(BIN)/python -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w $(WHEEL_DIR) .
 	ls $(WHEEL_DIR)/torch_kvcanary-*-cp310-abi3-*.whl
 	$(PYTHON) -m venv --clear $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$$(ls $(WHEEL_DIR)/*.whl)[test,hf]"
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$$(ls $(WHEEL_DIR)/*.whl)[test,hf,prometheus]"
 	cd / && $(abspath $(WHEEL_VENV))/bin/python -c "import torch_kvcanary as kc, sys; sys.exit('site-packages' not in kc.__file__)"
 	$(WHEEL_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 

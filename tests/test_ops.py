@@ -110,7 +110,7 @@ def _opcheck_samples(device):
 
 def _as_the_shim_passes(args):
     views, slots, read_bytes, check = args
-    return [ops._integer_view(v) for v in views], slots, read_bytes, check
+    return [ops.integer_view(v) for v in views], slots, read_bytes, check
 
 
 @pytest.mark.parametrize("device", DEVICES)

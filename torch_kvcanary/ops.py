@@ -1,4 +1,4 @@
-"""``torch.ops.kvcanary.fold``: its library, its fake kernel and the `fold` shim."""
+"""The kvcanary ops' library, their fake kernels, and the `fold` shim."""
 
 from __future__ import annotations
 
@@ -37,10 +37,43 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 
+def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
+    # The canary kernels' cheap checks (csrc/canary_plan.cpp): one value per slot, one
+    # device. Mixed devices dispatch here when one of them is meta.
+    for name, value in entries.items():
+        if value is not None and value.numel() != slots.numel():
+            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+    for table in tables:
+        if table.device != slots.device:
+            raise ValueError(
+                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
+            )
+
+
+@torch.library.register_fake("kvcanary::record")
+def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
+
+
+@torch.library.register_fake("kvcanary::verify")
+def _verify_fake(
+    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
+):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
+    return slots.new_empty(slots.shape, dtype=torch.bool)
+
+
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _integer_view(view: torch.Tensor) -> torch.Tensor:
+def integer_view(view: torch.Tensor) -> torch.Tensor:
     """The same bytes as an integer dtype of the same size: the op hashes bytes, and
     tools that inspect its inputs (opcheck, FakeTensor) need no float8 arithmetic."""
     dtype = _INTEGER_OF_SIZE.get(view.element_size(), view.dtype)
@@ -76,7 +109,7 @@ def fold(
         raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
     mode = as_mode(mode)
     active = active_sources(sources, mode)
-    views = [_integer_view(s.as_view()) for s in active]
+    views = [integer_view(s.as_view()) for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
     # A CUDA range check synchronises with the host: never inside a compiled graph
     # (the CUDA kernel itself skips it while a graph is being captured).
