@@ -1,7 +1,8 @@
 # The commands of the README: `make demo` (the main job) and `make test`. Each creates
 # $(VENV) when missing, installs torch, the build tools and the package with its test
 # extras (pyproject.toml), and builds the extension ahead of time; both are quick once that
-# is done. `make wheel-check` builds a wheel and runs the tests against it in a fresh venv.
+# is done. `make wheel-check` builds a wheel and runs the tests against it in a fresh venv;
+# `make lint` checks the formatting and lint rules, `make format` applies them.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,8 +20,12 @@ BIN := $(VENV)/bin
 BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(wildcard csrc/*)
 WHEEL_DIR := $(VENV)-dist
 WHEEL_VENV := $(VENV)-wheel
+LINT_VENV := .venv-lint
+# Pinned: another version may format differently.
+LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
+CXX_FILES := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu tools/*.cpp)
 
-.PHONY: demo info test sanitize sglang-reference wheel-check
+.PHONY: demo info test sanitize sglang-reference wheel-check lint format
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -63,3 +68,18 @@ wheel-check: $(VENV)/.deps
 	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$$(ls $(WHEEL_DIR)/*.whl)[test,hf,prometheus]"
 	cd / && $(abspath $(WHEEL_VENV))/bin/python -c "import torch_kvcanary as kc, sys; sys.exit('site-packages' not in kc.__file__)"
 	$(WHEEL_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+$(LINT_VENV)/.installed: Makefile
+	test -x $(LINT_VENV)/bin/python || $(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q --disable-pip-version-check $(LINT_TOOLS)
+	touch $@
+
+lint: $(LINT_VENV)/.installed
+	$(LINT_VENV)/bin/ruff check .
+	$(LINT_VENV)/bin/ruff format --check .
+	$(LINT_VENV)/bin/clang-format --dry-run --Werror $(CXX_FILES)
+
+format: $(LINT_VENV)/.installed
+	$(LINT_VENV)/bin/ruff check --fix .
+	$(LINT_VENV)/bin/ruff format .
+	$(LINT_VENV)/bin/clang-format -i $(CXX_FILES)

@@ -2,6 +2,8 @@
 // fold's choice), and the split of the entries across torch's threads. Each
 // thread adds its terms into sums of its own; the wrapping sums are then added
 // together, so the result does not depend on the split or the order.
+#include "digest_cpu.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -12,7 +14,6 @@
 #include <mutex>
 #include <vector>
 
-#include "digest_cpu.h"
 #include "digest_plan.h"
 #include "fold_cpu.h"
 #include "fold_cpu_isa.h"
@@ -39,7 +40,8 @@ void digest_range(CpuIsa isa, const CpuDigestRange& range) {
 // fewer than a batch of entries, whose terms fill the lanes.
 int64_t task_entries(const DigestPlan& plan) {
   int64_t bytes_per_entry = 0;
-  for (const DigestView& view : plan.views) bytes_per_entry += view.num_units * view.unit.read_bytes;
+  for (const DigestView& view : plan.views)
+    bytes_per_entry += view.num_units * view.unit.read_bytes;
   return std::max<int64_t>(kDigestBatchEntries, (int64_t{1} << 18) / (bytes_per_entry + 1));
 }
 
@@ -47,9 +49,10 @@ int64_t task_entries(const DigestPlan& plan) {
 at::Tensor as_flat_long(const at::Tensor& t) { return t.reshape(-1).to(at::kLong).contiguous(); }
 
 at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::Tensor& positions,
-                      const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets, int64_t num_groups,
-                      bool check_bounds) {
-  const DigestPlan plan = make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
+                      const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets,
+                      int64_t num_groups, bool check_bounds) {
+  const DigestPlan plan =
+      make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
   const at::Tensor flat_slots = as_flat_long(slots);
   const at::Tensor flat_positions = as_flat_long(positions);
   const at::Tensor flat_groups = groups.has_value() ? as_flat_long(*groups) : at::Tensor();

@@ -24,7 +24,9 @@ bool adds_terms(const CpuDigestRange& r, int64_t i) {
          (r.groups == nullptr || (r.groups[i] >= 0 && r.groups[i] < r.num_groups));
 }
 
-int64_t group_of(const CpuDigestRange& r, int64_t i) { return r.groups == nullptr ? 0 : r.groups[i]; }
+int64_t group_of(const CpuDigestRange& r, int64_t i) {
+  return r.groups == nullptr ? 0 : r.groups[i];
+}
 
 template <class V, int kVectors>
 struct LaneDigest {
@@ -45,8 +47,9 @@ struct LaneDigest {
   // terms[i] = mix3(ids[i], positions[i], the unit fold of units[i]) for kChains
   // units of `view`; `chunks` is view.unit cut to its whole 16-byte chunks.
   // `prefetch` requests the next lanes' tokens meanwhile.
-  static void hash_lanes(const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                         const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetcher& prefetch) {
+  static void hash_lanes(const DigestView& view, const SourceLayout& chunks,
+                         const unsigned char* const* units, const int64_t* ids,
+                         const int64_t* positions, int64_t* terms, TokenPrefetcher& prefetch) {
     Vec h[kVectors];
     Fold::hash_tokens(chunks, units, h, prefetch);
     // The words past the whole chunks: 4, 8 or 12 bytes, the last one zero-padded.
@@ -54,8 +57,10 @@ struct LaneDigest {
     const int64_t tail = unit_words(view) - first_word;
     for (int64_t w = 0; w < tail; ++w) {
       int64_t words[kChains];
-      for (int i = 0; i < kChains; ++i) words[i] = static_cast<int64_t>(unit_word(view, units[i], first_word + w));
-      KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = splitmix64(h[v] ^ V::load(words + v * V::kLanes));
+      for (int i = 0; i < kChains; ++i)
+        words[i] = static_cast<int64_t>(unit_word(view, units[i], first_word + w));
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] =
+          splitmix64(h[v] ^ V::load(words + v * V::kLanes));
     }
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
       const Vec id = V::load(ids + v * V::kLanes);
@@ -66,12 +71,16 @@ struct LaneDigest {
 
   // hash_lanes for the first `lanes` (<= kChains) of the arrays, in as few
   // vectors as hold them: the end of a view's terms need not cost kChains chains.
-  static void hash_some(int lanes, const DigestView& view, const SourceLayout& chunks, const unsigned char* const* units,
-                        const int64_t* ids, const int64_t* positions, int64_t* terms, TokenPrefetcher& prefetch) {
+  static void hash_some(int lanes, const DigestView& view, const SourceLayout& chunks,
+                        const unsigned char* const* units, const int64_t* ids,
+                        const int64_t* positions, int64_t* terms, TokenPrefetcher& prefetch) {
     const int vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (kVectors > 1 && vectors <= 1) return LaneDigest<V, 1>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
-    if (kVectors > 2 && vectors <= 2) return LaneDigest<V, 2>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
-    if (kVectors > 4 && vectors <= 4) return LaneDigest<V, 4>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
+    if (kVectors > 1 && vectors <= 1)
+      return LaneDigest<V, 1>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
+    if (kVectors > 2 && vectors <= 2)
+      return LaneDigest<V, 2>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
+    if (kVectors > 4 && vectors <= 4)
+      return LaneDigest<V, 4>::hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
     hash_lanes(view, chunks, units, ids, positions, terms, prefetch);
   }
 
@@ -84,7 +93,8 @@ struct LaneDigest {
     int count = 0;
 
     void locate(const DigestView& view) {
-      for (int e = 0; e < count; ++e) tokens[e] = view.unit.data + token_offset(view.unit, slots[e]);
+      for (int e = 0; e < count; ++e)
+        tokens[e] = view.unit.data + token_offset(view.unit, slots[e]);
     }
   };
 
@@ -101,8 +111,8 @@ struct LaneDigest {
   }
 
   // Plans the prefetch of the tokens of the batch's entries [first, end) in `view`.
-  static void plan_prefetch(TokenPrefetcher& prefetch, const DigestView& view, const Batch& batch, int64_t first,
-                            int64_t end) {
+  static void plan_prefetch(TokenPrefetcher& prefetch, const DigestView& view, const Batch& batch,
+                            int64_t first, int64_t end) {
     CpuFoldWork all_read{};
     all_read.capacity = INT64_MAX;  // the batch's entries are all read
     const SourceLayout token = prefetch_layout(view);
@@ -114,7 +124,8 @@ struct LaneDigest {
 
   // One view's terms for the batch's entries, unit by unit (a layout whose
   // chunks cross runs: each word read on its own).
-  static void add_terms_by_unit(const CpuDigestRange& r, const DigestView& view, const Batch& batch) {
+  static void add_terms_by_unit(const CpuDigestRange& r, const DigestView& view,
+                                const Batch& batch) {
     for (int e = 0; e < batch.count; ++e) {
       const int64_t i = batch.entries[e];
       for (int64_t k = 0; k < view.num_units; ++k) {
@@ -127,7 +138,8 @@ struct LaneDigest {
   // One view's terms for the batch's entries, kChains at a time, lanes taking
   // (entry, unit) in order; `next` is the view hashed after this one (null:
   // none), whose first tokens are prefetched during the last lanes.
-  static void add_terms(const CpuDigestRange& r, const DigestView& view, const DigestView* next, const Batch& batch) {
+  static void add_terms(const CpuDigestRange& r, const DigestView& view, const DigestView* next,
+                        const Batch& batch) {
     if (!chunks_in_runs(view)) return add_terms_by_unit(r, view, batch);
     SourceLayout chunks = view.unit;
     chunks.read_bytes = view.unit.read_bytes / kReadAlign * kReadAlign;
@@ -163,10 +175,12 @@ struct LaneDigest {
       TokenPrefetcher prefetch;
       const int64_t ahead = first + groups_ahead * kChains;
       if (ahead < num_terms) {
-        plan_prefetch(prefetch, view, batch, ahead / num_units, (ahead + kChains - 1) / num_units + 1);
+        plan_prefetch(prefetch, view, batch, ahead / num_units,
+                      (ahead + kChains - 1) / num_units + 1);
       } else if (next != nullptr) {
         const int64_t there = ahead - num_terms;
-        plan_prefetch(prefetch, *next, batch, there / next->num_units, (there + kChains - 1) / next->num_units + 1);
+        plan_prefetch(prefetch, *next, batch, there / next->num_units,
+                      (there + kChains - 1) / next->num_units + 1);
       }
       if (lanes == kChains) {
         hash_lanes(view, chunks, units, ids, positions, terms, prefetch);

@@ -1,5 +1,7 @@
 // CUDA backend of kvcanary::digest: argument checks and launches (the kernel is
 // in digest_cuda_kernel.cu).
+#include "digest_cuda.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/any.h>
 #include <ATen/ops/ge.h>
@@ -17,7 +19,6 @@
 
 #include <algorithm>
 
-#include "digest_cuda.h"
 #include "digest_plan.h"
 #include "fold_plan.h"
 
@@ -27,7 +28,8 @@ namespace {
 // The eager checks of slots, then groups (the CPU kernel's order): reductions
 // and host syncs, so they are skipped while a CUDA graph is being captured
 // (the kernel then leaves such entries out, and never reads them).
-void check_entries_cuda(const at::Tensor& slots, const at::Tensor& groups, int64_t capacity, int64_t num_groups) {
+void check_entries_cuda(const at::Tensor& slots, const at::Tensor& groups, int64_t capacity,
+                        int64_t num_groups) {
   if (slots.numel() == 0 ||
       c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     return;
@@ -50,10 +52,11 @@ void check_entries_cuda(const at::Tensor& slots, const at::Tensor& groups, int64
 at::Tensor as_flat_long(const at::Tensor& t) { return t.reshape(-1).to(at::kLong).contiguous(); }
 
 at::Tensor digest_cuda(at::TensorList views, const at::Tensor& slots, const at::Tensor& positions,
-                       const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets, int64_t num_groups,
-                       bool check_bounds) {
+                       const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets,
+                       int64_t num_groups, bool check_bounds) {
   const c10::cuda::CUDAGuard guard(slots.device());
-  const DigestPlan plan = make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
+  const DigestPlan plan =
+      make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
   const at::Tensor flat_slots = as_flat_long(slots);
   const at::Tensor flat_positions = as_flat_long(positions);
   const at::Tensor flat_groups = groups.has_value() ? as_flat_long(*groups) : at::Tensor();

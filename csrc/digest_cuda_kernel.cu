@@ -29,7 +29,8 @@ __device__ __forceinline__ uint64_t fold_unit(const DigestView& view, const unsi
 #pragma unroll
       for (int c = 0; c < kChunksInFlight; ++c) {
         if (first + c < chunks) {
-          regs[c] = __ldg(reinterpret_cast<const ulonglong2*>(unit + chunk_offset(view.unit, (first + c) * kReadAlign)));
+          regs[c] = __ldg(reinterpret_cast<const ulonglong2*>(
+              unit + chunk_offset(view.unit, (first + c) * kReadAlign)));
         }
       }
 #pragma unroll
@@ -48,7 +49,8 @@ __device__ __forceinline__ uint64_t fold_unit(const DigestView& view, const unsi
 }
 
 __device__ __forceinline__ void add_to(int64_t* out, int64_t group, uint64_t value) {
-  atomicAdd(reinterpret_cast<unsigned long long*>(out + group), static_cast<unsigned long long>(value));
+  atomicAdd(reinterpret_cast<unsigned long long*>(out + group),
+            static_cast<unsigned long long>(value));
 }
 
 __global__ void __launch_bounds__(kDigestThreads) digest_kernel(const DigestLaunchArgs args) {
@@ -57,7 +59,8 @@ __global__ void __launch_bounds__(kDigestThreads) digest_kernel(const DigestLaun
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kDigestThreads;
   long long group = -1;  // the group `sum` belongs to (-1: none yet)
   unsigned long long sum = 0;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kDigestThreads + threadIdx.x; t < num_terms; t += stride) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kDigestThreads + threadIdx.x; t < num_terms;
+       t += stride) {
     const int64_t entry = t / units_per_entry;
     const int64_t unit = t - entry * units_per_entry;
     const int64_t slot = args.slots[entry];
@@ -80,7 +83,8 @@ __global__ void __launch_bounds__(kDigestThreads) digest_kernel(const DigestLaun
       group = g;
       sum = 0;
     }
-    sum += mix3<uint64_t>(view.first_unit_id + static_cast<uint64_t>(k), static_cast<uint64_t>(args.positions[entry]), h);
+    sum += mix3<uint64_t>(view.first_unit_id + static_cast<uint64_t>(k),
+                          static_cast<uint64_t>(args.positions[entry]), h);
   }
   // Every thread of the warp gets here (blocks are whole warps).
   const long long lead = __shfl_sync(kFullMask, group, 0);

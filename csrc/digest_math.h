@@ -19,7 +19,7 @@ namespace kvcanary {
 struct DigestView {
   SourceLayout unit;  // read_bytes = the unit's byte count, a multiple of 4
   int64_t num_units;
-  int64_t unit_stride;  // bytes
+  int64_t unit_stride;     // bytes
   uint64_t first_unit_id;  // unit_offsets[j]: the global id of unit 0
   // Bytes per aligned load of a unit's words (8, 4 or 1): the data pointer,
   // every stride of a dim longer than 1 and, when the unit has several runs,
@@ -75,8 +75,7 @@ KVC_HOST_DEVICE uint64_t unit_fold(const DigestView& view, const unsigned char* 
   return h;
 }
 
-KVC_HOST_DEVICE const unsigned char* unit_address(const DigestView& view, int64_t slot,
-                                                  int64_t k) {
+KVC_HOST_DEVICE const unsigned char* unit_address(const DigestView& view, int64_t slot, int64_t k) {
   return view.unit.data + token_offset(view.unit, slot) + k * view.unit_stride;
 }
 

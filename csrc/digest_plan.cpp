@@ -15,8 +15,8 @@ constexpr int64_t kUnitAlign = 4;
 void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& slots) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "kv-canary: ", name,
                    " must be an int32 or int64 tensor, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.sizes() == slots.sizes(), "kv-canary: ", name, " must have the shape of slots ",
-                    slots.sizes(), ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == slots.sizes(), "kv-canary: ", name,
+                    " must have the shape of slots ", slots.sizes(), ", got ", t.sizes());
   TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: ", name, " is on ", t.device(),
                     " but slots are on ", slots.device(), "; put them on one device");
 }
@@ -33,12 +33,14 @@ int32_t common_piece(std::initializer_list<int64_t> values) {
 
 DigestView layout_view(const at::Tensor& view, int64_t index, int64_t unit_offset) {
   TORCH_CHECK_VALUE(view.dim() >= 3, "kv-canary: digest view ", index,
-                    " must be [num_pages, page_size, units, *unit_shape], got shape ", view.sizes());
+                    " must be [num_pages, page_size, units, *unit_shape], got shape ",
+                    view.sizes());
   const int64_t itemsize = static_cast<int64_t>(view.element_size());
   const int64_t unit_bytes = itemsize * c10::multiply_integers(view.sizes().slice(3));
-  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes % kUnitAlign == 0, "kv-canary: digest view ", index,
-                    " has units of ", unit_bytes, " bytes (shape ", view.sizes(), ", dtype ",
-                    view.scalar_type(), "); a unit's bytes must be a positive multiple of ", kUnitAlign);
+  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes % kUnitAlign == 0, "kv-canary: digest view ",
+                    index, " has units of ", unit_bytes, " bytes (shape ", view.sizes(), ", dtype ",
+                    view.scalar_type(), "); a unit's bytes must be a positive multiple of ",
+                    kUnitAlign);
 
   DigestView out{};
   SourceLayout& unit = out.unit;
@@ -57,12 +59,13 @@ DigestView layout_view(const at::Tensor& view, int64_t index, int64_t unit_offse
   }
   TORCH_CHECK_VALUE(dims.back().second == itemsize, "kv-canary: digest view ", index,
                     " must have a contiguous innermost dim (stride 1), got shape ", view.sizes(),
-                    " and strides ", view.strides(), "; make the fastest-moving dim of each unit the last one");
+                    " and strides ", view.strides(),
+                    "; make the fastest-moving dim of each unit the last one");
   unit.run_bytes = dims.back().first * itemsize;
   dims.pop_back();
-  TORCH_CHECK_VALUE(static_cast<int>(dims.size()) <= kMaxOuterDims, "kv-canary: digest view ", index, " has ",
-                    dims.size(), " non-contiguous unit dims (strides ", view.strides(), "); at most ",
-                    kMaxOuterDims, " are supported");
+  TORCH_CHECK_VALUE(static_cast<int>(dims.size()) <= kMaxOuterDims, "kv-canary: digest view ",
+                    index, " has ", dims.size(), " non-contiguous unit dims (strides ",
+                    view.strides(), "); at most ", kMaxOuterDims, " are supported");
   unit.num_outer = static_cast<int32_t>(dims.size());
   int64_t outer_gcd = 0;
   for (size_t d = 0; d < dims.size(); ++d) {
@@ -86,9 +89,9 @@ DigestView layout_view(const at::Tensor& view, int64_t index, int64_t unit_offse
 
 }  // namespace
 
-DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots, const at::Tensor& positions,
-                            const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets,
-                            int64_t num_groups) {
+DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots,
+                            const at::Tensor& positions, const std::optional<at::Tensor>& groups,
+                            at::IntArrayRef unit_offsets, int64_t num_groups) {
   TORCH_CHECK_TYPE(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt,
                    "kv-canary: slots must be an int32 or int64 tensor, got ", slots.scalar_type());
   check_index_tensor(positions, "positions", slots);
@@ -96,14 +99,16 @@ DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots, const
     check_index_tensor(*groups, "groups", slots);
   }
   TORCH_CHECK_VALUE(num_groups >= 1, "kv-canary: num_groups must be >= 1, got ", num_groups);
-  TORCH_CHECK_VALUE(views.size() == unit_offsets.size(), "kv-canary: got ", views.size(), " digest views but ",
-                    unit_offsets.size(), " unit_offsets; pass one unit offset (the global id of its unit 0) per view");
+  TORCH_CHECK_VALUE(views.size() == unit_offsets.size(), "kv-canary: got ", views.size(),
+                    " digest views but ", unit_offsets.size(),
+                    " unit_offsets; pass one unit offset (the global id of its unit 0) per view");
   DigestPlan plan;
   plan.views.reserve(views.size());
   for (size_t i = 0; i < views.size(); ++i) {
     const at::Tensor& view = views[i];
-    TORCH_CHECK_VALUE(view.device() == slots.device(), "kv-canary: digest view ", i, " is on ", view.device(),
-                      " but slots are on ", slots.device(), "; put them on one device");
+    TORCH_CHECK_VALUE(view.device() == slots.device(), "kv-canary: digest view ", i, " is on ",
+                      view.device(), " but slots are on ", slots.device(),
+                      "; put them on one device");
     plan.views.push_back(layout_view(view, static_cast<int64_t>(i), unit_offsets[i]));
     const int64_t capacity = view.size(0) * view.size(1);
     plan.capacity = i == 0 ? capacity : std::min(plan.capacity, capacity);
@@ -112,8 +117,8 @@ DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots, const
 }
 
 void fail_group_out_of_range(int64_t group, int64_t num_groups) {
-  TORCH_CHECK_INDEX(false, "kv-canary: group ", group, " is out of range for num_groups ", num_groups,
-                    "; groups must be in [0, ", num_groups, ")");
+  TORCH_CHECK_INDEX(false, "kv-canary: group ", group, " is out of range for num_groups ",
+                    num_groups, "; groups must be in [0, ", num_groups, ")");
 }
 
 void check_groups_in_range(const int64_t* groups, int64_t n, int64_t num_groups) {

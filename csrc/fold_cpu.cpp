@@ -1,5 +1,7 @@
 // CPU kernel of kvcanary::fold: checks, the choice of instruction-set path,
 // and the split of the slots across torch's threads.
+#include "fold_cpu.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,7 +13,6 @@
 #include <initializer_list>
 #include <string>
 
-#include "fold_cpu.h"
 #include "fold_cpu_entry.h"
 #include "fold_cpu_isa.h"
 #include "fold_cpu_tasks.h"
@@ -93,8 +94,8 @@ void for_each_task(int64_t n, int64_t task, const F& fold) {
   });
 }
 
-at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
-                    at::IntArrayRef read_bytes, bool check_bounds) {
+at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots, at::IntArrayRef read_bytes,
+                    bool check_bounds) {
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
   const at::Tensor flat = slots.contiguous();
   if (check_bounds) {

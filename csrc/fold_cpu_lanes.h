@@ -87,9 +87,12 @@ struct LaneFold {
     const bool by_pairs = takes_pairs(work);
     const int64_t lanes = (tail.end - tail.begin) * (by_pairs ? work.num_sources : 1);
     const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (vectors <= 1) return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs);
-    if (vectors <= 2) return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs);
-    if (vectors <= 4) return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs);
+    if (vectors <= 1)
+      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs);
+    if (vectors <= 2)
+      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs);
+    if (vectors <= 4)
+      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs);
     fold_span<index_t>(work, tail, next, by_pairs);
   }
 
@@ -148,8 +151,8 @@ struct LaneFold {
   // hashed, the tokens read after it (`order`) are prefetched, so that the
   // requests run one source's work ahead.
   template <typename index_t>
-  static void fold_group(const CpuFoldWork& work, const int64_t* group, const ReadOrder<index_t>& order,
-                         int64_t first, int64_t* out) {
+  static void fold_group(const CpuFoldWork& work, const int64_t* group,
+                         const ReadOrder<index_t>& order, int64_t first, int64_t* out) {
     Vec acc[kVectors];
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
     const unsigned char* tokens[kSlots];
@@ -181,7 +184,8 @@ struct LaneFold {
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
     const bool by_blocks = takes_blocks(src);
     const int64_t num_blocks = by_blocks ? src.read_bytes / kBlockBytes : 0;
-    const int64_t num_chunks_after_blocks = (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
+    const int64_t num_chunks_after_blocks =
+        (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
     prefetcher.pace(num_blocks * kBlockWords + num_chunks_after_blocks);
     int64_t byte = 0;
     if constexpr (V::kBlockChunks > 1) {
@@ -205,8 +209,8 @@ struct LaneFold {
   // loaded and transposed into the other half of a small staging buffer, one
   // vector per step, so loads overlap the hash instead of alternating with it.
   template <class Prefetcher>
-  static int64_t hash_token_blocks(const SourceLayout& src, const unsigned char* const* tokens, Vec* h,
-                                   Prefetcher& prefetcher) {
+  static int64_t hash_token_blocks(const SourceLayout& src, const unsigned char* const* tokens,
+                                   Vec* h, Prefetcher& prefetcher) {
     static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
     constexpr int kWordsPerLoad = kBlockWords / kVectors;
     const int64_t num_blocks = src.read_bytes / kBlockBytes;
@@ -222,7 +226,9 @@ struct LaneFold {
       const bool load_next = block + 1 < num_blocks;
       const int64_t next = load_next ? chunk_offset(src, (block + 1) * kBlockBytes) : 0;
       KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
-        KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = splitmix64(h[v] ^ stage[current][v][w]);
+        KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+          h[v] = splitmix64(h[v] ^ stage[current][v][w]);
+        }
         prefetcher.step();
         if (load_next && w % kWordsPerLoad == 0) {
           const int v = w / kWordsPerLoad;  // the vector whose next block is loaded at this step
@@ -245,7 +251,8 @@ struct LaneFold {
         return false;
       }
       for (int d = 0; d < src.num_outer; ++d) {
-        if (src.outer_size[d] != first.outer_size[d] || src.outer_stride[d] != first.outer_stride[d]) {
+        if (src.outer_size[d] != first.outer_size[d] ||
+            src.outer_stride[d] != first.outer_stride[d]) {
           return false;
         }
       }
@@ -255,7 +262,8 @@ struct LaneFold {
 
   // Whether a tail is folded by (source, slot) pairs (fold_by_pairs).
   static bool takes_pairs(const CpuFoldWork& work) {
-    return work.num_sources > 1 && work.sources[0].read_bytes >= kPairsMinBytes && same_token_layout(work);
+    return work.num_sources > 1 && work.sources[0].read_bytes >= kPairsMinBytes &&
+           same_token_layout(work);
   }
 
   // Fewer slots than a lane group (kLaneGroupMultiple) over sources of one

@@ -56,7 +56,9 @@ class ReadOrder {
   }
 
  private:
-  int64_t group_size(int64_t first, int64_t end) const { return smaller(end - first, group_slots_); }
+  int64_t group_size(int64_t first, int64_t end) const {
+    return smaller(end - first, group_slots_);
+  }
 
   const CpuFoldWork& work_;
   SlotSpan task_;

@@ -8,8 +8,7 @@ namespace kvcanary {
 namespace {
 
 template <typename index_t>
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    fold_kernel(const FoldLaunchArgs args) {
+__global__ void __launch_bounds__(kThreadsPerBlock) fold_kernel(const FoldLaunchArgs args) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   const int lane = threadIdx.x % kWarpSize;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;

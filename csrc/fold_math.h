@@ -71,8 +71,7 @@ KVC_HOST_DEVICE int64_t token_offset(const SourceLayout& src, int64_t slot) {
   if (src.page_size == 1) {  // row sources: spare the 64-bit division
     return slot * src.page_stride;
   }
-  return (slot / src.page_size) * src.page_stride +
-         (slot % src.page_size) * src.slot_stride;
+  return (slot / src.page_size) * src.page_stride + (slot % src.page_size) * src.slot_stride;
 }
 
 // Byte offset of contiguous run `run` inside a token (mixed radix over the

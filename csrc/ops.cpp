@@ -14,8 +14,7 @@ extern "C" {
 // register the ops; the module itself is empty.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
-      nullptr,               nullptr, nullptr, nullptr};
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
 }

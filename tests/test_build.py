@@ -43,9 +43,7 @@ def test_backends_match_the_build():
 
 
 def test_info_says_what_was_built():
-    out = subprocess.run(
-        [sys.executable, "-m", "torch_kvcanary", "info"], capture_output=True, text=True, check=True
-    ).stdout
+    out = subprocess.run([sys.executable, "-m", "torch_kvcanary", "info"], capture_output=True, text=True, check=True).stdout
     assert f"torch_kvcanary {torch_kvcanary.__version__}" in out
     assert "matches the reference" in out
     assert ("CPU-only build" in out) != CUDA_BUILD
@@ -75,7 +73,9 @@ def test_cpu_path_prefetches_the_next_group(path):
 
 
 def _defined_symbols(compiler: str, source: Path, obj: Path) -> list[tuple[str, str]]:
-    subprocess.run([compiler, "-O0", "-std=c++17", f"-I{REPO / 'csrc'}", "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
+    subprocess.run(
+        [compiler, "-O0", "-std=c++17", f"-I{REPO / 'csrc'}", "-c", str(source), "-o", str(obj)], check=True, capture_output=True
+    )
     listing = subprocess.run(["nm", "-C", "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
     return [(line.split(" ", 2)[1], line.split(" ", 2)[2]) for line in listing.splitlines() if line.count(" ") >= 2]
 

@@ -45,7 +45,7 @@ def random_digest_view(rng: random.Random, gen: torch.Generator, device: str = "
     inner = [n + p for n, p in zip(unit_shape, inner_pad)]
     base = random_bytes([logical[i] for i in order] + inner, dtype, gen, device)
     full = base.permute(*[order.index(i) for i in range(3)], *range(3, 3 + len(inner)))
-    view = full[pad[0] :, : page_size, pad[2] :]
+    view = full[pad[0] :, :page_size, pad[2] :]
     return view[(...,) + tuple(slice(0, n) for n in unit_shape)] if unit_shape else view
 
 
@@ -153,7 +153,9 @@ def test_padding_and_empty_input_add_nothing(device):
     assert torch.equal(kc.kv_digest([view], pad, pad, unit_offsets=[0], groups=torch.tensor([0, 2], device=device), num_groups=3), zeros)
     empty = torch.empty(0, dtype=torch.int64, device=device)
     assert torch.equal(kc.kv_digest([view], empty, empty, unit_offsets=[0], num_groups=3), zeros)
-    assert torch.equal(kc.kv_digest([], torch.tensor([0, 5], device=device), torch.tensor([0, 1], device=device), unit_offsets=[]), zeros[:1])
+    assert torch.equal(
+        kc.kv_digest([], torch.tensor([0, 5], device=device), torch.tensor([0, 1], device=device), unit_offsets=[]), zeros[:1]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -236,7 +238,10 @@ def test_threads_agree(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(kc.kv_digest(views, slots, positions, **args), one)
-    halves = [kc.kv_digest(views, slots[s], positions[s], unit_offsets=[0, 4096], groups=groups[s], num_groups=7) for s in (slice(0, 2500), slice(2500, None))]
+    halves = [
+        kc.kv_digest(views, slots[s], positions[s], unit_offsets=[0, 4096], groups=groups[s], num_groups=7)
+        for s in (slice(0, 2500), slice(2500, None))
+    ]
     assert wrapping_sum(halves) == one.tolist()
     small = slice(0, 300)
     assert one.tolist() != [0] * 7
@@ -377,7 +382,9 @@ class TestErrors(expecttest.TestCase):
         view = torch.zeros(3, 4, 2, 16, dtype=torch.uint8)
         entries = torch.tensor([0, 1, -1])
         self.assertExpectedInline(
-            self._message(IndexError, lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 2, 9]), num_groups=2)),
+            self._message(
+                IndexError, lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 2, 9]), num_groups=2)
+            ),
             """kv-canary: group 2 is out of range for num_groups 2; groups must be in [0, 2)""",
         )
         # a padding entry's group is not looked at
@@ -392,7 +399,9 @@ class TestErrors(expecttest.TestCase):
             "rank 2": [torch.zeros(4, 2)],
             "float16 element unit": [torch.zeros(4, 2, 3, dtype=torch.float16)],
         }
-        messages = {name: self._message(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()}
+        messages = {
+            name: self._message(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()
+        }
         messages["unit_offsets length"] = self._message(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
         messages["devices"] = self._message(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
         messages["positions shape"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))

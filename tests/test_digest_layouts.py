@@ -89,9 +89,12 @@ def test_vllm_blocks(request_kv, tp):
     per_rank = []
     for rank in range(tp):
         h = rank_heads(rank, tp)
-        caches = [torch.stack([paged(k[l][:, h], table, 8, block_size), paged(v[l][:, h], table, 8, block_size)]) for l in range(LAYERS)]
-        k_sc = [paged(ks[l][:, h], table, 8, block_size) for l in range(LAYERS)]
-        v_sc = [paged(vs[l][:, h], table, 8, block_size) for l in range(LAYERS)]
+        caches = [
+            torch.stack([paged(k[layer][:, h], table, 8, block_size), paged(v[layer][:, h], table, 8, block_size)])
+            for layer in range(LAYERS)
+        ]
+        k_sc = [paged(ks[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
+        v_sc = [paged(vs[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
         u = units.vllm_units(caches, k_scales=k_sc, v_scales=v_sc, tp_rank=rank, tp_size=tp)
         per_rank.append(digest_of(u, paged_slots(table, block_size)))
     assert group_digest(per_rank) == logical_digest(k, v, ks, vs)
@@ -102,8 +105,8 @@ def test_vllm_cpu_layout(request_kv):
     k, v, ks, vs = request_kv
     table, block_size = [2, 0], 8
     caches = []
-    for l in range(LAYERS):
-        kv = torch.cat([paged(k[l], table, 3, block_size), paged(v[l], table, 3, block_size)], dim=-1)  # [blocks, bs, H, 2D]
+    for layer in range(LAYERS):
+        kv = torch.cat([paged(k[layer], table, 3, block_size), paged(v[layer], table, 3, block_size)], dim=-1)  # [blocks, bs, H, 2D]
         caches.append(kv.permute(0, 2, 1, 3).contiguous())  # [blocks, H, bs, 2D]
     assert caches[0].shape == (3, HEADS, block_size, 2 * DIM)
     u = units.vllm_cpu_units(caches)
@@ -116,8 +119,8 @@ def test_hf_static_cache(request_kv):
     k, v, _, _ = request_kv
     batch, max_len, row = 3, 16, 1
     keys, values = [], []
-    for l in range(LAYERS):
-        for dest, src in ((keys, k[l]), (values, v[l])):
+    for layer in range(LAYERS):
+        for dest, src in ((keys, k[layer]), (values, v[layer])):
             cache = torch.zeros(batch, HEADS, max_len, DIM, dtype=torch.bfloat16)
             cache[row, :, POSITIONS] = src.transpose(0, 1)
             dest.append(cache)
@@ -134,10 +137,12 @@ def test_trtllm_pool(request_kv, tp):
     for rank in range(tp):
         h = rank_heads(rank, tp)
         pools, scale_pools = [], []
-        for l in range(LAYERS):
-            kv = torch.stack([paged(k[l][:, h], table, 5, tokens_per_block), paged(v[l][:, h], table, 5, tokens_per_block)], dim=1)
+        for layer in range(LAYERS):
+            kv = torch.stack([paged(k[layer][:, h], table, 5, tokens_per_block), paged(v[layer][:, h], table, 5, tokens_per_block)], dim=1)
             pools.append(kv.permute(0, 1, 3, 2, 4).contiguous())  # [blocks, 2, heads, tpb, dim]
-            sc = torch.stack([paged(ks[l][:, h], table, 5, tokens_per_block), paged(vs[l][:, h], table, 5, tokens_per_block)], dim=1)
+            sc = torch.stack(
+                [paged(ks[layer][:, h], table, 5, tokens_per_block), paged(vs[layer][:, h], table, 5, tokens_per_block)], dim=1
+            )
             scale_pools.append(sc.permute(0, 1, 3, 2).contiguous())  # [blocks, 2, heads, tpb]
         u = units.trtllm_units(pools, scale_pools=scale_pools, tp_rank=rank, tp_size=tp)
         per_rank.append(digest_of(u, paged_slots(table, tokens_per_block)))
@@ -153,7 +158,9 @@ def test_replicated_heads_count_once(request_kv):
     per_rank = []
     for rank in range(4):
         head = rank // 2
-        u = units.sglang_mha_units([t[:, head : head + 1] for t in k2], [t[:, head : head + 1] for t in v2], tp_rank=rank, tp_size=4, num_kv_heads=2)
+        u = units.sglang_mha_units(
+            [t[:, head : head + 1] for t in k2], [t[:, head : head + 1] for t in v2], tp_rank=rank, tp_size=4, num_kv_heads=2
+        )
         per_rank.append(digest_of(u, slots))  # a replica rank has no views: 0
     views, offsets = [], []
     for kind, layers in enumerate([k2, v2]):

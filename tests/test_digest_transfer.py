@@ -53,11 +53,17 @@ def test_raise_and_callable_policies():
 
 def test_refused_arguments():
     cases = {
-        "kv-canary: sent must be a 1-D int64 tensor of digests (from kv_digest), got a torch.int32 tensor of shape (3,)": lambda: verify_transfer(SENT.int(), SENT),
+        "kv-canary: sent must be a 1-D int64 tensor of digests (from kv_digest), got a torch.int32 tensor of shape (3,)": lambda: (
+            verify_transfer(SENT.int(), SENT)
+        ),
         "kv-canary: received must be a 1-D int64 tensor of digests (from kv_digest), got list": lambda: verify_transfer(SENT, [1, 2, 3]),
-        "kv-canary: sent has 3 digests but received has 2; pass one per request (chunk) on both sides": lambda: verify_transfer(SENT, SENT[:2]),
+        "kv-canary: sent has 3 digests but received has 2; pass one per request (chunk) on both sides": lambda: verify_transfer(
+            SENT, SENT[:2]
+        ),
         "kv-canary: pass both sent_chunks and received_chunks, or neither": lambda: verify_transfer(SENT, SENT, sent_chunks=SENT_CHUNKS),
-        "kv-canary: on_mismatch must be 'log', 'raise', None or a callable, got 'warn'": lambda: verify_transfer(SENT, SENT, on_mismatch="warn"),
+        "kv-canary: on_mismatch must be 'log', 'raise', None or a callable, got 'warn'": lambda: verify_transfer(
+            SENT, SENT, on_mismatch="warn"
+        ),
         "kv-canary: got 1 request_ids for 3 requests": lambda: verify_transfer(SENT, SENT, request_ids=["x"]),
     }
     for message, call in cases.items():
@@ -81,7 +87,9 @@ def test_group_all_reduce(tmp_path):
 
 
 def test_demo_transfer_command():
-    proc = subprocess.run([sys.executable, "-m", "torch_kvcanary", "demo", "--transfer"], capture_output=True, text=True, check=False, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_kvcanary", "demo", "--transfer"], capture_output=True, text=True, check=False, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every transfer bug was caught at its request and chunk" in proc.stdout
     for fault in ("one flipped bit", "two positions swapped", "one page never sent", "scales lost", "two top-bit flips in one unit"):

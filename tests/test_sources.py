@@ -101,7 +101,9 @@ def test_view_source():
     assert kc.view_source(cache, read_bytes=0).read_bytes == 0
     with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be a multiple of 16, got 8$"):
         kc.view_source(cache, read_bytes=8)
-    with pytest.raises(ValueError, match=r"^kv-canary: view_source needs a view \[num_pages, page_size, \*token_shape\], got shape \(4,\)$"):
+    with pytest.raises(
+        ValueError, match=r"^kv-canary: view_source needs a view \[num_pages, page_size, \*token_shape\], got shape \(4,\)$"
+    ):
         kc.view_source(torch.zeros(4), read_bytes=16)
 
 

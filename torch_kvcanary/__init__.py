@@ -17,6 +17,7 @@ from .reference import reference_fold
 from .sources import (
     READ_ALIGN,
     HashMode,
+    KvSource,
     RealKvSource,
     ViewSource,
     clip_read_bytes,
@@ -35,6 +36,7 @@ __all__ = [
     "HashMode",
     "KvCanary",
     "KvCorruptionError",
+    "KvSource",
     "KvTransferError",
     "RealKvSource",
     "TransferCheck",

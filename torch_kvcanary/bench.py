@@ -178,11 +178,12 @@ def canary_cost(device: str, min_run_time: float) -> list[dict]:
         slots, prev, positions, tokens = (t.reshape(-1).to(device) for t in (slots, prev, positions, tokens))
         inputs = {"positions": positions, "tokens": tokens, "prev_slots": prev}
         canary.record(slots, **inputs)
+        # The timed calls run within this iteration, so they see its slots and inputs.
         medians = _interleaved_medians(
             {
-                "fold": lambda: fold(sources, slots, check_bounds=False),
-                "record": lambda: canary.record(slots, **inputs),
-                "verify": lambda: canary.verify(slots, **inputs),
+                "fold": lambda: fold(sources, slots, check_bounds=False),  # noqa: B023
+                "record": lambda: canary.record(slots, **inputs),  # noqa: B023
+                "verify": lambda: canary.verify(slots, **inputs),  # noqa: B023
             },
             device, min_run_time,
         )  # fmt: skip
@@ -421,7 +422,10 @@ def format_digest_table(rows: list[dict]) -> str:
     head = f"{'device':6} {'case':30} {'MiB':>6} {'digest GB/s':>11} {'fold GB/s':>9} {'digest/fold':>11} {'digest/copy':>11}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        rate = lambda s: r["bytes"] / s / 1e9  # noqa: E731
+
+        def rate(seconds: float, r=r) -> float:
+            return r["bytes"] / seconds / 1e9
+
         copy = f"{rate(r['digest_s']) / (2 * rate(r['copy_s'])):.2f}" if "copy_s" in r else "-"
         lines.append(
             f"{r['device']:6} {r['case']['name']:30} {r['bytes'] / 2**20:6.0f} {rate(r['digest_s']):11.2f} {rate(r['fold_s']):9.2f} "
@@ -433,8 +437,10 @@ def format_digest_table(rows: list[dict]) -> str:
 def digest_main(args: argparse.Namespace, devices: list[str], info: dict) -> int:
     rows = [digest_beside_fold(case, device, args.min_run_time) for device in devices for case in digest_cases(args.quick)]
     print(format_digest_table(rows))
-    print("each time is the least of three medians of blocked_autorange measurements, the digest and the fold taken in turn; "
-          "digest/fold is the ratio of their byte rates, digest/copy the digest's rate over a device copy's (bytes read plus written)")
+    print(
+        "each time is the least of three medians of blocked_autorange measurements, the digest and the fold taken in turn; "
+        "digest/fold is the ratio of their byte rates, digest/copy the digest's rate over a device copy's (bytes read plus written)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "digest": rows}, f, indent=1)
@@ -452,7 +458,11 @@ def main(args: argparse.Namespace) -> int:
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
     for device, case in plan:
-        print(f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
+        print(
+            f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}",
+            file=sys.stderr,
+            flush=True,
+        )
         results.append(run_case(case, device, args.min_run_time, upstream=args.upstream and device == "cuda"))
     graph = cuda_graph_decode() if "cuda" in devices else None
     canary = [row for d in devices for row in canary_cost(d, args.min_run_time)] if args.canary else None
@@ -461,16 +471,20 @@ def main(args: argparse.Namespace) -> int:
         case = Case("ALL", args.compile_reference, 65536, 1, "random")
         compile_note = compiled_reference(case, devices[0], args.min_run_time)
     print(format_table(results))
-    print("each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
-          "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
+    print(
+        "each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
+        "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines"
+    )
     if compile_note:
         print(compile_note)
     if canary:
         print("canary cost: K and V of 1 KiB per token (medians of measurements taken in turns)")
         print(format_canary_cost(canary))
     if graph:
-        print(f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
-              f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us")
+        print(
+            f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
+            f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us"
+        )
     if args.json:
         payload = {
             "machine": info,
@@ -492,7 +506,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
     parser.add_argument("--json", metavar="FILE", help="write the raw figures")
     parser.add_argument("--plot", metavar="FILE.png", help="draw GB/s against read_bytes (needs matplotlib)")
-    parser.add_argument("--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size")
+    parser.add_argument(
+        "--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size"
+    )
     parser.add_argument("--goals", action="store_true", help="measure the cases the goals are stated for instead of the sweep")
     parser.add_argument("--canary", action="store_true", help="also time KvCanary.record and verify beside a bare fold")
     parser.add_argument("--digest", action="store_true", help="instead: the transfer digest beside the fold over the same slots and bytes")

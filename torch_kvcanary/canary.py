@@ -168,7 +168,9 @@ class KvCanary:
         _check_policy(on_violation)
         if not isinstance(name, str):
             raise TypeError(f"kv-canary: KvCanary name must be a str, got {type(name).__name__}")
-        if padding_slot is not None and (isinstance(padding_slot, bool) or not isinstance(padding_slot, int) or not 0 <= padding_slot < capacity):
+        if padding_slot is not None and (
+            isinstance(padding_slot, bool) or not isinstance(padding_slot, int) or not 0 <= padding_slot < capacity
+        ):
             raise ValueError(f"kv-canary: KvCanary padding_slot must be None or a slot in [0, {capacity}), got {padding_slot!r}")
         self.capacity = capacity
         self.device = devices.pop()
@@ -294,7 +296,9 @@ class KvCanary:
             return
         lines = [v.line(self.name) for v in violations]
         if dropped:
-            lines.append(f"kv_canary: launch_tag={self.name} {dropped} more violations dropped (ring of {self.ring_capacity} rows full); poll more often or raise ring_capacity")
+            lines.append(
+                f"kv_canary: launch_tag={self.name} {dropped} more violations dropped (ring of {self.ring_capacity} rows full); poll more often or raise ring_capacity"
+            )
         if elsewhere:
             lines.append(f"kv_canary: launch_tag={self.name} {elsewhere} violations on other ranks of the process group")
         if policy == "raise":

@@ -169,7 +169,9 @@ def _mapped(tensors, transform, name: str) -> list[torch.Tensor] | None:
     return None if tensors is None else [transform(t) for t in _layer_list(tensors, name)]
 
 
-def sglang_mha_units(k_buffers, v_buffers, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
+def sglang_mha_units(
+    k_buffers, v_buffers, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0
+) -> DigestUnits:
     """SGLang MHA: per layer ``k_buffers[l]``/``v_buffers[l]`` ``[num_slots, local_heads, head_dim]``
     and optional fp32 scales ``[num_slots, local_heads]``; slot = the pool's slot index."""
     rows = lambda t: t.unsqueeze(1)  # noqa: E731  ([num_slots, 1, ...]: pages of one slot)
@@ -201,7 +203,9 @@ def vllm_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1,
     caches = _layer_list(kv_caches, "kv_caches")
     for cache in caches:
         if cache.dim() != 5 or cache.shape[0] != 2:
-            raise ValueError(f"kv-canary: a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size], got shape {tuple(cache.shape)}")
+            raise ValueError(
+                f"kv-canary: a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size], got shape {tuple(cache.shape)}"
+            )
     return _mha_units(
         [c[0] for c in caches], [c[1] for c in caches], _mapped(k_scales, lambda t: t, "k_scales"), _mapped(v_scales, lambda t: t, "v_scales"),
         tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
@@ -215,7 +219,9 @@ def vllm_cpu_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_siz
     caches = _layer_list(kv_caches, "kv_caches")
     for cache in caches:
         if cache.dim() != 4 or cache.shape[-1] % 2:
-            raise ValueError(f"kv-canary: a vLLM CPU layer is [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape {tuple(cache.shape)}")
+            raise ValueError(
+                f"kv-canary: a vLLM CPU layer is [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape {tuple(cache.shape)}"
+            )
     half = lambda c, i: c[..., i * (c.shape[-1] // 2) : (i + 1) * (c.shape[-1] // 2)].permute(0, 2, 1, 3)  # noqa: E731
     by_token = lambda t: t.permute(0, 2, 1)  # noqa: E731
     return _mha_units(
@@ -224,7 +230,9 @@ def vllm_cpu_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_siz
     )  # fmt: skip
 
 
-def hf_static_cache_units(key_caches, value_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
+def hf_static_cache_units(
+    key_caches, value_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0
+) -> DigestUnits:
     """Hugging Face ``StaticCache``: per layer ``[batch, local_heads, max_len, head_dim]``
     (slot = batch_index * max_len + position) and optional scales ``[batch, local_heads, max_len]``."""
     by_token = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731
@@ -243,7 +251,9 @@ def trtllm_units(pools, *, scale_pools=None, tp_rank=0, tp_size=1, num_kv_heads=
     layers = _layer_list(pools, "pools")
     for pool in layers:
         if pool.dim() != 5 or pool.shape[1] != 2:
-            raise ValueError(f"kv-canary: a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim], got shape {tuple(pool.shape)}")
+            raise ValueError(
+                f"kv-canary: a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim], got shape {tuple(pool.shape)}"
+            )
     scales = None if scale_pools is None else _layer_list(scale_pools, "scale_pools")
     return _mha_units(
         [p[:, 0].permute(0, 2, 1, 3) for p in layers], [p[:, 1].permute(0, 2, 1, 3) for p in layers],

@@ -31,13 +31,9 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
         raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
     for index, view in enumerate(sources):
         if view.device != slots.device:
-            raise ValueError(
-                f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device"
-            )
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
         if view.dim() < 2:
-            raise ValueError(
-                f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}"
-            )
+            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 
@@ -58,7 +54,9 @@ def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, chec
             raise ValueError(f"kv-canary: {name} is on {value.device} but slots are on {slots.device}; put them on one device")
     for index, view in enumerate(views):
         if view.dim() < 3:
-            raise ValueError(f"kv-canary: digest view {index} must be [num_pages, page_size, units, *unit_shape], got shape {list(view.shape)}")
+            raise ValueError(
+                f"kv-canary: digest view {index} must be [num_pages, page_size, units, *unit_shape], got shape {list(view.shape)}"
+            )
     return slots.new_empty((num_groups,), dtype=torch.int64)
 
 
@@ -73,17 +71,25 @@ def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
             raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
     for table in tables:
         if table.device != slots.device:
-            raise ValueError(f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device")
+            raise ValueError(
+                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
+            )
 
 
 @torch.library.register_fake("kvcanary::record")
 def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
-    _check_canary_fake_inputs(sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring))
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
 
 
 @torch.library.register_fake("kvcanary::verify")
-def _verify_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True):
-    _check_canary_fake_inputs(sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring))
+def _verify_fake(
+    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
+):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 

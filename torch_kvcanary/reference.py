@@ -41,9 +41,7 @@ def _token_words(view: torch.Tensor, slots: torch.Tensor, read_bytes: int) -> to
     return tokens[:, :read_bytes].contiguous().view(torch.int64)
 
 
-def reference_fold(
-    sources: KvSource | list[KvSource], slots: torch.Tensor, *, mode: HashMode = HashMode.ALL
-) -> torch.Tensor:
+def reference_fold(sources: KvSource | list[KvSource], slots: torch.Tensor, *, mode: HashMode = HashMode.ALL) -> torch.Tensor:
     """Same result as `torch_kvcanary.fold`, computed with eager torch ops."""
     mode = as_mode(mode)
     flat = slots.reshape(-1).long()

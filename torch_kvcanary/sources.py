@@ -85,10 +85,7 @@ def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
     _check_int(requested, "read_bytes")
     _check_int(num_bytes_per_token, "num_bytes_per_token")
     if num_bytes_per_token <= 0 or num_bytes_per_token % READ_ALIGN != 0:
-        raise ValueError(
-            f"kv-canary: num_bytes_per_token must be a positive multiple of {READ_ALIGN}, "
-            f"got {num_bytes_per_token}"
-        )
+        raise ValueError(f"kv-canary: num_bytes_per_token must be a positive multiple of {READ_ALIGN}, got {num_bytes_per_token}")
     if requested == 0:
         return 0
     if requested == sys.maxsize:
@@ -96,10 +93,7 @@ def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
     if requested < 0:
         raise ValueError(f"kv-canary: read_bytes must be non-negative, got {requested}")
     if requested > num_bytes_per_token:
-        raise ValueError(
-            f"kv-canary: read_bytes must be <= num_bytes_per_token ({num_bytes_per_token}), "
-            f"got {requested}"
-        )
+        raise ValueError(f"kv-canary: read_bytes must be <= num_bytes_per_token ({num_bytes_per_token}), got {requested}")
     if requested % READ_ALIGN != 0:
         raise ValueError(f"kv-canary: read_bytes must be a multiple of {READ_ALIGN}, got {requested}")
     return requested
@@ -153,8 +147,7 @@ class RealKvSource(KvSource):
             raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
         if self.num_bytes_per_token <= 0 or self.num_bytes_per_token % READ_ALIGN != 0:
             raise ValueError(
-                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of "
-                f"{READ_ALIGN}, got {self.num_bytes_per_token}"
+                f"kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of {READ_ALIGN}, got {self.num_bytes_per_token}"
             )
         if not (0 < self.read_bytes <= self.num_bytes_per_token and self.read_bytes % READ_ALIGN == 0):
             raise ValueError(
@@ -254,9 +247,7 @@ def view_source(view: torch.Tensor, *, read_bytes: int) -> ViewSource:
     """
     _check_strided(view, "view_source's view")
     if view.dim() < 2:
-        raise ValueError(
-            f"kv-canary: view_source needs a view [num_pages, page_size, *token_shape], got shape {tuple(view.shape)}"
-        )
+        raise ValueError(f"kv-canary: view_source needs a view [num_pages, page_size, *token_shape], got shape {tuple(view.shape)}")
     clipped = clip_read_bytes(requested=read_bytes, num_bytes_per_token=token_bytes(view))
     return ViewSource(view=view, read_bytes=clipped)
 
@@ -290,9 +281,7 @@ def make_row_source(*, layer_buffer: torch.Tensor, read_bytes: int) -> tuple[Rea
     return _row_source(rows, 1, math.prod(rows.shape[1:]) * rows.element_size(), read_bytes)
 
 
-def make_packed_source(
-    *, page_buffer: torch.Tensor, page_size: int, bytes_per_token: int, read_bytes: int
-) -> tuple[RealKvSource, ...]:
+def make_packed_source(*, page_buffer: torch.Tensor, page_size: int, bytes_per_token: int, read_bytes: int) -> tuple[RealKvSource, ...]:
     """``page_size`` tokens of ``bytes_per_token`` bytes per row of ``page_buffer``
     (dim 0 indexes pages; a 1-D buffer is one row).
 

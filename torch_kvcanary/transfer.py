@@ -59,7 +59,9 @@ def _pair(sent, received, what: str, group) -> tuple[list[int], list[int]]:
     sent = _digests(sent, f"sent{what}")
     received = _digests(received, f"received{what}")
     if sent.shape != received.shape:
-        raise ValueError(f"kv-canary: sent{what} has {sent.shape[0]} digests but received{what} has {received.shape[0]}; pass one per request (chunk) on both sides")
+        raise ValueError(
+            f"kv-canary: sent{what} has {sent.shape[0]} digests but received{what} has {received.shape[0]}; pass one per request (chunk) on both sides"
+        )
     if group is not None:
         import torch.distributed as dist
 

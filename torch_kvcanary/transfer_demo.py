@@ -147,7 +147,9 @@ def _digests(units, config: TransferConfig, slots_of) -> torch.Tensor:
     from .digest import kv_digest
 
     slots, positions, requests, chunks = entries(config, slots_of)
-    by_request = kv_digest(units.views, slots, positions, unit_offsets=units.unit_offsets, groups=requests, num_groups=len(config.request_lengths))
+    by_request = kv_digest(
+        units.views, slots, positions, unit_offsets=units.unit_offsets, groups=requests, num_groups=len(config.request_lengths)
+    )
     by_chunk = kv_digest(units.views, slots, positions, unit_offsets=units.unit_offsets, groups=chunks, num_groups=config.num_chunks)
     return torch.cat([by_request, by_chunk])
 
@@ -187,7 +189,9 @@ class PrefillRank:
         dim] and scales [layers, 2, block_size, local_heads]."""
         b = self.tables[request][block]
         kv = torch.stack([layer[:, b] for layer in self.kv]).view(torch.uint8).contiguous()
-        scales = torch.stack([torch.stack([self.scales[h][layer][b] for h in range(2)]) for layer in range(self.config.layers)]).contiguous()
+        scales = torch.stack(
+            [torch.stack([self.scales[h][layer][b] for h in range(2)]) for layer in range(self.config.layers)]
+        ).contiguous()
         return kv, scales
 
 
@@ -309,7 +313,9 @@ def run_transfers(config: TransferConfig = TransferConfig(), faults: tuple[str, 
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvcanary-transfer-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
-        procs = [ctx.Process(target=_rank_main, args=(rank, config, init_method, tmp, faults), daemon=True) for rank in range(config.world_size)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(rank, config, init_method, tmp, faults), daemon=True) for rank in range(config.world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -354,8 +360,10 @@ def judge(config: TransferConfig, results: list[dict]) -> list[Verdict]:
 
 def main(args: argparse.Namespace) -> int:
     config = TransferConfig()
-    print(f"prefill: {config.prefill_tp} TP ranks, {config.kv_heads // config.prefill_tp} of {config.kv_heads} KV heads each, "
-          f"vLLM blocks of {config.block_size} tokens, fp8 K/V with fp32 scales, {config.layers} layers")
+    print(
+        f"prefill: {config.prefill_tp} TP ranks, {config.kv_heads // config.prefill_tp} of {config.kv_heads} KV heads each, "
+        f"vLLM blocks of {config.block_size} tokens, fp8 K/V with fp32 scales, {config.layers} layers"
+    )
     print(f"decode:  1 rank with all heads in SGLang rows (one slot per token); requests of {list(config.request_lengths)} tokens, "
           f"{config.num_chunks} chunks (blocks) in all, sent with torch.distributed (gloo) send/recv")  # fmt: skip
     start = time.perf_counter()
@@ -372,5 +380,9 @@ def main(args: argparse.Namespace) -> int:
         ok &= v.pinned
         print(f"  {v.fault:32} {status}")
     print(f"{len(verdicts)} transfers in {elapsed:.1f} s")
-    print("every transfer bug was caught at its request and chunk" if ok else "FAILED: a bug went uncaught, was misplaced, or a clean transfer was flagged")
+    print(
+        "every transfer bug was caught at its request and chunk"
+        if ok
+        else "FAILED: a bug went uncaught, was misplaced, or a clean transfer was flagged"
+    )
     return 0 if ok else 1

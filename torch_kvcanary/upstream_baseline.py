@@ -95,7 +95,17 @@ def build_library(arch: str) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         source, partial = Path(scratch, "upstream_fold.cu"), Path(scratch, library.name)
         source.write_text(_CUDA_SOURCE)
-        command = [str(nvcc), "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial), str(source)]
+        command = [
+            str(nvcc),
+            "-O3",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            "-o",
+            str(partial),
+            str(source),
+        ]
         proc = subprocess.run(command, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"kv-canary: nvcc could not build the upstream baseline:\n{proc.stderr[-2000:]}")
@@ -108,8 +118,14 @@ def _load(arch: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(arch)))
     lib.upstream_fold_launch.restype = ctypes.c_int
     lib.upstream_fold_launch.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_longlong,
-        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_longlong),
+        ctypes.c_int,
+        ctypes.c_longlong,
+        ctypes.c_void_p,
+        ctypes.c_longlong,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
     ]
     return lib
 
