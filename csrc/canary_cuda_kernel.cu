@@ -46,9 +46,9 @@ __device__ void write_run_chain(const CanaryLaunchArgs& a, int64_t first) {
   a.records[entry_slot(a.inputs, first) * kRecordFields + kChain] = chain;
   for (int64_t j = first + 1; j < a.inputs.num_entries && recordable(a, j) && continues_run(a, j);
        ++j) {
-    chain = static_cast<int64_t>(mix3(static_cast<uint64_t>(chain),
-                                      static_cast<uint64_t>(entry_token(a.inputs, j - 1)),
-                                      static_cast<uint64_t>(entry_position(a.inputs, j - 1))));
+    chain = static_cast<int64_t>(mix3<uint64_t>(
+        static_cast<uint64_t>(chain), static_cast<uint64_t>(entry_token(a.inputs, j - 1)),
+        static_cast<uint64_t>(entry_position(a.inputs, j - 1))));
     a.records[entry_slot(a.inputs, j) * kRecordFields + kChain] = chain;
   }
 }
