@@ -24,8 +24,27 @@ def test_run_case_times_the_fold_beside_its_baselines(device):
     assert result.seconds > 0 and result.repeats >= 1
     assert result.bytes_per_s == pytest.approx(512 * 256 * 2 / result.seconds)
     expected = {"stream", "gather", "reference"} | ({"upstream"} if device == "cuda" else set())
+    if device == "cpu" and bench._xxh3_64() is not None:
+        expected.add("xxh3_64")
     assert set(result.baselines) == set(result.baseline_repeats) == expected
     assert all(result.ratio(name) > 0 and result.baseline_repeats[name] >= 1 for name in expected)
+
+
+def test_xxh3_baseline_hashes_the_folded_bytes_laid_out_contiguously(monkeypatch):
+    hashed = []
+    monkeypatch.setattr(bench, "_xxh3_64", lambda: lambda buffer: hashed.append(bytes(buffer)))
+    case = bench.Case("PARTIAL", 64, 300, 2, "random")
+    result = bench.run_case(case, "cpu", min_run_time=0.01)
+    assert "xxh3_64" in result.baselines and result.ratio("xxh3_64") > 0
+    # PARTIAL folds the first 16 bytes of each slot (SPEC), of each of the 2 sources.
+    assert hashed and all(len(b) == 300 * 16 * 2 for b in hashed)
+
+
+def test_xxh3_baseline_is_left_out_with_a_note_without_xxhash(monkeypatch):
+    monkeypatch.setattr(bench, "_xxh3_64", lambda: None)
+    result = bench.run_case(bench.Case("ALL", 64, 64, 1, "seq"), "cpu", min_run_time=0.01)
+    assert "xxh3_64" not in result.baselines
+    assert any("xxhash" in note for note in result.notes)
 
 
 def test_cli_writes_table_and_json(tmp_path, capsys):

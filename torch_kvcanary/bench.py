@@ -8,6 +8,9 @@ threads torch uses. Baselines, on the same bytes:
              device-to-device copy, whose rate counts bytes read plus written);
 * gather:    ``torch.index_select`` of the folded bytes (the cost of copying them out);
 * reference: the package's eager-torch fold (`reference_fold`), where bearable;
+* xxh3_64:   on CPU when the ``xxhash`` package is installed (the ``xxhash`` extra), its
+             ``xxh3_64`` over the folded bytes laid out contiguously: a fast hash on
+             one thread, for scale;
 * upstream:  on CUDA, a kernel written the upstream way (64 blocks of 512 threads, one
              thread per slot looping 16-byte loads), built at run time with nvcc and
              checked to give the fold's fingerprints.
@@ -72,8 +75,8 @@ class Result:
         return self.case.num_slots / self.seconds
 
     def ratio(self, baseline: str) -> float | None:
-        """How many times faster than the baseline (for stream: the fold's byte rate over the
-        stream's byte rate)."""
+        """How many times faster than the baseline (for stream and xxh3_64: the fold's byte
+        rate over the baseline's, on the same bytes)."""
         seconds = self.baselines.get(baseline)
         return None if seconds is None else seconds / self.seconds
 
@@ -203,6 +206,15 @@ def format_canary_cost(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _xxh3_64():
+    """xxhash's xxh3_64 (bytes-like to int), or None when the package is not installed."""
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash.xxh3_64_intdigest
+
+
 def _pool_rows(case: Case) -> int:
     row_bytes = max(case.read_bytes, 64)
     return max(1, min(case.num_slots, _POOL_BUDGET_BYTES // (row_bytes * case.num_sources)))
@@ -244,6 +256,12 @@ def run_case(case: Case, device: str, min_run_time: float, upstream: bool = Fals
         baseline("reference", lambda: reference_fold(sources, slots, mode=mode))
     else:
         result.notes.append("reference skipped (too slow at this size)")
+    xxh3 = _xxh3_64() if device == "cpu" else None
+    if xxh3 is not None:
+        contiguous = memoryview(torch.cat([torch.index_select(p, 0, index) for p in prefixes], 1).numpy())
+        baseline("xxh3_64", lambda: xxh3(contiguous))
+    elif device == "cpu":
+        result.notes.append("xxh3_64 skipped (the xxhash package is not installed)")
     if upstream:
         upstream_kernel = upstream_fold(pools, case.folded_bytes)
         if not torch.equal(upstream_kernel(slots), run()):
@@ -257,7 +275,7 @@ def _fmt_ratio(value: float | None) -> str:
 
 
 def format_table(results: list[Result]) -> str:
-    head = f"{'device':6} {'mode':7} {'rb':>5} {'slots':>8} {'src':>3} {'order':6} {'time':>10} {'GB/s':>7} {'Mslot/s':>8} {'/stream':>7} {'xgather':>7} {'xref':>7} {'xupstrm':>7} {'n':>4} {'nb':>4}"
+    head = f"{'device':6} {'mode':7} {'rb':>5} {'slots':>8} {'src':>3} {'order':6} {'time':>10} {'GB/s':>7} {'Mslot/s':>8} {'/stream':>7} {'xgather':>7} {'xref':>7} {'/xxh3':>7} {'xupstrm':>7} {'n':>4} {'nb':>4}"
     lines = [head, "-" * len(head)]
     for r in results:
         c = r.case
@@ -265,7 +283,7 @@ def format_table(results: list[Result]) -> str:
             f"{r.device:6} {c.mode:7} {c.read_bytes:5} {c.num_slots:8} {c.num_sources:3} {c.order:6} "
             f"{r.seconds * 1e6:8.1f}us {r.bytes_per_s / 1e9:7.2f} {r.slots_per_s / 1e6:8.1f} "
             f"{_fmt_ratio(r.ratio('stream')):>7} {_fmt_ratio(r.ratio('gather')):>7} {_fmt_ratio(r.ratio('reference')):>7} "
-            f"{_fmt_ratio(r.ratio('upstream')):>7} {r.repeats:4} {min(r.baseline_repeats.values()):4}"
+            f"{_fmt_ratio(r.ratio('xxh3_64')):>7} {_fmt_ratio(r.ratio('upstream')):>7} {r.repeats:4} {min(r.baseline_repeats.values()):4}"
         )
     return "\n".join(lines)
 
@@ -473,7 +491,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(results))
     print(
         "each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
-        "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines"
+        "/stream and /xxh3 are the fold's byte rate over a plain read's and over xxh3_64's (one thread, the same bytes laid out contiguously), x* are speed-ups over the baselines"
     )
     if compile_note:
         print(compile_note)
