@@ -3,6 +3,11 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+#include <vector>
+
+#include "canary_records.h"
+
 extern "C" {
 // `import torch_kvcanary._C` loads this library, whose static initializers
 // register the ops; the module itself is empty.
@@ -23,7 +28,40 @@ TORCH_LIBRARY(kvcanary, m) {
   m.def(
       "fold(Tensor[] sources, Tensor slots, SymInt[] read_bytes, "
       "bool check_bounds=True) -> Tensor");
+  // The canary (the SPEC's "The canary records"). records is int64 [capacity,
+  // 4] (token, position, chain, fold), owner_tags int64 [capacity], counters
+  // int64 [len(canary_counters())], ring int64 [ring_capacity, 8]. positions,
+  // tokens, prev_slots (int32/int64) and tags (int64, one value or one per
+  // slot) are per-entry inputs shaped like slots; a check whose input is None
+  // is not run. Slots past the capacity raise IndexError when check_bounds
+  // and give a kSlotOutOfRange violation row otherwise.
+  //
+  // record: entries are applied in order, so an entry may chain through an
+  // earlier entry's slot; nothing is written when an argument is refused.
+  m.def(
+      "record(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
+      "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
+      "Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
+      "Tensor(d!) ring, bool check_bounds=True) -> ()");
+  // verify -> bool tensor shaped like slots, True where a check failed; each
+  // flagged entry appends a row to the ring. padding_slot (-1: none) is never
+  // checked, and a chain through it is not checked.
+  m.def(
+      "verify(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
+      "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
+      "Tensor records, Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, "
+      "int padding_slot=-1, bool check_bounds=True) -> Tensor");
+  // The names of the canary's counters, in the order of its counters tensor.
+  m.def("canary_counters() -> str[]");
   // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
   // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
   m.def("cpu_isa() -> str");
 }
+
+namespace {
+std::vector<std::string> canary_counters() {
+  return {std::begin(kvcanary::kCounterNames), std::end(kvcanary::kCounterNames)};
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcanary, CatchAll, m) { m.impl("canary_counters", &canary_counters); }

@@ -8,7 +8,7 @@ custom op; `fold` is its Python entry point.
 from importlib.metadata import version as _version
 
 from . import layouts
-from .canary import KvCanary
+from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .ops import fold
 from .reference import reference_fold
 from .sources import (
@@ -27,10 +27,14 @@ __version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
+    "FailReason",
     "HashMode",
     "KvCanary",
+    "KvCorruptionError",
     "RealKvSource",
     "ViewSource",
+    "Violation",
+    "ViolationKind",
     "clip_read_bytes",
     "fold",
     "layouts",

@@ -1,13 +1,124 @@
-"""`KvCanary`: record each slot's fingerprint when it is written, verify it when it is read."""
+"""`KvCanary`: SGLang's per-slot canary records, kept beside any engine's KV cache.
+
+Each slot the engine writes gets four int64 fields, in SGLang's canary-buffer order:
+the token id, the position, a hash chain through the same request's previous slot, and
+the fold of the slot's bytes. ``record`` stores them after a write, ``verify`` checks them
+before a read: changed bytes, a slot that now belongs to another request or position
+(a block table pointing at the wrong page, a page freed and reused) and a broken chain
+(an off-by-one position, a wrong previous page) each set their own reason bit. Flagged
+entries go to a violation ring on the device; ``poll`` reads it, once per engine step,
+and applies the policy (log, raise, a callable).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import enum
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
-from .ops import Source, _as_sources, fold
-from .sources import HashMode, _as_mode
+from .ops import Source, _active_sources, _as_sources, _integer_view
+from .sources import HashMode, _as_mode, folded_bytes
+
+logger = logging.getLogger("torch_kvcanary")
+
+_MASK64 = (1 << 64) - 1
+RECORD_FIELDS = ("token", "position", "chain", "fold")
+"""The columns of `KvCanary.records`, SGLang's canary-buffer order."""
+
+_VIOLATION_FIELDS = 8
+_POLICIES = ("log", "raise")
+
+
+class FailReason(enum.IntFlag):
+    """Why an entry was flagged: SGLang's bit values, then this package's."""
+
+    VERIFY_CHAIN_HASH_MISMATCH = 1 << 0
+    VERIFY_POSITION_MISMATCH = 1 << 1
+    VERIFY_REAL_KV_HASH_MISMATCH = 1 << 2
+    WRITE_TOKEN_MISMATCH = 1 << 3  # SGLang's write-input assert; never set here
+    WRITE_POSITION_MISMATCH = 1 << 4  # SGLang's write-input assert; never set here
+    VERIFY_TOKEN_MISMATCH = 1 << 5
+    VERIFY_OWNER_MISMATCH = 1 << 6  # the slot was recorded under another tag
+    # A slot or previous slot past the capacity, met where the call could not raise
+    # (CUDA-graph capture, compiled CUDA code): the entry was skipped.
+    SLOT_OUT_OF_RANGE = 1 << 7
+
+    @property
+    def labels(self) -> list[str]:
+        """SGLang's labels of the set bits, in bit order (``verify_chain_hash``, ...)."""
+        return [bit.name.lower().removesuffix("_mismatch") for bit in FailReason if self & bit]
+
+
+class ViolationKind(enum.IntEnum):
+    """The call that flagged a violation."""
+
+    RECORD = 0  # only SLOT_OUT_OF_RANGE
+    VERIFY = 1
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One row of the violation ring. ``position``, ``stored_token`` and ``stored_chain`` are
+    the slot's record; ``expected_token`` is the token given to verify (-1: none) and
+    ``expected_aux`` the chain it expected. For SLOT_OUT_OF_RANGE, ``slot`` and ``position``
+    are the entry's inputs and ``expected_aux`` its previous slot."""
+
+    kind: ViolationKind
+    slot: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain: int
+    expected_aux: int
+    reasons: FailReason
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> Violation:
+        kind, slot, position, stored_token, expected_token, stored_chain, expected_aux, bits = row
+        return cls(ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits))
+
+    def line(self, name: str) -> str:
+        """SGLang's log line for this violation, with ``launch_tag=name``."""
+        labels = "+".join(self.reasons.labels) or "none"
+        return (
+            f"kv_canary violation: launch_tag={name} fail_reason={labels} slot_idx={self.slot} "
+            f"position={self.position} stored_token={self.stored_token} expected_token={self.expected_token} "
+            f"stored_chain_hash={self.stored_chain & _MASK64:#018x} expected_aux={self.expected_aux & _MASK64:#018x}"
+        )
+
+
+class KvCorruptionError(RuntimeError):
+    """Raised by `KvCanary.poll` under ``on_violation="raise"``; ``lines`` holds one log line
+    per violation (and a summary line for violations dropped or seen on other ranks)."""
+
+    def __init__(self, lines: list[str], violations: list[Violation]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+        self.violations = violations
+
+
+def _check_fake_devices(sources, slots, *tables) -> None:
+    # Mixed devices dispatch to the fakes when one of them is meta; the kernels check the rest.
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+    for table in tables:
+        if table.device != slots.device:
+            raise ValueError(f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device")
+
+
+@torch.library.register_fake("kvcanary::record")
+def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
+    _check_fake_devices(sources, slots, records, owner_tags, counters, ring)
+
+
+@torch.library.register_fake("kvcanary::verify")
+def _verify_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True):
+    _check_fake_devices(sources, slots, records, owner_tags, counters, ring)
+    return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
 def _capacity(source: Source) -> int:
@@ -15,22 +126,57 @@ def _capacity(source: Source) -> int:
     return view.shape[0] * view.shape[1]
 
 
+def _counter_index() -> dict[str, int]:
+    return {name: i for i, name in enumerate(torch.ops.kvcanary.canary_counters())}
+
+
+def _check_policy(on_violation) -> None:
+    if on_violation is None or callable(on_violation) or on_violation in _POLICIES:
+        return
+    raise ValueError(
+        f"kv-canary: on_violation must be 'log', 'raise', a callable taking a list of Violation, or None, got {on_violation!r}"
+    )
+
+
+def _check_entry_input(value, name: str) -> None:
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
+
+
 class KvCanary:
-    """Fingerprints of every slot of a KV cache, kept on the sources' device.
+    """SGLang's canary records for every slot of a KV cache, on the sources' device.
 
-    ``record(slots)`` after the engine writes slots, ``verify(slots)`` before it reads them
-    again: True marks a slot whose bytes changed in between. Negative slots are padding (never
-    recorded, never flagged). Neither call synchronises with the host, so both work inside
-    ``torch.compile(fullgraph=True)`` and CUDA graphs; slots outside ``[0, capacity)`` are
-    not recorded, and verify flags them (a caller bug, reported without a sync).
+    Args:
+        sources: the sources whose bytes each slot's fold covers (`layouts` builds them).
+        mode: how much of each slot the fold reads (`HashMode`).
+        capacity: slots ``[0, capacity)`` are tracked; at most the smallest source capacity.
+        ring_capacity: rows of the violation ring; violations past it before a `poll` are
+            dropped, and counted.
+        on_violation: what `poll` does with violations: ``"log"`` (one WARNING line each on
+            the ``torch_kvcanary`` logger), ``"raise"`` (`KvCorruptionError`), a callable
+            (gets the list), or None.
+        name: the ``launch_tag`` of the log lines.
+        padding_slot: a slot the engine writes for padded entries (SGLang's 0): verify never
+            checks it, and does not check a chain through it. Negative slots are always
+            padding. Record stores it like any slot, as SGLang does.
 
-    A fingerprint only says the bytes are those last recorded. When two writers can both
-    record a slot (a page freed while still read, then reused), pass ``tag`` (the owner:
-    a request id, a position) to both calls: verify then also flags slots last recorded
-    under another tag, as SGLang's canary does with its token and position fields.
+    ``record`` and ``verify`` never synchronise with the host: both run inside
+    ``torch.compile(fullgraph=True)`` and CUDA graphs. Eager calls raise IndexError for a
+    slot or previous slot past the capacity; where they cannot raise (compiled or captured
+    CUDA code) the entry is skipped and reported as SLOT_OUT_OF_RANGE.
     """
 
-    def __init__(self, sources: Source | Iterable[Source], *, mode: HashMode = HashMode.ALL, capacity: int | None = None):
+    def __init__(
+        self,
+        sources: Source | Iterable[Source],
+        *,
+        mode: HashMode = HashMode.ALL,
+        capacity: int | None = None,
+        ring_capacity: int = 1024,
+        on_violation: str | Callable[[list[Violation]], object] | None = "log",
+        name: str = "KV",
+        padding_slot: int | None = None,
+    ):
         self.sources = tuple(_as_sources(sources))
         self.mode = _as_mode(mode)
         if not self.sources:
@@ -43,47 +189,196 @@ class KvCanary:
             capacity = smallest
         if not 0 < capacity <= smallest:
             raise ValueError(f"kv-canary: KvCanary capacity must be in [1, {smallest}] (the smallest source capacity), got {capacity}")
+        if isinstance(ring_capacity, bool) or not isinstance(ring_capacity, int) or ring_capacity < 1:
+            raise ValueError(f"kv-canary: KvCanary ring_capacity must be an int >= 1, got {ring_capacity!r}")
+        _check_policy(on_violation)
+        if not isinstance(name, str):
+            raise TypeError(f"kv-canary: KvCanary name must be a str, got {type(name).__name__}")
+        if padding_slot is not None and (isinstance(padding_slot, bool) or not isinstance(padding_slot, int) or not 0 <= padding_slot < capacity):
+            raise ValueError(f"kv-canary: KvCanary padding_slot must be None or a slot in [0, {capacity}), got {padding_slot!r}")
         self.capacity = capacity
         self.device = devices.pop()
-        # One spare entry at the end takes the writes of padding and out-of-range slots.
-        self._fingerprints = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
-        self._tags = torch.full((capacity + 1,), -1, dtype=torch.int64, device=self.device)
+        self.ring_capacity = ring_capacity
+        self.on_violation = on_violation
+        self.name = name
+        self.padding_slot = padding_slot
+        active = _active_sources(self.sources, self.mode)
+        self._views = [_integer_view(s.as_view()) for s in active]
+        self._read_bytes = [folded_bytes(s, self.mode) for s in active]
+        self._counter = _counter_index()
+        self._records = torch.zeros(capacity, len(RECORD_FIELDS), dtype=torch.int64, device=self.device)
+        self._owner_tags = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self._counters = torch.zeros(len(self._counter), dtype=torch.int64, device=self.device)
+        self._ring = torch.zeros(ring_capacity, _VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
+        self._host = _HostReader(self._counters, self._ring)
+        self._ring_overflow_reported = 0
+
+    @property
+    def records(self) -> torch.Tensor:
+        """int64 ``[capacity, 4]``: each slot's (token, position, chain, fold), zeros where
+        never recorded; token and position are -1 where a record call did not give them."""
+        return self._records
 
     @property
     def fingerprints(self) -> torch.Tensor:
-        """The recorded fingerprint of every slot (0 where never recorded)."""
-        return self._fingerprints[: self.capacity]
+        """The fold column of `records`."""
+        return self._records[:, RECORD_FIELDS.index("fold")]
 
-    def _fold(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(fingerprints now, table index, in-range mask) for ``slots``."""
-        in_range = (slots >= 0) & (slots < self.capacity)
-        index = torch.where(in_range, slots, self.capacity).long()
-        current = fold(self.sources, torch.where(in_range, slots, -1), mode=self.mode, check_bounds=False)
-        return current, index, in_range
+    def _check_bounds(self, slots: torch.Tensor) -> bool:
+        # A CUDA range check synchronises with the host: never inside a compiled graph.
+        return not (torch.compiler.is_compiling() and slots.device.type != "cpu")
 
-    def record(self, slots: torch.Tensor, tag: torch.Tensor | int = -1) -> None:
-        """Store the current fingerprints of ``slots`` (after the engine wrote them), and
-        ``tag`` (an int, or int64 values shaped like ``slots``) as their owner."""
-        current, index, _ = self._fold(slots)
-        index = index.reshape(-1)
-        self._fingerprints.index_put_((index,), current.reshape(-1))
-        self._tags.index_put_((index,), torch.as_tensor(tag, dtype=torch.int64, device=self.device).expand(slots.shape).reshape(-1))
+    def record(
+        self,
+        slots: torch.Tensor,
+        tag: torch.Tensor | int = -1,
+        *,
+        positions: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        prev_slots: torch.Tensor | None = None,
+    ) -> None:
+        """Store the records of ``slots`` after the engine wrote them.
 
-    def verify(self, slots: torch.Tensor, tag: torch.Tensor | int | None = None) -> torch.Tensor:
-        """A bool tensor shaped like ``slots``: True where the slot's bytes changed since
-        `record`, where it was last recorded under another ``tag`` (when given), or where the
-        slot is past the capacity; False for padding."""
-        current, index, in_range = self._fold(slots)
-        flagged = current != self._fingerprints[index]
-        if tag is not None:
-            flagged |= self._tags[index] != tag
-        return torch.where(in_range, flagged, slots >= self.capacity)
+        ``positions`` and ``tokens`` (-1 when not given) and ``prev_slots`` (the slot of the
+        same request's previous position, -1 at its first; all -1 when not given) are shaped
+        like ``slots``; ``tag`` (an int, or int64 values shaped like ``slots``) is the owner a
+        later ``verify(tag=...)`` expects. Entries are applied in order, so entry i may chain
+        through the slot entry i - 1 wrote. Negative slots are skipped.
+        """
+        for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
+            _check_entry_input(value, name)
+        torch.ops.kvcanary.record(
+            self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
+            self._records, self._owner_tags, self._counters, self._ring, self._check_bounds(slots),
+        )  # fmt: skip
+
+    def verify(
+        self,
+        slots: torch.Tensor,
+        tag: torch.Tensor | int | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        prev_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Check ``slots`` before the engine reads them: a bool tensor shaped like ``slots``,
+        True where a check failed. The fold is always checked; the position, the token
+        (entries with ``tokens[i] == -1`` are not), the chain through ``prev_slots`` and the
+        owner ``tag`` when given. Each flagged entry appends a row to the violation ring
+        (read it with `poll`); padding entries are never flagged."""
+        for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
+            _check_entry_input(value, name)
+        tags = None if tag is None else self._tag_tensor(tag)
+        padding = -1 if self.padding_slot is None else self.padding_slot
+        return torch.ops.kvcanary.verify(
+            self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
+            self._records, self._owner_tags, self._counters, self._ring, padding, self._check_bounds(slots),
+        )  # fmt: skip
+
+    def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(tag, torch.Tensor):
+            return tag if tag.dtype == torch.int64 else tag.to(torch.int64)
+        if isinstance(tag, bool) or not isinstance(tag, int):
+            raise TypeError(f"kv-canary: tag must be an int or an int64 tensor shaped like slots, got {type(tag).__name__}")
+        return torch.full((1,), tag, dtype=torch.int64, device=self.device)
+
+    def poll(self, *, group=None) -> list[Violation]:
+        """The violations flagged since the last poll (eager; reads the ring), after applying
+        ``on_violation`` to them.
+
+        With a ``torch.distributed`` process group, every rank of it must call poll: the
+        ranks all-reduce their counts, and when any rank saw a violation every rank applies
+        its policy (under "raise" they all raise), so one rank never waits for another that
+        stopped.
+        """
+        counters = self._host.counters()
+        pending = counters[self._counter["ring_write"]]
+        rows = self._host.ring_rows(min(pending, self.ring_capacity)) if pending else []
+        if pending:
+            self._counters[self._counter["ring_write"]].zero_()
+        violations = [Violation.from_row(row) for row in rows]
+        dropped = pending - len(rows)
+        local = pending
+        elsewhere = _others_count(local, group, self.device) if group is not None else 0
+        if local + elsewhere > 0:
+            self._apply_policy(violations, dropped, elsewhere)
+        return violations
+
+    def _apply_policy(self, violations: list[Violation], dropped: int, elsewhere: int) -> None:
+        policy = self.on_violation
+        if policy is None:
+            return
+        if callable(policy):
+            policy(violations)
+            return
+        lines = [v.line(self.name) for v in violations]
+        if dropped:
+            lines.append(f"kv_canary: launch_tag={self.name} {dropped} more violations dropped (ring of {self.ring_capacity} rows full); poll more often or raise ring_capacity")
+        if elsewhere:
+            lines.append(f"kv_canary: launch_tag={self.name} {elsewhere} violations on other ranks of the process group")
+        if policy == "raise":
+            raise KvCorruptionError(lines, violations)
+        for line in lines:
+            logger.warning(line)
+
+    def stats(self) -> dict[str, int]:
+        """The device counters (eager; reads them): ``record_calls``, ``verify_calls``,
+        ``slots_recorded``, ``slots_verified``, ``violations`` (every one, including those
+        dropped), ``ring_overflow`` (dropped because the ring was full) and ``ring_write``
+        (rows waiting for the next poll)."""
+        values = self._host.counters()
+        return {name: values[i] for name, i in self._counter.items()}
+
+    def prometheus_collector(self):
+        """A ``prometheus_client`` collector of `stats`, labelled with this canary's name:
+        ``prometheus_client.REGISTRY.register(canary.prometheus_collector())``. Needs the
+        ``prometheus`` extra (``pip install torch_kvcanary[prometheus]``)."""
+        from .metrics import CanaryCollector
+
+        return CanaryCollector(self)
 
     def owners(self, slots: torch.Tensor) -> torch.Tensor:
         """The tags ``slots`` were last recorded under (-1: never, or padding)."""
         in_range = (slots >= 0) & (slots < self.capacity)
-        return torch.where(in_range, self._tags[torch.where(in_range, slots, self.capacity).long()], -1)
+        return torch.where(in_range, self._owner_tags[torch.where(in_range, slots, 0).long()], -1)
 
     def violations(self, slots: torch.Tensor, tag: torch.Tensor | int | None = None) -> list[int]:
         """The slots of ``slots`` that `verify` flags, in order (eager; syncs)."""
-        return slots[self.verify(slots, tag)].tolist()
+        return slots[self.verify(slots, tag=tag)].tolist()
+
+
+class _HostReader:
+    """Reads the counters and ring rows to the host. On CUDA it copies them through pinned
+    buffers and waits on an event for that copy only, instead of a blocking copy."""
+
+    def __init__(self, counters: torch.Tensor, ring: torch.Tensor):
+        self._counters, self._ring = counters, ring
+        self._cuda = counters.device.type == "cuda"
+        if self._cuda:
+            self._pinned_counters = torch.empty(counters.shape, dtype=torch.int64, pin_memory=True)
+            self._pinned_ring = torch.empty(ring.shape, dtype=torch.int64, pin_memory=True)
+
+    def _read(self, device_tensor: torch.Tensor, pinned: torch.Tensor) -> list:
+        if not self._cuda:
+            return device_tensor.tolist()
+        pinned.copy_(device_tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return pinned.tolist()
+
+    def counters(self) -> list[int]:
+        return self._read(self._counters, self._pinned_counters if self._cuda else None)
+
+    def ring_rows(self, count: int) -> list[list[int]]:
+        return self._read(self._ring[:count], self._pinned_ring[:count] if self._cuda else None)
+
+
+def _others_count(local: int, group, device: torch.device) -> int:
+    """How many violations the other ranks of ``group`` saw (an all-reduce of the counts)."""
+    import torch.distributed as dist
+
+    on_device = dist.get_backend(group) != "gloo"
+    count = torch.tensor([local], dtype=torch.int64, device=device if on_device else "cpu")
+    dist.all_reduce(count, group=group)
+    return int(count.item()) - local
