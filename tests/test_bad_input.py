@@ -43,7 +43,7 @@ CASES = [
     ("packed source: page too big", lambda: kc.make_packed_source(page_buffer=ROWS, page_size=4, bytes_per_token=32, read_bytes=16), ValueError, "RealKvSource page of 4 x 32 bytes does not fit"),
     ("view source: rank 1", lambda: kc.view_source(torch.zeros(64, dtype=torch.uint8), read_bytes=16), ValueError, "view_source needs a view [num_pages, page_size, *token_shape]"),
     ("view source: token 8 bytes", lambda: kc.view_source(torch.zeros(4, 2, 8, dtype=torch.uint8), read_bytes=16), ValueError, "num_bytes_per_token must be a positive multiple of 16, got 8"),
-    ("layouts: vllm rank", lambda: layouts.vllm(torch.zeros(2, 4, 16, 64)), ValueError, "a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size]"),
+    ("layouts: vllm without layout", lambda: layouts.vllm(torch.zeros(2, 4, 16, 2, 64)), ValueError, "layouts.vllm needs layout="),
     ("layouts: trtllm halves", lambda: layouts.trtllm_block_pool(torch.zeros(4, 3, 2, 16, 8)), ValueError, "a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim]"),
     # fold
     ("fold: mode", lambda: kc.fold(GOOD, SLOTS, mode=-1), ValueError, "mode must be a HashMode"),

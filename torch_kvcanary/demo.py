@@ -69,7 +69,7 @@ class PagedCache:
             (mode, layer, half): KvCanary(source, mode=mode)
             for mode in (HashMode.ALL, HashMode.PARTIAL)
             for layer, kv in enumerate(self.layers)
-            for half, source in zip(HALVES, vllm(kv))
+            for half, source in zip(HALVES, vllm(kv, layout="NHD"))
         }
 
     def write(self, request: Request, count: int, gen: torch.Generator) -> torch.Tensor:
