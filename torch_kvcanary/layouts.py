@@ -62,6 +62,13 @@ VLLM_BACKEND_SPLITS = {
     "HPC_ATTN": "content",
     "ROCM_AITER_UNIFIED_ATTN": "content",
 }
+# Backends whose kernels pack the tokens of a block together inside its K and V planes:
+# CPU_ATTN's cpu_attn_reshape_and_cache stores K as [head_size, block_size] ("vec") or in
+# AMX tiles, and V in token pairs under AMX. Slot t of a block then reads row t of the
+# plane, not token t's values: the slots of a block still cover its bytes exactly once (a
+# changed byte is reported at a slot of the same block), but writing one token changes the
+# fold of the block's other slots.
+VLLM_BLOCK_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
 
 
 def _layout_name(layout) -> str:
@@ -90,7 +97,9 @@ def vllm(kv_cache: torch.Tensor, *, layout=None, backend: str | None = None, rea
 
     * a packed layer (vLLM >= 0.26): the logical ``[num_blocks, num_kv_heads, block_size, C]``
       in one of `VLLM_LAYOUTS` (or the legacy aliases ``NHD`` / ``HND``). ``backend``, the
-      attention backend's ``get_name()``, says how K and V share C (`VLLM_BACKEND_SPLITS`).
+      attention backend's ``get_name()``, says how K and V share C (`VLLM_BACKEND_SPLITS`);
+      for `VLLM_BLOCK_PACKED_BACKENDS` a slot reads a row of its block's planes, not its
+      token's values (see there).
     * a legacy layer: the logical ``[2, num_blocks, block_size, num_kv_heads, head_size]``
       with ``layout`` ``NHD`` or ``HND`` (K is ``kv_cache[0]``, V ``kv_cache[1]``).
 

@@ -1,0 +1,303 @@
+"""A vLLM plugin: SGLang's per-slot canary records kept beside vLLM's KV cache.
+
+vLLM runs `register` in every process (the ``vllm.general_plugins`` entry point). It does
+nothing unless ``KVCANARY_VLLM`` is set:
+
+* ``KVCANARY_VLLM=log``: each violation is a WARNING line on the ``torch_kvcanary`` logger;
+* ``KVCANARY_VLLM=raise``: the step raises `KvCorruptionError`;
+* ``KVCANARY_VLLM_MODE=partial|all`` (default ``all``): how much of each slot is folded.
+
+In each worker, once vLLM has allocated the KV caches, a `KvCanary` watches K and V of every
+attention layer (zero-copy views, `layouts.vllm`). In every engine step, around the model
+forward:
+
+1. before it, every scheduled request's context (the positions already in the cache) is
+   verified as the request's block table gives it: the slot's bytes, its position, its
+   token, and its chain through the previous position's slot (slots this forward itself
+   writes are verified from the next step on);
+2. after it, the slots the forward wrote are recorded with their positions, tokens and
+   previous slots;
+3. the canary is polled once; each violation line names the vLLM request(s) whose block
+   table holds the slot.
+
+Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
+block holds the same records for every request that reads it, and a recomputed slot is
+recorded again when it is rewritten. Under async scheduling the token check is skipped
+(the runner's token history may lag the device by a step); the other checks stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import layouts
+from ..canary import KvCanary, KvCorruptionError, Violation, ViolationKind
+from ..sources import HashMode
+
+logger = logging.getLogger("torch_kvcanary")
+
+POLICY_ENV = "KVCANARY_VLLM"
+MODE_ENV = "KVCANARY_VLLM_MODE"
+POLICIES = ("log", "raise")
+MODES = {"partial": HashMode.PARTIAL, "all": HashMode.ALL}
+LAUNCH_TAG = "vllm"
+
+_active: WorkerCanary | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: str
+    mode: HashMode
+
+
+def settings() -> Settings | None:
+    """The plugin's settings from the environment; None when ``KVCANARY_VLLM`` is unset or empty."""
+    policy = os.environ.get(POLICY_ENV, "")
+    if not policy:
+        return None
+    if policy not in POLICIES:
+        raise ValueError(f"kv-canary: {POLICY_ENV} must be one of {', '.join(POLICIES)} (or unset to turn the plugin off), got {policy!r}")
+    mode = os.environ.get(MODE_ENV, "all") or "all"
+    if mode not in MODES:
+        raise ValueError(f"kv-canary: {MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    return Settings(policy, MODES[mode])
+
+
+def active() -> WorkerCanary | None:
+    """The canary of the model runner this process built last (in-process engines:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``)."""
+    return _active
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: hooks vLLM's model runner when
+    ``KVCANARY_VLLM`` is set. vLLM may call it more than once in a process."""
+    chosen = settings()
+    if chosen is None:
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_kvcanary_hooked", False):
+        return
+    _hook(GPUModelRunner, chosen)
+    logger.info("kv-canary: vLLM plugin on (policy %s, mode %s)", chosen.policy, chosen.mode.name)
+
+
+def _hook(runner_class, chosen: Settings) -> None:
+    """Wrap the three runner methods the canary needs (the CPU runner inherits them)."""
+    initialize_kv_cache = runner_class.initialize_kv_cache
+    execute_model = runner_class.execute_model
+    model_forward = runner_class._model_forward
+
+    def initialize_kv_cache_with_canary(self, kv_cache_config, is_profiling=False, *args, **kwargs):
+        initialize_kv_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
+        if not is_profiling:
+            global _active
+            self._kvcanary = _active = WorkerCanary(self, chosen)
+
+    def execute_model_with_canary(self, scheduler_output, *args, **kwargs):
+        self._kvcanary_step = scheduler_output
+        try:
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        finally:
+            self._kvcanary_step = None
+
+    def model_forward_with_canary(self, input_ids=None, positions=None, *args, **kwargs):
+        canary = getattr(self, "_kvcanary", None)
+        step = getattr(self, "_kvcanary_step", None)
+        if canary is None or step is None:  # profiling, warm-up and CUDA-graph capture runs
+            return model_forward(self, input_ids, positions, *args, **kwargs)
+        batch = canary.begin_step(step, input_ids, positions)
+        output = model_forward(self, input_ids, positions, *args, **kwargs)
+        canary.end_step(batch)
+        return output
+
+    runner_class.initialize_kv_cache = initialize_kv_cache_with_canary
+    runner_class.execute_model = execute_model_with_canary
+    runner_class._model_forward = model_forward_with_canary
+    runner_class._kvcanary_hooked = True
+
+
+@dataclass
+class _Batch:
+    """One step's scheduled requests and the entries the canary saw for them."""
+
+    req_ids: list[str]
+    num_tokens: int
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    written_rows: np.ndarray  # the request row of each written slot
+    context_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    context_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
+    context_positions: torch.Tensor | None = None
+    context_prev_slots: torch.Tensor | None = None
+    context_flagged: torch.Tensor | None = None  # verify's answer
+    written_slots: torch.Tensor | None = None
+
+
+class WorkerCanary:
+    """The canary of one vLLM model runner: `canary` (a `KvCanary` over K and V of every
+    attention layer) and `kv_caches` (the layer tensors it watches, in layer order)."""
+
+    def __init__(self, runner, chosen: Settings):
+        self.runner = runner
+        self.policy = chosen.policy
+        group = _attention_group(runner)
+        self.layer_names = _in_layer_order(group.layer_names)
+        context = runner.compilation_config.static_forward_context
+        layout = runner.cache_config.get_resolved_kv_cache_layout()
+        self.block_table = runner.input_batch.block_table.block_tables[0]
+        self.block_size = self.block_table.block_size
+        self.kv_caches: list[torch.Tensor] = []
+        sources, backends = [], set()
+        for name in self.layer_names:
+            kv_cache = context[name].kv_cache
+            if any(kv_cache.data_ptr() == seen.data_ptr() for seen in self.kv_caches):
+                continue  # a layer that shares another layer's cache
+            if kv_cache.dim() != 4 or kv_cache.shape[2] != self.block_size:
+                raise ValueError(
+                    f"kv-canary: vLLM layer {name} is {tuple(kv_cache.shape)}, not a packed "
+                    f"[num_blocks, num_kv_heads, {self.block_size}, 2 * head_size] layer the plugin can watch"
+                )
+            self.kv_caches.append(kv_cache)
+            backends.add(context[name].get_attn_backend().get_name())
+            sources += layouts.vllm(kv_cache, layout=layout, backend=context[name].get_attn_backend().get_name())
+        self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG)
+        self._check_tokens = not runner.use_async_scheduling
+        self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
+        self._batch: _Batch | None = None
+        logger.info(
+            "kv-canary: watching %d vLLM layers (%d slots, %s) in mode %s",
+            len(self.kv_caches), self.canary.capacity, getattr(layout, "name", layout), chosen.mode.name,
+        )
+
+    # The step -----------------------------------------------------------------------
+
+    def begin_step(self, scheduler_output, input_ids: torch.Tensor | None, positions: torch.Tensor) -> _Batch:
+        """Before the forward: verify every scheduled request's context."""
+        batch_state = self.runner.input_batch
+        req_ids = list(batch_state.req_ids)
+        scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        num_tokens = int(scheduled.sum())
+        rows = np.arange(len(req_ids), dtype=np.int64)
+        batch = _Batch(req_ids, num_tokens, input_ids, positions, written_rows=np.repeat(rows, scheduled))
+        batch.written_slots = self.block_table.slot_mapping.gpu[:num_tokens]
+        context = batch_state.num_computed_tokens_cpu[: len(req_ids)].astype(np.int64)
+        total = int(context.sum())
+        if total:
+            batch.context_rows = np.repeat(rows, context)
+            starts = np.repeat(np.cumsum(context) - context, context)
+            context_positions = np.arange(total, dtype=np.int64) - starts
+            device = positions.device
+            row_index = torch.from_numpy(batch.context_rows).to(device, non_blocking=True)
+            batch.context_positions = torch.from_numpy(context_positions).to(device, non_blocking=True)
+            # A request may read, as context, a block another request of this batch writes in
+            # this very forward (the scheduler caches a block's hash when it schedules its
+            # tokens, so a later request of the same step hits it): such slots are verified
+            # from the next step on, once recorded.
+            slots = self._slots(row_index, batch.context_positions)
+            batch.context_slots = torch.where(torch.isin(slots, batch.written_slots), -1, slots)
+            batch.context_prev_slots = self._slots(row_index, batch.context_positions - 1)
+            tokens = None
+            if self._check_tokens:
+                known = batch_state.is_token_ids[batch.context_rows, context_positions]
+                host_tokens = np.where(known, batch_state.token_ids_cpu[batch.context_rows, context_positions], -1)
+                tokens = torch.from_numpy(host_tokens.astype(np.int64)).to(device, non_blocking=True)
+            batch.context_flagged = self.canary.verify(
+                batch.context_slots, positions=batch.context_positions, tokens=tokens, prev_slots=batch.context_prev_slots
+            )
+        self._batch = batch
+        return batch
+
+    def end_step(self, batch: _Batch) -> None:
+        """After the forward: record the slots it wrote, then poll once."""
+        if batch.num_tokens:
+            positions = batch.positions[: batch.num_tokens]
+            row_index = torch.from_numpy(batch.written_rows).to(positions.device, non_blocking=True)
+            tokens = None if batch.input_ids is None else batch.input_ids[: batch.num_tokens].to(torch.int64)
+            entries = [batch.written_slots, positions, tokens, self._slots(row_index, positions - 1)]
+            if self._blocks_packed and batch.context_slots is not None:
+                entries = self._with_packed_neighbours(batch, entries)
+            slots, positions, tokens, prev_slots = entries
+            self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
+        self.canary.poll()
+        self._batch = None
+
+    def _with_packed_neighbours(self, batch: _Batch, written: list) -> list:
+        """Where a backend packs a block's tokens together, writing a slot changes the fold
+        of the block's other slots: record again those of this step's contexts (verified
+        before the forward) that share a block with a written slot, with the records they
+        hold, ahead of the written entries."""
+        slots = batch.context_slots
+        shares_block = torch.isin(slots // self.block_size, batch.written_slots // self.block_size) & (slots >= 0)
+        again = torch.where(shares_block, slots, -1)
+        held_tokens = self.canary.records[again.clamp(min=0), 0]
+        written_tokens = written[2] if written[2] is not None else torch.full_like(written[0], -1)
+        return [
+            torch.cat([again, written[0]]),
+            torch.cat([batch.context_positions, written[1]]),
+            torch.cat([held_tokens, written_tokens]),
+            torch.cat([batch.context_prev_slots, written[3]]),
+        ]
+
+    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The slot of each (request row, position) in the device block table; -1 where the
+        position is negative (before a request's first token)."""
+        at = positions.clamp(min=0)
+        blocks = self.block_table.block_table.gpu[rows, at // self.block_size].to(torch.int64)
+        return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
+
+    # Reports ------------------------------------------------------------------------
+
+    def requests_of(self, violation: Violation) -> list[str]:
+        """The vLLM request ids of this step behind ``violation``: those whose context entry
+        at its slot verify flagged, else every request whose block table holds the slot."""
+        batch = self._batch
+        if batch is None:
+            return []
+        flagged: set[int] = set()
+        holding: set[int] = set()
+        if batch.context_slots is not None:
+            at_slot = (batch.context_slots == violation.slot).cpu().numpy()
+            holding.update(batch.context_rows[at_slot].tolist())
+            flagged.update(batch.context_rows[at_slot & batch.context_flagged.cpu().numpy()].tolist())
+        if batch.written_slots is not None:
+            holding.update(batch.written_rows[(batch.written_slots == violation.slot).cpu().numpy()].tolist())
+        rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
+        return [batch.req_ids[row] for row in sorted(rows)]
+
+    def line(self, violation: Violation) -> str:
+        """The SPEC's log line of ``violation``, then the ids of the vLLM requests behind it."""
+        return f"{violation.line(LAUNCH_TAG)} request_id={','.join(self.requests_of(violation)) or 'none'}"
+
+    def _report(self, violations: list[Violation]) -> None:
+        lines = [self.line(v) for v in violations]
+        if self.policy == "raise":
+            raise KvCorruptionError(lines, violations)
+        for line in lines:
+            logger.warning(line)
+
+
+def _attention_group(runner):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = runner.kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ValueError(
+            f"kv-canary: the vLLM plugin watches models whose layers share one full-attention KV cache group; "
+            f"this model has {kinds}: unset {POLICY_ENV} to serve it without the canary"
+        )
+    return groups[0]
+
+
+def _in_layer_order(names: list[str]) -> list[str]:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(names, key=extract_layer_index)
