@@ -220,7 +220,7 @@ def test_a_flipped_bit_names_its_request(engine):
     victim = driver.ids[1]
     block = driver.blocks(victim)[1]
     layer = plugin.active().kv_caches[1]
-    layer.view(torch.int16)[block, 1, 5, 77] ^= 1 << 9  # one bit of V (second half of the block-head rows)
+    layer.view(torch.int16)[block, 1, 5, 77] ^= 1 << 9  # one bit of head 1
     driver.step()
     found = _parse(lines.take())
     assert found, "the flipped bit was not reported"
@@ -228,6 +228,29 @@ def test_a_flipped_bit_names_its_request(engine):
         assert reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block and requests == [driver.internal_id(victim)]
     driver.step()
     assert _parse(lines.take()) == found  # reported again while the request still reads it
+    driver.finish()
+
+
+def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
+    # CPU_ATTN packs a block's tokens across its rows: the rows of slots not yet written
+    # already hold bytes of the written ones, and are watched too.
+    llm, lines, _ = engine
+    driver = Driver(llm, "tail")
+    driver.add(_tokens(random.Random(6), 2 * BLOCK_SIZE + 3), _params(200, 2))
+    state = plugin.active()
+    for _ in range(4):  # the prompt's two chunks, then a decode step or two
+        driver.step()
+        victim = driver.internal_id(driver.ids[0])
+        length = state.runner.input_batch.num_computed_tokens_cpu[driver.rows()[victim]]
+        if length > 2 * BLOCK_SIZE:
+            break
+    assert 2 * BLOCK_SIZE < length < 3 * BLOCK_SIZE - 4
+    last = driver.blocks(driver.ids[0])[-1]
+    assert lines.take() == []
+    state.kv_caches[0].view(torch.int16)[last, 0, BLOCK_SIZE - 1, 3] ^= 1 << 14
+    driver.step()
+    found = _parse(lines.take())
+    assert found and all(slot // BLOCK_SIZE == last and requests == [victim] for _, slot, requests in found)
     driver.finish()
 
 

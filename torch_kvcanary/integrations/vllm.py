@@ -22,7 +22,10 @@ forward:
 
 Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
 block holds the same records for every request that reads it, and a recomputed slot is
-recorded again when it is rewritten. Under async scheduling the token check is skipped
+recorded again when it is rewritten. Under a backend that packs a block's tokens together
+(CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
+the unwritten rows of each request's last block are verified too, and every slot of a
+block the forward wrote is recorded again. Under async scheduling the token check is skipped
 (the runner's token history may lag the device by a step); the other checks stay.
 """
 
@@ -126,19 +129,21 @@ def _hook(runner_class, chosen: Settings) -> None:
 
 @dataclass
 class _Batch:
-    """One step's scheduled requests and the entries the canary saw for them."""
+    """One step's scheduled requests and the entries the canary saw for them: the verified
+    ones (each request's context, then under a block-packed backend the unwritten tail of
+    its last block) and the written ones. ``*_rows`` are input-batch rows, on the host."""
 
     req_ids: list[str]
     num_tokens: int
     input_ids: torch.Tensor | None
     positions: torch.Tensor
-    written_rows: np.ndarray  # the request row of each written slot
-    context_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    context_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
-    context_positions: torch.Tensor | None = None
-    context_prev_slots: torch.Tensor | None = None
-    context_flagged: torch.Tensor | None = None  # verify's answer
-    written_slots: torch.Tensor | None = None
+    written_rows: np.ndarray
+    written_slots: torch.Tensor
+    verified_rows: np.ndarray | None = None
+    verified_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
+    verified_positions: torch.Tensor | None = None  # -1 for a tail slot
+    verified_prev_slots: torch.Tensor | None = None
+    flagged: torch.Tensor | None = None  # verify's answer
 
 
 class WorkerCanary:
@@ -186,32 +191,37 @@ class WorkerCanary:
         scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         num_tokens = int(scheduled.sum())
         rows = np.arange(len(req_ids), dtype=np.int64)
-        batch = _Batch(req_ids, num_tokens, input_ids, positions, written_rows=np.repeat(rows, scheduled))
-        batch.written_slots = self.block_table.slot_mapping.gpu[:num_tokens]
+        written = self.block_table.slot_mapping.gpu[:num_tokens]
+        batch = _Batch(req_ids, num_tokens, input_ids, positions, np.repeat(rows, scheduled), written)
         context = batch_state.num_computed_tokens_cpu[: len(req_ids)].astype(np.int64)
-        total = int(context.sum())
-        if total:
-            batch.context_rows = np.repeat(rows, context)
-            starts = np.repeat(np.cumsum(context) - context, context)
-            context_positions = np.arange(total, dtype=np.int64) - starts
-            device = positions.device
-            row_index = torch.from_numpy(batch.context_rows).to(device, non_blocking=True)
-            batch.context_positions = torch.from_numpy(context_positions).to(device, non_blocking=True)
-            # A request may read, as context, a block another request of this batch writes in
-            # this very forward (the scheduler caches a block's hash when it schedules its
-            # tokens, so a later request of the same step hits it): such slots are verified
-            # from the next step on, once recorded.
-            slots = self._slots(row_index, batch.context_positions)
-            batch.context_slots = torch.where(torch.isin(slots, batch.written_slots), -1, slots)
-            batch.context_prev_slots = self._slots(row_index, batch.context_positions - 1)
-            tokens = None
-            if self._check_tokens:
-                known = batch_state.is_token_ids[batch.context_rows, context_positions]
-                host_tokens = np.where(known, batch_state.token_ids_cpu[batch.context_rows, context_positions], -1)
-                tokens = torch.from_numpy(host_tokens.astype(np.int64)).to(device, non_blocking=True)
-            batch.context_flagged = self.canary.verify(
-                batch.context_slots, positions=batch.context_positions, tokens=tokens, prev_slots=batch.context_prev_slots
-            )
+        context_rows, context_positions = _ranges(rows, np.zeros_like(context), context)
+        tail_rows = tail_positions = np.zeros(0, dtype=np.int64)
+        if self._blocks_packed:
+            tail_end = -(-context // self.block_size) * self.block_size
+            tail_rows, tail_positions = _ranges(rows, context, tail_end)
+        if len(context_rows) + len(tail_rows) == 0:
+            self._batch = batch
+            return batch
+        device = positions.device
+        batch.verified_rows = np.concatenate([context_rows, tail_rows])
+        row_index = _to(batch.verified_rows, device)
+        at = _to(np.concatenate([context_positions, tail_positions]), device)
+        is_tail = _to(np.arange(len(batch.verified_rows)) >= len(context_rows), device)
+        # A request may read, as context, a block another request of this batch writes in
+        # this very forward (the scheduler caches a block's hash when it schedules its
+        # tokens, so a later request of the same step hits it): such slots are verified
+        # from the next step on, once recorded.
+        slots = self._slots(row_index, at)
+        batch.verified_slots = torch.where(torch.isin(slots, written), -1, slots)
+        batch.verified_positions = torch.where(is_tail, -1, at)
+        batch.verified_prev_slots = torch.where(is_tail, -1, self._slots(row_index, at - 1))
+        tokens = np.full(len(batch.verified_rows), -1, dtype=np.int64)
+        if self._check_tokens:
+            known = batch_state.is_token_ids[context_rows, context_positions]
+            tokens[: len(context_rows)] = np.where(known, batch_state.token_ids_cpu[context_rows, context_positions], -1)
+        batch.flagged = self.canary.verify(
+            batch.verified_slots, positions=batch.verified_positions, tokens=_to(tokens, device), prev_slots=batch.verified_prev_slots
+        )
         self._batch = batch
         return batch
 
@@ -219,32 +229,36 @@ class WorkerCanary:
         """After the forward: record the slots it wrote, then poll once."""
         if batch.num_tokens:
             positions = batch.positions[: batch.num_tokens]
-            row_index = torch.from_numpy(batch.written_rows).to(positions.device, non_blocking=True)
-            tokens = None if batch.input_ids is None else batch.input_ids[: batch.num_tokens].to(torch.int64)
-            entries = [batch.written_slots, positions, tokens, self._slots(row_index, positions - 1)]
-            if self._blocks_packed and batch.context_slots is not None:
-                entries = self._with_packed_neighbours(batch, entries)
+            row_index = _to(batch.written_rows, positions.device)
+            tokens = batch.input_ids[: batch.num_tokens].to(torch.int64) if batch.input_ids is not None else torch.full_like(positions, -1)
+            entries = (batch.written_slots, positions, tokens, self._slots(row_index, positions - 1))
+            if self._blocks_packed:
+                entries = self._with_block_neighbours(batch, entries)
             slots, positions, tokens, prev_slots = entries
             self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
         self.canary.poll()
         self._batch = None
 
-    def _with_packed_neighbours(self, batch: _Batch, written: list) -> list:
-        """Where a backend packs a block's tokens together, writing a slot changes the fold
-        of the block's other slots: record again those of this step's contexts (verified
-        before the forward) that share a block with a written slot, with the records they
-        hold, ahead of the written entries."""
-        slots = batch.context_slots
-        shares_block = torch.isin(slots // self.block_size, batch.written_slots // self.block_size) & (slots >= 0)
-        again = torch.where(shares_block, slots, -1)
-        held_tokens = self.canary.records[again.clamp(min=0), 0]
-        written_tokens = written[2] if written[2] is not None else torch.full_like(written[0], -1)
-        return [
-            torch.cat([again, written[0]]),
-            torch.cat([batch.context_positions, written[1]]),
-            torch.cat([held_tokens, written_tokens]),
-            torch.cat([batch.context_prev_slots, written[3]]),
-        ]
+    def _with_block_neighbours(self, batch: _Batch, written: tuple) -> tuple:
+        """Under a block-packed backend writing a slot changes the fold of its block's other
+        slots, so every slot of a block the forward wrote is recorded again, ahead of the
+        written entries: those verified before the forward with the records they hold (an
+        unwritten tail slot holds -1s), the others (a new block's tail) with -1s."""
+        written_slots = written[0]
+        touched = torch.unique(written_slots[written_slots >= 0] // self.block_size)
+        if batch.verified_slots is None:
+            verified = torch.full((0,), -1, dtype=torch.int64, device=written_slots.device)
+            again = (verified, verified, verified, verified)
+        else:
+            verified = batch.verified_slots
+            in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0)
+            slots = torch.where(in_touched, verified, -1)
+            held_tokens = self.canary.records[slots.clamp(min=0), 0]
+            again = (slots, batch.verified_positions, held_tokens, batch.verified_prev_slots)
+        block_slots = (touched[:, None] * self.block_size + torch.arange(self.block_size, device=touched.device)).reshape(-1)
+        new_tail = block_slots[~torch.isin(block_slots, torch.cat([verified, written_slots]))]
+        unknown = torch.full_like(new_tail, -1)
+        return tuple(torch.cat(parts) for parts in zip((new_tail, unknown, unknown, unknown), again, written))
 
     def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The slot of each (request row, position) in the device block table; -1 where the
@@ -263,12 +277,11 @@ class WorkerCanary:
             return []
         flagged: set[int] = set()
         holding: set[int] = set()
-        if batch.context_slots is not None:
-            at_slot = (batch.context_slots == violation.slot).cpu().numpy()
-            holding.update(batch.context_rows[at_slot].tolist())
-            flagged.update(batch.context_rows[at_slot & batch.context_flagged.cpu().numpy()].tolist())
-        if batch.written_slots is not None:
-            holding.update(batch.written_rows[(batch.written_slots == violation.slot).cpu().numpy()].tolist())
+        if batch.verified_slots is not None:
+            at_slot = (batch.verified_slots == violation.slot).cpu().numpy()
+            holding.update(batch.verified_rows[at_slot].tolist())
+            flagged.update(batch.verified_rows[at_slot & batch.flagged.cpu().numpy()].tolist())
+        holding.update(batch.written_rows[(batch.written_slots == violation.slot).cpu().numpy()].tolist())
         rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
         return [batch.req_ids[row] for row in sorted(rows)]
 
@@ -282,6 +295,18 @@ class WorkerCanary:
             raise KvCorruptionError(lines, violations)
         for line in lines:
             logger.warning(line)
+
+
+def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, position) for every position in ``[starts[i], ends[i])`` of each row, row by row."""
+    counts = ends - starts
+    total = int(counts.sum())
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(rows, counts), np.repeat(starts, counts) + offsets
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64) if array.dtype != bool else array).to(device, non_blocking=True)
 
 
 def _attention_group(runner):
