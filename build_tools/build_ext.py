@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda_kernel.cu")
+CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda_kernel.cu", "csrc/canary_cuda.cpp", "csrc/canary_cuda_kernel.cu")
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The
 # OpenMP runtime is not linked here: torch's own one, loaded with libtorch_cpu,

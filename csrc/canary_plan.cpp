@@ -9,8 +9,12 @@ bool is_index_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
 }
 
+// A tensor whose entries are read in memory order (its shape is not needed):
+// itself when contiguous, which spares a new tensor per input and call.
+at::Tensor in_memory_order(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
 // An optional per-entry input: int32/int64, on the slots' device, one value
-// per slot. Returns its contiguous flat form (undefined when not given).
+// per slot. Returns it in memory order (undefined when not given).
 at::Tensor entry_tensor(const std::optional<at::Tensor>& input, const char* name,
                         const at::Tensor& slots) {
   if (!input.has_value()) {
@@ -24,7 +28,7 @@ at::Tensor entry_tensor(const std::optional<at::Tensor>& input, const char* name
   TORCH_CHECK_VALUE(t.numel() == slots.numel(), "kv-canary: ", name, " has ", t.numel(),
                     " entries (shape ", t.sizes(), ") but slots has ", slots.numel(),
                     " (shape ", slots.sizes(), "); pass one value per slot");
-  return t.contiguous().view(-1);
+  return in_memory_order(t);
 }
 
 void check_table(const at::Tensor& t, const char* name, const at::Tensor& slots,
@@ -54,7 +58,7 @@ EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tenso
   TORCH_CHECK_TYPE(is_index_dtype(slots), "kv-canary: slots must be an int32 or int64 tensor, got ",
                    slots.scalar_type());
   EntryPlan plan;
-  plan.slots = slots.contiguous().view(-1);
+  plan.slots = in_memory_order(slots);
   const at::Tensor flat_positions = entry_tensor(positions, "positions", slots);
   const at::Tensor flat_tokens = entry_tensor(tokens, "tokens", slots);
   plan.prev_slots = entry_tensor(prev_slots, "prev_slots", slots);
@@ -68,7 +72,7 @@ EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tenso
     TORCH_CHECK_VALUE(t.numel() == 1 || t.numel() == slots.numel(), "kv-canary: tag has ",
                       t.numel(), " values (shape ", t.sizes(), ") but slots has ", slots.numel(),
                       "; pass one int, or one value per slot");
-    flat_tags = t.contiguous().view(-1);
+    flat_tags = in_memory_order(t);
   }
   const auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; };
   const auto int32 = [](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kInt; };

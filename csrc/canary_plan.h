@@ -17,8 +17,8 @@ namespace kvcanary {
 struct EntryPlan {
   EntryInputs inputs{};
   std::vector<at::Tensor> keep_alive;
-  at::Tensor slots;       // contiguous, flat
-  at::Tensor prev_slots;  // contiguous, flat; undefined when not given
+  at::Tensor slots;       // contiguous
+  at::Tensor prev_slots;  // contiguous; undefined when not given
 };
 
 EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tensor>& positions,

@@ -137,6 +137,66 @@ def _median(stmt, device: str, min_run_time: float) -> tuple[float, int]:
     return measurement.median, len(measurement.times)
 
 
+def _interleaved_medians(stmts: dict, device: str, min_run_time: float, rounds: int = 5) -> dict[str, float]:
+    """Median seconds of each statement, measured in turns (`rounds` blocks each, one
+    statement after the other), so that a machine's slow phases hit every one alike."""
+    from torch.utils import benchmark
+
+    times: dict[str, list[float]] = {name: [] for name in stmts}
+    for _ in range(rounds):
+        for name, stmt in stmts.items():
+            timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt}, num_threads=torch.get_num_threads())
+            times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
+def canary_cost(device: str, min_run_time: float) -> list[dict]:
+    """`KvCanary.record` and `verify` (positions, tokens and previous slots given) beside a bare
+    `fold` of the same slots and sources: K and V of 1 KiB per token over 64 Ki slots, a decode
+    step (256 random slots, each its own request) and a big batch (64 Ki slots, 64 requests of
+    1 Ki positions in shuffled pages)."""
+    from .canary import KvCanary
+
+    gen = torch.Generator().manual_seed(0)
+    rows = 1 << 16
+    pools = [torch.randint(0, 256, (rows, 1024), dtype=torch.uint8, generator=gen).to(device) for _ in range(2)]
+    sources = [view_source(p.unsqueeze(1), read_bytes=1024) for p in pools]
+    canary = KvCanary(sources, on_violation=None)
+    rows_out = []
+    for n, requests in ((256, 256), (1 << 16, 64)):
+        slots = torch.randperm(rows, generator=gen)[:n].view(requests, -1)
+        prev = torch.cat([torch.full((requests, 1), -1), slots[:, :-1]], dim=1)
+        if n == requests:  # decode: each entry chains through a slot of an earlier step
+            prev = torch.randint(0, rows, (n, 1), generator=gen)
+        positions = torch.arange(n // requests).expand(requests, -1)
+        tokens = torch.randint(0, 1 << 17, (requests, n // requests), generator=gen)
+        slots, prev, positions, tokens = (t.reshape(-1).to(device) for t in (slots, prev, positions, tokens))
+        inputs = {"positions": positions, "tokens": tokens, "prev_slots": prev}
+        canary.record(slots, **inputs)
+        medians = _interleaved_medians(
+            {
+                "fold": lambda: fold(sources, slots, check_bounds=False),
+                "record": lambda: canary.record(slots, **inputs),
+                "verify": lambda: canary.verify(slots, **inputs),
+            },
+            device, min_run_time,
+        )  # fmt: skip
+        rows_out.append({"device": device, "slots": n, **{f"{k}_us": v * 1e6 for k, v in medians.items()}})
+    if canary.poll():
+        raise AssertionError("kv-canary: the canary benchmark flagged unchanged slots")
+    return rows_out
+
+
+def format_canary_cost(rows: list[dict]) -> str:
+    lines = [f"{'device':6} {'slots':>6} {'fold':>10} {'record':>10} {'verify':>10} {'record/fold':>11} {'verify/fold':>11}"]
+    for r in rows:
+        lines.append(
+            f"{r['device']:6} {r['slots']:6} {r['fold_us']:8.1f}us {r['record_us']:8.1f}us {r['verify_us']:8.1f}us "
+            f"{r['record_us'] / r['fold_us']:11.2f} {r['verify_us'] / r['fold_us']:11.2f}"
+        )
+    return "\n".join(lines)
+
+
 def _pool_rows(case: Case) -> int:
     row_bytes = max(case.read_bytes, 64)
     return max(1, min(case.num_slots, _POOL_BUDGET_BYTES // (row_bytes * case.num_sources)))
@@ -295,6 +355,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
         results.append(run_case(case, device, args.min_run_time, upstream=args.upstream and device == "cuda"))
     graph = cuda_graph_decode() if "cuda" in devices else None
+    canary = [row for d in devices for row in canary_cost(d, args.min_run_time)] if args.canary else None
     compile_note = None
     if args.compile_reference:
         case = Case("ALL", args.compile_reference, 65536, 1, "random")
@@ -304,6 +365,9 @@ def main(args: argparse.Namespace) -> int:
           "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
     if compile_note:
         print(compile_note)
+    if canary:
+        print("canary cost: K and V of 1 KiB per token (medians of measurements taken in turns)")
+        print(format_canary_cost(canary))
     if graph:
         print(f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
               f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us")
@@ -313,6 +377,7 @@ def main(args: argparse.Namespace) -> int:
             "results": [{**asdict(r), "bytes_per_s": r.bytes_per_s, "slots_per_s": r.slots_per_s} for r in results],
             "compile_reference": compile_note,
             "cuda_graph_decode": graph,
+            "canary_cost": canary,
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
@@ -329,4 +394,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw GB/s against read_bytes (needs matplotlib)")
     parser.add_argument("--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size")
     parser.add_argument("--goals", action="store_true", help="measure the cases the goals are stated for instead of the sweep")
+    parser.add_argument("--canary", action="store_true", help="also time KvCanary.record and verify beside a bare fold")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")

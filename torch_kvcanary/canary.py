@@ -100,8 +100,12 @@ class KvCorruptionError(RuntimeError):
         self.violations = violations
 
 
-def _check_fake_devices(sources, slots, *tables) -> None:
-    # Mixed devices dispatch to the fakes when one of them is meta; the kernels check the rest.
+def _check_fake_inputs(sources, slots, entries, tables) -> None:
+    # The kernels' cheap checks: one value per slot, one device. Mixed devices dispatch
+    # here when one of them is meta.
+    for name, value in entries.items():
+        if value is not None and value.numel() != slots.numel():
+            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
     for index, view in enumerate(sources):
         if view.device != slots.device:
             raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
@@ -112,12 +116,12 @@ def _check_fake_devices(sources, slots, *tables) -> None:
 
 @torch.library.register_fake("kvcanary::record")
 def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
-    _check_fake_devices(sources, slots, records, owner_tags, counters, ring)
+    _check_fake_inputs(sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring))
 
 
 @torch.library.register_fake("kvcanary::verify")
 def _verify_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True):
-    _check_fake_devices(sources, slots, records, owner_tags, counters, ring)
+    _check_fake_inputs(sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring))
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
@@ -211,6 +215,7 @@ class KvCanary:
         self._counters = torch.zeros(len(self._counter), dtype=torch.int64, device=self.device)
         self._ring = torch.zeros(ring_capacity, _VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
         self._host = _HostReader(self._counters, self._ring)
+        self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self._ring_overflow_reported = 0
 
     @property
@@ -244,6 +249,10 @@ class KvCanary:
         like ``slots``; ``tag`` (an int, or int64 values shaped like ``slots``) is the owner a
         later ``verify(tag=...)`` expects. Entries are applied in order, so entry i may chain
         through the slot entry i - 1 wrote. Negative slots are skipped.
+
+        On CUDA, runs of entries that chain through each other (``prev_slots[i] ==
+        slots[i - 1]``) are applied concurrently: a run must not chain through a slot another
+        run of the same call writes, and a slot is written at most once per call.
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
@@ -276,6 +285,8 @@ class KvCanary:
         )  # fmt: skip
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(tag, int) and tag == -1 and not isinstance(tag, bool):
+            return self._no_tag
         if isinstance(tag, torch.Tensor):
             return tag if tag.dtype == torch.int64 else tag.to(torch.int64)
         if isinstance(tag, bool) or not isinstance(tag, int):

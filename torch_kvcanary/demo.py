@@ -1,13 +1,16 @@
-"""``python -m torch_kvcanary demo``: a paged KV cache, four classic corruption bugs, and
-the canary catching each at the slot, layer and K/V half where it happened.
+"""``python -m torch_kvcanary demo``: a paged KV cache, five classic corruption bugs, and
+the canary catching each at the slot, layer and K/V half where it happened, with the
+checks that caught it.
 
 A small Llama-like model's cache (grouped-query heads, bf16, pages of 16 slots, vLLM
 layout per layer) serves a few requests for some decode steps. The engine records each
-slot after writing it and verifies every slot before attention reads it; a second canary
-in PARTIAL mode runs beside the ALL one to show what reading 16 bytes would miss. The
-injected bugs: a page freed and reused while a request still reads it, a single flipped
-bit, a write that lands one page off, and an offload/restore round trip that puts K and
-V back the wrong way round. Exits 1 if a bug goes unreported or a clean slot is flagged.
+slot after writing it (token, position, the request's previous slot) and verifies every
+slot before attention reads it; a second canary in PARTIAL mode runs beside the ALL one
+to show what reading 16 bytes would miss. The injected bugs: a page freed and reused
+while a request still reads it, a block-table entry pointing at another request's page
+(every byte intact), a single flipped bit, a write that lands one page off, and an
+offload/restore round trip that puts K and V back the wrong way round. Exits 1 if a bug
+goes unreported or a clean slot is flagged.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .canary import KvCanary
+from .canary import FailReason, KvCanary
 from .layouts import vllm
 from .sources import HashMode
 
@@ -39,8 +42,12 @@ class Config:
 @dataclass
 class Request:
     rid: int
-    pages: list[int] = field(default_factory=list)
-    length: int = 0
+    pages: list[int] = field(default_factory=list)  # the block table
+    tokens: list[int] = field(default_factory=list)  # the token id at each position
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
     def slots(self, page_size: int) -> list[int]:
         return [self.pages[i // page_size] * page_size + i % page_size for i in range(self.length)]
@@ -54,6 +61,7 @@ class Catch:
     layer: int
     half: str
     mode: str
+    reasons: FailReason
 
 
 class PagedCache:
@@ -66,32 +74,53 @@ class PagedCache:
         self.layers = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(cfg.layers)]
         self.free_pages = list(range(cfg.num_pages - 1, -1, -1))
         self.canaries = {
-            (mode, layer, half): KvCanary(source, mode=mode)
+            (mode, layer, half): KvCanary(source, mode=mode, on_violation=None)
             for mode in (HashMode.ALL, HashMode.PARTIAL)
             for layer, kv in enumerate(self.layers)
             for half, source in zip(HALVES, vllm(kv, layout="NHD"))
         }
 
-    def write(self, request: Request, count: int, gen: torch.Generator) -> torch.Tensor:
-        """Writes `count` new tokens' K and V (the model's output) for `request`; their slots."""
+    def write(self, request: Request, count: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Writes `count` new tokens' K and V (the model's output) for `request`; the record
+        inputs of their slots (slots, positions, token ids, previous slots)."""
+        first = request.length
         for _ in range(count):
             if request.length % self.cfg.page_size == 0:
                 request.pages.append(self.free_pages.pop())
-            request.length += 1
-        slots = torch.tensor(request.slots(self.cfg.page_size)[-count:], device=self.device)
+            request.tokens.append(int(torch.randint(0, 32000, (), generator=gen)))
+        entries = context_entries(request, self.cfg.page_size, self.device, first=first)
+        slots = entries["slots"]
         shape = (count, self.cfg.kv_heads, self.cfg.head_dim)
         for kv in self.layers:
             pages, offsets = slots // self.cfg.page_size, slots % self.cfg.page_size
             for half in range(2):
                 kv[half, pages, offsets] = torch.randn(shape, generator=gen).to(self.cfg.dtype).to(self.device)
-        return slots
+        return entries
 
-    def record(self, slots: torch.Tensor, tags: torch.Tensor | int) -> None:
+    def record(self, entries: dict[str, torch.Tensor]) -> None:
         for canary in self.canaries.values():
-            canary.record(slots, tag=tags)
+            canary.record(**entries)
 
     def token_view(self, layer: int, half: int, slot: int) -> torch.Tensor:
         return self.layers[layer][half, slot // self.cfg.page_size, slot % self.cfg.page_size]
+
+
+def context_entries(request: Request, page_size: int, device: str, first: int = 0) -> dict[str, torch.Tensor]:
+    """The record and verify inputs of positions [first, length) of `request`, as its block
+    table gives them; `tag` is the request id."""
+    slots = request.slots(page_size)
+    positions = list(range(first, request.length))
+    return {
+        "slots": torch.tensor([slots[p] for p in positions], dtype=torch.int64, device=device),
+        "positions": torch.tensor(positions, dtype=torch.int64, device=device),
+        "tokens": torch.tensor(request.tokens[first:], dtype=torch.int64, device=device),
+        "prev_slots": torch.tensor([slots[p - 1] if p else -1 for p in positions], dtype=torch.int64, device=device),
+        "tag": torch.full((len(positions),), request.rid, dtype=torch.int64, device=device),
+    }
+
+
+def _concat(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.cat([entries[key] for entries in batch]) for key in batch[0]}
 
 
 class Demo:
@@ -114,21 +143,24 @@ class Demo:
         request = Request(rid=len(self.requests))
         self.requests.append(request)
         self.active.append(request)
-        self.cache.record(self.cache.write(request, prompt, self.gen), request.rid)
+        self.cache.record(self.cache.write(request, prompt, self.gen))
         return request
 
     def _sync(self) -> None:
         if self.device != "cpu":
             torch.cuda.synchronize()
 
-    def _verify(self, step: int, slots: torch.Tensor, tags: torch.Tensor) -> set[int]:
-        """Verifies the slots the batch is about to read (`tags`: each slot's request); the
-        requests with a flagged slot."""
+    def _verify(self, step: int, entries: dict[str, torch.Tensor]) -> set[int]:
+        """Verifies the slots the batch is about to read and polls each canary; the requests
+        with a flagged slot."""
         broken = set()
         for (mode, layer, half), canary in self.cache.canaries.items():
-            flagged = canary.verify(slots, tag=tags)
-            for slot, rid in zip(slots[flagged].tolist(), tags[flagged].tolist()):
-                self.catches.append(Catch(step, rid, slot, layer, half, mode.name))
+            flagged = canary.verify(**entries)
+            reasons: dict[int, FailReason] = {}
+            for violation in canary.poll():
+                reasons[violation.slot] = reasons.get(violation.slot, FailReason(0)) | violation.reasons
+            for slot, rid in zip(entries["slots"][flagged].tolist(), entries["tag"][flagged].tolist()):
+                self.catches.append(Catch(step, rid, slot, layer, half, mode.name, reasons[slot]))
                 broken.add(rid)
         return broken
 
@@ -146,12 +178,11 @@ class Demo:
         """One decode step of the batch: verify every slot it reads, attend, write one token
         per request, record the new slots."""
         page_size = self.cfg.page_size
-        reads = [torch.tensor(r.slots(page_size), device=self.device) for r in self.active]
-        slots = torch.cat(reads)
-        tags = torch.cat([torch.full_like(s, r.rid) for r, s in zip(self.active, reads)])
+        contexts = [context_entries(r, page_size, self.device) for r in self.active]
+        reads = [c["slots"] for c in contexts]
         self._sync()
         start = time.perf_counter()
-        broken = self._verify(step, slots, tags)
+        broken = self._verify(step, _concat(contexts))
         self._sync()
         verified = time.perf_counter()
         batch = [(r, s) for r, s in zip(self.active, reads) if r.rid not in broken]
@@ -163,7 +194,7 @@ class Demo:
         self._sync()
         computed = time.perf_counter()
         if batch:
-            self.cache.record(torch.cat(written), torch.tensor([r.rid for r, _ in batch], device=self.device))
+            self.cache.record(_concat(written))
         self._sync()
         self.canary_seconds += verified - start + time.perf_counter() - computed
         self.work_seconds += computed - verified
@@ -183,6 +214,18 @@ class Demo:
         assert newcomer.pages[0] == page
         reused = [s for s in victim.slots(self.cfg.page_size) if s // self.cfg.page_size == page]
         self._expect("page freed while still read", step, ((victim.rid, s, l, h) for s in reused for l in range(self.cfg.layers) for h in HALVES))
+
+    def block_table_points_elsewhere(self, step: int) -> None:
+        """Two requests arrive; one's block table entry is overwritten with the other's page:
+        it now reads that page's KV, every byte of which is intact."""
+        victim, other = self.admit(prompt=2 * self.cfg.page_size + 3), self.admit(prompt=2 * self.cfg.page_size + 7)
+        victim.pages[1] = other.pages[1]  # the bug
+        page_size = self.cfg.page_size
+        slots = victim.slots(page_size)
+        read = [s for s in slots if s // page_size == other.pages[1]]
+        read.append(slots[2 * page_size])  # the next position chains through the wrong page
+        self._expect("block table pointing at another request's page", step,
+                     ((victim.rid, s, l, h) for s in read for l in range(self.cfg.layers) for h in HALVES))  # fmt: skip
 
     def flip_bit(self, step: int) -> None:
         """One bit of one V element of one slot flips (past the slot's first 16 bytes)."""
@@ -220,7 +263,13 @@ class Demo:
     def run(self) -> int:
         for prompt in (40, 23, 35, 17):
             self.admit(prompt)
-        bugs = {2: self.free_page_still_read, 4: self.flip_bit, 6: self.write_one_page_off, 8: self.offload_restore_swapped}
+        bugs = {
+            2: self.free_page_still_read,
+            3: self.block_table_points_elsewhere,
+            4: self.flip_bit,
+            6: self.write_one_page_off,
+            8: self.offload_restore_swapped,
+        }
         for step in range(self.steps):
             if step in bugs:
                 bugs[step](step)
@@ -240,6 +289,11 @@ class Demo:
             first = [c for c in self.catches if c.mode == "ALL" and (c.rid, c.slot, c.layer, c.half) in expected]
             when = f"caught at step {min(c.step for c in first)}" if first else "NOT CAUGHT"
             print(f"{bug} (injected before step {self.injected_at[bug]}): {when}, {len(hits)}/{len(expected)} flagged (request, slot, layer, half)")
+            checks = FailReason(0)
+            for c in first:
+                checks |= c.reasons
+            if first:
+                print(f"    caught by: {' + '.join(checks.labels)}")
             for rid in sorted({h[0] for h in hits}):
                 mine = [h for h in hits if h[0] == rid]
                 print(f"    request {rid}: slots {_ranges(h[1] for h in mine)}, layers {_ranges(h[2] for h in mine)}, "

@@ -1,0 +1,388 @@
+"""KvCanary's records, checks, ring, policies and counters against the SPEC transcribed
+(canary_oracle.py), on random layouts and call sequences; the PT2 stack; TP agreement."""
+
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from canary_oracle import MASK, Records
+from helpers import CUDA, DEVICES, random_case, source_capacity
+
+import torch_kvcanary as kc
+from torch_kvcanary import layouts
+
+
+def _as(values, dtype, device):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _random_entries(rng, capacity, n, written):
+    """(slots, positions, tokens, prev_slots) of one call: chains through earlier entries
+    of the same call (adjacent or not), through slots of earlier calls, first positions,
+    padding, and repeated slots."""
+    slots, prev = [], []
+    for _ in range(n):
+        r = rng.random()
+        slots.append(-rng.randint(1, 3) if r < 0.08 else rng.randrange(capacity))
+        earlier = [s for s in slots[:-1] if s >= 0] + written
+        prev.append(rng.choice(earlier) if earlier and rng.random() < 0.8 else -1)
+    positions = [rng.randrange(1 << 20) for _ in range(n)]
+    tokens = [rng.randrange(-1, 1 << 17) for _ in range(n)]
+    return slots, positions, tokens, prev
+
+
+def _folds(canary, slots, device):
+    s = torch.tensor(slots, dtype=torch.int64, device=device)
+    safe = torch.where(s >= 0, s, -1)
+    return kc.reference_fold(list(canary.sources), safe, mode=canary.mode).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(24))
+def test_random_calls_match_the_spec(seed, device):
+    sources, _, mode = random_case(seed, device, max_sources=4)
+    rng = random.Random(seed)
+    capacity = min(source_capacity(s) for s in sources)
+    padding = rng.choice([None, 0]) if capacity > 1 else None
+    canary = kc.KvCanary(sources, mode=mode, padding_slot=padding, on_violation=None, ring_capacity=4096)
+    oracle = Records(capacity)
+    written, expected_rows = [], []
+    for _ in range(4):
+        n = rng.randint(0, 40)
+        slots, positions, tokens, prev = _random_entries(rng, capacity, n, written)
+        dtype = rng.choice([torch.int32, torch.int64])
+        given = {name: rng.random() < 0.8 for name in ("positions", "tokens", "prev_slots")}
+        kwargs = {
+            name: _as(values, dtype, device)
+            for name, values in (("positions", positions), ("tokens", tokens), ("prev_slots", prev))
+            if given[name]
+        }
+        # On CUDA, runs of a call are written concurrently: a run's first entry must not
+        # chain through a slot another run of the same call writes (the documented rule).
+        # A slot is written at most once per call there, too.
+        if device == "cuda":
+            slots = [s if s < 0 or s not in slots[:i] else -1 for i, s in enumerate(slots)]
+            prev = [p if (i > 0 and p == slots[i - 1]) or p not in slots else -1 for i, p in enumerate(prev)]
+            if "prev_slots" in kwargs:
+                kwargs["prev_slots"] = _as(prev, dtype, device)
+        tags = [rng.randrange(4) for _ in range(n)]
+        canary.record(_as(slots, dtype, device), tag=_as(tags, torch.int64, device), **kwargs)
+        oracle.record(
+            slots, _folds(canary, slots, device), tags=tags,
+            **{name: values for name, values in (("positions", positions), ("tokens", tokens), ("prev_slots", prev)) if given[name]},
+        )  # fmt: skip
+        assert canary.records.tolist() == oracle.records
+        written += [s for s in slots if s >= 0]
+
+        # Verify the same entries, some of them changed, against the oracle.
+        check = [s if rng.random() < 0.9 else rng.randrange(capacity) for s in slots]
+        check_tokens = [t if rng.random() < 0.9 else t + 1 for t in tokens]
+        tag = rng.choice([None, 1])
+        flags = canary.verify(
+            _as(check, dtype, device), tag=tag, positions=kwargs.get("positions"), prev_slots=kwargs.get("prev_slots"),
+            tokens=_as(check_tokens, dtype, device) if given["tokens"] else None,
+        )  # fmt: skip
+        want_flags, rows = oracle.verify(
+            check, _folds(canary, check, device), positions=positions if given["positions"] else None,
+            tokens=check_tokens if given["tokens"] else None, prev_slots=prev if given["prev_slots"] else None,
+            tags=None if tag is None else [tag] * n, padding_slot=padding,
+        )  # fmt: skip
+        assert flags.tolist() == want_flags
+        expected_rows += rows
+    got = [[int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)] for v in canary.poll()]
+    key = lambda row: tuple(row)  # noqa: E731  (CUDA claims ring rows in no fixed order)
+    assert sorted(got, key=key) == sorted(expected_rows, key=key)
+    stats = canary.stats()
+    assert stats["record_calls"] == stats["verify_calls"] == 4 and stats["violations"] == len(expected_rows)
+
+
+def _pool(device, blocks=8, block_size=16):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(2, blocks, block_size, 2, 32, generator=gen).to(torch.bfloat16).to(device)
+
+
+def _request(canary, slots, device, first_token=100):
+    """Record ``slots`` as one request's positions 0.., chained; returns its verify inputs."""
+    s = torch.tensor(slots, device=device)
+    inputs = {
+        "positions": torch.arange(len(slots), device=device),
+        "tokens": torch.arange(first_token, first_token + len(slots), device=device),
+        "prev_slots": torch.tensor([-1] + slots[:-1], device=device),
+    }
+    canary.record(s, **inputs)
+    return s, inputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_mapping_bug_sets_its_bit(device):
+    kv = _pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv), on_violation=None)
+    a, a_in = _request(canary, list(range(16, 24)), device)
+    b, b_in = _request(canary, list(range(40, 44)), device, first_token=200)
+    assert not canary.verify(a, **a_in).any() and canary.poll() == []
+    R = kc.FailReason
+    # B's block table points its position 2 at A's slot 19 (A's position 3): every byte intact.
+    wrong = b.clone()
+    wrong[2] = 19
+    hits = {v.slot: v.reasons for v in (canary.verify(wrong, **b_in), canary.poll())[1]}
+    assert hits[19] == R.VERIFY_CHAIN_HASH_MISMATCH | R.VERIFY_POSITION_MISMATCH | R.VERIFY_TOKEN_MISMATCH
+    # Pointed at A's slot 18, A's position 2 too: the chain and the token still tell.
+    wrong[2] = 18
+    hits = {v.slot: v.reasons for v in (canary.verify(wrong, **b_in), canary.poll())[1]}
+    assert hits[18] == R.VERIFY_CHAIN_HASH_MISMATCH | R.VERIFY_TOKEN_MISMATCH
+    # An off-by-one position: each slot's position, and nothing else.
+    shifted = dict(a_in, positions=a_in["positions"] + 1)
+    canary.verify(a, **shifted)
+    assert {v.reasons for v in canary.poll()} == {R.VERIFY_POSITION_MISMATCH}
+    # A chain through the wrong previous slot.
+    canary.verify(a[3:4], prev_slots=torch.tensor([16], device=device))
+    (v,) = canary.poll()
+    assert v.reasons == R.VERIFY_CHAIN_HASH_MISMATCH and v.expected_aux != v.stored_chain
+    # Changed bytes.
+    kv[1, 1, 5, 0, 0] += 1  # slot 21
+    canary.verify(a, **a_in)
+    (v,) = canary.poll()
+    assert (v.slot, v.reasons) == (21, R.VERIFY_REAL_KV_HASH_MISMATCH)
+    # Another owner.
+    canary.record(a[:2], tag=5)
+    canary.verify(a[:2], tag=6)
+    assert {v.reasons for v in canary.poll()} == {R.VERIFY_OWNER_MISMATCH}
+
+
+def test_log_line_is_sglangs_format(caplog):
+    kv = _pool("cpu")
+    canary = kc.KvCanary(layouts.vllm(kv), name="HEAD_K_FULL")
+    slots, inputs = _request(canary, [3, 4], "cpu")
+    kv[0, 0, 4, 0, 0] += 1
+    canary.verify(slots, **dict(inputs, tokens=torch.tensor([100, 7])))
+    with caplog.at_level(logging.WARNING, logger="torch_kvcanary"):
+        (v,) = canary.poll()
+    chain = v.stored_chain & MASK
+    assert caplog.messages == [
+        f"kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_real_kv_hash+verify_token slot_idx=4 position=1 "
+        f"stored_token=101 expected_token=7 stored_chain_hash={chain:#018x} expected_aux={chain:#018x}"
+    ]
+    assert caplog.records[0].levelno == logging.WARNING and len(f"{chain:#018x}") == 18
+
+
+def test_policies():
+    kv = _pool("cpu")
+    seen = []
+    for policy in ("raise", seen.append, None):
+        canary = kc.KvCanary(layouts.vllm(kv), on_violation=policy)
+        slots = torch.arange(4)
+        canary.record(slots)
+        assert canary.poll() == []  # nothing flagged: the policy is not applied
+        canary.verify(slots, tag=3)
+        if policy == "raise":
+            with pytest.raises(kc.KvCorruptionError) as info:
+                canary.poll()
+            assert isinstance(info.value, RuntimeError) and len(info.value.lines) == 4
+            assert str(info.value).startswith("kv_canary violation: launch_tag=KV fail_reason=verify_owner slot_idx=0 ")
+            assert canary.poll() == []  # the ring was drained before raising
+        else:
+            assert len(canary.poll()) == 4
+    assert [v.slot for v in seen[0]] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="^kv-canary: on_violation must be 'log', 'raise', a callable"):
+        kc.KvCanary(layouts.vllm(kv), on_violation="warn")
+
+
+def test_ring_overflow_is_counted(caplog):
+    kv = _pool("cpu")
+    canary = kc.KvCanary(layouts.vllm(kv), ring_capacity=3)
+    slots = torch.arange(10)
+    canary.record(slots)
+    canary.verify(slots, tag=1)  # 10 violations, 3 rows
+    assert canary.stats()["ring_write"] == 10
+    with caplog.at_level(logging.WARNING, logger="torch_kvcanary"):
+        assert [v.slot for v in canary.poll()] == [0, 1, 2]
+    assert caplog.messages[-1].startswith("kv_canary: launch_tag=KV 7 more violations dropped (ring of 3 rows full)")
+    canary.verify(slots[:2], tag=1)
+    assert [v.slot for v in canary.poll()] == [0, 1]  # the ring is reused after a poll
+    stats = canary.stats()
+    assert stats == {
+        "record_calls": 1, "verify_calls": 2, "slots_recorded": 10, "slots_verified": 12,
+        "violations": 12, "ring_write": 0, "ring_overflow": 7,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_slot_is_sglangs(device):
+    kv = _pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv), padding_slot=0, on_violation=None)
+    canary.record(torch.tensor([0, 5, 6], device=device), prev_slots=torch.tensor([-1, 0, 5], device=device))
+    assert canary.records[0, 3] != 0  # recorded like any slot, as SGLang's write does
+    kv[:, 0, 0] += 1  # slot 0's bytes change: never checked
+    flags = canary.verify(torch.tensor([0, 5, -1], device=device), prev_slots=torch.tensor([-1, 0, -1], device=device))
+    assert flags.tolist() == [False, False, False] and canary.stats()["slots_verified"] == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_record_and_verify_step(device):
+    torch._dynamo.reset()
+    kv = _pool(device)
+    compiled, eager = (kc.KvCanary(layouts.vllm(kv), on_violation=None) for _ in range(2))
+
+    def step(canary, slots, positions, tokens, prev):
+        canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev)
+        return canary.verify(slots, positions=positions + 1, tokens=tokens, prev_slots=prev)
+
+    compiled_step = torch.compile(step, fullgraph=True, dynamic=True)
+    for n in (5, 9, 3):
+        slots = torch.arange(10, 10 + n, device=device)
+        inputs = (torch.arange(n, device=device), slots * 3, torch.cat([slots.new_full((1,), -1), slots[:-1]]))
+        flags = compiled_step(compiled, slots, *inputs)
+        assert torch.equal(flags, step(eager, slots, *inputs)) and flags.all()  # every position is off by one
+        assert torch.equal(compiled.records, eager.records)
+    assert compiled.stats() == eager.stats()
+    assert [v.reasons for v in compiled.poll()] == [kc.FailReason.VERIFY_POSITION_MISMATCH] * 17
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graph_step_and_one_launch_per_call():
+    kv = _pool("cuda")
+    canary = kc.KvCanary(layouts.vllm(kv), on_violation=None)
+    slots = torch.full((32,), -1, device="cuda")
+    positions, tokens, prev = (torch.zeros(32, dtype=torch.int64, device="cuda") for _ in range(3))
+    canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev)  # warm up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev)
+        flags = canary.verify(slots, positions=positions, tokens=tokens, prev_slots=prev)
+    slots.copy_(torch.arange(32))
+    positions.copy_(torch.arange(32))
+    tokens.copy_(torch.arange(32) + 7)
+    prev.copy_(torch.arange(-1, 31))
+    graph.replay()
+    assert not flags.any()
+    oracle = Records(canary.capacity)
+    oracle.record(list(range(32)), _folds(canary, list(range(32)), "cuda"), positions=list(range(32)),
+                  tokens=[t + 7 for t in range(32)], prev_slots=list(range(-1, 31)))  # fmt: skip
+    assert canary.records.tolist() == oracle.records
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        canary.verify(slots, positions=positions, tokens=tokens, prev_slots=prev, tag=None)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "kernel" in e.name]
+    assert len(kernels) == 1 and "verify_kernel" in kernels[0], kernels
+
+
+def _opcheck_args(device):
+    kv = _pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv))
+    slots = torch.tensor([3, 4, -1, 9], device=device)
+    positions, tokens = torch.arange(4, device=device), torch.tensor([5, 6, 7, -1], device=device)
+    prev = torch.tensor([-1, 3, -1, 4], device=device, dtype=torch.int32)
+    tags = torch.tensor([2], device=device)
+    tables = (canary._records, canary._owner_tags, canary._counters, canary._ring)
+    head = (canary._views, canary._read_bytes, slots, positions, tokens, prev, tags)
+    return head, tables
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    head, (records, owners, counters, ring) = _opcheck_args(device)
+    torch.library.opcheck(torch.ops.kvcanary.record.default, (*head, records, owners, counters, ring, True))
+    torch.library.opcheck(torch.ops.kvcanary.verify.default, (*head, records, owners, counters, ring, -1, True))
+    none = (*head[:3], None, None, None, None)
+    torch.library.opcheck(torch.ops.kvcanary.verify.default, (*none, records, owners, counters, ring, 0, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refused_calls_write_nothing(device):
+    kv = _pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv), capacity=100)
+    canary.record(torch.arange(8, device=device))
+    before = [t.clone() for t in (canary._records, canary._owner_tags, canary._counters, canary._ring)]
+    slots = torch.arange(4, device=device)
+    bad = [
+        (IndexError, "^kv-canary: prev_slots holds slot 100, out of range for a canary of capacity 100", {"prev_slots": torch.tensor([-1, 0, 100, 1], device=device)}),
+        (IndexError, "^kv-canary: slots holds slot 120, out of range", {"slots": torch.tensor([1, 120], device=device)}),
+        (ValueError, r"^kv-canary: positions has 3 entries \(shape \[3\]\) but slots has 4", {"positions": torch.arange(3, device=device)}),
+        (TypeError, "^kv-canary: tokens must be an int32 or int64 tensor, got Float", {"tokens": torch.zeros(4, device=device)}),
+        (TypeError, "^kv-canary: prev_slots must be an int32 or int64 tensor shaped like slots, got list", {"prev_slots": [1, 2, 3, 4]}),
+        (ValueError, r"^kv-canary: tag has 2 values", {"tag": torch.tensor([1, 2], device=device)}),
+        (TypeError, "^kv-canary: tag must be an int or an int64 tensor", {"tag": 1.5}),
+    ]  # fmt: skip
+    for error, match, change in bad:
+        kwargs = {"slots": slots, **change}
+        for call in (canary.record, canary.verify):
+            with pytest.raises(error, match=match):
+                call(**kwargs)
+    if device == "cpu" and CUDA:
+        with pytest.raises(ValueError, match="^kv-canary: positions is on cuda"):
+            canary.record(slots, positions=slots.cuda())
+    for table, saved in zip((canary._records, canary._owner_tags, canary._counters, canary._ring), before):
+        assert torch.equal(table, saved)
+
+
+def test_constructor_refuses_bad_arguments():
+    sources = layouts.vllm(_pool("cpu"))
+    for kwargs, match in (
+        ({"ring_capacity": 0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1, got 0"),
+        ({"ring_capacity": 2.0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1"),
+        ({"padding_slot": 128}, r"^kv-canary: KvCanary padding_slot must be None or a slot in \[0, 128\), got 128"),
+        ({"on_violation": "print"}, "^kv-canary: on_violation must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            kc.KvCanary(sources, **kwargs)
+    with pytest.raises(TypeError, match="^kv-canary: KvCanary name must be a str"):
+        kc.KvCanary(sources, name=3)
+
+
+def test_prometheus_export():
+    prometheus_client = pytest.importorskip("prometheus_client", reason="the prometheus extra is not installed")
+    kv = _pool("cpu")
+    canary = kc.KvCanary(layouts.vllm(kv), name="layer0", on_violation=None)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(canary.prometheus_collector())
+    canary.record(torch.arange(6))
+    canary.verify(torch.arange(6), tag=9)
+    value = lambda name: registry.get_sample_value(name, {"canary": "layer0"})  # noqa: E731
+    assert value("kvcanary_record_calls_total") == 1 and value("kvcanary_slots_recorded_total") == 6
+    assert value("kvcanary_violations_total") == 6 and value("kvcanary_ring_pending") == 6
+    canary.poll()
+    assert value("kvcanary_ring_pending") == 0 and value("kvcanary_ring_overflow_total") == 0
+
+
+_TP_WORKER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    import torch_kvcanary as kc
+    rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    pool = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16)  # this rank's heads of one layer
+    canary = kc.KvCanary((kc.view_source(pool, read_bytes=128),), on_violation="raise")
+    canary.record(torch.arange(64))
+    assert canary.poll(group=dist.group.WORLD) == []
+    if rank == 1:
+        pool[2, 3, 1, 0] = 1.0  # only rank 1's bytes go bad
+    canary.verify(torch.arange(64))
+    try:
+        canary.poll(group=dist.group.WORLD)
+    except kc.KvCorruptionError as error:
+        print(f"rank {rank} raised: {error.lines[-1] if rank == 0 else error.lines[0]}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_tensor_parallel_ranks_raise_together(tmp_path: Path):
+    script = tmp_path / "worker.py"
+    script.write_text(_TP_WORKER)
+    store = tmp_path / "store"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(kc.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    workers = [
+        subprocess.Popen([sys.executable, str(script), str(rank), "2", str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank in range(2)
+    ]
+    outputs = [w.communicate(timeout=120) for w in workers]
+    for w, (out, err) in zip(workers, outputs):
+        assert w.returncode == 0, err
+    assert outputs[0][0].strip() == "rank 0 raised: kv_canary: launch_tag=KV 1 violations on other ranks of the process group"
+    assert outputs[1][0].startswith("rank 1 raised: kv_canary violation: launch_tag=KV fail_reason=verify_real_kv_hash slot_idx=35 ")
