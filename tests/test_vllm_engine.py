@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import re
+import sys
 
 import pytest
 import torch
@@ -19,7 +20,10 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations import vllm as plugin  # noqa: E402
 
-from vllm_models import make_llama  # noqa: E402
+from helpers import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_llama import make_llama  # noqa: E402
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24

@@ -188,7 +188,7 @@ class WorkerCanary:
         """Before the forward: verify every scheduled request's context."""
         batch_state = self.runner.input_batch
         req_ids = list(batch_state.req_ids)
-        scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        scheduled = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
         num_tokens = int(scheduled.sum())
         rows = np.arange(len(req_ids), dtype=np.int64)
         written = self.block_table.slot_mapping.gpu[:num_tokens]

@@ -1,11 +1,12 @@
-"""Random Llama checkpoints made on the spot for the vLLM tests and benchmark (no hub access):
-transformers' LlamaConfig with random weights, and a byte-level BPE tokenizer trained with the
-tokenizers library."""
+"""Random Llama checkpoints made on the spot for the vLLM tests and tools/vllm_bench.py (no hub
+access needed): transformers' LlamaConfig with random weights, and a byte-level BPE tokenizer
+trained with the tokenizers library."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+# The engine tests' model: CPU_ATTN needs a head size in {32, 64, 80, ...}.
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 
 
