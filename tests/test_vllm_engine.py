@@ -308,6 +308,31 @@ def test_a_block_freed_and_rewritten_while_still_read(engine):
     driver.finish()
 
 
+def test_a_block_another_request_writes_while_still_read(engine):
+    # The engine itself rewrites the block: the writer's block table points its current
+    # block at the victim's first block, so the writer's next token lands there in the same
+    # forward that reads it for the victim.
+    llm, lines, _ = engine
+    driver = Driver(llm, "steal")
+    rng = random.Random(7)
+    for i in range(2):
+        driver.add(_tokens(rng, 70 + 5 * i), _params(200, 0))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim, writer = (driver.internal_id(r) for r in driver.ids)
+    state = plugin.active()
+    row = driver.rows()[writer]
+    last = state.block_table.num_blocks_per_row[row] - 1
+    state.block_table.block_table.np[row, last] = driver.blocks(driver.ids[0])[0]
+    driver.step()
+    found = _parse(lines.take())
+    assert found, "the rewritten block was not reported in the step that wrote it"
+    named = {r for _, _, requests in found for r in requests}
+    assert victim in named and named <= {victim, writer}
+    assert any("verify_position" in reasons for reasons, _, requests in found if victim in requests)
+    driver.finish()
+
+
 def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()

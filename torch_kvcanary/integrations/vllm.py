@@ -13,8 +13,8 @@ forward:
 
 1. before it, every scheduled request's context (the positions already in the cache) is
    verified as the request's block table gives it: the slot's bytes, its position, its
-   token, and its chain through the previous position's slot (slots this forward itself
-   writes are verified from the next step on);
+   token, and its chain through the previous position's slot (a context slot this forward
+   itself writes, for another request of the batch, is verified after the forward);
 2. after it, the slots the forward wrote are recorded with their positions, tokens and
    previous slots;
 3. the canary is polled once; each violation line names the vLLM request(s) whose block
@@ -143,16 +143,23 @@ class _Batch:
     verified_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
     verified_positions: torch.Tensor | None = None  # -1 for a tail slot
     verified_prev_slots: torch.Tensor | None = None
-    flagged: torch.Tensor | None = None  # verify's answer
+    # The context slots this forward writes (verified after it), and their expected tokens.
+    deferred_slots: torch.Tensor | None = None
+    context_tokens: torch.Tensor | None = None
+    # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
+    checks: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = field(default_factory=list)
 
 
 class WorkerCanary:
     """The canary of one vLLM model runner: `canary` (a `KvCanary` over K and V of every
-    attention layer) and `kv_caches` (the layer tensors it watches, in layer order)."""
+    attention layer), `kv_caches` (the layer tensors it watches, in layer order), `runner`
+    and `block_table` (vLLM's), and `policy` ("log" or "raise", read by each poll)."""
 
     def __init__(self, runner, chosen: Settings):
         self.runner = runner
         self.policy = chosen.policy
+        if runner.uses_mrope:
+            raise ValueError(f"kv-canary: the vLLM plugin does not watch M-RoPE models (positions are 3-D): unset {POLICY_ENV} to serve them")
         group = _attention_group(runner)
         self.layer_names = _in_layer_order(group.layer_names)
         context = runner.compilation_config.static_forward_context
@@ -175,6 +182,8 @@ class WorkerCanary:
             sources += layouts.vllm(kv_cache, layout=layout, backend=context[name].get_attn_backend().get_name())
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG)
         self._check_tokens = not runner.use_async_scheduling
+        # Tensor-parallel ranks poll together, so that under "raise" they all stop.
+        self._group = _tensor_parallel_group() if runner.parallel_config.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         self._batch: _Batch | None = None
         logger.info(
@@ -210,18 +219,23 @@ class WorkerCanary:
         # A request may read, as context, a block another request of this batch writes in
         # this very forward (the scheduler caches a block's hash when it schedules its
         # tokens, so a later request of the same step hits it): such slots are verified
-        # from the next step on, once recorded.
+        # after the forward, once recorded.
         slots = self._slots(row_index, at)
-        batch.verified_slots = torch.where(torch.isin(slots, written), -1, slots)
+        written_now = torch.isin(slots, written)
+        batch.verified_slots = torch.where(written_now, -1, slots)
+        batch.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
         batch.verified_positions = torch.where(is_tail, -1, at)
         batch.verified_prev_slots = torch.where(is_tail, -1, self._slots(row_index, at - 1))
-        tokens = np.full(len(batch.verified_rows), -1, dtype=np.int64)
+        tokens = np.full(len(context_rows), -1, dtype=np.int64)
         if self._check_tokens:
             known = batch_state.is_token_ids[context_rows, context_positions]
-            tokens[: len(context_rows)] = np.where(known, batch_state.token_ids_cpu[context_rows, context_positions], -1)
-        batch.flagged = self.canary.verify(
-            batch.verified_slots, positions=batch.verified_positions, tokens=_to(tokens, device), prev_slots=batch.verified_prev_slots
-        )
+            tokens = np.where(known, batch_state.token_ids_cpu[context_rows, context_positions], -1).astype(np.int64)
+        count = len(context_rows)
+        batch.context_tokens = _to(tokens, device)
+        self._verify_context(batch, batch.verified_slots[:count])
+        if len(tail_rows):  # only their bytes: a tail slot may hold a rejected draft token's record
+            tail_slots = batch.verified_slots[count:]
+            batch.checks.append((tail_slots, tail_rows, self.canary.verify(tail_slots)))
         self._batch = batch
         return batch
 
@@ -236,14 +250,27 @@ class WorkerCanary:
                 entries = self._with_block_neighbours(batch, entries)
             slots, positions, tokens, prev_slots = entries
             self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
-        self.canary.poll()
+            if batch.deferred_slots is not None:
+                self._verify_context(batch, batch.deferred_slots[: len(batch.context_tokens)])
+        self.canary.poll(group=self._group)
         self._batch = None
+
+    def _verify_context(self, batch: _Batch, slots: torch.Tensor) -> None:
+        """Every check of the context entries at ``slots`` (-1: skipped)."""
+        count = len(batch.context_tokens)
+        flagged = self.canary.verify(
+            slots,
+            positions=batch.verified_positions[:count],
+            tokens=batch.context_tokens,
+            prev_slots=batch.verified_prev_slots[:count],
+        )
+        batch.checks.append((slots, batch.verified_rows[:count], flagged))
 
     def _with_block_neighbours(self, batch: _Batch, written: tuple) -> tuple:
         """Under a block-packed backend writing a slot changes the fold of its block's other
         slots, so every slot of a block the forward wrote is recorded again, ahead of the
-        written entries: those verified before the forward with the records they hold (an
-        unwritten tail slot holds -1s), the others (a new block's tail) with -1s."""
+        written entries: those verified before the forward (and not flagged) with the records
+        they hold (an unwritten tail slot holds -1s), the others (a new block's tail) with -1s."""
         written_slots = written[0]
         touched = torch.unique(written_slots[written_slots >= 0] // self.block_size)
         if batch.verified_slots is None:
@@ -251,7 +278,9 @@ class WorkerCanary:
             again = (verified, verified, verified, verified)
         else:
             verified = batch.verified_slots
-            in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0)
+            # A flagged slot keeps its record, so that it is reported again while it is read.
+            passed = ~torch.cat([answer for _, _, answer in batch.checks])
+            in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0) & passed
             slots = torch.where(in_touched, verified, -1)
             held_tokens = self.canary.records[slots.clamp(min=0), 0]
             again = (slots, batch.verified_positions, held_tokens, batch.verified_prev_slots)
@@ -277,10 +306,10 @@ class WorkerCanary:
             return []
         flagged: set[int] = set()
         holding: set[int] = set()
-        if batch.verified_slots is not None:
-            at_slot = (batch.verified_slots == violation.slot).cpu().numpy()
-            holding.update(batch.verified_rows[at_slot].tolist())
-            flagged.update(batch.verified_rows[at_slot & batch.flagged.cpu().numpy()].tolist())
+        for slots, rows, answer in batch.checks:
+            at_slot = (slots == violation.slot).cpu().numpy()
+            holding.update(rows[at_slot].tolist())
+            flagged.update(rows[at_slot & answer.cpu().numpy()].tolist())
         holding.update(batch.written_rows[(batch.written_slots == violation.slot).cpu().numpy()].tolist())
         rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
         return [batch.req_ids[row] for row in sorted(rows)]
@@ -320,6 +349,12 @@ def _attention_group(runner):
             f"this model has {kinds}: unset {POLICY_ENV} to serve it without the canary"
         )
     return groups[0]
+
+
+def _tensor_parallel_group():
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().cpu_group
 
 
 def _in_layer_order(names: list[str]) -> list[str]:
