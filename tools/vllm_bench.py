@@ -6,7 +6,8 @@ and in ALL, on random Llamas made on the spot (tools/random_llama.py).
 vLLM reads the plugin's switches when an engine starts, so each setting runs in a process
 of its own (in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the settings take
 turns, ``--rounds`` times, and each process times the same workload ``--repeats`` times
-after a warm-up. Printed: the median tokens/s of each setting and its ratio to off.
+after a warm-up. Printed: the median tokens/s of each setting, its ratio to off, and the
+range of its runs.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def child(args) -> None:
 
 def run_setting(model_dir: Path, setting: str, args) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
-    env.update(SETTINGS[setting], VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(SETTINGS[setting], VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus)
     command = [sys.executable, __file__, "--child", "--model-dir", str(model_dir), "--repeats", str(args.repeats),
                "--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -88,6 +89,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--cpus", default="0",
+        help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM's OpenMP threads run on (default one, so that load on "
+        "the other cores of a shared machine slows the run in proportion instead of stalling every barrier)",
+    )  # fmt: skip
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -95,7 +101,7 @@ def main() -> None:
         child(args)
         return
     print(f"{args.requests} requests of {args.prompt_len} prompt + {args.output_len} generated tokens, "
-          f"median of {args.repeats} x {args.rounds} runs per setting; machine: {os.cpu_count()} CPUs")  # fmt: skip
+          f"median of {args.repeats} x {args.rounds} runs per setting; vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
             model_dir = make_llama(Path(scratch) / name, **MODELS[name])
@@ -109,7 +115,7 @@ def main() -> None:
             base = statistics.median(rates["off"])
             for setting, values in rates.items():
                 median = statistics.median(values)
-                print(f"{name:6s} {setting:8s} {median:9.1f} tokens/s  {median / base:5.2f}x off")
+                print(f"{name:6s} {setting:8s} {median:9.1f} tokens/s  {median / base:5.2f}x off  (runs {min(values):.1f} .. {max(values):.1f})")
 
 
 if __name__ == "__main__":
