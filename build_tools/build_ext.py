@@ -1,19 +1,35 @@
-"""Compiles torch_kvcanary._C against the installed torch.
+"""The build of torch_kvcanary._C, all of it: the sources, the flags, the CUDA toolkit and
+torch's BuildExtension. setup.py calls `extensions()` and `cmdclass()`; importing this
+module changes nothing.
 
-The CPU sources are listed in pyproject.toml. The CUDA kernel is added when
-torch is a CUDA build and a CUDA toolkit (nvcc and its headers) is found;
-otherwise the library is CPU-only, which `python -m torch_kvcanary info`
-reports. Targets sm_80 and sm_90 code plus compute_90 PTX unless
-TORCH_CUDA_ARCH_LIST says otherwise.
+The CPU sources are always built. The CUDA sources are added when torch is a CUDA build and
+a CUDA toolkit (nvcc and its headers) is found, unless KVCANARY_CPU_ONLY=1; otherwise the
+library is CPU-only, which `python -m torch_kvcanary info` reports. CUDA code targets sm_80
+and sm_90 plus compute_90 PTX unless TORCH_CUDA_ARCH_LIST says otherwise. The library uses
+only Python's limited API (3.10 on), so one wheel serves every later Python (abi3).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 from pathlib import Path
 
+from setuptools import Extension
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_SOURCES = (
+    "csrc/ops.cpp",
+    "csrc/fold_plan.cpp",
+    "csrc/fold_cpu.cpp",
+    "csrc/fold_cpu_scalar.cpp",
+    "csrc/fold_cpu_avx2.cpp",
+    "csrc/fold_cpu_avx512.cpp",
+    "csrc/canary_plan.cpp",
+    "csrc/canary_cpu.cpp",
+)
 CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda_kernel.cu", "csrc/canary_cuda.cpp", "csrc/canary_cuda_kernel.cu")
+LIMITED_API = "cp310"  # the wheel's abi3 tag; Py_LIMITED_API below says the same
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The
 # OpenMP runtime is not linked here: torch's own one, loaded with libtorch_cpu,
@@ -25,62 +41,65 @@ NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1"]
 
 
+def _load_cuda_toolkit():
+    # The package's own finder (torch_kvcanary/cuda_toolkit.py), loaded by path: importing
+    # the package would load the library this build makes.
+    spec = importlib.util.spec_from_file_location("_kvcanary_cuda_toolkit", REPO / "torch_kvcanary" / "cuda_toolkit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_cuda_home() -> Path | None:
+    return _load_cuda_toolkit().find_cuda_home()
+
+
 def sanitize() -> bool:
     return os.environ.get("KVCANARY_SANITIZE") == "1"
 
 
-def _is_cuda_home(path: Path) -> bool:
-    return (path / "bin" / "nvcc").is_file() and (path / "include" / "cuda_runtime.h").is_file()
+def extensions() -> list[Extension]:
+    return [
+        Extension(
+            "torch_kvcanary._C",
+            sources=list(CPU_SOURCES),
+            define_macros=[("Py_LIMITED_API", "0x030A0000")],
+            py_limited_api=True,
+        )
+    ]
 
 
-def find_cuda_home() -> Path | None:
-    """The toolkit folder. An `nvcc` on PATH may be a wrapper outside the toolkit
-    (torch would then guess its parent), so each guess must hold the headers."""
-    guesses = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        guesses.append(str(Path(nvcc).resolve().parent.parent))
-    guesses.append("/usr/local/cuda")
-    for guess in filter(None, guesses):
-        if _is_cuda_home(Path(guess)):
-            return Path(guess)
-    return None
-
-
-def _configure_cuda_home() -> Path | None:
-    # Must run before torch.utils.cpp_extension is imported: it reads CUDA_HOME once.
+def cmdclass() -> dict:
+    """{"build_ext": BuildExtension}. torch.utils.cpp_extension reads CUDA_HOME once, when it
+    is imported, so the toolkit found here is set in the environment first (the build's
+    process only), unless CUDA_HOME names one already."""
     home = find_cuda_home()
-    if home is not None:
+    if home is not None and "CUDA_HOME" not in os.environ:
         os.environ["CUDA_HOME"] = str(home)
-    return home
+    import torch
+    from torch.utils import cpp_extension
+
+    def with_cuda() -> bool:
+        if os.environ.get("KVCANARY_CPU_ONLY") == "1" or sanitize():
+            return False
+        return torch.version.cuda is not None and home is not None
+
+    class BuildExtension(cpp_extension.BuildExtension):
+        """torch's BuildExtension, filling in torch's include paths and libraries."""
+
+        def build_extensions(self) -> None:
+            cuda = with_cuda()
+            if cuda:
+                os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+            for ext in self.extensions:
+                _configure(ext, cuda, cpp_extension)
+            print(f"torch_kvcanary: building {'with CUDA' if cuda else 'CPU-only'}{' with sanitizers' if sanitize() else ''}")
+            super().build_extensions()
+
+    return {"build_ext": BuildExtension}
 
 
-_CUDA_HOME = _configure_cuda_home()
-
-import torch  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
-
-
-def with_cuda() -> bool:
-    if os.environ.get("KVCANARY_CPU_ONLY") == "1" or sanitize():
-        return False
-    return torch.version.cuda is not None and _CUDA_HOME is not None
-
-
-class BuildExtension(cpp_extension.BuildExtension):
-    """torch's BuildExtension, filling in torch's include paths and libraries."""
-
-    def build_extensions(self) -> None:
-        cuda = with_cuda()
-        if cuda:
-            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
-        for ext in self.extensions:
-            _configure(ext, cuda)
-        print(f"torch_kvcanary: building {'with CUDA' if cuda else 'CPU-only'}{' with sanitizers' if sanitize() else ''}")
-        super().build_extensions()
-
-
-def _configure(ext, cuda: bool) -> None:
+def _configure(ext: Extension, cuda: bool, cpp_extension) -> None:
     device = "cuda" if cuda else "cpu"
     ext.include_dirs += cpp_extension.include_paths(device)
     ext.library_dirs += cpp_extension.library_paths(device)

@@ -31,7 +31,7 @@ step "build against this machine's torch"
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || { echo "BUILD FAILED"; exit 1; }
 python3 -m torch_kvcanary info || status=1
 # The libstdc++ the process loads beside the one the extension was compiled against (a
-# C++ error message crashed on this machine once: see docs/gpu.md).
+# C++ error message crashed on the GPU machine: see docs/figures_cuda.md).
 python3 -c "import torch_kvcanary, re; print(sorted({l.split()[-1] for l in open('/proc/self/maps') if re.search(r'libstdc|libgomp|libiomp', l)}))"
 python3 -X faulthandler -c "import torch, torch_kvcanary as kc; kc.fold(kc.view_source(torch.zeros(4, 2, 64, dtype=torch.uint8), read_bytes=64), torch.tensor([8]))" 2>&1 | tail -3
 

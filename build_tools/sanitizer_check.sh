@@ -10,7 +10,7 @@ tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 git ls-files -z | xargs -0 cp --parents -t "$tree"
 cd "$tree"
-KVCANARY_SANITIZE=1 PYTHONPATH=build_tools "$python" -c "from setuptools import setup; setup()" -q build_ext --inplace
+KVCANARY_SANITIZE=1 "$python" setup.py -q build_ext --inplace
 
 # Python itself is not instrumented: the runtime must be loaded first, with libstdc++
 # beside it so that its C++ exception interceptor finds the real one. torch's own

@@ -163,7 +163,8 @@ at::Tensor verify_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const 
     if (reasons[i] == kSlotOutOfRange) {
       out_of_range_row(row, kKindVerify, in, i);
     } else {
-      verify_row(row, table, in, i, s, verify_entry(table, owners, in, i, s, folds[i], padding_slot));
+      verify_row(row, table, in, i, s,
+                 verify_entry(table, owners, in, i, s, folds[i], padding_slot));
     }
     append_row(c, ring_rows, ring.size(0), row);
   }

@@ -2,6 +2,8 @@
 // launches (the kernels are in canary_cuda_kernel.cu). One launch per call
 // when the sources fit one launch (kSourcesPerLaunch); more sources are
 // folded first by the fold's kernel, whose chain the canary kernel continues.
+#include "canary_cuda.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ge.h>
@@ -15,7 +17,6 @@
 
 #include <algorithm>
 
-#include "canary_cuda.h"
 #include "canary_plan.h"
 #include "fold_plan.h"
 
@@ -80,7 +81,9 @@ void prepare(CanaryCall& call, at::TensorList sources, at::IntArrayRef read_byte
   fold.slots_are_int32 = a.inputs.slots_int32;
   fold.num_slots = n;
   const int num_sources = static_cast<int>(call.fold_plan.sources.size());
-  const int last = num_sources <= kSourcesPerLaunch ? 0 : (num_sources - 1) / kSourcesPerLaunch * kSourcesPerLaunch;
+  const int last = num_sources <= kSourcesPerLaunch
+                       ? 0
+                       : (num_sources - 1) / kSourcesPerLaunch * kSourcesPerLaunch;
   if (last > 0) {
     call.partial_folds = at::empty({n}, slots.options().dtype(at::kLong));
     fold.out = call.partial_folds.mutable_data_ptr<int64_t>();
@@ -97,7 +100,8 @@ void prepare(CanaryCall& call, at::TensorList sources, at::IntArrayRef read_byte
 }
 
 void record_cuda(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                 const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& tokens,
+                 const std::optional<at::Tensor>& positions,
+                 const std::optional<at::Tensor>& tokens,
                  const std::optional<at::Tensor>& prev_slots, const std::optional<at::Tensor>& tags,
                  at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters,
                  at::Tensor& ring, bool check_bounds) {

@@ -44,7 +44,8 @@ __device__ __forceinline__ bool continues_run(const CanaryLaunchArgs& a, int64_t
 __device__ void write_run_chain(const CanaryLaunchArgs& a, int64_t first) {
   int64_t chain = link_at(a.records, entry_prev_slot(a.inputs, first));
   a.records[entry_slot(a.inputs, first) * kRecordFields + kChain] = chain;
-  for (int64_t j = first + 1; j < a.inputs.num_entries && recordable(a, j) && continues_run(a, j); ++j) {
+  for (int64_t j = first + 1; j < a.inputs.num_entries && recordable(a, j) && continues_run(a, j);
+       ++j) {
     chain = static_cast<int64_t>(mix3(static_cast<uint64_t>(chain),
                                       static_cast<uint64_t>(entry_token(a.inputs, j - 1)),
                                       static_cast<uint64_t>(entry_position(a.inputs, j - 1))));
@@ -65,8 +66,7 @@ __device__ __forceinline__ int64_t fold_entry(const CanaryLaunchArgs& a, int64_t
                                               ulonglong2* tile) {
   const int64_t s = in_batch ? entry_slot(a.inputs, i) : -1;
   const bool live = s >= 0 && s < a.capacity;
-  const uint64_t start =
-      live && a.fold.continue_chain ? static_cast<uint64_t>(a.fold.out[i]) : 0;
+  const uint64_t start = live && a.fold.continue_chain ? static_cast<uint64_t>(a.fold.out[i]) : 0;
   return static_cast<int64_t>(
       fold_lane_slot(a.fold.sources, a.fold.num_sources, s, live, tile, start));
 }

@@ -26,8 +26,8 @@ at::Tensor entry_tensor(const std::optional<at::Tensor>& input, const char* name
   TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: ", name, " is on ", t.device(),
                     " but slots are on ", slots.device(), "; put them on one device");
   TORCH_CHECK_VALUE(t.numel() == slots.numel(), "kv-canary: ", name, " has ", t.numel(),
-                    " entries (shape ", t.sizes(), ") but slots has ", slots.numel(),
-                    " (shape ", slots.sizes(), "); pass one value per slot");
+                    " entries (shape ", t.sizes(), ") but slots has ", slots.numel(), " (shape ",
+                    slots.sizes(), "); pass one value per slot");
   return in_memory_order(t);
 }
 
@@ -39,8 +39,8 @@ void check_table(const at::Tensor& t, const char* name, const at::Tensor& slots,
                     t.device(), " but slots are on ", slots.device(),
                     "; put slots on the canary's device");
   TORCH_CHECK_VALUE(t.is_contiguous() && t.dim() == 1 + static_cast<int64_t>(trailing.size()),
-                    "kv-canary: the canary's ", name, " must be a contiguous ",
-                    1 + trailing.size(), "-D tensor, got shape ", t.sizes());
+                    "kv-canary: the canary's ", name, " must be a contiguous ", 1 + trailing.size(),
+                    "-D tensor, got shape ", t.sizes());
   int64_t d = 1;
   for (int64_t size : trailing) {
     TORCH_CHECK_VALUE(t.size(d) == size, "kv-canary: the canary's ", name, " must have ", size,
@@ -65,8 +65,8 @@ EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tenso
   at::Tensor flat_tags;
   if (tags.has_value()) {
     const at::Tensor& t = *tags;
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "kv-canary: tag must be an int or an int64 tensor, got ",
-                     t.scalar_type());
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong,
+                     "kv-canary: tag must be an int or an int64 tensor, got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: tag is on ", t.device(),
                       " but slots are on ", slots.device(), "; put them on one device");
     TORCH_CHECK_VALUE(t.numel() == 1 || t.numel() == slots.numel(), "kv-canary: tag has ",
@@ -107,9 +107,9 @@ int64_t check_canary_tables(const at::Tensor& records, const at::Tensor& owner_t
     check_table(*ring, "violation ring", slots, {kViolationFields});
     TORCH_CHECK_VALUE(ring->size(0) >= 1, "kv-canary: the violation ring needs at least one row");
   }
-  TORCH_CHECK_VALUE(sources_capacity < 0 || capacity <= sources_capacity, "kv-canary: the canary holds ",
-                    capacity, " slots but its sources only ", sources_capacity,
-                    "; build the canary over these sources");
+  TORCH_CHECK_VALUE(sources_capacity < 0 || capacity <= sources_capacity,
+                    "kv-canary: the canary holds ", capacity, " slots but its sources only ",
+                    sources_capacity, "; build the canary over these sources");
   return capacity;
 }
 
@@ -122,7 +122,8 @@ void fail_entry_out_of_range(const char* name, int64_t value, int64_t capacity) 
 void check_entries_in_range_host(const at::Tensor& index, const char* name, int64_t capacity) {
   const int64_t n = index.numel();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t value = load_index(index.const_data_ptr(), index.scalar_type() == at::kInt, i, -1);
+    const int64_t value =
+        load_index(index.const_data_ptr(), index.scalar_type() == at::kInt, i, -1);
     if (value >= capacity) {
       fail_entry_out_of_range(name, value, capacity);
     }

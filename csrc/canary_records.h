@@ -169,7 +169,8 @@ KVC_HOST_DEVICE void verify_row(int64_t* row, const int64_t* records, const Entr
 
 // The row of an entry skipped because its slot or previous slot is past the
 // capacity (nothing of the table is read).
-KVC_HOST_DEVICE void out_of_range_row(int64_t* row, int64_t kind, const EntryInputs& in, int64_t i) {
+KVC_HOST_DEVICE void out_of_range_row(int64_t* row, int64_t kind, const EntryInputs& in,
+                                      int64_t i) {
   row[kRowKind] = kind;
   row[kRowSlot] = entry_slot(in, i);
   row[kRowPosition] = entry_position(in, i);

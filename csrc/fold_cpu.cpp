@@ -1,5 +1,7 @@
 // CPU kernel of kvcanary::fold: checks, the choice of instruction-set path,
 // and the split of the slots across torch's threads.
+#include "fold_cpu.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -8,27 +10,24 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
-#include "fold_cpu.h"
 #include "fold_cpu_entry.h"
+#include "fold_cpu_isa.h"
+#include "fold_cpu_tasks.h"
 
 namespace kvcanary {
 namespace {
 
-constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
 constexpr const char* kIsaVariable = "KVCANARY_CPU_ISA";
 
 CpuIsa best_cpu_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
-    return CpuIsa::kAvx512;
+  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+    if (cpu_runs(isa)) {
+      return isa;
+    }
   }
-  if (__builtin_cpu_supports("avx2")) {
-    return CpuIsa::kAvx2;
-  }
-#endif
   return CpuIsa::kScalar;
 }
 
@@ -41,25 +40,25 @@ CpuIsa selected_cpu_isa() {
     return best;
   }
   for (int isa = 0; isa <= static_cast<int>(best); ++isa) {
-    if (std::string(forced) == kIsaNames[isa]) {
+    if (std::string(forced) == kCpuIsaNames[isa]) {
       return static_cast<CpuIsa>(isa);
     }
   }
   TORCH_CHECK_VALUE(false, "kv-canary: ", kIsaVariable, "=", forced,
                     " is not a path this CPU can run; use one of scalar..",
-                    kIsaNames[static_cast<int>(best)], " or unset it");
+                    kCpuIsaNames[static_cast<int>(best)], " or unset it");
 }
 
-void fold_range(CpuIsa isa, const CpuFoldRange& range) {
+void fold_task(CpuIsa isa, const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
   switch (isa) {
 #if defined(__x86_64__)
     case CpuIsa::kAvx512:
-      return fold_range_avx512(range);
+      return fold_task_avx512(work, task, next);
     case CpuIsa::kAvx2:
-      return fold_range_avx2(range);
+      return fold_task_avx2(work, task, next);
 #endif
     default:
-      return fold_range_scalar(range);
+      return fold_task_scalar(work, task, next);
   }
 }
 
@@ -69,19 +68,18 @@ int64_t task_size(const FoldPlan& plan) {
   return task_slots(bytes_per_slot);
 }
 
-// Runs fold(begin, end, next_begin, next_end) over [0, n) in tasks of `task`
-// slots on torch's threads (run_tasks: each thread knows its next task before
-// it runs the current one). Threads start with one task each and then claim
-// tasks from a shared counter instead of taking an even share up front: the
-// fold waits on memory, and on a shared machine an even split makes every
-// call as slow as its slowest thread (+11 to 17% on random 256 B to 1 KiB rows
-// here).
+// Runs fold(task, next) over the tasks of `task` slots that cut [0, n), on
+// torch's threads (run_tasks: each thread knows its next task before it folds
+// the current one). Threads start with one task each and then claim tasks
+// from a shared counter instead of taking an even share up front: the fold
+// waits on memory, and on a shared machine an even split makes every call as
+// slow as its slowest thread.
 template <typename F>
 void for_each_task(int64_t n, int64_t task, const F& fold) {
   const int64_t num_tasks = (n + task - 1) / task;
   const int64_t workers = std::min<int64_t>(num_tasks, at::get_num_threads());
   if (workers <= 1) {
-    fold(0, n, n, n);
+    fold(SlotSpan{0, n}, SlotSpan{n, n});
     return;
   }
   std::atomic<int64_t> next{workers};
@@ -92,8 +90,8 @@ void for_each_task(int64_t n, int64_t task, const F& fold) {
   });
 }
 
-at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
-                    at::IntArrayRef read_bytes, bool check_bounds) {
+at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots, at::IntArrayRef read_bytes,
+                    bool check_bounds) {
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
   const at::Tensor flat = slots.contiguous();
   if (check_bounds) {
@@ -104,7 +102,7 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots,
   return out;
 }
 
-std::string cpu_isa() { return kIsaNames[static_cast<int>(selected_cpu_isa())]; }
+std::string cpu_isa() { return kCpuIsaNames[static_cast<int>(selected_cpu_isa())]; }
 
 }  // namespace
 
@@ -118,22 +116,15 @@ void check_slots_cpu(const at::Tensor& flat_slots, int64_t capacity) {
 
 void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out) {
   const CpuIsa isa = selected_cpu_isa();
-  CpuFoldRange range{};
-  range.sources = plan.sources.data();
-  range.num_sources = static_cast<int>(plan.sources.size());
-  range.capacity = plan.capacity;
-  range.slots = flat_slots.const_data_ptr();
-  range.slots_are_int32 = flat_slots.scalar_type() == at::kInt;
-  range.out = out;
+  CpuFoldWork work{};
+  work.sources = plan.sources.data();
+  work.num_sources = static_cast<int>(plan.sources.size());
+  work.capacity = plan.capacity;
+  work.slots = flat_slots.const_data_ptr();
+  work.slots_are_int32 = flat_slots.scalar_type() == at::kInt;
+  work.out = out;
   for_each_task(flat_slots.numel(), task_size(plan),
-                [&](int64_t begin, int64_t end, int64_t next_begin, int64_t next_end) {
-                  CpuFoldRange task = range;
-                  task.begin = begin;
-                  task.end = end;
-                  task.next_begin = next_begin;
-                  task.next_end = next_end;
-                  fold_range(isa, task);
-                });
+                [&](SlotSpan task, SlotSpan next) { fold_task(isa, work, task, next); });
 }
 
 TORCH_LIBRARY_IMPL(kvcanary, CPU, m) { m.impl("fold", &fold_cpu); }

@@ -28,14 +28,16 @@ inline U64x4 operator>>(U64x4 a, int bits) { return {_mm256_srli_epi64(a.v, bits
 inline U64x4 operator*(U64x4 a, uint64_t c) {
   const __m256i c_lo = _mm256_set1_epi64x(static_cast<int64_t>(c & 0xffffffffu));
   const __m256i c_hi = _mm256_set1_epi64x(static_cast<int64_t>(c >> 32));
-  const __m256i cross = _mm256_add_epi64(
-      _mm256_mul_epu32(_mm256_srli_epi64(a.v, 32), c_lo), _mm256_mul_epu32(a.v, c_hi));
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a.v, 32), c_lo),
+                                         _mm256_mul_epu32(a.v, c_hi));
   return {_mm256_add_epi64(_mm256_mul_epu32(a.v, c_lo), _mm256_slli_epi64(cross, 32))};
 }
 
 inline __m256i load_two_chunks(const unsigned char* low_half, const unsigned char* high_half) {
-  const __m256i low = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low_half)));
-  return _mm256_inserti128_si256(low, _mm_loadu_si128(reinterpret_cast<const __m128i*>(high_half)), 1);
+  const __m256i low =
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low_half)));
+  return _mm256_inserti128_si256(low, _mm_loadu_si128(reinterpret_cast<const __m128i*>(high_half)),
+                                 1);
 }
 
 struct Avx2Lanes {
@@ -50,12 +52,16 @@ struct Avx2Lanes {
     lo->v = _mm256_unpacklo_epi64(a, b);
     hi->v = _mm256_unpackhi_epi64(a, b);
   }
-  static void store(int64_t* out, Vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v.v); }
+  static void store(int64_t* out, Vec v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v.v);
+  }
 };
 
 }  // namespace
 
-void fold_range_avx2(const CpuFoldRange& range) { LaneFold<Avx2Lanes, 4>::run(range); }
+void fold_task_avx2(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<Avx2Lanes, 4>::fold_task(work, task, next);
+}
 
 }  // namespace kvcanary
 

@@ -29,7 +29,9 @@ inline U64x8 operator*(U64x8 a, uint64_t c) {
 }
 
 inline __m512i load_four_chunks(const unsigned char* const* tokens, int64_t offset) {
-  const auto chunk = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tokens[i] + offset)); };
+  const auto chunk = [&](int i) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tokens[i] + offset));
+  };
   const __m256i low = _mm256_inserti128_si256(_mm256_castsi128_si256(chunk(0)), chunk(2), 1);
   const __m256i high = _mm256_inserti128_si256(_mm256_castsi128_si256(chunk(4)), chunk(6), 1);
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
@@ -79,7 +81,9 @@ struct Avx512Lanes {
 
 }  // namespace
 
-void fold_range_avx512(const CpuFoldRange& range) { LaneFold<Avx512Lanes, 8>::run(range); }
+void fold_task_avx512(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<Avx512Lanes, 8>::fold_task(work, task, next);
+}
 
 }  // namespace kvcanary
 

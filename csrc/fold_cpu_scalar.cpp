@@ -11,8 +11,7 @@ struct ScalarLanes {
   static constexpr int kLanes = 1;
   static constexpr int kBlockChunks = 1;
   static Vec zero() { return 0; }
-  static void load_chunks(const unsigned char* const* tokens, int64_t offset,
-                          Vec* lo, Vec* hi) {
+  static void load_chunks(const unsigned char* const* tokens, int64_t offset, Vec* lo, Vec* hi) {
     // Little-endian host: the chunk's words are its bytes as uint64.
     std::memcpy(lo, tokens[0] + offset, 8);
     std::memcpy(hi, tokens[0] + offset + 8, 8);
@@ -22,8 +21,8 @@ struct ScalarLanes {
 
 }  // namespace
 
-void fold_range_scalar(const CpuFoldRange& range) {
-  LaneFold<ScalarLanes, 8>::run(range);
+void fold_task_scalar(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  LaneFold<ScalarLanes, 8>::fold_task(work, task, next);
 }
 
 }  // namespace kvcanary

@@ -1,5 +1,7 @@
 // CUDA backend of kvcanary::fold: argument checks and launches (the kernel is
 // in fold_cuda_kernel.cu).
+#include "fold_cuda.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ge.h>
@@ -14,7 +16,6 @@
 #include <algorithm>
 #include <limits>
 
-#include "fold_cuda.h"
 #include "fold_plan.h"
 
 namespace kvcanary {
@@ -25,29 +26,26 @@ namespace {
 // slots, and never reads them).
 void check_slots_in_range_cuda(const at::Tensor& slots, int64_t capacity) {
   if (capacity < 0 || slots.numel() == 0 ||
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
-          c10::cuda::CaptureStatus::None) {
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     return;
   }
   if (slots.max().item<int64_t>() < capacity) {
     return;
   }
   const at::Tensor first = at::ge(slots, capacity).nonzero()[0][0];
-  fail_slot_out_of_range(slots[first.item<int64_t>()].item<int64_t>(),
-                         capacity);
+  fail_slot_out_of_range(slots[first.item<int64_t>()].item<int64_t>(), capacity);
 }
 
-at::Tensor fold_cuda(at::TensorList sources, const at::Tensor& slots,
-                     at::IntArrayRef read_bytes, bool check_bounds) {
+at::Tensor fold_cuda(at::TensorList sources, const at::Tensor& slots, at::IntArrayRef read_bytes,
+                     bool check_bounds) {
   const c10::cuda::CUDAGuard guard(slots.device());
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
   const at::Tensor flat = slots.contiguous().view(-1);
   if (check_bounds) {
     check_slots_in_range_cuda(flat, plan.capacity);
   }
-  TORCH_CHECK_VALUE(flat.numel() <= kMaxSlotsPerCall, "kv-canary: at most ",
-                    kMaxSlotsPerCall, " slots per call on CUDA, got ",
-                    flat.numel(), "; split the batch");
+  TORCH_CHECK_VALUE(flat.numel() <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
+                    " slots per call on CUDA, got ", flat.numel(), "; split the batch");
   at::Tensor out = at::empty(slots.sizes(), slots.options().dtype(at::kLong));
   const int num_sources = static_cast<int>(plan.sources.size());
   if (num_sources == 0) {

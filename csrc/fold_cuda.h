@@ -20,12 +20,12 @@ constexpr int64_t kMaxSlotsPerCall = ((int64_t{1} << 31) - 1) * kThreadsPerBlock
 struct FoldLaunchArgs {
   SourceLayout sources[kSourcesPerLaunch];
   int num_sources;
-  int64_t capacity;      // smallest source capacity of the whole fold
-  const void* slots;     // int32 or int64, contiguous
+  int64_t capacity;   // smallest source capacity of the whole fold
+  const void* slots;  // int32 or int64, contiguous
   bool slots_are_int32;
   int64_t num_slots;
-  int64_t* out;          // one int64 per slot
-  bool continue_chain;   // start from `out` (the fold of earlier sources)
+  int64_t* out;         // one int64 per slot
+  bool continue_chain;  // start from `out` (the fold of earlier sources)
 };
 
 cudaError_t launch_fold(const FoldLaunchArgs& args, cudaStream_t stream);

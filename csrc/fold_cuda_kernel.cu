@@ -1,14 +1,14 @@
-// CUDA kernel of kvcanary::fold (the warp's fold is in fold_cuda_warp.cuh).
-// Kept free of torch headers so that nvcc compiles it in seconds; argument
-// checks live in fold_cuda.cpp. The grid is sized to the batch.
+// CUDA kernel of kvcanary::fold. Kept free of torch headers so that nvcc
+// compiles it in seconds; argument checks live in fold_cuda.cpp. A warp folds
+// 32 slots, one per lane (fold_cuda_warp.cuh, shared with the canary's
+// kernels); the grid is sized to the batch. docs/design.md has the reasons.
 #include "fold_cuda_warp.cuh"
 
 namespace kvcanary {
 namespace {
 
 template <typename index_t>
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    fold_kernel(const FoldLaunchArgs args) {
+__global__ void __launch_bounds__(kThreadsPerBlock) fold_kernel(const FoldLaunchArgs args) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   const int lane = threadIdx.x % kWarpSize;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;

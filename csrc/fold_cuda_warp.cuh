@@ -7,7 +7,8 @@
 // same row (coalesced), stages it in shared memory, and then each lane runs
 // the serial splitmix64 chain over its own row. What keeps the memory busy is
 // the loads in flight: a lane issues all loads of a tile (into registers)
-// before it uses any.
+// before it uses any, since with one load in flight per lane the kernel is
+// bound by memory parallelism rather than bandwidth.
 #pragma once
 
 #include "fold_cuda.h"
@@ -44,8 +45,7 @@ __device__ __forceinline__ int tile_width(const SourceLayout& src) {
 // c = lane + 32 k, where row r is lane r's `token` (null: nothing to read).
 // Every lane must call it.
 __device__ __forceinline__ void load_tile(const SourceLayout& src, int width,
-                                          const unsigned char* token,
-                                          int64_t first, Tile& regs) {
+                                          const unsigned char* token, int64_t first, Tile& regs) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t chunks = num_chunks(src);
   const int shift = __ffs(width) - 1;
@@ -55,20 +55,19 @@ __device__ __forceinline__ void load_tile(const SourceLayout& src, int width,
       break;  // warp-uniform
     }
     const int c = lane + k * kWarpSize;
-    const auto* row_token = reinterpret_cast<const unsigned char*>(__shfl_sync(
-        kFullMask, reinterpret_cast<unsigned long long>(token), c >> shift));
+    const auto* row_token = reinterpret_cast<const unsigned char*>(
+        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(token), c >> shift));
     const int64_t chunk = first + (c & (width - 1));
     regs[k] = make_ulonglong2(0, 0);
     if (row_token != nullptr && chunk < chunks) {
-      regs[k] = __ldg(reinterpret_cast<const ulonglong2*>(
-          row_token + chunk_offset(src, chunk * kReadAlign)));
+      regs[k] = __ldg(
+          reinterpret_cast<const ulonglong2*>(row_token + chunk_offset(src, chunk * kReadAlign)));
     }
   }
 }
 
 // Stores the loads of load_tile into the staging tile (row r at r * kRowPitch).
-__device__ __forceinline__ void stage_tile(int width, const Tile& regs,
-                                           ulonglong2* tile) {
+__device__ __forceinline__ void stage_tile(int width, const Tile& regs, ulonglong2* tile) {
   const int lane = threadIdx.x % kWarpSize;
   const int shift = __ffs(width) - 1;
 #pragma unroll

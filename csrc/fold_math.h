@@ -1,6 +1,7 @@
 // The kv-canary fold: splitmix64, the 16-byte chunk step and the slot-to-byte
 // mapping. Shared by the host (CPU kernel) and device (CUDA kernel) code, so the
-// CPU tests exercise the arithmetic the GPU runs. Contract: ../shared/SPEC.md.
+// CPU tests exercise the arithmetic the GPU runs. The contract is the fold of
+// SGLang's kv-canary (docs/design.md, "The contract").
 #pragma once
 
 #include <cstdint>
@@ -63,8 +64,7 @@ KVC_HOST_DEVICE int64_t token_offset(const SourceLayout& src, int64_t slot) {
   if (src.page_size == 1) {  // row sources: spare the 64-bit division
     return slot * src.page_stride;
   }
-  return (slot / src.page_size) * src.page_stride +
-         (slot % src.page_size) * src.slot_stride;
+  return (slot / src.page_size) * src.page_stride + (slot % src.page_size) * src.slot_stride;
 }
 
 // Byte offset of contiguous run `run` inside a token (mixed radix over the

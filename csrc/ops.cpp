@@ -13,13 +13,15 @@ extern "C" {
 // register the ops; the module itself is empty.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
-      nullptr,               nullptr, nullptr, nullptr};
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
 }
 
 TORCH_LIBRARY(kvcanary, m) {
+  // The fake (meta) kernels are Python functions in this module: torch imports
+  // it, or says to, when an op needs one before the package was imported.
+  m.set_python_module("torch_kvcanary.ops");
   // fold(sources, slots, read_bytes, check_bounds) -> int64 tensor shaped
   // like slots. sources[i] is a view [num_pages, page_size, *token_shape] of
   // any dtype; read_bytes[i] leading bytes of each token are folded. Slots < 0

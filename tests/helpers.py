@@ -89,11 +89,6 @@ def random_row_source(rng: random.Random, gen: torch.Generator, device: str = "c
     return kc.RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=token, read_bytes=read_bytes)
 
 
-def source_capacity(source) -> int:
-    view = source.as_view()
-    return view.shape[0] * view.shape[1]
-
-
 def random_slots(rng: random.Random, cap: int, n: int, dtype=torch.int64, device: str = "cpu") -> torch.Tensor:
     """Slots in [0, cap) with some -1 padding mixed in."""
     values = [rng.randrange(cap) if rng.random() > 0.1 else -rng.randint(1, 3) for _ in range(n)]
@@ -107,6 +102,6 @@ def random_case(seed: int, device: str = "cpu", *, max_sources: int = 8, lengths
     gen = torch.Generator().manual_seed(seed)
     make = [random_view_source, random_row_source]
     sources = [rng.choice(make)(rng, gen, device) for _ in range(rng.randint(1, max_sources))]
-    capacity = min(source_capacity(s) for s in sources)
+    capacity = min(s.capacity for s in sources)
     slots = random_slots(rng, capacity, rng.choice(lengths), rng.choice([torch.int32, torch.int64]), device)
     return sources, slots, rng.choice(list(kc.HashMode))

@@ -19,7 +19,18 @@ def test_row_pool_past_4_gib():
     # 4.5 GiB allocated, never touched except the rows that are read.
     num_rows, row_bytes = (9 * GIB // 2) // 1024, 1024
     pool = torch.empty(num_rows, row_bytes, dtype=torch.uint8)
-    slots = torch.tensor([0, (1 << 31) // row_bytes - 1, (1 << 31) // row_bytes, (1 << 32) // row_bytes, (1 << 32) // row_bytes + 1, num_rows - 2, num_rows - 1, -1])
+    slots = torch.tensor(
+        [
+            0,
+            (1 << 31) // row_bytes - 1,
+            (1 << 31) // row_bytes,
+            (1 << 32) // row_bytes,
+            (1 << 32) // row_bytes + 1,
+            num_rows - 2,
+            num_rows - 1,
+            -1,
+        ]
+    )
     gen = torch.Generator().manual_seed(0)
     for slot in slots[slots >= 0].tolist():
         _fill(pool[slot], gen)

@@ -2,6 +2,7 @@
 present, with sm_80 and sm_90 machine code and compute_90 PTX; CPU paths that prefetch."""
 
 import importlib.util
+import os
 import platform
 import re
 import shutil
@@ -42,9 +43,7 @@ def test_backends_match_the_build():
 
 
 def test_info_says_what_was_built():
-    out = subprocess.run(
-        [sys.executable, "-m", "torch_kvcanary", "info"], capture_output=True, text=True, check=True
-    ).stdout
+    out = subprocess.run([sys.executable, "-m", "torch_kvcanary", "info"], capture_output=True, text=True, check=True).stdout
     assert f"torch_kvcanary {torch_kvcanary.__version__}" in out
     assert "matches the reference" in out
     assert ("CPU-only build" in out) != CUDA_BUILD
@@ -68,6 +67,29 @@ def test_cpu_path_prefetches_the_next_group(path):
     # one, which a compiler drops when it sees a function that only prefetches.
     asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(_library())], capture_output=True, text=True, check=True).stdout
     functions = re.split(r"\n(?=[0-9a-f]+ <)", asm)
-    mine = [f for f in functions if f"fold_range_{path}(" in f.split("\n", 1)[0] or f"{path.capitalize()}Lanes" in f.split("\n", 1)[0]]
+    mine = [f for f in functions if f"fold_task_{path}(" in f.split("\n", 1)[0] or f"{path.capitalize()}Lanes" in f.split("\n", 1)[0]]
     assert mine, f"no code of the {path} path found"
     assert any("prefetch" in f for f in mine)
+
+
+def _defined_symbols(compiler: str, source: Path, obj: Path) -> list[tuple[str, str]]:
+    subprocess.run(
+        [compiler, "-O0", "-std=c++17", f"-I{REPO / 'csrc'}", "-c", str(source), "-o", str(obj)], check=True, capture_output=True
+    )
+    listing = subprocess.run(["nm", "-C", "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
+    return [(line.split(" ", 2)[1], line.split(" ", 2)[2]) for line in listing.splitlines() if line.count(" ") >= 2]
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("nm") is None,
+    reason="needs a C++ compiler and nm on x86-64",
+)
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_cpu_path_shares_no_code_with_other_units(path, tmp_path):
+    # An instruction-set unit compiles every function it defines for its instruction set; a
+    # weak (inline, template) or other external definition there could be the copy the linker
+    # keeps for every unit, and run AVX-512 code on a CPU without it. At -O0 nothing is inlined
+    # away, so every such definition shows: the unit must export its entry point and nothing else.
+    symbols = _defined_symbols(os.environ.get("CXX", "c++"), REPO / "csrc" / f"fold_cpu_{path}.cpp", tmp_path / f"{path}.o")
+    external = [name for kind, name in symbols if kind.isupper() or kind in "uvw"]
+    assert external == [f"kvcanary::fold_task_{path}(kvcanary::CpuFoldWork const&, kvcanary::SlotSpan, kvcanary::SlotSpan)"], external

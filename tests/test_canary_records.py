@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from canary_oracle import MASK, Records
-from helpers import CUDA, DEVICES, random_case, source_capacity
+from helpers import CUDA, DEVICES, random_case
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -48,7 +48,7 @@ def _folds(canary, slots, device):
 def test_random_calls_match_the_spec(seed, device):
     sources, _, mode = random_case(seed, device, max_sources=4)
     rng = random.Random(seed)
-    capacity = min(source_capacity(s) for s in sources)
+    capacity = min(s.capacity for s in sources)
     padding = rng.choice([None, 0]) if capacity > 1 else None
     canary = kc.KvCanary(sources, mode=mode, padding_slot=padding, on_violation=None, ring_capacity=4096)
     oracle = Records(capacity)
@@ -95,7 +95,10 @@ def test_random_calls_match_the_spec(seed, device):
         )  # fmt: skip
         assert flags.tolist() == want_flags
         expected_rows += rows
-    got = [[int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)] for v in canary.poll()]
+    got = [
+        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
+        for v in canary.poll()
+    ]
     key = lambda row: tuple(row)  # noqa: E731  (CUDA claims ring rows in no fixed order)
     assert sorted(got, key=key) == sorted(expected_rows, key=key)
     stats = canary.stats()
@@ -378,11 +381,13 @@ def test_tensor_parallel_ranks_raise_together(tmp_path: Path):
     store = tmp_path / "store"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(kc.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     workers = [
-        subprocess.Popen([sys.executable, str(script), str(rank), "2", str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "2", str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         for rank in range(2)
     ]
     outputs = [w.communicate(timeout=120) for w in workers]
-    for w, (out, err) in zip(workers, outputs):
+    for w, (_out, err) in zip(workers, outputs):
         assert w.returncode == 0, err
     assert outputs[0][0].strip() == "rank 0 raised: kv_canary: launch_tag=KV 1 violations on other ranks of the process group"
     assert outputs[1][0].startswith("rank 1 raised: kv_canary violation: launch_tag=KV fail_reason=verify_real_kv_hash slot_idx=35 ")

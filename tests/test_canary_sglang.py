@@ -3,8 +3,8 @@ scenario of prefill chunks, decode steps and bugs, the same records bit for bit 
 write, and the same violation rows (with the same reason bits) after every verify."""
 
 import pytest
-import torch
 import sglang_reference
+import torch
 from helpers import DEVICES
 
 import torch_kvcanary as kc
@@ -122,7 +122,10 @@ def test_scenario_matches_sglang(device, page_size):
     hits = pair.verify(slots, positions, prev, tokens)
     assert {v.slot for v in hits} == {6, 43}  # slot 6's own record, and B's slot 3 that chains through it
     six = next(v for v in hits if v.slot == 6)
-    assert six.reasons == kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH | kc.FailReason.VERIFY_POSITION_MISMATCH | kc.FailReason.VERIFY_TOKEN_MISMATCH
+    assert (
+        six.reasons
+        == kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH | kc.FailReason.VERIFY_POSITION_MISMATCH | kc.FailReason.VERIFY_TOKEN_MISMATCH
+    )
 
     # B's slot 41 freed and reused by request C while B still reads it.
     pair.write([(-1, [41, 70], [91, 92], 0)])

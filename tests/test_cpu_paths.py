@@ -1,7 +1,6 @@
 """Each instruction-set path of the CPU kernel, forced with KVCANARY_CPU_ISA, is
 bit-exact with the reference on the golden vectors and on random layouts."""
 
-
 import pytest
 import torch
 from helpers import golden_source, load_golden, random_case
@@ -23,11 +22,7 @@ def cpu_path(request, monkeypatch):
 
 def test_default_is_the_best_path(monkeypatch):
     monkeypatch.delenv("KVCANARY_CPU_ISA", raising=False)
-    best = torch.ops.kvcanary.cpu_isa()
-    assert best in PATHS
-    monkeypatch.setenv("KVCANARY_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match=rf"^kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best} or unset it$"):
-        kc.fold(kc.view_source(torch.zeros(1, 1, 16, dtype=torch.uint8), read_bytes=16), torch.tensor([0]))
+    assert torch.ops.kvcanary.cpu_isa() in PATHS
 
 
 def test_golden_vectors(cpu_path):

@@ -49,8 +49,13 @@ class CanaryProcessor(transformers.LogitsProcessor):
 def generation():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     cache = transformers.StaticCache(config=config, max_cache_len=MAX_LEN)
@@ -58,8 +63,13 @@ def generation():
     prompt = torch.randint(0, 96, (2, PROMPT))
     with torch.no_grad():
         output = model.generate(
-            prompt, **{CACHE_KWARG: cache}, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, logits_processor=[processor], pad_token_id=0,
+            prompt,
+            **{CACHE_KWARG: cache},
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            logits_processor=[processor],
+            pad_token_id=0,
         )
     return cache, processor, output
 

@@ -4,7 +4,7 @@ empty inputs), the C++ kernels equal the pure-torch reference bit for bit."""
 
 import pytest
 import torch
-from helpers import DEVICES, DTYPES, source_capacity
+from helpers import DEVICES, DTYPES
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -48,7 +48,7 @@ def row_sources(draw, device):
 @st.composite
 def fold_cases(draw, device):
     sources = draw(st.lists(st.one_of(view_sources(device), row_sources(device)), min_size=0, max_size=8))
-    capacity = min((source_capacity(s) for s in sources), default=50)
+    capacity = min((s.capacity for s in sources), default=50)
     slot = st.integers(-3, capacity - 1) if capacity > 0 else st.integers(-3, -1)
     slots = draw(st.lists(slot, min_size=0, max_size=80))
     dtype = draw(st.sampled_from([torch.int32, torch.int64]))
@@ -74,7 +74,7 @@ def test_out_of_range_slots_unchecked_give_zero(device):
         active = [s for s in sources if s.read_bytes > 0]  # sources that read nothing are left out
         if not active:
             return
-        capacity = min(source_capacity(s) for s in active)
+        capacity = min(s.capacity for s in active)
         wild = torch.tensor([capacity + b for b in beyond], dtype=torch.int64, device=device)
         mixed = torch.cat([slots.long(), wild])
         out = kc.fold(sources, mixed, mode=mode, check_bounds=False)

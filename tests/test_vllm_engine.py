@@ -17,10 +17,10 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
+from helpers import REPO  # noqa: E402
+
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations import vllm as plugin  # noqa: E402
-
-from helpers import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from random_llama import make_llama  # noqa: E402
@@ -262,7 +262,7 @@ def test_a_block_table_pointing_at_another_requests_block(engine):
     llm, lines, _ = engine
     driver = Driver(llm, "table")
     rng = random.Random(3)
-    for i in range(2):
+    for _ in range(2):
         driver.add(_tokens(rng, 75), _params(200, 0))
     driver.run_until_decoding()
     assert lines.take() == []
@@ -286,7 +286,7 @@ def test_a_block_freed_and_rewritten_while_still_read(engine):
     llm, lines, _ = engine
     driver = Driver(llm, "reuse")
     rng = random.Random(4)
-    for i in range(2):
+    for _ in range(2):
         driver.add(_tokens(rng, 80), _params(200, 1))
     driver.run_until_decoding()
     assert lines.take() == []
@@ -298,7 +298,9 @@ def test_a_block_freed_and_rewritten_while_still_read(engine):
     for kv in state.kv_caches:
         kv[block] = torch.randn_like(kv[block])
     positions = torch.arange(BLOCK_SIZE)
-    state.canary.record(slots, positions=positions, tokens=torch.full_like(slots, 7), prev_slots=torch.cat([torch.tensor([-1]), slots[:-1]]))
+    state.canary.record(
+        slots, positions=positions, tokens=torch.full_like(slots, 7), prev_slots=torch.cat([torch.tensor([-1]), slots[:-1]])
+    )
     driver.step()
     found = _parse(lines.take())
     assert found, "the rewritten block was not reported"

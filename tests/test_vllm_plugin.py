@@ -49,4 +49,3 @@ def test_bad_settings_are_refused(monkeypatch, policy, mode, message):
         plugin.settings()
     with pytest.raises(ValueError, match="^kv-canary: "):
         plugin.register()
-

@@ -13,11 +13,14 @@
 #include <string>
 #include <vector>
 
-#include "fold_math.h"  // this tree's (B's)
+#include "fold_cpu_isa.h"  // this tree's (B's)
+#include "fold_math.h"
 
 extern "C" {
-void fold_all_a(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n, int threads, int64_t* out);
-void fold_all_b(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n, int threads, int64_t* out);
+void fold_all_a(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n,
+                int threads, int64_t* out);
+void fold_all_b(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n,
+                int threads, int64_t* out);
 }
 
 namespace {
@@ -42,12 +45,18 @@ Options parse(int argc, char** argv) {
   if (argc % 2 == 0) usage("every option takes a value");
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--row-bytes") o.row_bytes = std::atoll(value.c_str());
-    else if (flag == "--pool-mib") o.pool_mib = std::atoll(value.c_str());
-    else if (flag == "--threads") o.threads = std::atoi(value.c_str());
-    else if (flag == "--rounds") o.rounds = std::atoi(value.c_str());
-    else if (flag == "--order" && (value == "random" || value == "sequential")) o.random_order = value == "random";
-    else usage("options: --row-bytes N --pool-mib N --threads N --rounds N --order random|sequential");
+    if (flag == "--row-bytes")
+      o.row_bytes = std::atoll(value.c_str());
+    else if (flag == "--pool-mib")
+      o.pool_mib = std::atoll(value.c_str());
+    else if (flag == "--threads")
+      o.threads = std::atoi(value.c_str());
+    else if (flag == "--rounds")
+      o.rounds = std::atoi(value.c_str());
+    else if (flag == "--order" && (value == "random" || value == "sequential"))
+      o.random_order = value == "random";
+    else
+      usage("options: --row-bytes N --pool-mib N --threads N --rounds N --order random|sequential");
   }
   if (o.row_bytes <= 0 || o.row_bytes % kvcanary::kReadAlign != 0 || o.pool_mib <= 0 ||
       (o.pool_mib << 20) < o.row_bytes || o.threads < 1 || o.rounds < 1) {
@@ -59,13 +68,12 @@ Options parse(int argc, char** argv) {
 
 // Whether this CPU runs the path the script compiled (KERNEL_AB_ISA).
 bool cpu_runs_isa() {
-  const std::string isa = KERNEL_AB_ISA;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  if (isa == "avx2") return __builtin_cpu_supports("avx2");
-#endif
-  return isa == "scalar";
+  for (int isa = 0; isa < 3; ++isa) {
+    if (std::string(KERNEL_AB_ISA) == kvcanary::kCpuIsaNames[isa]) {
+      return kvcanary::cpu_runs(static_cast<kvcanary::CpuIsa>(isa));
+    }
+  }
+  return false;
 }
 
 double median(std::vector<double> v) {
@@ -96,13 +104,18 @@ int main(int argc, char** argv) {
       const int which = (round + 2 + k) % 2;  // alternate which build goes first
       const auto start = std::chrono::steady_clock::now();
       sides[which](rows, o.row_bytes, slots.data(), n, o.threads, out[which].data());
-      const double elapsed = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+      const double elapsed =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count();
       if (round >= 0) us[which].push_back(elapsed);
     }
   }
   const bool same = out[0] == out[1];
-  std::printf("%lld slots of %lld bytes, %s order, %d threads, medians of %d calls: A %.1f us, B %.1f us, A/B %.2f; fingerprints %s\n",
-              static_cast<long long>(n), static_cast<long long>(o.row_bytes), o.random_order ? "random" : "sequential",
-              o.threads, o.rounds, median(us[0]), median(us[1]), median(us[0]) / median(us[1]), same ? "agree" : "DIFFER");
+  std::printf(
+      "%lld slots of %lld bytes, %s order, %d threads, medians of %d calls: A %.1f us, B %.1f us, "
+      "A/B %.2f; fingerprints %s\n",
+      static_cast<long long>(n), static_cast<long long>(o.row_bytes),
+      o.random_order ? "random" : "sequential", o.threads, o.rounds, median(us[0]), median(us[1]),
+      median(us[0]) / median(us[1]), same ? "agree" : "DIFFER");
   return same ? 0 : 1;
 }

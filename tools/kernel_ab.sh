@@ -5,8 +5,9 @@
 #   --isa scalar|avx2|avx512   the path compared (default avx512)
 #   --row-bytes N --pool-mib N --threads N --rounds N --order random|sequential
 # Example: tools/kernel_ab.sh HEAD~3 --row-bytes 256 --threads 1
-# Each build is compiled with its own headers and namespace, so A may be any
-# revision whose csrc builds tools/kernel_ab_side.cpp (from the commit that added run_tasks to fold_cpu.h).
+# Each build is compiled with its own headers, namespace and side
+# (tools/kernel_ab_side.cpp: a revision's own copy, this tree's for B and for a
+# csrc directory), so A may be any revision that has tools/kernel_ab_side.cpp.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 base=${1:-HEAD}
@@ -24,18 +25,22 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 if [[ -d $base ]]; then
   cp -r "$base" "$work/a"
+  cp "$repo/tools/kernel_ab_side.cpp" "$work/side_a.cpp"
 else
   mkdir "$work/a"
   git -C "$repo" archive "$base" csrc | tar -x -C "$work/a" --strip-components=1
+  git -C "$repo" show "$base:tools/kernel_ab_side.cpp" > "$work/side_a.cpp"
 fi
 cp -r "$repo/csrc" "$work/b"
+cp "$repo/tools/kernel_ab_side.cpp" "$work/side_b.cpp"
 CXX=${CXX:-g++}
 flags=(-O3 -std=c++17)
+# KERNEL_AB_KERNEL names the path's entry point for sides older than KERNEL_AB_PATH.
 for side in a b; do
   renamed=(-Dkvcanary=kvcanary_$side -I"$work/$side")
   "$CXX" "${flags[@]}" "${renamed[@]}" -c "$work/$side/fold_cpu_$isa.cpp" -o "$work/kernel_$side.o"
-  "$CXX" "${flags[@]}" "${renamed[@]}" -DKERNEL_AB_ENTRY=fold_all_$side -DKERNEL_AB_KERNEL=fold_range_$isa \
-    -c "$repo/tools/kernel_ab_side.cpp" -o "$work/side_$side.o"
+  "$CXX" "${flags[@]}" "${renamed[@]}" -DKERNEL_AB_ENTRY=fold_all_$side -DKERNEL_AB_KERNEL=fold_range_$isa -DKERNEL_AB_PATH=$isa \
+    -c "$work/side_$side.cpp" -o "$work/side_$side.o"
 done
 "$CXX" "${flags[@]}" -DKERNEL_AB_ISA="\"$isa\"" -I"$work/b" "$repo/tools/kernel_ab.cpp" "$work"/*.o -o "$work/kernel_ab" -pthread
 "$work/kernel_ab" "${args[@]}"

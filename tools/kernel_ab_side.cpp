@@ -1,32 +1,33 @@
 // One side of tools/kernel_ab: folds a pool of rows with one build's kernel,
-// headers and task split. tools/kernel_ab.sh compiles it once per build, with
-// that build's csrc on the include path, its namespace renamed
-// (-Dkvcanary=kvcanary_a or _b, so the two builds share no symbol) and
+// headers and task split. tools/kernel_ab.sh compiles it once per build (a
+// revision's own copy of this file for a revision), with that build's csrc on
+// the include path, its namespace renamed (-Dkvcanary=kvcanary_a or _b, so the
+// two builds share no symbol) and
 //   KERNEL_AB_ENTRY   the extern "C" name of this side's entry point
-//   KERNEL_AB_KERNEL  the instruction-set path it calls (fold_range_avx512, ...)
+//   KERNEL_AB_PATH    the instruction-set path it calls: scalar, avx2, avx512
 #include <atomic>
 #include <thread>
 #include <vector>
 
 #include "fold_cpu.h"
+#include "fold_cpu_tasks.h"
+
+#define KERNEL_AB_CONCAT(a, b) a##b
+#define KERNEL_AB_TASK(path) KERNEL_AB_CONCAT(fold_task_, path)
 
 namespace {
 
-using kvcanary::CpuFoldRange;
+using kvcanary::CpuFoldWork;
+using kvcanary::SlotSpan;
 
 // Runs the kernel over all slots on `threads` threads in tasks of task_slots()
 // slots, claimed as fold_cpu.cpp's threads claim them (run_tasks; these
 // threads are started per call, on both sides alike).
-void fold_all(const CpuFoldRange& whole, int64_t n, int threads) {
-  const int64_t task = kvcanary::task_slots(whole.sources[0].read_bytes);
+void fold_all(const CpuFoldWork& work, int64_t n, int threads) {
+  const int64_t task = kvcanary::task_slots(work.sources[0].read_bytes);
   std::atomic<int64_t> next{threads};
-  const auto fold = [&](int64_t begin, int64_t end, int64_t next_begin, int64_t next_end) {
-    CpuFoldRange range = whole;
-    range.begin = begin;
-    range.end = end;
-    range.next_begin = next_begin;
-    range.next_end = next_end;
-    kvcanary::KERNEL_AB_KERNEL(range);
+  const auto fold = [&](SlotSpan span, SlotSpan next_span) {
+    kvcanary::KERNEL_AB_TASK(KERNEL_AB_PATH)(work, span, next_span);
   };
   const auto worker = [&](int w) { kvcanary::run_tasks(w, w + 1, next, n, task, fold); };
   std::vector<std::thread> pool;
@@ -44,11 +45,11 @@ extern "C" void KERNEL_AB_ENTRY(const unsigned char* pool, int64_t row_bytes, co
   src.data = pool;
   src.page_size = 1;
   src.page_stride = src.slot_stride = src.read_bytes = src.run_bytes = row_bytes;
-  CpuFoldRange whole{};
-  whole.sources = &src;
-  whole.num_sources = 1;
-  whole.capacity = n;
-  whole.slots = slots;
-  whole.out = out;
-  fold_all(whole, n, threads);
+  CpuFoldWork work{};
+  work.sources = &src;
+  work.num_sources = 1;
+  work.capacity = n;
+  work.slots = slots;
+  work.out = out;
+  fold_all(work, n, threads);
 }

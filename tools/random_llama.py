@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # The engine tests' model: CPU_ATTN needs a head size in {32, 64, 80, ...}.
-TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+TINY = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
+)
 
 
 def make_llama(directory: Path, *, seed: int = 0, **config) -> Path:

@@ -29,7 +29,15 @@ from random_llama import TINY, make_llama  # noqa: E402
 MODELS = {
     "tiny": TINY,
     # About 150 M parameters: the largest random Llama a 2-core CPU serves at a sensible speed.
-    "small": dict(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8, head_dim=64, num_hidden_layers=12),
+    "small": dict(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_hidden_layers=12,
+    ),
 }
 SETTINGS = ("off", "partial", "all")
 

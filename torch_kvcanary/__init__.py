@@ -14,6 +14,7 @@ from .reference import reference_fold
 from .sources import (
     READ_ALIGN,
     HashMode,
+    KvSource,
     RealKvSource,
     ViewSource,
     clip_read_bytes,
@@ -31,6 +32,7 @@ __all__ = [
     "HashMode",
     "KvCanary",
     "KvCorruptionError",
+    "KvSource",
     "RealKvSource",
     "ViewSource",
     "Violation",

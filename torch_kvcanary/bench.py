@@ -27,7 +27,7 @@ import torch
 
 from .ops import fold
 from .reference import reference_fold
-from .sources import HashMode, view_source
+from .sources import HashMode, read_bytes_in_mode, view_source
 from .upstream_baseline import upstream_fold
 
 # A case whose eager reference would read more than this is not timed against it.
@@ -44,8 +44,13 @@ class Case:
     order: str  # "seq" or "random"
 
     @property
+    def folded_bytes(self) -> int:
+        """Bytes folded per slot of each source."""
+        return read_bytes_in_mode(HashMode[self.mode], self.read_bytes)
+
+    @property
     def bytes_per_slot(self) -> int:
-        return (16 if self.mode == "PARTIAL" else self.read_bytes) * self.num_sources
+        return self.folded_bytes * self.num_sources
 
 
 @dataclass
@@ -173,11 +178,12 @@ def canary_cost(device: str, min_run_time: float) -> list[dict]:
         slots, prev, positions, tokens = (t.reshape(-1).to(device) for t in (slots, prev, positions, tokens))
         inputs = {"positions": positions, "tokens": tokens, "prev_slots": prev}
         canary.record(slots, **inputs)
+        # The timed calls run within this iteration, so they see its slots and inputs.
         medians = _interleaved_medians(
             {
-                "fold": lambda: fold(sources, slots, check_bounds=False),
-                "record": lambda: canary.record(slots, **inputs),
-                "verify": lambda: canary.verify(slots, **inputs),
+                "fold": lambda: fold(sources, slots, check_bounds=False),  # noqa: B023
+                "record": lambda: canary.record(slots, **inputs),  # noqa: B023
+                "verify": lambda: canary.verify(slots, **inputs),  # noqa: B023
             },
             device, min_run_time,
         )  # fmt: skip
@@ -213,7 +219,6 @@ def run_case(case: Case, device: str, min_run_time: float, upstream: bool = Fals
         index = index[torch.randperm(case.num_slots, generator=gen)]
     slots = index.to(device)
     mode = HashMode[case.mode]
-    folded_bytes = 16 if mode is HashMode.PARTIAL else case.read_bytes
     run = lambda: fold(sources, slots, mode=mode, check_bounds=False)  # noqa: E731
     seconds, repeats = _median(run, device, min_run_time)
     result = Result(device, case, seconds, repeats)
@@ -233,14 +238,14 @@ def run_case(case: Case, device: str, min_run_time: float, upstream: bool = Fals
         pool_bytes *= 2  # a copy reads and writes
     folded_total = case.num_slots * case.bytes_per_slot
     baseline("stream", stream, scale=folded_total / pool_bytes)
-    prefixes = [p[:, :folded_bytes] for p in pools]
+    prefixes = [p[:, : case.folded_bytes] for p in pools]
     baseline("gather", lambda: [torch.index_select(p, 0, slots) for p in prefixes])
     if folded_total <= _REFERENCE_BUDGET_BYTES:
         baseline("reference", lambda: reference_fold(sources, slots, mode=mode))
     else:
         result.notes.append("reference skipped (too slow at this size)")
     if upstream:
-        upstream_kernel = upstream_fold(pools, folded_bytes)
+        upstream_kernel = upstream_fold(pools, case.folded_bytes)
         if not torch.equal(upstream_kernel(slots), run()):
             raise AssertionError("kv-canary: the upstream baseline disagrees with the fold")
         baseline("upstream", lambda: upstream_kernel(slots))
@@ -352,7 +357,11 @@ def main(args: argparse.Namespace) -> int:
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
     for device, case in plan:
-        print(f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}", file=sys.stderr, flush=True)
+        print(
+            f"[{len(results) + 1}/{len(plan)}] {device} {case.mode} rb={case.read_bytes} slots={case.num_slots} sources={case.num_sources} {case.order}",
+            file=sys.stderr,
+            flush=True,
+        )
         results.append(run_case(case, device, args.min_run_time, upstream=args.upstream and device == "cuda"))
     graph = cuda_graph_decode() if "cuda" in devices else None
     canary = [row for d in devices for row in canary_cost(d, args.min_run_time)] if args.canary else None
@@ -361,16 +370,20 @@ def main(args: argparse.Namespace) -> int:
         case = Case("ALL", args.compile_reference, 65536, 1, "random")
         compile_note = compiled_reference(case, devices[0], args.min_run_time)
     print(format_table(results))
-    print("each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
-          "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines")
+    print(
+        "each figure is a median of blocked_autorange measurements: n of them for the fold, at least nb for each baseline (each count is in --json); "
+        "/stream is the fold's byte rate over a plain read's, x* are speed-ups over the baselines"
+    )
     if compile_note:
         print(compile_note)
     if canary:
         print("canary cost: K and V of 1 KiB per token (medians of measurements taken in turns)")
         print(format_canary_cost(canary))
     if graph:
-        print(f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
-              f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us")
+        print(
+            f"decode step (256 slots, 4 sources of 256 bytes) replayed from a CUDA graph: {graph['decode_fold_us']:.2f} us; "
+            f"a graph of one trivial kernel: {graph['launch_floor_us']:.2f} us"
+        )
     if args.json:
         payload = {
             "machine": info,
@@ -392,7 +405,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
     parser.add_argument("--json", metavar="FILE", help="write the raw figures")
     parser.add_argument("--plot", metavar="FILE.png", help="draw GB/s against read_bytes (needs matplotlib)")
-    parser.add_argument("--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size")
+    parser.add_argument(
+        "--compile-reference", type=int, metavar="READ_BYTES", help="also time torch.compile of the reference at this row size"
+    )
     parser.add_argument("--goals", action="store_true", help="measure the cases the goals are stated for instead of the sweep")
     parser.add_argument("--canary", action="store_true", help="also time KvCanary.record and verify beside a bare fold")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")

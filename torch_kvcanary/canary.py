@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import Source, _active_sources, _as_sources, _integer_view
-from .sources import HashMode, _as_mode, folded_bytes
+from .ops import integer_view
+from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
 logger = logging.getLogger("torch_kvcanary")
 
@@ -100,36 +100,6 @@ class KvCorruptionError(RuntimeError):
         self.violations = violations
 
 
-def _check_fake_inputs(sources, slots, entries, tables) -> None:
-    # The kernels' cheap checks: one value per slot, one device. Mixed devices dispatch
-    # here when one of them is meta.
-    for name, value in entries.items():
-        if value is not None and value.numel() != slots.numel():
-            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-    for table in tables:
-        if table.device != slots.device:
-            raise ValueError(f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device")
-
-
-@torch.library.register_fake("kvcanary::record")
-def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
-    _check_fake_inputs(sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring))
-
-
-@torch.library.register_fake("kvcanary::verify")
-def _verify_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True):
-    _check_fake_inputs(sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring))
-    return slots.new_empty(slots.shape, dtype=torch.bool)
-
-
-def _capacity(source: Source) -> int:
-    view = source.as_view()
-    return view.shape[0] * view.shape[1]
-
-
 def _counter_index() -> dict[str, int]:
     return {name: i for i, name in enumerate(torch.ops.kvcanary.canary_counters())}
 
@@ -172,7 +142,7 @@ class KvCanary:
 
     def __init__(
         self,
-        sources: Source | Iterable[Source],
+        sources: KvSource | Iterable[KvSource],
         *,
         mode: HashMode = HashMode.ALL,
         capacity: int | None = None,
@@ -181,14 +151,14 @@ class KvCanary:
         name: str = "KV",
         padding_slot: int | None = None,
     ):
-        self.sources = tuple(_as_sources(sources))
-        self.mode = _as_mode(mode)
+        self.sources = tuple(as_sources(sources))
+        self.mode = as_mode(mode)
         if not self.sources:
             raise ValueError("kv-canary: KvCanary needs at least one source")
         devices = {s.as_view().device for s in self.sources}
         if len(devices) != 1:
             raise ValueError(f"kv-canary: KvCanary sources must share one device, got {sorted(map(str, devices))}")
-        smallest = min(_capacity(s) for s in self.sources)
+        smallest = min(s.capacity for s in self.sources)
         if capacity is None:
             capacity = smallest
         if not 0 < capacity <= smallest:
@@ -198,7 +168,9 @@ class KvCanary:
         _check_policy(on_violation)
         if not isinstance(name, str):
             raise TypeError(f"kv-canary: KvCanary name must be a str, got {type(name).__name__}")
-        if padding_slot is not None and (isinstance(padding_slot, bool) or not isinstance(padding_slot, int) or not 0 <= padding_slot < capacity):
+        if padding_slot is not None and (
+            isinstance(padding_slot, bool) or not isinstance(padding_slot, int) or not 0 <= padding_slot < capacity
+        ):
             raise ValueError(f"kv-canary: KvCanary padding_slot must be None or a slot in [0, {capacity}), got {padding_slot!r}")
         self.capacity = capacity
         self.device = devices.pop()
@@ -206,8 +178,8 @@ class KvCanary:
         self.on_violation = on_violation
         self.name = name
         self.padding_slot = padding_slot
-        active = _active_sources(self.sources, self.mode)
-        self._views = [_integer_view(s.as_view()) for s in active]
+        active = active_sources(self.sources, self.mode)
+        self._views = [integer_view(s.as_view()) for s in active]
         self._read_bytes = [folded_bytes(s, self.mode) for s in active]
         self._counter = _counter_index()
         self._records = torch.zeros(capacity, len(RECORD_FIELDS), dtype=torch.int64, device=self.device)
@@ -324,7 +296,9 @@ class KvCanary:
             return
         lines = [v.line(self.name) for v in violations]
         if dropped:
-            lines.append(f"kv_canary: launch_tag={self.name} {dropped} more violations dropped (ring of {self.ring_capacity} rows full); poll more often or raise ring_capacity")
+            lines.append(
+                f"kv_canary: launch_tag={self.name} {dropped} more violations dropped (ring of {self.ring_capacity} rows full); poll more often or raise ring_capacity"
+            )
         if elsewhere:
             lines.append(f"kv_canary: launch_tag={self.name} {elsewhere} violations on other ranks of the process group")
         if policy == "raise":

@@ -55,10 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kvcanary", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, fold kernels, a sample fold").set_defaults(run=info)
-    demo_parser = commands.add_parser("demo", help="catch four classic KV-cache bugs in a paged cache", description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo_parser = commands.add_parser(
+        "demo",
+        help="catch four classic KV-cache bugs in a paged cache",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.main)
-    bench_parser = commands.add_parser("bench", help="the fold's speed beside its baselines", description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_parser = commands.add_parser(
+        "bench",
+        help="the fold's speed beside its baselines",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.main)
     args = parser.parse_args(argv)

@@ -213,7 +213,11 @@ class Demo:
         newcomer = self.admit(prompt=self.cfg.page_size + 4)
         assert newcomer.pages[0] == page
         reused = [s for s in victim.slots(self.cfg.page_size) if s // self.cfg.page_size == page]
-        self._expect("page freed while still read", step, ((victim.rid, s, l, h) for s in reused for l in range(self.cfg.layers) for h in HALVES))
+        self._expect(
+            "page freed while still read",
+            step,
+            ((victim.rid, s, layer, h) for s in reused for layer in range(self.cfg.layers) for h in HALVES),
+        )
 
     def block_table_points_elsewhere(self, step: int) -> None:
         """Two requests arrive; one's block table entry is overwritten with the other's page:
@@ -225,7 +229,7 @@ class Demo:
         read = [s for s in slots if s // page_size == other.pages[1]]
         read.append(slots[2 * page_size])  # the next position chains through the wrong page
         self._expect("block table pointing at another request's page", step,
-                     ((victim.rid, s, l, h) for s in read for l in range(self.cfg.layers) for h in HALVES))  # fmt: skip
+                     ((victim.rid, s, layer, h) for s in read for layer in range(self.cfg.layers) for h in HALVES))  # fmt: skip
 
     def flip_bit(self, step: int) -> None:
         """One bit of one V element of one slot flips (past the slot's first 16 bytes)."""
@@ -256,7 +260,11 @@ class Demo:
         pages = torch.tensor(victim.pages, device=self.device)
         host = self.cache.layers[layer][:, pages].cpu()  # offload [2, n, P, H, D]
         self.cache.layers[layer][:, pages] = host.flip(0).to(self.device)  # restore, halves swapped
-        self._expect("offload/restore with K and V swapped", step, ((victim.rid, s, layer, h) for s in victim.slots(self.cfg.page_size) for h in HALVES))
+        self._expect(
+            "offload/restore with K and V swapped",
+            step,
+            ((victim.rid, s, layer, h) for s in victim.slots(self.cfg.page_size) for h in HALVES),
+        )
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -278,9 +286,13 @@ class Demo:
 
     def report(self) -> int:
         cfg = self.cfg
-        print(f"paged KV cache: {cfg.layers} layers, {cfg.q_heads} query / {cfg.kv_heads} KV heads x {cfg.head_dim}, "
-              f"{str(cfg.dtype).removeprefix('torch.')}, pages of {cfg.page_size} slots, on {self.device}")
-        print(f"{len(self.requests)} requests, {self.steps} batched decode steps; every slot recorded after its write and verified before each read\n")
+        print(
+            f"paged KV cache: {cfg.layers} layers, {cfg.q_heads} query / {cfg.kv_heads} KV heads x {cfg.head_dim}, "
+            f"{str(cfg.dtype).removeprefix('torch.')}, pages of {cfg.page_size} slots, on {self.device}"
+        )
+        print(
+            f"{len(self.requests)} requests, {self.steps} batched decode steps; every slot recorded after its write and verified before each read\n"
+        )
         caught = {(c.rid, c.slot, c.layer, c.half) for c in self.catches if c.mode == "ALL"}
         partial = {(c.rid, c.slot, c.layer, c.half) for c in self.catches if c.mode == "PARTIAL"}
         unreported = []
@@ -288,7 +300,9 @@ class Demo:
             hits = sorted(expected & caught)
             first = [c for c in self.catches if c.mode == "ALL" and (c.rid, c.slot, c.layer, c.half) in expected]
             when = f"caught at step {min(c.step for c in first)}" if first else "NOT CAUGHT"
-            print(f"{bug} (injected before step {self.injected_at[bug]}): {when}, {len(hits)}/{len(expected)} flagged (request, slot, layer, half)")
+            print(
+                f"{bug} (injected before step {self.injected_at[bug]}): {when}, {len(hits)}/{len(expected)} flagged (request, slot, layer, half)"
+            )
             checks = FailReason(0)
             for c in first:
                 checks |= c.reasons
@@ -296,8 +310,10 @@ class Demo:
                 print(f"    caught by: {' + '.join(checks.labels)}")
             for rid in sorted({h[0] for h in hits}):
                 mine = [h for h in hits if h[0] == rid]
-                print(f"    request {rid}: slots {_ranges(h[1] for h in mine)}, layers {_ranges(h[2] for h in mine)}, "
-                      f"{' and '.join(sorted({h[3] for h in mine}))}")
+                print(
+                    f"    request {rid}: slots {_ranges(h[1] for h in mine)}, layers {_ranges(h[2] for h in mine)}, "
+                    f"{' and '.join(sorted({h[3] for h in mine}))}"
+                )
             missed = sorted(expected & caught - partial)
             if missed:
                 print(f"    PARTIAL (first 16 bytes) missed {len(missed)} of them: ALL caught what PARTIAL could not")
@@ -308,10 +324,12 @@ class Demo:
         overhead = self.canary_seconds / self.work_seconds if self.work_seconds else float("nan")
         print(f"\nfalse alarms: {len(false_alarms)}" + (f" {false_alarms[:5]}" if false_alarms else ""))
         calls = 2 * len(self.cache.canaries) * self.steps  # a verify and a record per canary and step
-        print(f"cost: canary {self.canary_seconds * 1e3:.1f} ms against {self.work_seconds * 1e3:.1f} ms of the steps' own work "
-              f"(attention over every layer and the writes of this toy model), {overhead:.0%}; "
-              f"{calls} canary calls ({len(self.cache.canaries)} canaries: ALL and PARTIAL per layer and half), "
-              f"{self.canary_seconds / calls * 1e6:.0f} us each")
+        print(
+            f"cost: canary {self.canary_seconds * 1e3:.1f} ms against {self.work_seconds * 1e3:.1f} ms of the steps' own work "
+            f"(attention over every layer and the writes of this toy model), {overhead:.0%}; "
+            f"{calls} canary calls ({len(self.cache.canaries)} canaries: ALL and PARTIAL per layer and half), "
+            f"{self.canary_seconds / calls * 1e6:.0f} us each"
+        )
         if unreported or false_alarms:
             print(f"FAILED: unreported bugs {unreported}, false alarms {len(false_alarms)}")
             return 1

@@ -23,9 +23,7 @@ def _views(*views: torch.Tensor, read_bytes: int) -> Sources:
 
 def sglang_mha(k_buffer: torch.Tensor, v_buffer: torch.Tensor, *, read_bytes: int = sys.maxsize) -> Sources:
     """One SGLang MHA layer: ``k_buffer`` and ``v_buffer`` are ``[num_slots, heads, head_dim]``."""
-    return make_row_source(layer_buffer=k_buffer, read_bytes=read_bytes) + make_row_source(
-        layer_buffer=v_buffer, read_bytes=read_bytes
-    )
+    return make_row_source(layer_buffer=k_buffer, read_bytes=read_bytes) + make_row_source(layer_buffer=v_buffer, read_bytes=read_bytes)
 
 
 def sglang_mla(kv_buffer: torch.Tensor, *, read_bytes: int = sys.maxsize) -> Sources:
@@ -183,7 +181,5 @@ def trtllm_block_pool(pool: torch.Tensor, *, read_bytes: int = sys.maxsize) -> S
     """A TensorRT-LLM style block pool ``[num_blocks, 2, heads, tokens_per_block, head_dim]``;
     slot = block * tokens_per_block + offset."""
     if pool.dim() != 5 or pool.shape[1] != 2:
-        raise ValueError(
-            f"kv-canary: a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim], got shape {tuple(pool.shape)}"
-        )
+        raise ValueError(f"kv-canary: a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim], got shape {tuple(pool.shape)}")
     return _views(pool[:, 0].permute(0, 2, 1, 3), pool[:, 1].permute(0, 2, 1, 3), read_bytes=read_bytes)

@@ -6,9 +6,7 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ImportError as error:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "kv-canary: the Prometheus export needs prometheus_client; pip install 'torch_kvcanary[prometheus]'"
-    ) from error
+    raise ImportError("kv-canary: the Prometheus export needs prometheus_client; pip install 'torch_kvcanary[prometheus]'") from error
 
 _HELP = {
     "record_calls": "KvCanary.record calls",

@@ -1,4 +1,4 @@
-"""``torch.ops.kvcanary.fold``: its library, its fake kernel and the `fold` shim."""
+"""The kvcanary ops' library, their fake kernels, and the `fold` shim."""
 
 from __future__ import annotations
 
@@ -7,49 +7,77 @@ from collections.abc import Iterable
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.kvcanary)
-from .sources import HashMode, RealKvSource, ViewSource, _as_mode, folded_bytes
+from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
-Source = RealKvSource | ViewSource
+Source = KvSource
+
+# Earlier private names, imported by other modules until they move to sources.py's.
+_as_sources = as_sources
+_active_sources = active_sources
+
+
+def _c10_dtype_name(dtype: torch.dtype) -> str:
+    """The name C++ prints for ``dtype`` ("Float", "Short", ...), as the kernels' messages say it."""
+    return torch.empty((), dtype=dtype, device="cpu").type().removeprefix("torch.").removesuffix("Tensor")
 
 
 @torch.library.register_fake("kvcanary::fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
-    # Mixed devices dispatch here when one of them is meta; the kernels check the rest.
+    # The checks of make_fold_plan (csrc/fold_plan.cpp) that need no data nor guards on
+    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {_c10_dtype_name(slots.dtype)}")
+    if len(sources) != len(read_bytes):
+        raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
     for index, view in enumerate(sources):
         if view.device != slots.device:
-            raise ValueError(
-                f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device"
-            )
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+        if view.dim() < 2:
+            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 
-def _as_sources(sources: Source | Iterable[Source]) -> list[Source]:
-    if isinstance(sources, (RealKvSource, ViewSource)):
-        return [sources]
-    sources = list(sources)
-    for source in sources:
-        if not isinstance(source, (RealKvSource, ViewSource)):
-            raise TypeError(
-                "kv-canary: sources must be RealKvSource or ViewSource objects (from make_row_source, "
-                f"make_packed_source or view_source), got {type(source).__name__}"
+def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
+    # The canary kernels' cheap checks (csrc/canary_plan.cpp): one value per slot, one
+    # device. Mixed devices dispatch here when one of them is meta.
+    for name, value in entries.items():
+        if value is not None and value.numel() != slots.numel():
+            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+    for table in tables:
+        if table.device != slots.device:
+            raise ValueError(
+                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
             )
-    return sources
+
+
+@torch.library.register_fake("kvcanary::record")
+def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
+
+
+@torch.library.register_fake("kvcanary::verify")
+def _verify_fake(
+    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
+):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
+    return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _integer_view(view: torch.Tensor) -> torch.Tensor:
+def integer_view(view: torch.Tensor) -> torch.Tensor:
     """The same bytes as an integer dtype of the same size: the op hashes bytes, and
     tools that inspect its inputs (opcheck, FakeTensor) need no float8 arithmetic."""
     dtype = _INTEGER_OF_SIZE.get(view.element_size(), view.dtype)
     return view if view.dtype == dtype else view.view(dtype)
-
-
-def _active_sources(sources: Source | Iterable[Source], mode: HashMode) -> list[Source]:
-    """The sources a fold in ``mode`` reads: none for OFF, else those with read_bytes > 0."""
-    sources = _as_sources(sources)
-    return [s for s in sources if s.read_bytes > 0] if mode is not HashMode.OFF else []
 
 
 def fold(
@@ -59,7 +87,8 @@ def fold(
     mode: HashMode = HashMode.ALL,
     check_bounds: bool = True,
 ) -> torch.Tensor:
-    """Fingerprint ``slots`` over ``sources`` (../shared/SPEC.md, "The fold of one slot").
+    """Fingerprint ``slots`` over ``sources``: SGLang's kv-canary fold, a splitmix64 chain
+    over each slot's leading bytes across the sources, in order.
 
     Args:
         sources: one source or a sequence of them, folded in order; sources whose
@@ -78,9 +107,9 @@ def fold(
     """
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
-    mode = _as_mode(mode)
-    active = _active_sources(sources, mode)
-    views = [_integer_view(s.as_view()) for s in active]
+    mode = as_mode(mode)
+    active = active_sources(sources, mode)
+    views = [integer_view(s.as_view()) for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
     # A CUDA range check synchronises with the host: never inside a compiled graph
     # (the CUDA kernel itself skips it while a graph is being captured).

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import Source, _active_sources
-from .sources import HashMode, _as_mode, folded_bytes, token_bytes
+from .sources import HashMode, KvSource, active_sources, as_mode, folded_bytes, token_bytes
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,18 +41,16 @@ def _token_words(view: torch.Tensor, slots: torch.Tensor, read_bytes: int) -> to
     return tokens[:, :read_bytes].contiguous().view(torch.int64)
 
 
-def reference_fold(
-    sources: Source | list[Source], slots: torch.Tensor, *, mode: HashMode = HashMode.ALL
-) -> torch.Tensor:
+def reference_fold(sources: KvSource | list[KvSource], slots: torch.Tensor, *, mode: HashMode = HashMode.ALL) -> torch.Tensor:
     """Same result as `torch_kvcanary.fold`, computed with eager torch ops."""
-    mode = _as_mode(mode)
+    mode = as_mode(mode)
     flat = slots.reshape(-1).long()
     acc = torch.zeros_like(flat)
-    active = _active_sources(sources, mode)
+    active = active_sources(sources, mode)
     if not active:
         return acc.view(slots.shape)
     views = [s.as_view() for s in active]
-    capacity = min(v.shape[0] * v.shape[1] for v in views)
+    capacity = min(s.capacity for s in active)
     too_big = flat >= capacity
     if bool(too_big.any()):
         raise IndexError(f"kv-canary: slot {int(flat[too_big][0])} is out of range for sources of capacity {capacity}")

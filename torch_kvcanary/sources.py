@@ -1,6 +1,6 @@
 """The upstream read_bytes contract and the sources a fold reads.
 
-A source says which bytes belong to a slot (../shared/SPEC.md, "Sources"):
+A source says which bytes belong to a slot:
 
 * `RealKvSource`, SGLang's row form: row ``s // page_size`` of a 2-D (or
   wider) tensor, bytes ``(s % page_size) * num_bytes_per_token`` onwards.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ class HashMode(enum.IntEnum):
 _MODES = frozenset(HashMode)
 
 
-def _as_mode(mode) -> HashMode:
+def as_mode(mode) -> HashMode:
+    """``mode`` as a HashMode; raises ValueError for anything else (bools included)."""
     if type(mode) is HashMode:
         return mode
     if isinstance(mode, bool) or mode not in _MODES:
@@ -46,7 +48,7 @@ def _as_mode(mode) -> HashMode:
 
 def resolve_read_bytes(mode: HashMode) -> int:
     """The read size a mode requests: OFF -> 0, PARTIAL -> 16, ALL -> sys.maxsize."""
-    mode = _as_mode(mode)
+    mode = as_mode(mode)
     if mode is HashMode.OFF:
         return 0
     if mode is HashMode.ALL:
@@ -54,14 +56,23 @@ def resolve_read_bytes(mode: HashMode) -> int:
     return _PARTIAL_READ_BYTES
 
 
+def read_bytes_in_mode(mode: HashMode, read_bytes: int) -> int:
+    """Leading bytes of each slot that a fold in ``mode`` reads from a source whose
+    read_bytes is ``read_bytes``: 0 for OFF, 16 for PARTIAL, read_bytes for ALL."""
+    mode = as_mode(mode)
+    if mode is HashMode.OFF:
+        return 0
+    return _PARTIAL_READ_BYTES if mode is HashMode.PARTIAL else read_bytes
+
+
 def _check_int(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"kv-canary: {name} must be an int, got {type(value).__name__}")
 
 
-def folded_bytes(source: RealKvSource | ViewSource, mode: HashMode) -> int:
-    """Leading bytes of each slot of ``source`` that a fold in ``mode`` reads (the SPEC's n)."""
-    return _PARTIAL_READ_BYTES if mode is HashMode.PARTIAL else source.read_bytes
+def folded_bytes(source: KvSource, mode: HashMode) -> int:
+    """Leading bytes of each slot of ``source`` that a fold in ``mode`` reads."""
+    return read_bytes_in_mode(mode, source.read_bytes)
 
 
 def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
@@ -74,10 +85,7 @@ def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
     _check_int(requested, "read_bytes")
     _check_int(num_bytes_per_token, "num_bytes_per_token")
     if num_bytes_per_token <= 0 or num_bytes_per_token % READ_ALIGN != 0:
-        raise ValueError(
-            f"kv-canary: num_bytes_per_token must be a positive multiple of {READ_ALIGN}, "
-            f"got {num_bytes_per_token}"
-        )
+        raise ValueError(f"kv-canary: num_bytes_per_token must be a positive multiple of {READ_ALIGN}, got {num_bytes_per_token}")
     if requested == 0:
         return 0
     if requested == sys.maxsize:
@@ -85,10 +93,7 @@ def clip_read_bytes(*, requested: int, num_bytes_per_token: int) -> int:
     if requested < 0:
         raise ValueError(f"kv-canary: read_bytes must be non-negative, got {requested}")
     if requested > num_bytes_per_token:
-        raise ValueError(
-            f"kv-canary: read_bytes must be <= num_bytes_per_token ({num_bytes_per_token}), "
-            f"got {requested}"
-        )
+        raise ValueError(f"kv-canary: read_bytes must be <= num_bytes_per_token ({num_bytes_per_token}), got {requested}")
     if requested % READ_ALIGN != 0:
         raise ValueError(f"kv-canary: read_bytes must be a multiple of {READ_ALIGN}, got {requested}")
     return requested
@@ -101,8 +106,28 @@ def _check_strided(tensor, what: str) -> None:
         raise ValueError(f"kv-canary: {what} must be a strided (dense) tensor, got {tensor.layout}")
 
 
+class KvSource:
+    """What every source is: the view form of its bytes, ``[num_pages, page_size,
+    *token_shape]`` (`as_view`), and ``read_bytes``, the leading bytes of each token folded."""
+
+    read_bytes: int
+
+    def as_view(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the source: num_pages * page_size."""
+        view = self.as_view()
+        return view.shape[0] * view.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.as_view().device
+
+
 @dataclass(frozen=True, kw_only=True)
-class RealKvSource:
+class RealKvSource(KvSource):
     """SGLang's row form: slot ``s`` is ``num_bytes_per_token`` bytes of row ``s // page_size``,
     starting at byte ``(s % page_size) * num_bytes_per_token``; ``read_bytes`` of them are folded.
 
@@ -122,8 +147,7 @@ class RealKvSource:
             raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
         if self.num_bytes_per_token <= 0 or self.num_bytes_per_token % READ_ALIGN != 0:
             raise ValueError(
-                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of "
-                f"{READ_ALIGN}, got {self.num_bytes_per_token}"
+                f"kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of {READ_ALIGN}, got {self.num_bytes_per_token}"
             )
         if not (0 < self.read_bytes <= self.num_bytes_per_token and self.read_bytes % READ_ALIGN == 0):
             raise ValueError(
@@ -170,7 +194,7 @@ class RealKvSource:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ViewSource:
+class ViewSource(KvSource):
     """The view form: slot ``s`` is ``view[s // page_size, s % page_size]`` of a view
     ``[num_pages, page_size, *token_shape]``; its first ``read_bytes`` bytes are folded
     (0 leaves the source out). Build it with `view_source`."""
@@ -180,6 +204,30 @@ class ViewSource:
 
     def as_view(self) -> torch.Tensor:
         return self.view
+
+
+def as_sources(sources: KvSource | Iterable[KvSource]) -> list[KvSource]:
+    """One source or an iterable of them, as a list; raises TypeError for anything else."""
+    if isinstance(sources, KvSource):
+        return [sources]
+    sources = list(sources)
+    for source in sources:
+        if not isinstance(source, KvSource):
+            raise TypeError(
+                "kv-canary: sources must be RealKvSource or ViewSource objects (from make_row_source, "
+                f"make_packed_source or view_source), got {type(source).__name__}"
+            )
+    return sources
+
+
+def active_sources(sources: KvSource | Iterable[KvSource], mode: HashMode) -> list[KvSource]:
+    """The sources a fold in ``mode`` reads: none for OFF, else those with read_bytes > 0."""
+    sources = as_sources(sources)
+    return [s for s in sources if s.read_bytes > 0] if mode is not HashMode.OFF else []
+
+
+# Earlier private names, imported by other modules until they move to the names above.
+_as_mode = as_mode
 
 
 def token_bytes(view: torch.Tensor) -> int:
@@ -192,12 +240,14 @@ def view_source(view: torch.Tensor, *, read_bytes: int) -> ViewSource:
 
     ``read_bytes`` is clipped against the token's byte size (`clip_read_bytes`). Strides
     and alignment are checked when the source is folded.
+
+    It returns one source, like the `RealKvSource` constructor, where `make_row_source` and
+    `make_packed_source` keep upstream's contract of a tuple (empty when nothing is read): a
+    ViewSource whose read_bytes is 0 is simply left out of a fold.
     """
     _check_strided(view, "view_source's view")
     if view.dim() < 2:
-        raise ValueError(
-            f"kv-canary: view_source needs a view [num_pages, page_size, *token_shape], got shape {tuple(view.shape)}"
-        )
+        raise ValueError(f"kv-canary: view_source needs a view [num_pages, page_size, *token_shape], got shape {tuple(view.shape)}")
     clipped = clip_read_bytes(requested=read_bytes, num_bytes_per_token=token_bytes(view))
     return ViewSource(view=view, read_bytes=clipped)
 
@@ -231,9 +281,7 @@ def make_row_source(*, layer_buffer: torch.Tensor, read_bytes: int) -> tuple[Rea
     return _row_source(rows, 1, math.prod(rows.shape[1:]) * rows.element_size(), read_bytes)
 
 
-def make_packed_source(
-    *, page_buffer: torch.Tensor, page_size: int, bytes_per_token: int, read_bytes: int
-) -> tuple[RealKvSource, ...]:
+def make_packed_source(*, page_buffer: torch.Tensor, page_size: int, bytes_per_token: int, read_bytes: int) -> tuple[RealKvSource, ...]:
     """``page_size`` tokens of ``bytes_per_token`` bytes per row of ``page_buffer``
     (dim 0 indexes pages; a 1-D buffer is one row).
 

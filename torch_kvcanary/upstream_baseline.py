@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from functools import cache
@@ -20,13 +19,15 @@ from pathlib import Path
 
 import torch
 
+from .cuda_toolkit import find_nvcc
+
 MAX_POOLS = 8
 
 _CUDA_SOURCE = r"""
 #include <cuda_runtime.h>
 
 namespace {
-constexpr int kMaxPools = %(max_pools)d;
+constexpr int kMaxPools = @MAX_POOLS@;
 struct Rows {
   const unsigned char* data[kMaxPools];
   long long stride[kMaxPools];
@@ -76,15 +77,7 @@ extern "C" int upstream_fold_launch(const void* const* data, const long long* st
   upstream_fold<<<64, 512, 0, static_cast<cudaStream_t>(stream)>>>(rows, slots, n, out);
   return cudaGetLastError();
 }
-""" % {"max_pools": MAX_POOLS}
-
-
-def find_nvcc() -> str | None:
-    """nvcc from CUDA_HOME (or CUDA_PATH) when set, else the one on PATH."""
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if home and Path(home, "bin", "nvcc").is_file():
-            return str(Path(home, "bin", "nvcc"))
-    return shutil.which("nvcc")
+""".replace("@MAX_POOLS@", str(MAX_POOLS))
 
 
 def build_library(arch: str) -> Path:
@@ -92,7 +85,7 @@ def build_library(arch: str) -> Path:
     architecture into the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
     nvcc = find_nvcc()
     if nvcc is None:
-        raise RuntimeError("kv-canary: the upstream baseline needs nvcc: put it on PATH or set CUDA_HOME")
+        raise RuntimeError("kv-canary: the upstream baseline needs a CUDA toolkit: put its nvcc on PATH or set CUDA_HOME")
     digest = hashlib.sha256(_CUDA_SOURCE.encode()).hexdigest()[:16]
     folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch_kvcanary")
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,7 +95,17 @@ def build_library(arch: str) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         source, partial = Path(scratch, "upstream_fold.cu"), Path(scratch, library.name)
         source.write_text(_CUDA_SOURCE)
-        command = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial), str(source)]
+        command = [
+            str(nvcc),
+            "-O3",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            "-o",
+            str(partial),
+            str(source),
+        ]
         proc = subprocess.run(command, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"kv-canary: nvcc could not build the upstream baseline:\n{proc.stderr[-2000:]}")
@@ -115,8 +118,14 @@ def _load(arch: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(arch)))
     lib.upstream_fold_launch.restype = ctypes.c_int
     lib.upstream_fold_launch.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_longlong,
-        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_longlong),
+        ctypes.c_int,
+        ctypes.c_longlong,
+        ctypes.c_void_p,
+        ctypes.c_longlong,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
     ]
     return lib
 

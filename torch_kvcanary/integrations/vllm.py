@@ -159,7 +159,9 @@ class WorkerCanary:
         self.runner = runner
         self.policy = chosen.policy
         if runner.uses_mrope:
-            raise ValueError(f"kv-canary: the vLLM plugin does not watch M-RoPE models (positions are 3-D): unset {POLICY_ENV} to serve them")
+            raise ValueError(
+                f"kv-canary: the vLLM plugin does not watch M-RoPE models (positions are 3-D): unset {POLICY_ENV} to serve them"
+            )
         group = _attention_group(runner)
         self.layer_names = _in_layer_order(group.layer_names)
         context = runner.compilation_config.static_forward_context
@@ -188,7 +190,10 @@ class WorkerCanary:
         self._batch: _Batch | None = None
         logger.info(
             "kv-canary: watching %d vLLM layers (%d slots, %s) in mode %s",
-            len(self.kv_caches), self.canary.capacity, getattr(layout, "name", layout), chosen.mode.name,
+            len(self.kv_caches),
+            self.canary.capacity,
+            getattr(layout, "name", layout),
+            chosen.mode.name,
         )
 
     # The step -----------------------------------------------------------------------
