@@ -27,8 +27,17 @@ CPU_SOURCES = (
     "csrc/fold_cpu_avx512.cpp",
     "csrc/canary_plan.cpp",
     "csrc/canary_cpu.cpp",
+    "csrc/digest_plan.cpp",
+    "csrc/digest_cpu.cpp",
 )
-CUDA_SOURCES = ("csrc/fold_cuda.cpp", "csrc/fold_cuda_kernel.cu", "csrc/canary_cuda.cpp", "csrc/canary_cuda_kernel.cu")
+CUDA_SOURCES = (
+    "csrc/fold_cuda.cpp",
+    "csrc/fold_cuda_kernel.cu",
+    "csrc/canary_cuda.cpp",
+    "csrc/canary_cuda_kernel.cu",
+    "csrc/digest_cuda.cpp",
+    "csrc/digest_cuda_kernel.cu",
+)
 LIMITED_API = "cp310"  # the wheel's abi3 tag; Py_LIMITED_API below says the same
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The

@@ -20,12 +20,11 @@ struct CpuTables {
   int64_t* records;
   int64_t* owner_tags;
   int64_t* counters;
-  int64_t capacity;
 };
 
 CpuTables tables_of(at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters) {
   return {records.mutable_data_ptr<int64_t>(), owner_tags.mutable_data_ptr<int64_t>(),
-          counters.mutable_data_ptr<int64_t>(), records.size(0)};
+          counters.mutable_data_ptr<int64_t>()};
 }
 
 // Appends a violation row (fill-once: rows past the ring's capacity are
@@ -70,20 +69,43 @@ void check_ranges(const EntryPlan& entries, int64_t capacity) {
   }
 }
 
+// What record and verify start from: every argument checked (a refused call
+// has written nothing yet) and every entry's fold.
+struct CpuCall {
+  EntryPlan entries;
+  int64_t capacity;
+  std::vector<int64_t> folds;
+};
+
+CpuCall prepare_call(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
+                     const std::optional<at::Tensor>& positions,
+                     const std::optional<at::Tensor>& tokens,
+                     const std::optional<at::Tensor>& prev_slots,
+                     const std::optional<at::Tensor>& tags, const at::Tensor& records,
+                     const at::Tensor& owner_tags, const at::Tensor& counters,
+                     const at::Tensor& ring, bool check_bounds) {
+  const FoldPlan fold_plan = make_fold_plan(sources, slots, read_bytes);
+  CpuCall call;
+  call.capacity =
+      check_canary_tables(records, owner_tags, counters, &ring, slots, fold_plan.capacity);
+  call.entries = make_entry_plan(slots, positions, tokens, prev_slots, tags);
+  if (check_bounds) {
+    check_ranges(call.entries, call.capacity);
+  }
+  call.folds = fold_entries(fold_plan, call.entries.slots);
+  return call;
+}
+
 void record_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
                 const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& tokens,
                 const std::optional<at::Tensor>& prev_slots, const std::optional<at::Tensor>& tags,
                 at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
                 bool check_bounds) {
-  const FoldPlan fold_plan = make_fold_plan(sources, slots, read_bytes);
-  const int64_t capacity =
-      check_canary_tables(records, owner_tags, counters, &ring, slots, fold_plan.capacity);
-  const EntryPlan entries = make_entry_plan(slots, positions, tokens, prev_slots, tags);
-  if (check_bounds) {
-    check_ranges(entries, capacity);
-  }
-  const std::vector<int64_t> folds = fold_entries(fold_plan, entries.slots);
-  const EntryInputs& in = entries.inputs;
+  const CpuCall call = prepare_call(sources, read_bytes, slots, positions, tokens, prev_slots, tags,
+                                    records, owner_tags, counters, ring, check_bounds);
+  const EntryInputs& in = call.entries.inputs;
+  const int64_t capacity = call.capacity;
+  const std::vector<int64_t>& folds = call.folds;
   const CpuTables t = tables_of(records, owner_tags, counters);
   int64_t* ring_rows = ring.mutable_data_ptr<int64_t>();
   int64_t recorded = 0;
@@ -121,15 +143,11 @@ at::Tensor verify_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const 
                       const std::optional<at::Tensor>& tags, const at::Tensor& records,
                       const at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
                       int64_t padding_slot, bool check_bounds) {
-  const FoldPlan fold_plan = make_fold_plan(sources, slots, read_bytes);
-  const int64_t capacity =
-      check_canary_tables(records, owner_tags, counters, &ring, slots, fold_plan.capacity);
-  const EntryPlan entries = make_entry_plan(slots, positions, tokens, prev_slots, tags);
-  if (check_bounds) {
-    check_ranges(entries, capacity);
-  }
-  const std::vector<int64_t> folds = fold_entries(fold_plan, entries.slots);
-  const EntryInputs& in = entries.inputs;
+  const CpuCall call = prepare_call(sources, read_bytes, slots, positions, tokens, prev_slots, tags,
+                                    records, owner_tags, counters, ring, check_bounds);
+  const EntryInputs& in = call.entries.inputs;
+  const int64_t capacity = call.capacity;
+  const std::vector<int64_t>& folds = call.folds;
   const int64_t* table = records.const_data_ptr<int64_t>();
   const int64_t* owners = owner_tags.const_data_ptr<int64_t>();
   at::Tensor flagged = at::empty(slots.sizes(), slots.options().dtype(at::kBool));

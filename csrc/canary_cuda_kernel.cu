@@ -46,9 +46,9 @@ __device__ void write_run_chain(const CanaryLaunchArgs& a, int64_t first) {
   a.records[entry_slot(a.inputs, first) * kRecordFields + kChain] = chain;
   for (int64_t j = first + 1; j < a.inputs.num_entries && recordable(a, j) && continues_run(a, j);
        ++j) {
-    chain = static_cast<int64_t>(mix3(static_cast<uint64_t>(chain),
-                                      static_cast<uint64_t>(entry_token(a.inputs, j - 1)),
-                                      static_cast<uint64_t>(entry_position(a.inputs, j - 1))));
+    chain = static_cast<int64_t>(mix3<uint64_t>(
+        static_cast<uint64_t>(chain), static_cast<uint64_t>(entry_token(a.inputs, j - 1)),
+        static_cast<uint64_t>(entry_position(a.inputs, j - 1))));
     a.records[entry_slot(a.inputs, j) * kRecordFields + kChain] = chain;
   }
 }
@@ -61,29 +61,45 @@ __device__ __forceinline__ void count_warp(int64_t* counter, bool flag) {
   }
 }
 
-// The fold of entry i's slot (0 where not live). Every lane must call it.
-__device__ __forceinline__ int64_t fold_entry(const CanaryLaunchArgs& a, int64_t i, bool in_batch,
-                                              ulonglong2* tile) {
-  const int64_t s = in_batch ? entry_slot(a.inputs, i) : -1;
-  const bool live = s >= 0 && s < a.capacity;
-  const uint64_t start = live && a.fold.continue_chain ? static_cast<uint64_t>(a.fold.out[i]) : 0;
-  return static_cast<int64_t>(
-      fold_lane_slot(a.fold.sources, a.fold.num_sources, s, live, tile, start));
+// One thread's entry: its index, whether it is in the batch, its slot (-1
+// past the batch) and the fold of that slot (0 where not live).
+struct ThreadEntry {
+  int64_t i;
+  bool in_batch;
+  int64_t slot;
+  int64_t fold;
+};
+
+// What every canary kernel starts with: thread 0 counts the call, and each
+// thread folds its entry's slot (every lane of a warp must take part).
+// Returns false for a warp wholly past the batch, which then returns.
+__device__ __forceinline__ bool start_entry(const CanaryLaunchArgs& a, Counter calls,
+                                            ulonglong2* tile, ThreadEntry& e) {
+  const int lane = threadIdx.x % kWarpSize;
+  e.i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
+  if (e.i == 0) {
+    atomicAdd(as_counter(a.counters + calls), 1ull);
+  }
+  if (e.i - lane >= a.inputs.num_entries) {
+    return false;
+  }
+  e.in_batch = e.i < a.inputs.num_entries;
+  e.slot = e.in_batch ? entry_slot(a.inputs, e.i) : -1;
+  const bool live = e.slot >= 0 && e.slot < a.capacity;
+  const uint64_t start = live && a.fold.continue_chain ? static_cast<uint64_t>(a.fold.out[e.i]) : 0;
+  e.fold = static_cast<int64_t>(
+      fold_lane_slot(a.fold.sources, a.fold.num_sources, e.slot, live, tile, start));
+  return true;
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const CanaryLaunchArgs a) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  if (i == 0) {
-    atomicAdd(as_counter(a.counters + kRecordCalls), 1ull);
+  ThreadEntry e;
+  if (!start_entry(a, kRecordCalls, tiles[threadIdx.x / kWarpSize], e)) {
+    return;
   }
-  if (i - lane >= a.inputs.num_entries) {
-    return;  // the whole warp is past the batch
-  }
-  const bool in_batch = i < a.inputs.num_entries;
-  const int64_t fold = fold_entry(a, i, in_batch, tiles[threadIdx.x / kWarpSize]);
-  const int64_t s = in_batch ? entry_slot(a.inputs, i) : -1;
+  const int64_t i = e.i, s = e.slot, fold = e.fold;
+  const bool in_batch = e.in_batch;
   const bool recorded = in_batch && recordable(a, i);
   if (recorded) {
     int64_t* record = a.records + s * kRecordFields;
@@ -104,17 +120,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const CanaryLa
 
 __global__ void __launch_bounds__(kThreadsPerBlock) verify_kernel(const CanaryLaunchArgs a) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  if (i == 0) {
-    atomicAdd(as_counter(a.counters + kVerifyCalls), 1ull);
+  ThreadEntry e;
+  if (!start_entry(a, kVerifyCalls, tiles[threadIdx.x / kWarpSize], e)) {
+    return;
   }
-  if (i - lane >= a.inputs.num_entries) {
-    return;  // the whole warp is past the batch
-  }
-  const bool in_batch = i < a.inputs.num_entries;
-  const int64_t fold = fold_entry(a, i, in_batch, tiles[threadIdx.x / kWarpSize]);
-  const int64_t s = in_batch ? entry_slot(a.inputs, i) : -1;
+  const int64_t i = e.i, s = e.slot, fold = e.fold;
+  const bool in_batch = e.in_batch;
   const bool checked = s >= 0 && s != a.padding_slot;
   bool flagged = false;
   if (checked) {

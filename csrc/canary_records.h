@@ -64,15 +64,11 @@ constexpr const char* kCounterNames[kNumCounters] = {
 // splitmix64(0xC0FFEE1234567890): the link of a request's first position.
 constexpr uint64_t kChainAnchor = 0xDE7FAE23A9A1B716ull;
 
-KVC_HOST_DEVICE uint64_t mix3(uint64_t a, uint64_t b, uint64_t c) {
-  return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c);
-}
-
 // The link a slot's successor stores as its chain.
 KVC_HOST_DEVICE int64_t link_of(const int64_t* record) {
-  return static_cast<int64_t>(mix3(static_cast<uint64_t>(record[kChain]),
-                                   static_cast<uint64_t>(record[kToken]),
-                                   static_cast<uint64_t>(record[kPosition])));
+  return static_cast<int64_t>(mix3<uint64_t>(static_cast<uint64_t>(record[kChain]),
+                                             static_cast<uint64_t>(record[kToken]),
+                                             static_cast<uint64_t>(record[kPosition])));
 }
 
 // link(p) over a records table [capacity, kRecordFields]; p < 0 is a first

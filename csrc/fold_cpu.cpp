@@ -31,6 +31,8 @@ CpuIsa best_cpu_isa() {
   return CpuIsa::kScalar;
 }
 
+}  // namespace
+
 // The best path this CPU has, or the one KVCANARY_CPU_ISA names (tests force
 // each path that way; a path the CPU lacks is refused).
 CpuIsa selected_cpu_isa() {
@@ -48,6 +50,8 @@ CpuIsa selected_cpu_isa() {
                     " is not a path this CPU can run; use one of scalar..",
                     kCpuIsaNames[static_cast<int>(best)], " or unset it");
 }
+
+namespace {
 
 void fold_task(CpuIsa isa, const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
   switch (isa) {

@@ -11,6 +11,7 @@
 #pragma GCC target("avx2")
 #endif
 
+#include "digest_cpu_lanes.h"
 #include "fold_cpu_lanes.h"
 
 namespace kvcanary {
@@ -55,6 +56,9 @@ struct Avx2Lanes {
   static void store(int64_t* out, Vec v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v.v);
   }
+  static Vec load(const int64_t* in) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in))};
+  }
 };
 
 }  // namespace
@@ -62,6 +66,8 @@ struct Avx2Lanes {
 void fold_task_avx2(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
   LaneFold<Avx2Lanes, 4>::fold_task(work, task, next);
 }
+
+void digest_range_avx2(const CpuDigestRange& range) { LaneDigest<Avx2Lanes, 4>::run(range); }
 
 }  // namespace kvcanary
 

@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#include "digest_cpu_lanes.h"
 #include "fold_cpu_lanes.h"
 
 namespace kvcanary {
@@ -77,6 +78,7 @@ struct Avx512Lanes {
     }
   }
   static void store(int64_t* out, Vec v) { _mm512_storeu_si512(out, v.v); }
+  static Vec load(const int64_t* in) { return {_mm512_loadu_si512(in)}; }
 };
 
 }  // namespace
@@ -84,6 +86,8 @@ struct Avx512Lanes {
 void fold_task_avx512(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
   LaneFold<Avx512Lanes, 8>::fold_task(work, task, next);
 }
+
+void digest_range_avx512(const CpuDigestRange& range) { LaneDigest<Avx512Lanes, 8>::run(range); }
 
 }  // namespace kvcanary
 

@@ -1,6 +1,8 @@
-// The portable CPU path: plain 64-bit arithmetic, eight slots in flight.
+// The portable CPU path: plain 64-bit arithmetic, eight slots (or digest units)
+// in flight.
 #include <cstring>
 
+#include "digest_cpu_lanes.h"
 #include "fold_cpu_lanes.h"
 
 namespace kvcanary {
@@ -17,6 +19,7 @@ struct ScalarLanes {
     std::memcpy(hi, tokens[0] + offset + 8, 8);
   }
   static void store(int64_t* out, Vec v) { *out = static_cast<int64_t>(v); }
+  static Vec load(const int64_t* in) { return static_cast<uint64_t>(*in); }
 };
 
 }  // namespace
@@ -24,5 +27,7 @@ struct ScalarLanes {
 void fold_task_scalar(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
   LaneFold<ScalarLanes, 8>::fold_task(work, task, next);
 }
+
+void digest_range_scalar(const CpuDigestRange& range) { LaneDigest<ScalarLanes, 8>::run(range); }
 
 }  // namespace kvcanary

@@ -37,6 +37,13 @@ KVC_HOST_DEVICE Word splitmix64(Word x) {
   return x ^ (x >> 31);
 }
 
+// SPEC's mix3(a, b, c) = splitmix64(splitmix64(splitmix64(a) ^ b) ^ c): keys a
+// hash by two more values (a digest term: unit id, position, unit fold).
+template <typename Word>
+KVC_HOST_DEVICE Word mix3(Word a, Word b, Word c) {
+  return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c);
+}
+
 // One 16-byte chunk = two little-endian words, folded in order.
 template <typename Word>
 KVC_HOST_DEVICE Word fold_chunk(Word h, Word lo, Word hi) {

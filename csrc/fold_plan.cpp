@@ -9,26 +9,6 @@ namespace {
 
 bool is_aligned(int64_t bytes) { return bytes % kReadAlign == 0; }
 
-// Token dims of `view` (dims 2..) as (size, byte stride) pairs with size-1
-// dims dropped and contiguous neighbours merged, innermost last.
-std::vector<std::pair<int64_t, int64_t>> coalesced_token_dims(const at::Tensor& view) {
-  const int64_t itemsize = static_cast<int64_t>(view.element_size());
-  std::vector<std::pair<int64_t, int64_t>> dims;
-  for (int64_t d = 2; d < view.dim(); ++d) {
-    const int64_t size = view.size(d);
-    const int64_t stride = view.stride(d) * itemsize;
-    if (size == 1) {
-      continue;
-    }
-    if (!dims.empty() && dims.back().second == size * stride) {
-      dims.back() = {dims.back().first * size, stride};
-    } else {
-      dims.emplace_back(size, stride);
-    }
-  }
-  return dims;
-}
-
 SourceLayout layout_source(const at::Tensor& view, int64_t index, int64_t read_bytes) {
   TORCH_CHECK_VALUE(view.dim() >= 2, "kv-canary: source ", index,
                     " must be a view [num_pages, page_size, *token_shape], got "
@@ -53,7 +33,7 @@ SourceLayout layout_source(const at::Tensor& view, int64_t index, int64_t read_b
   layout.slot_stride = view.stride(1) * itemsize;
   layout.read_bytes = read_bytes;
 
-  auto dims = coalesced_token_dims(view);
+  auto dims = coalesced_dims(view, 2);
   if (dims.empty()) {  // a token of one element (a 16-byte dtype)
     dims.emplace_back(1, itemsize);
   }
@@ -102,6 +82,24 @@ SourceLayout layout_source(const at::Tensor& view, int64_t index, int64_t read_b
 }
 
 }  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> coalesced_dims(const at::Tensor& view, int64_t first_dim) {
+  const int64_t itemsize = static_cast<int64_t>(view.element_size());
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = first_dim; d < view.dim(); ++d) {
+    const int64_t size = view.size(d);
+    const int64_t stride = view.stride(d) * itemsize;
+    if (size == 1) {
+      continue;
+    }
+    if (!dims.empty() && dims.back().second == size * stride) {
+      dims.back() = {dims.back().first * size, stride};
+    } else {
+      dims.emplace_back(size, stride);
+    }
+  }
+  return dims;
+}
 
 FoldPlan make_fold_plan(at::TensorList sources, const at::Tensor& slots,
                         at::IntArrayRef read_bytes) {

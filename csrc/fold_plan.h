@@ -17,6 +17,11 @@ struct FoldPlan {
   int64_t capacity = -1;
 };
 
+// Dims [first_dim, view.dim()) of `view` as (size, byte stride) pairs with
+// size-1 dims dropped and contiguous neighbours merged, innermost last: a
+// token's dims for the fold (first_dim 2), a unit's for the digest (3).
+std::vector<std::pair<int64_t, int64_t>> coalesced_dims(const at::Tensor& view, int64_t first_dim);
+
 // Checks the op's arguments (see the schema in ops.cpp) and lays out each
 // source. Never copies a source.
 FoldPlan make_fold_plan(at::TensorList sources, const at::Tensor& slots,

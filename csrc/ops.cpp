@@ -1,5 +1,6 @@
 // The kvcanary operator library: the schema lives here, once; each backend
-// registers its kernel in its own file (fold_cpu.cpp, fold_cuda.cpp).
+// registers its kernel in its own file (fold_cpu.cpp, fold_cuda.cpp,
+// digest_cpu.cpp, digest_cuda.cpp).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -55,6 +56,18 @@ TORCH_LIBRARY(kvcanary, m) {
       "int padding_slot=-1, bool check_bounds=True) -> Tensor");
   // The names of the canary's counters, in the order of its counters tensor.
   m.def("canary_counters() -> str[]");
+  // digest(views, slots, positions, groups, unit_offsets, num_groups,
+  // check_bounds) -> int64 [num_groups] (SPEC "Digest"). views[j] is
+  // [num_pages, page_size, units, *unit_shape] of any dtype, its unit k having
+  // the global id unit_offsets[j] + k; entry i (slots, positions and groups
+  // of one shape; groups None: all 0) with slots[i] >= 0 adds
+  // mix3(id, positions[i], unit fold) of every unit to out[groups[i]],
+  // wrapping. Slots past the smallest capacity and groups outside
+  // [0, num_groups) raise IndexError when check_bounds (CPU, or eager CUDA)
+  // and add nothing otherwise.
+  m.def(
+      "digest(Tensor[] views, Tensor slots, Tensor positions, Tensor? groups, "
+      "int[] unit_offsets, SymInt num_groups, bool check_bounds=True) -> Tensor");
   // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
   // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
   m.def("cpu_isa() -> str");

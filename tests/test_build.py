@@ -89,7 +89,11 @@ def test_cpu_path_shares_no_code_with_other_units(path, tmp_path):
     # An instruction-set unit compiles every function it defines for its instruction set; a
     # weak (inline, template) or other external definition there could be the copy the linker
     # keeps for every unit, and run AVX-512 code on a CPU without it. At -O0 nothing is inlined
-    # away, so every such definition shows: the unit must export its entry point and nothing else.
+    # away, so every such definition shows: the unit must export its entry points (the fold's and
+    # the digest's) and nothing else.
     symbols = _defined_symbols(os.environ.get("CXX", "c++"), REPO / "csrc" / f"fold_cpu_{path}.cpp", tmp_path / f"{path}.o")
     external = [name for kind, name in symbols if kind.isupper() or kind in "uvw"]
-    assert external == [f"kvcanary::fold_task_{path}(kvcanary::CpuFoldWork const&, kvcanary::SlotSpan, kvcanary::SlotSpan)"], external
+    assert sorted(external) == [
+        f"kvcanary::digest_range_{path}(kvcanary::CpuDigestRange const&)",
+        f"kvcanary::fold_task_{path}(kvcanary::CpuFoldWork const&, kvcanary::SlotSpan, kvcanary::SlotSpan)",
+    ], external

@@ -2,13 +2,16 @@
 
 The core is ``torch.ops.kvcanary.fold``, SGLang's kv-canary fold (a splitmix64
 chain over each slot's leading bytes across one or more sources) as a PyTorch
-custom op; `fold` is its Python entry point.
+custom op; `fold` is its Python entry point. ``torch.ops.kvcanary.digest`` (`kv_digest`)
+gives one value per request or chunk of KV moved between machines, the same however each
+side shards and pages the cache; `verify_transfer` compares them.
 """
 
 from importlib.metadata import version as _version
 
-from . import layouts
+from . import digest, layouts
 from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
+from .digest import kv_digest
 from .ops import fold
 from .reference import reference_fold
 from .sources import (
@@ -23,6 +26,7 @@ from .sources import (
     resolve_read_bytes,
     view_source,
 )
+from .transfer import KvTransferError, TransferCheck, verify_transfer
 
 __version__ = _version("torch_kvcanary")
 
@@ -33,16 +37,21 @@ __all__ = [
     "KvCanary",
     "KvCorruptionError",
     "KvSource",
+    "KvTransferError",
     "RealKvSource",
+    "TransferCheck",
     "ViewSource",
     "Violation",
     "ViolationKind",
     "clip_read_bytes",
+    "digest",
     "fold",
+    "kv_digest",
     "layouts",
     "make_packed_source",
     "make_row_source",
     "reference_fold",
     "resolve_read_bytes",
+    "verify_transfer",
     "view_source",
 ]

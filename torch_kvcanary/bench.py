@@ -348,12 +348,113 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path)
 
 
+@dataclass(frozen=True)
+class DigestCase:
+    """A paged cache of ``views`` layer halves ``[blocks, 16, heads, head_dim]`` and ``num_slots``
+    slots (tokens) in random order: the digest reads each slot's units of every view, the
+    fold the same bytes as one token per view."""
+
+    name: str
+    views: int
+    heads: int
+    head_dim: int
+    dtype: str
+    num_slots: int
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def bytes(self) -> int:
+        return self.num_slots * self.views * self.heads * self.unit_bytes
+
+
+_DIGEST_ROUNDS = 3
+
+
+def digest_cases(quick: bool) -> list[DigestCase]:
+    """The issue's request (2048 tokens of a 32-layer, 8-KV-head, 128-dim bf16 cache: 64 K/V
+    views) and one view of 64 Ki random slots with bf16 and fp8 units."""
+    n = 4096 if quick else 1 << 16
+    return [
+        DigestCase("request 2048 tok x 32 layers", 8 if quick else 64, 8, 128, "bfloat16", 256 if quick else 2048),
+        DigestCase("bf16 units of 256 B", 1, 8, 128, "bfloat16", n),
+        DigestCase("fp8 units of 64 B", 1, 8, 64, "float8_e4m3fn", n),
+    ]
+
+
+def digest_beside_fold(case: DigestCase, device: str, min_run_time: float) -> dict:
+    """The digest's and the fold's byte rates over the same slots and bytes, and on CUDA a
+    device copy of as many bytes (its rate counts bytes read plus written, as the fold's
+    stream baseline does)."""
+    from .digest import kv_digest
+
+    gen = torch.Generator().manual_seed(0)
+    page = 16
+    blocks = -(-case.num_slots // page) + 8  # the request's pages and a few more
+    dtype = getattr(torch, case.dtype)
+    shape = (blocks, page, case.heads, case.unit_bytes)
+    views = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device).view(dtype) for _ in range(case.views)]
+    pages = torch.randperm(blocks, generator=gen)[: -(-case.num_slots // page)]
+    slots = (pages.repeat_interleave(page) * page + torch.arange(page).repeat(len(pages)))[: case.num_slots]
+    slots = slots[torch.randperm(case.num_slots, generator=gen)].to(device)
+    positions = torch.arange(case.num_slots, device=device)
+    sources = [view_source(v.view(torch.uint8), read_bytes=case.heads * case.unit_bytes) for v in views]
+    offsets = [j * case.heads for j in range(case.views)]
+    digest = lambda: kv_digest(views, slots, positions, unit_offsets=offsets)  # noqa: E731
+    folded = lambda: fold(sources, slots, check_bounds=False)  # noqa: E731
+    row = {"case": asdict(case), "device": device, "bytes": case.bytes}
+    # alternate the two so that a busy machine slows both alike
+    times = {"digest": [], "fold": []}
+    for _ in range(_DIGEST_ROUNDS):
+        for name, fn in (("digest", digest), ("fold", folded)):
+            times[name].append(_median(fn, device, min_run_time / _DIGEST_ROUNDS)[0])
+    row["digest_s"], row["fold_s"] = min(times["digest"]), min(times["fold"])
+    if device == "cuda":
+        src = torch.empty(case.bytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        row["copy_s"] = _median(lambda: dst.copy_(src), device, min_run_time)[0]
+    return row
+
+
+def format_digest_table(rows: list[dict]) -> str:
+    head = f"{'device':6} {'case':30} {'MiB':>6} {'digest GB/s':>11} {'fold GB/s':>9} {'digest/fold':>11} {'digest/copy':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+
+        def rate(seconds: float, r=r) -> float:
+            return r["bytes"] / seconds / 1e9
+
+        copy = f"{rate(r['digest_s']) / (2 * rate(r['copy_s'])):.2f}" if "copy_s" in r else "-"
+        lines.append(
+            f"{r['device']:6} {r['case']['name']:30} {r['bytes'] / 2**20:6.0f} {rate(r['digest_s']):11.2f} {rate(r['fold_s']):9.2f} "
+            f"{r['fold_s'] / r['digest_s']:11.2f} {copy:>11}"
+        )
+    return "\n".join(lines)
+
+
+def digest_main(args: argparse.Namespace, devices: list[str], info: dict) -> int:
+    rows = [digest_beside_fold(case, device, args.min_run_time) for device in devices for case in digest_cases(args.quick)]
+    print(format_digest_table(rows))
+    print(
+        "each time is the least of three medians of blocked_autorange measurements, the digest and the fold taken in turn; "
+        "digest/fold is the ratio of their byte rates, digest/copy the digest's rate over a device copy's (bytes read plus written)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "digest": rows}, f, indent=1)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     if args.plot:
         import matplotlib  # noqa: F401  (fail before measuring, not after)
     devices = args.device or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     info = machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr)
+    if args.digest:
+        return digest_main(args, devices, info)
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
     for device, case in plan:
@@ -410,4 +511,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--goals", action="store_true", help="measure the cases the goals are stated for instead of the sweep")
     parser.add_argument("--canary", action="store_true", help="also time KvCanary.record and verify beside a bare fold")
+    parser.add_argument("--digest", action="store_true", help="instead: the transfer digest beside the fold over the same slots and bytes")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import __version__, bench, demo
+from . import __version__, bench, demo, transfer_demo
 from .ops import fold
 from .reference import reference_fold
 from .sources import HashMode, make_packed_source, make_row_source
@@ -51,6 +51,10 @@ def info(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def run_demo(args: argparse.Namespace) -> int:
+    return transfer_demo.main(args) if args.transfer else demo.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kvcanary", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.main)
+    demo_parser.add_argument(
+        "--transfer",
+        action="store_true",
+        help="instead: KV moved between processes over torch.distributed, and the transfer digests catching five bugs on the way",
+    )
+    demo_parser.set_defaults(run=run_demo)
     bench_parser = commands.add_parser(
         "bench",
         help="the fold's speed beside its baselines",

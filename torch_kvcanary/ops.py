@@ -1,4 +1,4 @@
-"""The kvcanary ops' library, their fake kernels, and the `fold` shim."""
+"""The kvcanary ops' library, their fake kernels, and the `fold` shim (`kv_digest` is in digest.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,29 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
         if view.dim() < 2:
             raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
     return slots.new_empty(slots.shape, dtype=torch.int64)
+
+
+@torch.library.register_fake("kvcanary::digest")
+def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
+    # The checks of make_digest_plan (csrc/digest_plan.cpp) that need no data nor guards on
+    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
+    entries = {"slots": slots, "positions": positions, "groups": groups}
+    for name, value in entries.items():
+        if value is not None and value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+    if len(views) != len(unit_offsets):
+        raise ValueError(
+            f"kv-canary: got {len(views)} digest views but {len(unit_offsets)} unit_offsets; pass one unit offset (the global id of its unit 0) per view"
+        )
+    for name, value in [(f"digest view {i}", v) for i, v in enumerate(views)] + [("positions", positions), ("groups", groups)]:
+        if value is not None and value.device != slots.device:
+            raise ValueError(f"kv-canary: {name} is on {value.device} but slots are on {slots.device}; put them on one device")
+    for index, view in enumerate(views):
+        if view.dim() < 3:
+            raise ValueError(
+                f"kv-canary: digest view {index} must be [num_pages, page_size, units, *unit_shape], got shape {list(view.shape)}"
+            )
+    return slots.new_empty((num_groups,), dtype=torch.int64)
 
 
 def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:

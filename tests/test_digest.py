@@ -1,0 +1,439 @@
+"""torch.ops.kvcanary.digest through `kv_digest`: the SPEC's digest transcribed in plain ints
+(digest_oracle), the invariances (ranks, pages, chunks, calls), the transfer bugs, the PT2
+stack and bad input."""
+
+from __future__ import annotations
+
+import random
+
+import digest_oracle as oracle
+import expecttest
+import pytest
+import torch
+from helpers import CUDA, DEVICES, random_bytes
+
+import torch_kvcanary as kc
+
+ISAS = ["scalar", "avx2", "avx512"]
+
+# (dtype, unit_shape): bf16 heads, fp8 heads, fp32 scale sidecars of one float, units of 12
+# and 20 bytes (the last word zero-padded), 2-D units (whose rows random_digest_view may pad,
+# making units of several runs: of 24, 12 and 4 bytes)
+UNIT_KINDS = [
+    (torch.bfloat16, (16,)),
+    (torch.float8_e4m3fn, (32,)),
+    (torch.float32, ()),
+    (torch.float32, (3,)),
+    (torch.float16, (10,)),
+    (torch.uint8, (2, 24)),
+    (torch.float32, (2, 3)),
+    (torch.uint8, (3, 4)),
+    (torch.int64, (5,)),
+]
+
+
+def random_digest_view(rng: random.Random, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    """A view [num_pages, page_size, units, *unit_shape] with holes: padded pages, slots, units
+    and (sometimes) unit rows, a storage offset, and the page/slot/unit dims in a random memory
+    order; the innermost dim stays contiguous."""
+    dtype, unit_shape = rng.choice(UNIT_KINDS)
+    num_pages, page_size, units = rng.randint(1, 5), rng.choice([1, 2, 3, 8]), rng.randint(1, 5)
+    pad = [rng.randint(0, 2), rng.randint(0, 1), rng.randint(0, 1)]
+    inner_pad = [rng.randint(0, 2) if len(unit_shape) == 2 and i == 1 else 0 for i in range(len(unit_shape))]
+    order = rng.sample(range(3), 3)
+    logical = [num_pages + pad[0], page_size + pad[1], units + pad[2]]
+    inner = [n + p for n, p in zip(unit_shape, inner_pad)]
+    base = random_bytes([logical[i] for i in order] + inner, dtype, gen, device)
+    full = base.permute(*[order.index(i) for i in range(3)], *range(3, 3 + len(inner)))
+    view = full[pad[0] :, :page_size, pad[2] :]
+    return view[(...,) + tuple(slice(0, n) for n in unit_shape)] if unit_shape else view
+
+
+def random_entries(rng: random.Random, capacity: int, n: int, num_groups: int, device: str, dtype=torch.int64):
+    slots = [rng.randrange(capacity) if rng.random() > 0.15 else -rng.randint(1, 3) for _ in range(n)]
+    top = 1 << (40 if dtype == torch.int64 else 30)
+    positions = [rng.randrange(-5, top) for _ in range(n)]
+    groups = [rng.randrange(num_groups) for _ in range(n)]
+    as_tensor = lambda v: torch.tensor(v, dtype=dtype, device=device)  # noqa: E731
+    return as_tensor(slots), as_tensor(positions), as_tensor(groups)
+
+
+def random_digest_case(seed: int, device: str = "cpu", *, max_entries: int = 90):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    views = [random_digest_view(rng, gen, device) for _ in range(rng.randint(1, 4))]
+    offsets = [rng.randrange(1 << 62) for _ in views]
+    capacity = min(v.shape[0] * v.shape[1] for v in views)
+    num_groups = rng.randint(1, 4)
+    dtype = rng.choice([torch.int32, torch.int64])
+    slots, positions, groups = random_entries(rng, capacity, rng.randint(0, max_entries), num_groups, device, dtype)
+    return views, offsets, slots, positions, groups, num_groups
+
+
+def expected(views, offsets, slots, positions, groups=None, num_groups=1) -> list[int]:
+    return oracle.digest(views, slots, positions, offsets, groups, num_groups)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(40))
+def test_random_views_match_the_spec(seed, device):
+    views, offsets, slots, positions, groups, num_groups = random_digest_case(seed, device)
+    got = kc.kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=num_groups)
+    assert got.dtype == torch.int64 and got.shape == (num_groups,) and got.device.type == device
+    assert got.tolist() == expected(views, offsets, slots, positions, groups, num_groups)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_cpu_path_matches_the_spec(isa, monkeypatch):
+    if isa not in kc_isas():
+        pytest.skip(f"this CPU has no {isa} path")
+    monkeypatch.setenv("KVCANARY_CPU_ISA", isa)
+    for seed in range(100, 130):
+        views, offsets, slots, positions, groups, num_groups = random_digest_case(seed)
+        got = kc.kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=num_groups)
+        assert got.tolist() == expected(views, offsets, slots, positions, groups, num_groups), seed
+
+
+def kc_isas() -> list[str]:
+    best = torch.ops.kvcanary.cpu_isa()
+    return ISAS[: ISAS.index(best) + 1]
+
+
+def test_hand_computed_term():
+    """One fp32 unit of 4 bytes, zero-padded to one word: the term is mix3(id, position, h)
+    with h = splitmix64(0 ^ word), computed here from the SPEC's constants."""
+    view = torch.tensor([[[1.0]]], dtype=torch.float32)  # [1 page, 1 slot, 1 unit]
+    word = 0x3F800000  # the bytes of 1.0f, then four zero bytes
+    h = oracle.splitmix64(word)
+    term = oracle.mix3(7, 3, h)
+    got = kc.kv_digest([view], torch.tensor([0]), torch.tensor([3]), unit_offsets=[7])
+    assert got.tolist() == [oracle.signed(term)]
+    # the SPEC's ANCHOR pins the splitmix64 transcription itself
+    assert oracle.splitmix64(0xC0FFEE1234567890) == 0xDE7FAE23A9A1B716
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_last_unit_of_a_tight_view(device, isa, monkeypatch):
+    """Views whose last unit ends the allocation (units of 4 and 12 bytes, whose last word is
+    padded): digesting the last slot reads nothing past it (the sanitizer build runs this)."""
+    if isa not in kc_isas():
+        pytest.skip(f"this CPU has no {isa} path")
+    monkeypatch.setenv("KVCANARY_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(8)
+    views = [random_bytes([2, 3, 5], torch.float32, gen, device), random_bytes([2, 3, 2, 6], torch.float16, gen, device)]
+    for view in views:
+        slots = torch.tensor([5, 5, 4] * 30, device=device)  # enough terms to fill every lane
+        positions = torch.arange(90, device=device)
+        got = kc.kv_digest([view], slots, positions, unit_offsets=[3])
+        assert got.tolist() == expected([view], [3], slots, positions)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_strides_and_offsets(device):
+    """Units at odd byte addresses (a stride of 21 bytes, a storage offset of 1) and units of
+    several 6-byte runs: read in the pieces their alignment allows, same digest as the SPEC."""
+    gen = torch.Generator().manual_seed(12)
+    base = random_bytes([3 * 4 * 3 * 21 + 1], torch.uint8, gen, device)
+    odd = base[1:].view(3, 4, 3, 21)[..., :20]
+    runs = random_bytes([3, 4, 2, 2, 8], torch.uint8, gen, device)[..., :6]  # units of 12 bytes in 6-byte runs
+    slots = torch.tensor([0, 11, 5, -1, 7, 11] * 12, device=device)
+    positions = torch.arange(72, device=device)
+    for view in (odd, runs):
+        got = kc.kv_digest([view], slots, positions, unit_offsets=[1 << 40])
+        assert got.tolist() == expected([view], [1 << 40], slots, positions)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_and_empty_input_add_nothing(device):
+    gen = torch.Generator().manual_seed(0)
+    view = random_bytes([4, 2, 3, 16], torch.bfloat16, gen, device)
+    zeros = torch.zeros(3, dtype=torch.int64, device=device)
+    pad = torch.tensor([-1, -7], device=device)
+    assert torch.equal(kc.kv_digest([view], pad, pad, unit_offsets=[0], groups=torch.tensor([0, 2], device=device), num_groups=3), zeros)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    assert torch.equal(kc.kv_digest([view], empty, empty, unit_offsets=[0], num_groups=3), zeros)
+    assert torch.equal(
+        kc.kv_digest([], torch.tensor([0, 5], device=device), torch.tensor([0, 1], device=device), unit_offsets=[]), zeros[:1]
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_entries_of_any_shape(device):
+    views, offsets, slots, positions, groups, num_groups = random_digest_case(3, device, max_entries=0)
+    capacity = min(v.shape[0] * v.shape[1] for v in views)
+    slots = torch.arange(12, device=device).remainder(capacity).view(3, 4)
+    positions = torch.arange(12, device=device).view(3, 4)
+    flat = kc.kv_digest(views, slots.flatten(), positions.flatten(), unit_offsets=offsets)
+    assert torch.equal(kc.kv_digest(views, slots, positions, unit_offsets=offsets), flat)
+    assert torch.equal(kc.kv_digest(views, slots.t(), positions.t(), unit_offsets=offsets), flat)  # non-contiguous
+
+
+# --- invariances ---------------------------------------------------------------------------------
+
+
+def wrapping_sum(digests) -> list[int]:
+    total = torch.stack(list(digests)).sum(0)  # int64 addition wraps
+    return total.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_chunks_and_groups_add_up(device):
+    views, offsets, slots, positions, groups, num_groups = random_digest_case(11, device, max_entries=0)
+    rng = random.Random(5)
+    capacity = min(v.shape[0] * v.shape[1] for v in views)
+    slots, positions, groups = random_entries(rng, capacity, 200, 5, device)
+    whole = kc.kv_digest(views, slots, positions, unit_offsets=offsets)
+    # split into calls
+    cuts = [0, 1, 37, 64, 65, 150, 200]
+    calls = [kc.kv_digest(views, slots[a:b], positions[a:b], unit_offsets=offsets) for a, b in zip(cuts, cuts[1:])]
+    assert wrapping_sum(calls) == whole.tolist()
+    # split into groups (chunks): the groups add up to the ungrouped digest
+    per_group = kc.kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=5)
+    assert per_group.sum().item() == whole.item()  # int64 sums wrap
+    # split over views: each view on its own
+    by_view = [kc.kv_digest([v], slots, positions, unit_offsets=[u]) for v, u in zip(views, offsets)]
+    assert wrapping_sum(by_view) == whole.tolist()
+    # the order of the entries does not matter
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(1)).to(device)
+    assert torch.equal(kc.kv_digest(views, slots[order], positions[order], unit_offsets=offsets), whole)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ranks_and_pages_add_up(device):
+    """The same KV of 4 heads over 10 tokens, held whole in pages of 4, and split over two
+    "ranks" of 2 heads each in rows (page size 1) at other slots: the ranks' digests add up to
+    the whole's."""
+    gen = torch.Generator().manual_seed(2)
+    heads, dim, tokens = 4, 16, 10
+    kv = random_bytes([tokens, heads, dim], torch.bfloat16, gen, device)
+    pages = torch.zeros(4, 4, heads, dim, dtype=torch.bfloat16, device=device)
+    page_slots = torch.tensor([5, 6, 7, 12, 13, 14, 15, 0, 1, 2], device=device)
+    pages.view(-1, heads, dim)[page_slots] = kv
+    positions = torch.arange(tokens, device=device)
+    whole = kc.kv_digest([pages], page_slots, positions, unit_offsets=[100])
+    row_slots = torch.tensor([9, 3, 4, 8, 0, 1, 2, 5, 6, 7], device=device)
+    ranks = []
+    for rank in range(2):
+        rows = torch.zeros(tokens, 1, 2, dim, dtype=torch.bfloat16, device=device)
+        rows[row_slots, 0] = kv[:, 2 * rank : 2 * rank + 2]
+        ranks.append(kc.kv_digest([rows], row_slots, positions, unit_offsets=[100 + 2 * rank]))
+    assert wrapping_sum(ranks) == whole.tolist()
+    assert whole.tolist() == expected([pages], [100], page_slots, positions)
+
+
+def test_threads_agree(monkeypatch):
+    """A batch of many tasks gives the same digest on one thread and on all of them, and
+    as the sum of its halves."""
+    gen = torch.Generator().manual_seed(4)
+    views = [random_bytes([64, 16, 8, 64], torch.bfloat16, gen), random_bytes([64, 16, 8], torch.float32, gen)]
+    slots = torch.randint(-1, 1024, (6000,), generator=gen)
+    positions = torch.randint(0, 1 << 20, (6000,), generator=gen)
+    groups = torch.randint(0, 7, (6000,), generator=gen)
+    args = dict(unit_offsets=[0, 4096], groups=groups, num_groups=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kc.kv_digest(views, slots, positions, **args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kc.kv_digest(views, slots, positions, **args), one)
+    halves = [
+        kc.kv_digest(views, slots[s], positions[s], unit_offsets=[0, 4096], groups=groups[s], num_groups=7)
+        for s in (slice(0, 2500), slice(2500, None))
+    ]
+    assert wrapping_sum(halves) == one.tolist()
+    small = slice(0, 300)
+    assert one.tolist() != [0] * 7
+    assert kc.kv_digest(views, slots[small], positions[small], **{**args, "groups": groups[small]}).tolist() == expected(
+        views, [0, 4096], slots[small], positions[small], groups[small], 7
+    )
+
+
+# --- what a transfer can get wrong ---------------------------------------------------------------
+
+
+def _word_sum(views, slots) -> int:
+    """A linear checksum (the sum of a unit's 8-byte words, as one vLLM fork does), to show
+    which corruption it cannot see."""
+    total = 0
+    for view in views:
+        for s in slots.tolist():
+            data = view[s // view.shape[1], s % view.shape[1]].contiguous().view(torch.uint8).reshape(-1).tolist()
+            total += sum(int.from_bytes(bytes(data[i : i + 8]), "little") for i in range(0, len(data), 8))
+    return total & ((1 << 64) - 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_transfer_bug_changes_the_digest(device):
+    gen = torch.Generator().manual_seed(9)
+    kv = random_bytes([3, 4, 2, 32], torch.float8_e4m3fn, gen, device)  # pages of 4 tokens, 2 heads of 32 bytes
+    scales = random_bytes([3, 4, 2], torch.float32, gen, device)
+    slots = torch.arange(10, device=device)
+    positions = torch.arange(10, device=device)
+    offsets = [0, 2]
+
+    def digest(kv_view, scale_view, slots=slots, positions=positions):
+        return kc.kv_digest([kv_view, scale_view], slots, positions, unit_offsets=offsets).item()
+
+    good = digest(kv, scales)
+    flipped = kv.clone()
+    flipped.view(torch.uint8)[1, 2, 1, 17] ^= 0x10
+    swapped = positions.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    stale = kv.clone()
+    stale[1] = random_bytes([4, 2, 32], torch.float8_e4m3fn, gen, device)  # page 1 never arrived
+    lost_scales = torch.ones_like(scales)
+    two_top_bits = kv.clone()
+    two_top_bits.view(torch.uint8)[0, 1, 0, 7] ^= 0x80  # top bit of word 0 of a unit
+    two_top_bits.view(torch.uint8)[0, 1, 0, 15] ^= 0x80  # top bit of word 1 of the same unit
+    bugs = {
+        "one flipped bit": digest(flipped, scales),
+        "two positions swapped": digest(kv, scales, positions=swapped),
+        "one page never sent": digest(stale, scales),
+        "scales lost": digest(kv, lost_scales),
+        "two top-bit flips in one unit": digest(two_top_bits, scales),
+    }
+    assert {name: value != good for name, value in bugs.items()} == dict.fromkeys(bugs, True)
+    # the two top-bit flips cancel in a linear checksum of the same bytes
+    assert _word_sum([two_top_bits], slots.cpu()) == _word_sum([kv], slots.cpu())
+    # swapped heads (unit ids) and layers change it too
+    assert digest(kv.flip(2), scales) != good
+
+
+# --- the PT2 stack -------------------------------------------------------------------------------
+
+
+def _op_args(views, offsets, slots, positions, groups, num_groups, check=True):
+    return ([kc.ops.integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for seed in range(5):
+        views, offsets, slots, positions, groups, num_groups = random_digest_case(seed, device)
+        torch.library.opcheck(torch.ops.kvcanary.digest.default, _op_args(views, offsets, slots, positions, groups, num_groups))
+        torch.library.opcheck(torch.ops.kvcanary.digest.default, _op_args(views, offsets, slots, positions, None, 1, False))
+    pool = torch.randn(4, 2, 3, 8, device=device)  # a float view works too (not float8: see test_ops)
+    entries = torch.tensor([0, 7, -1], device=device)
+    torch.library.opcheck(torch.ops.kvcanary.digest.default, ([pool], entries, entries, None, [5], 2, True))
+
+
+def _request_digest(pool, scales, slots, positions, groups):
+    return kc.kv_digest([pool[0], pool[1], scales], slots, positions, unit_offsets=[0, 2, 4], groups=groups, num_groups=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_dynamic(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(_request_digest, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    pool = random_bytes([2, 6, 4, 2, 16], torch.bfloat16, gen, device)
+    scales = random_bytes([6, 4, 2], torch.float32, gen, device)
+    for n in (3, 17, 24):
+        slots = torch.randint(-1, 24, (n,), generator=gen).to(device)
+        positions = torch.randint(0, 99, (n,), generator=gen).to(device)
+        groups = torch.randint(0, 3, (n,), generator=gen).to(device)
+        assert torch.equal(compiled(pool, scales, slots, positions, groups), _request_digest(pool, scales, slots, positions, groups))
+
+
+def test_meta_tensors():
+    pool = torch.empty(2, 6, 4, 2, 16, dtype=torch.bfloat16, device="meta")
+    scales = torch.empty(6, 4, 2, dtype=torch.float32, device="meta")
+    entries = torch.empty(5, 3, dtype=torch.int32, device="meta")
+    out = _request_digest(pool, scales, entries, entries, entries)
+    assert out.device.type == "meta" and out.shape == (3,) and out.dtype == torch.int64
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graph_capture():
+    gen = torch.Generator().manual_seed(0)
+    pool = random_bytes([2, 6, 4, 2, 16], torch.bfloat16, gen, "cuda")
+    scales = random_bytes([6, 4, 2], torch.float32, gen, "cuda")
+    slots = torch.tensor([0, 5, -1, 23, 30], device="cuda")  # 30 is past the capacity: left out under capture
+    positions = torch.arange(5, device="cuda")
+    groups = torch.tensor([0, 1, 2, 1, 0], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _request_digest(pool, scales, slots, positions, groups)
+    graph.replay()
+    live = slots < 24
+    assert out.tolist() == _request_digest(pool, scales, slots[live], positions[live], groups[live]).tolist()
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+class TestErrors(expecttest.TestCase):
+    def _message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as info:
+            fn()
+        return str(info.exception)
+
+    def test_slot_past_capacity(self):
+        views = [torch.zeros(3, 4, 2, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.float32)]
+        entries = torch.tensor([0, 8, 12])
+        self.assertExpectedInline(
+            self._message(IndexError, lambda: kc.kv_digest(views, entries, entries, unit_offsets=[0, 2])),
+            """kv-canary: slot 8 is out of range for sources of capacity 8; slots must be < 8 (or negative for padding)""",
+        )
+
+    def test_groups_out_of_range(self):
+        view = torch.zeros(3, 4, 2, 16, dtype=torch.uint8)
+        entries = torch.tensor([0, 1, -1])
+        self.assertExpectedInline(
+            self._message(
+                IndexError, lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 2, 9]), num_groups=2)
+            ),
+            """kv-canary: group 2 is out of range for num_groups 2; groups must be in [0, 2)""",
+        )
+        # a padding entry's group is not looked at
+        assert kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 1, 9]), num_groups=2).shape == (2,)
+
+    def test_views(self):
+        entries = torch.tensor([0])
+        u8 = torch.zeros(4, 2, 2, 24, dtype=torch.uint8)
+        cases = {
+            "unit of 6 bytes": [torch.zeros(4, 2, 3, 6, dtype=torch.uint8)],
+            "innermost not contiguous": [torch.zeros(4, 2, 3, 16, 2)[..., 0]],
+            "rank 2": [torch.zeros(4, 2)],
+            "float16 element unit": [torch.zeros(4, 2, 3, dtype=torch.float16)],
+        }
+        messages = {
+            name: self._message(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()
+        }
+        messages["unit_offsets length"] = self._message(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
+        messages["devices"] = self._message(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
+        messages["positions shape"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))
+        messages["num_groups 0"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0))
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            """\
+unit of 6 bytes: kv-canary: digest view 0 has units of 6 bytes (shape [4, 2, 3, 6], dtype Byte); a unit's bytes must be a positive multiple of 4
+innermost not contiguous: kv-canary: digest view 0 must have a contiguous innermost dim (stride 1), got shape [4, 2, 3, 16] and strides [192, 96, 32, 2]; make the fastest-moving dim of each unit the last one
+rank 2: kv-canary: digest view 0 must be [num_pages, page_size, units, *unit_shape], got shape [4, 2]
+float16 element unit: kv-canary: digest view 0 has units of 2 bytes (shape [4, 2, 3], dtype Short); a unit's bytes must be a positive multiple of 4
+unit_offsets length: kv-canary: got 2 digest views but 1 unit_offsets; pass one unit offset (the global id of its unit 0) per view
+devices: kv-canary: digest view 0 is on meta but slots are on cpu; put them on one device
+positions shape: kv-canary: positions must have the shape of slots [1], got [2]
+num_groups 0: kv-canary: num_groups must be >= 1, got 0""",
+        )
+
+    def test_types(self):
+        view = torch.zeros(4, 2, 2, 16, dtype=torch.uint8)
+        entries = torch.tensor([0])
+        cases = {
+            "float slots": lambda: kc.kv_digest([view], torch.tensor([0.0]), entries, unit_offsets=[0]),
+            "list positions": lambda: kc.kv_digest([view], entries, [0], unit_offsets=[0]),
+            "int16 groups": lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=entries.short()),
+            "a tensor for views": lambda: kc.kv_digest(view, entries, entries, unit_offsets=[0]),
+        }
+        messages = {name: self._message(TypeError, fn) for name, fn in cases.items()}
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            """\
+float slots: kv-canary: slots must be an int32 or int64 tensor, got Float
+list positions: kv-canary: positions must be an int32 or int64 tensor, got list
+int16 groups: kv-canary: groups must be an int32 or int64 tensor, got Short
+a tensor for views: kv-canary: views must be a sequence of tensors [num_pages, page_size, units, *unit_shape]""",
+        )

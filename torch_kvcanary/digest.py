@@ -1,0 +1,263 @@
+"""KV transfer digests (../shared/SPEC.md, "Digest"): one int64 per request or chunk that
+does not depend on how the cache is sharded, paged or split into calls.
+
+`kv_digest` is the entry point of ``torch.ops.kvcanary.digest``. The ``*_units`` helpers
+give ``(views, unit_offsets)`` for a layer stack of a real engine's cache, numbering the
+units the same way on every rank and layout:
+
+    id = layer * units_per_layer + kind * num_kv_heads + global_head
+
+with kinds K = 0 and V = 1, then the scale sidecars K_SCALE = 2 and V_SCALE = 3 (MHA;
+``units_per_layer = 4 * num_kv_heads`` whether or not a cache has scales), or LATENT = 0
+and LATENT_SCALE = 1 (MLA, one head). A tensor-parallel rank's global head is
+``tp_rank * local_heads + local_head``; where heads are replicated (fewer KV heads than
+ranks, or MLA's latent) only the first replica's rank contributes, so the
+``all_reduce(SUM)`` of a group's digests counts each unit once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .ops import integer_view
+
+K, V, K_SCALE, V_SCALE = range(4)
+MHA_KINDS = 4
+LATENT, LATENT_SCALE = range(2)
+MLA_KINDS = 2
+
+
+def _index_tensor(value, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {type(value).__name__}")
+    return value
+
+
+def kv_digest(
+    views: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    unit_offsets: Sequence[int],
+    groups: torch.Tensor | None = None,
+    num_groups: int = 1,
+) -> torch.Tensor:
+    """The digest of the entries ``(slots[i], positions[i], groups[i])`` over ``views``.
+
+    Args:
+        views: tensors ``[num_pages, page_size, units, *unit_shape]`` of any dtype and
+            strides on one device (a unit's innermost dim contiguous, its bytes a multiple
+            of 4); slot ``s`` of view ``j`` is ``views[j][s // page_size, s % page_size]``.
+        slots: int32 or int64 tensor; negative slots are padding and add nothing.
+        positions: int32 or int64 tensor shaped like ``slots``: each entry's token position.
+        unit_offsets: ``unit_offsets[j]`` is the global id of view ``j``'s unit 0.
+        groups: int32 or int64 tensor shaped like ``slots`` with values in
+            ``[0, num_groups)`` (a request of a batch, a chunk of a transfer); None sends
+            every entry to group 0.
+        num_groups: the length of the result.
+
+    Returns:
+        int64 ``[num_groups]``: for each group, the wrapping sum over its entries and every
+        unit of every view of ``mix3(unit id, position, unit fold)``. Digests of disjoint
+        parts (ranks, pages, chunks, calls) add up, wrapping, to the digest of the whole.
+
+    Slots past the smallest view capacity and groups out of range raise IndexError (on
+    CUDA the check syncs with the host, so under torch.compile and CUDA-graph capture it
+    is skipped and such entries add nothing); nothing is ever read outside a view.
+    """
+    views = None if isinstance(views, torch.Tensor) else list(views)
+    if views is None or not all(isinstance(v, torch.Tensor) for v in views):
+        raise TypeError("kv-canary: views must be a sequence of tensors [num_pages, page_size, units, *unit_shape]")
+    slots = _index_tensor(slots, "slots")
+    positions = _index_tensor(positions, "positions")
+    if groups is not None:
+        groups = _index_tensor(groups, "groups")
+    offsets = [int(u) for u in unit_offsets]
+    check_bounds = not (torch.compiler.is_compiling() and slots.device.type != "cpu")
+    return torch.ops.kvcanary.digest([integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check_bounds)
+
+
+# --- unit ids for real caches ---------------------------------------------------------------
+
+
+class DigestUnits(NamedTuple):
+    """The views of a layer stack and the global id of each view's unit 0, ready for
+    ``kv_digest(units.views, slots, positions, unit_offsets=units.unit_offsets)``."""
+
+    views: list[torch.Tensor]
+    unit_offsets: list[int]
+
+    def __add__(self, other: DigestUnits) -> DigestUnits:  # type: ignore[override]
+        return DigestUnits(self.views + other.views, self.unit_offsets + other.unit_offsets)
+
+
+def unit_id(layer: int, kind: int, head: int, *, num_kv_heads: int, kinds: int = MHA_KINDS) -> int:
+    """The global id of ``head`` of unit ``kind`` in ``layer`` (module docstring)."""
+    return (layer * kinds + kind) * num_kv_heads + head
+
+
+def _check_rank(tp_rank: int, tp_size: int) -> None:
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"kv-canary: tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+
+
+def first_global_head(local_heads: int, *, tp_rank: int, tp_size: int, num_kv_heads: int | None = None) -> int | None:
+    """The global index of a rank's local head 0, or None when the rank holds replicas
+    that another rank already contributes. ``num_kv_heads`` defaults to
+    ``local_heads * tp_size`` (heads split evenly)."""
+    _check_rank(tp_rank, tp_size)
+    num_kv_heads = local_heads * tp_size if num_kv_heads is None else num_kv_heads
+    if local_heads * tp_size == num_kv_heads:
+        return tp_rank * local_heads
+    if local_heads == 1 and num_kv_heads < tp_size and tp_size % num_kv_heads == 0:
+        replicas = tp_size // num_kv_heads
+        return tp_rank // replicas if tp_rank % replicas == 0 else None
+    raise ValueError(
+        f"kv-canary: {local_heads} local KV heads on each of {tp_size} ranks do not split {num_kv_heads} KV heads "
+        "(split evenly, or one replicated head per rank)"
+    )
+
+
+def _layer_list(tensors, name: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"kv-canary: {name} must be a sequence of per-layer tensors, got a tensor")
+    return list(tensors)
+
+
+def _mha_units(
+    k_views: list[torch.Tensor],
+    v_views: list[torch.Tensor],
+    k_scales: list[torch.Tensor] | None,
+    v_scales: list[torch.Tensor] | None,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    num_kv_heads: int | None,
+    first_layer: int,
+) -> DigestUnits:
+    """Per layer K and V views ``[P, S, local_heads, head_dim]`` and optional scale views
+    ``[P, S, local_heads]``, numbered per the module docstring."""
+    if len(k_views) != len(v_views):
+        raise ValueError(f"kv-canary: got {len(k_views)} K layers but {len(v_views)} V layers")
+    per_kind = [(K, k_views), (V, v_views)]
+    for kind, scales in ((K_SCALE, k_scales), (V_SCALE, v_scales)):
+        if scales is not None:
+            if len(scales) != len(k_views):
+                raise ValueError(f"kv-canary: got {len(scales)} scale layers for {len(k_views)} layers")
+            per_kind.append((kind, scales))
+    units = DigestUnits([], [])
+    if not k_views:
+        return units
+    local_heads = k_views[0].shape[2]
+    heads = local_heads * tp_size if num_kv_heads is None else num_kv_heads
+    first = first_global_head(local_heads, tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=heads)
+    if first is None:
+        return units
+    for kind, views in per_kind:
+        for layer, view in enumerate(views):
+            if view.shape[2] != local_heads:
+                raise ValueError(f"kv-canary: layer {layer} has {view.shape[2]} local heads, layer 0 has {local_heads}")
+            units.views.append(view)
+            units.unit_offsets.append(unit_id(first_layer + layer, kind, first, num_kv_heads=heads))
+    return units
+
+
+def _mapped(tensors, transform, name: str) -> list[torch.Tensor] | None:
+    return None if tensors is None else [transform(t) for t in _layer_list(tensors, name)]
+
+
+def sglang_mha_units(
+    k_buffers, v_buffers, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0
+) -> DigestUnits:
+    """SGLang MHA: per layer ``k_buffers[l]``/``v_buffers[l]`` ``[num_slots, local_heads, head_dim]``
+    and optional fp32 scales ``[num_slots, local_heads]``; slot = the pool's slot index."""
+    rows = lambda t: t.unsqueeze(1)  # noqa: E731  ([num_slots, 1, ...]: pages of one slot)
+    return _mha_units(
+        _mapped(k_buffers, rows, "k_buffers"), _mapped(v_buffers, rows, "v_buffers"),
+        _mapped(k_scales, rows, "k_scales"), _mapped(v_scales, rows, "v_scales"),
+        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
+    )  # fmt: skip
+
+
+def sglang_mla_units(kv_buffers, *, scales=None, tp_rank=0, tp_size=1, first_layer=0) -> DigestUnits:
+    """SGLang MLA: per layer ``kv_buffers[l]`` ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]``
+    and optional fp32 scales ``[num_slots, 1]``. The latent is replicated on every
+    tensor-parallel rank: only rank 0 contributes."""
+    _check_rank(tp_rank, tp_size)
+    units = DigestUnits([], [])
+    if tp_rank != 0:
+        return units
+    for kind, name, tensors in ((LATENT, "kv_buffers", kv_buffers), (LATENT_SCALE, "scales", scales)):
+        for layer, t in enumerate(_mapped(tensors, lambda t: t.unsqueeze(1), name) or []):
+            units.views.append(t)
+            units.unit_offsets.append(unit_id(first_layer + layer, kind, 0, num_kv_heads=1, kinds=MLA_KINDS))
+    return units
+
+
+def vllm_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
+    """vLLM: per layer ``[2, num_blocks, block_size, local_heads, head_size]`` (slot = block *
+    block_size + offset) and optional fp32 scales ``[num_blocks, block_size, local_heads]``."""
+    caches = _layer_list(kv_caches, "kv_caches")
+    for cache in caches:
+        if cache.dim() != 5 or cache.shape[0] != 2:
+            raise ValueError(
+                f"kv-canary: a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size], got shape {tuple(cache.shape)}"
+            )
+    return _mha_units(
+        [c[0] for c in caches], [c[1] for c in caches], _mapped(k_scales, lambda t: t, "k_scales"), _mapped(v_scales, lambda t: t, "v_scales"),
+        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
+    )  # fmt: skip
+
+
+def vllm_cpu_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
+    """vLLM's CPU attention layout: per layer ``[num_blocks, local_heads, block_size, 2 * head_size]``,
+    K in the first half of the last dim and V in the second (slot = block * block_size +
+    offset); optional fp32 scales ``[num_blocks, local_heads, block_size]``."""
+    caches = _layer_list(kv_caches, "kv_caches")
+    for cache in caches:
+        if cache.dim() != 4 or cache.shape[-1] % 2:
+            raise ValueError(
+                f"kv-canary: a vLLM CPU layer is [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape {tuple(cache.shape)}"
+            )
+    half = lambda c, i: c[..., i * (c.shape[-1] // 2) : (i + 1) * (c.shape[-1] // 2)].permute(0, 2, 1, 3)  # noqa: E731
+    by_token = lambda t: t.permute(0, 2, 1)  # noqa: E731
+    return _mha_units(
+        [half(c, 0) for c in caches], [half(c, 1) for c in caches], _mapped(k_scales, by_token, "k_scales"), _mapped(v_scales, by_token, "v_scales"),
+        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
+    )  # fmt: skip
+
+
+def hf_static_cache_units(
+    key_caches, value_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0
+) -> DigestUnits:
+    """Hugging Face ``StaticCache``: per layer ``[batch, local_heads, max_len, head_dim]``
+    (slot = batch_index * max_len + position) and optional scales ``[batch, local_heads, max_len]``."""
+    by_token = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731
+    scales_by_token = lambda t: t.permute(0, 2, 1)  # noqa: E731
+    return _mha_units(
+        _mapped(key_caches, by_token, "key_caches"), _mapped(value_caches, by_token, "value_caches"),
+        _mapped(k_scales, scales_by_token, "k_scales"), _mapped(v_scales, scales_by_token, "v_scales"),
+        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
+    )  # fmt: skip
+
+
+def trtllm_units(pools, *, scale_pools=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
+    """TensorRT-LLM block pools: per layer ``[num_blocks, 2, local_heads, tokens_per_block, head_dim]``
+    (slot = block * tokens_per_block + offset) and optional fp32 scale pools
+    ``[num_blocks, 2, local_heads, tokens_per_block]``."""
+    layers = _layer_list(pools, "pools")
+    for pool in layers:
+        if pool.dim() != 5 or pool.shape[1] != 2:
+            raise ValueError(
+                f"kv-canary: a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim], got shape {tuple(pool.shape)}"
+            )
+    scales = None if scale_pools is None else _layer_list(scale_pools, "scale_pools")
+    return _mha_units(
+        [p[:, 0].permute(0, 2, 1, 3) for p in layers], [p[:, 1].permute(0, 2, 1, 3) for p in layers],
+        None if scales is None else [s[:, 0].permute(0, 2, 1) for s in scales],
+        None if scales is None else [s[:, 1].permute(0, 2, 1) for s in scales],
+        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
+    )  # fmt: skip
