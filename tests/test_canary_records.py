@@ -125,7 +125,7 @@ def _request(canary, slots, device, first_token=100):
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_mapping_bug_sets_its_bit(device):
     kv = _pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv), on_violation=None)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
     a, a_in = _request(canary, list(range(16, 24)), device)
     b, b_in = _request(canary, list(range(40, 44)), device, first_token=200)
     assert not canary.verify(a, **a_in).any() and canary.poll() == []
@@ -160,7 +160,7 @@ def test_each_mapping_bug_sets_its_bit(device):
 
 def test_log_line_is_sglangs_format(caplog):
     kv = _pool("cpu")
-    canary = kc.KvCanary(layouts.vllm(kv), name="HEAD_K_FULL")
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), name="HEAD_K_FULL")
     slots, inputs = _request(canary, [3, 4], "cpu")
     kv[0, 0, 4, 0, 0] += 1
     canary.verify(slots, **dict(inputs, tokens=torch.tensor([100, 7])))
@@ -178,7 +178,7 @@ def test_policies():
     kv = _pool("cpu")
     seen = []
     for policy in ("raise", seen.append, None):
-        canary = kc.KvCanary(layouts.vllm(kv), on_violation=policy)
+        canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=policy)
         slots = torch.arange(4)
         canary.record(slots)
         assert canary.poll() == []  # nothing flagged: the policy is not applied
@@ -193,12 +193,12 @@ def test_policies():
             assert len(canary.poll()) == 4
     assert [v.slot for v in seen[0]] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="^kv-canary: on_violation must be 'log', 'raise', a callable"):
-        kc.KvCanary(layouts.vllm(kv), on_violation="warn")
+        kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation="warn")
 
 
 def test_ring_overflow_is_counted(caplog):
     kv = _pool("cpu")
-    canary = kc.KvCanary(layouts.vllm(kv), ring_capacity=3)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), ring_capacity=3)
     slots = torch.arange(10)
     canary.record(slots)
     canary.verify(slots, tag=1)  # 10 violations, 3 rows
@@ -218,7 +218,7 @@ def test_ring_overflow_is_counted(caplog):
 @pytest.mark.parametrize("device", DEVICES)
 def test_padding_slot_is_sglangs(device):
     kv = _pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv), padding_slot=0, on_violation=None)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), padding_slot=0, on_violation=None)
     canary.record(torch.tensor([0, 5, 6], device=device), prev_slots=torch.tensor([-1, 0, 5], device=device))
     assert canary.records[0, 3] != 0  # recorded like any slot, as SGLang's write does
     kv[:, 0, 0] += 1  # slot 0's bytes change: never checked
@@ -230,7 +230,7 @@ def test_padding_slot_is_sglangs(device):
 def test_compiled_record_and_verify_step(device):
     torch._dynamo.reset()
     kv = _pool(device)
-    compiled, eager = (kc.KvCanary(layouts.vllm(kv), on_violation=None) for _ in range(2))
+    compiled, eager = (kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None) for _ in range(2))
 
     def step(canary, slots, positions, tokens, prev):
         canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev)
@@ -250,7 +250,7 @@ def test_compiled_record_and_verify_step(device):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_graph_step_and_one_launch_per_call():
     kv = _pool("cuda")
-    canary = kc.KvCanary(layouts.vllm(kv), on_violation=None)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
     slots = torch.full((32,), -1, device="cuda")
     positions, tokens, prev = (torch.zeros(32, dtype=torch.int64, device="cuda") for _ in range(3))
     canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev)  # warm up outside capture
@@ -277,7 +277,7 @@ def test_cuda_graph_step_and_one_launch_per_call():
 
 def _opcheck_args(device):
     kv = _pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv))
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     slots = torch.tensor([3, 4, -1, 9], device=device)
     positions, tokens = torch.arange(4, device=device), torch.tensor([5, 6, 7, -1], device=device)
     prev = torch.tensor([-1, 3, -1, 4], device=device, dtype=torch.int32)
@@ -299,7 +299,7 @@ def test_opcheck(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_refused_calls_write_nothing(device):
     kv = _pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv), capacity=100)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), capacity=100)
     canary.record(torch.arange(8, device=device))
     before = [t.clone() for t in (canary._records, canary._owner_tags, canary._counters, canary._ring)]
     slots = torch.arange(4, device=device)
@@ -325,7 +325,7 @@ def test_refused_calls_write_nothing(device):
 
 
 def test_constructor_refuses_bad_arguments():
-    sources = layouts.vllm(_pool("cpu"))
+    sources = layouts.vllm(_pool("cpu"), layout="NHD")
     for kwargs, match in (
         ({"ring_capacity": 0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1, got 0"),
         ({"ring_capacity": 2.0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1"),
@@ -341,7 +341,7 @@ def test_constructor_refuses_bad_arguments():
 def test_prometheus_export():
     prometheus_client = pytest.importorskip("prometheus_client", reason="the prometheus extra is not installed")
     kv = _pool("cpu")
-    canary = kc.KvCanary(layouts.vllm(kv), name="layer0", on_violation=None)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), name="layer0", on_violation=None)
     registry = prometheus_client.CollectorRegistry()
     registry.register(canary.prometheus_collector())
     canary.record(torch.arange(6))

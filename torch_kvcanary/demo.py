@@ -77,7 +77,7 @@ class PagedCache:
             (mode, layer, half): KvCanary(source, mode=mode, on_violation=None)
             for mode in (HashMode.ALL, HashMode.PARTIAL)
             for layer, kv in enumerate(self.layers)
-            for half, source in zip(HALVES, vllm(kv))
+            for half, source in zip(HALVES, vllm(kv, layout="NHD"))
         }
 
     def write(self, request: Request, count: int, gen: torch.Generator) -> dict[str, torch.Tensor]:

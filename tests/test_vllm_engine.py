@@ -1,0 +1,356 @@
+"""The vLLM plugin on the real engine (vLLM's CPU build), in-process and driven step by step.
+
+One engine serves the module: a tiny random Llama with a KV space of 24 blocks of 32 slots,
+prefix caching, and chunked prefill of 64 tokens a step, so a mixed workload shares blocks,
+splits prompts and preempts requests. Faults are injected between ``llm_engine.step()``
+calls and must be reported at the next step, naming the request.
+"""
+
+import logging
+import os
+import random
+import re
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+
+import torch_kvcanary as kc  # noqa: E402
+from torch_kvcanary.integrations import vllm as plugin  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_llama import make_llama  # noqa: E402
+
+BLOCK_SIZE = 32
+NUM_BLOCKS = 24
+PER_STEP = 64
+LINE = re.compile(r"^kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
+
+
+class Lines(logging.Handler):
+    """The plugin's WARNING lines."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preemptions = []
+    preempt = Scheduler._preempt_request
+
+    def counting_preempt(self, request, *args, **kwargs):
+        preemptions.append(request.request_id)
+        return preempt(self, request, *args, **kwargs)
+
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV)}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ[plugin.POLICY_ENV] = "log"
+    Scheduler._preempt_request = counting_preempt
+    lines = Lines()
+    logging.getLogger("torch_kvcanary").addHandler(lines)
+    try:
+        llm = vllm.LLM(
+            model=str(tiny_llama),
+            dtype="bfloat16",
+            max_model_len=512,
+            block_size=BLOCK_SIZE,
+            kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_SIZE * 2 * 2 * 2 * 64 * 2,  # layers * K,V * heads * dim * bf16
+            gpu_memory_utilization=0.05,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=PER_STEP,
+            max_num_seqs=8,
+        )
+        yield llm, lines, preemptions
+    finally:
+        Scheduler._preempt_request = preempt
+        logging.getLogger("torch_kvcanary").removeHandler(lines)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, 512) for _ in range(n)]
+
+
+def _params(max_tokens: int, kind: int = 0):
+    settings = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.3, top_k=20, repetition_penalty=1.2)]
+    return vllm.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **settings[kind % 3])
+
+
+def _parse(lines):
+    parsed = []
+    for line in lines:
+        match = LINE.match(line)
+        assert match, f"not a violation line: {line}"
+        parsed.append((match.group(1).split("+"), int(match.group(2)), match.group(3).split(",")))
+    return parsed
+
+
+class Driver:
+    """Adds requests and steps the engine, one step at a time."""
+
+    def __init__(self, llm, name: str):
+        self.llm, self.name = llm, name
+        self.engine = llm.llm_engine
+        self.ids: list[str] = []
+
+    def add(self, prompt: list[int], params) -> str:
+        request_id = f"{self.name}-{len(self.ids)}"
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        self.ids.append(request_id)
+        return request_id
+
+    def step(self) -> list:
+        return self.engine.step()
+
+    def run_until_decoding(self, max_steps: int = 40) -> None:
+        """Steps until every request of this driver is running and has decoded a few tokens."""
+        state = plugin.active()
+        for _ in range(max_steps):
+            self.step()
+            rows = self.rows()
+            if len(rows) == len(self.ids) and all(
+                state.runner.input_batch.num_computed_tokens_cpu[row] >= 2 * BLOCK_SIZE + 4 for row in rows.values()
+            ):
+                return
+        raise AssertionError(f"requests {self.ids} did not all reach decoding")
+
+    def rows(self) -> dict[str, int]:
+        """vLLM's internal id (ours plus a suffix) -> input-batch row, for our running requests."""
+        batch = plugin.active().runner.input_batch
+        return {rid: row for row, rid in enumerate(batch.req_ids) if rid is not None and rid.rsplit("-", 1)[0] in self.ids}
+
+    def internal_id(self, request_id: str) -> str:
+        return next(rid for rid in self.rows() if rid.rsplit("-", 1)[0] == request_id)
+
+    def blocks(self, request_id: str) -> list[int]:
+        state = plugin.active()
+        row = self.rows()[self.internal_id(request_id)]
+        count = state.block_table.num_blocks_per_row[row]
+        return state.block_table.block_table.np[row, :count].tolist()
+
+    def finish(self) -> None:
+        self.engine.abort_request(self.ids)
+        for _ in range(3):
+            self.step()
+        self.llm.reset_prefix_cache()
+
+
+def test_the_plugin_watches_every_layer(engine):
+    llm, _, _ = engine
+    state = plugin.active()
+    assert state is not None and state.policy == "log"
+    runner = state.runner
+    context = runner.compilation_config.static_forward_context
+    names = [n for n in context if hasattr(context[n], "kv_cache") and isinstance(context[n].kv_cache, torch.Tensor)]
+    assert len(state.kv_caches) == 2 and {t.data_ptr() for t in state.kv_caches} == {context[n].kv_cache.data_ptr() for n in names}
+    assert state.canary.capacity == NUM_BLOCKS * BLOCK_SIZE
+    # K and V of each layer, views of vLLM's tensors (no copy).
+    assert len(state.canary.sources) == 4
+    for source, kv in zip(state.canary.sources, [t for t in state.kv_caches for _ in "KV"]):
+        assert source.as_view().untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+    assert runner.cache_config.get_resolved_kv_cache_layout().name == "LBHNC"
+
+
+def test_a_mixed_workload_raises_no_false_alarm(engine):
+    llm, lines, preemptions = engine
+    state = plugin.active()
+    before = state.canary.stats()
+    shared = []
+    begin_step = state.begin_step
+
+    def watching(*args, **kwargs):
+        batch = begin_step(*args, **kwargs)
+        tables = state.block_table.block_table.np
+        counts = state.block_table.num_blocks_per_row
+        seen = [set(tables[r, : max(counts[r] - 1, 0)].tolist()) for r in range(len(batch.req_ids))]
+        shared.append(max((len([s for s in seen if b in s]) for s in seen for b in s), default=0))
+        return batch
+
+    state.begin_step = watching
+    try:
+        rng = random.Random(1)
+        prefix = _tokens(rng, 2 * BLOCK_SIZE + 5)  # two full blocks shared by every request
+        prompts = [prefix + _tokens(rng, 10 + 23 * i) for i in range(10)]
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], [_params(60 + 25 * (i % 4), i) for i in range(10)], use_tqdm=False
+        )
+    finally:
+        state.begin_step = begin_step
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [60 + 25 * (i % 4) for i in range(10)]
+    after = state.canary.stats()
+    assert lines.take() == []
+    assert after["violations"] == before["violations"] == 0
+    assert after["slots_verified"] - before["slots_verified"] > 10_000
+    assert preemptions, "the KV space was meant to be small enough to preempt"
+    assert max(shared) >= 2, "the shared prefix was meant to hit the prefix cache"
+    assert max(len(p) for p in prompts) > PER_STEP  # chunked prefill
+
+
+def test_a_flipped_bit_names_its_request(engine):
+    llm, lines, _ = engine
+    driver = Driver(llm, "flip")
+    rng = random.Random(2)
+    for i in range(3):
+        driver.add(_tokens(rng, 70 + 9 * i), _params(200, i))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim = driver.ids[1]
+    block = driver.blocks(victim)[1]
+    layer = plugin.active().kv_caches[1]
+    layer.view(torch.int16)[block, 1, 5, 77] ^= 1 << 9  # one bit of head 1
+    driver.step()
+    found = _parse(lines.take())
+    assert found, "the flipped bit was not reported"
+    for reasons, slot, requests in found:
+        assert reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block and requests == [driver.internal_id(victim)]
+    driver.step()
+    assert _parse(lines.take()) == found  # reported again while the request still reads it
+    driver.finish()
+
+
+def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
+    # CPU_ATTN packs a block's tokens across its rows: the rows of slots not yet written
+    # already hold bytes of the written ones, and are watched too.
+    llm, lines, _ = engine
+    driver = Driver(llm, "tail")
+    driver.add(_tokens(random.Random(6), 2 * BLOCK_SIZE + 3), _params(200, 2))
+    state = plugin.active()
+    for _ in range(4):  # the prompt's two chunks, then a decode step or two
+        driver.step()
+        victim = driver.internal_id(driver.ids[0])
+        length = state.runner.input_batch.num_computed_tokens_cpu[driver.rows()[victim]]
+        if length > 2 * BLOCK_SIZE:
+            break
+    assert 2 * BLOCK_SIZE < length < 3 * BLOCK_SIZE - 4
+    last = driver.blocks(driver.ids[0])[-1]
+    assert lines.take() == []
+    state.kv_caches[0].view(torch.int16)[last, 0, BLOCK_SIZE - 1, 3] ^= 1 << 14
+    driver.step()
+    found = _parse(lines.take())
+    assert found and all(slot // BLOCK_SIZE == last and requests == [victim] for _, slot, requests in found)
+    driver.finish()
+
+
+def test_a_block_table_pointing_at_another_requests_block(engine):
+    llm, lines, _ = engine
+    driver = Driver(llm, "table")
+    rng = random.Random(3)
+    for _ in range(2):
+        driver.add(_tokens(rng, 75), _params(200, 0))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim, other = driver.ids
+    state = plugin.active()
+    row = driver.rows()[driver.internal_id(victim)]
+    own = state.block_table.block_table.np[row, 1]
+    state.block_table.block_table.np[row, 1] = driver.blocks(other)[1]  # bytes intact
+    driver.step()
+    found = _parse(lines.take())
+    state.block_table.block_table.np[row, 1] = own
+    assert found, "the wrong block table entry was not reported"
+    assert {r for reasons, _, requests in found for r in requests} == {driver.internal_id(victim)}
+    reasons = {r for found_reasons, _, _ in found for r in found_reasons}
+    assert "verify_token" in reasons and "verify_chain_hash" in reasons
+    assert "verify_real_kv_hash" not in reasons  # every byte is intact
+    driver.finish()
+
+
+def test_a_block_freed_and_rewritten_while_still_read(engine):
+    llm, lines, _ = engine
+    driver = Driver(llm, "reuse")
+    rng = random.Random(4)
+    for _ in range(2):
+        driver.add(_tokens(rng, 80), _params(200, 1))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim = driver.ids[0]
+    state = plugin.active()
+    block = driver.blocks(victim)[0]
+    # Another request's prefill lands in the block: new bytes, recorded as its tokens.
+    slots = torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE)
+    for kv in state.kv_caches:
+        kv[block] = torch.randn_like(kv[block])
+    positions = torch.arange(BLOCK_SIZE)
+    state.canary.record(
+        slots, positions=positions, tokens=torch.full_like(slots, 7), prev_slots=torch.cat([torch.tensor([-1]), slots[:-1]])
+    )
+    driver.step()
+    found = _parse(lines.take())
+    assert found, "the rewritten block was not reported"
+    assert {r for _, _, requests in found for r in requests} == {driver.internal_id(victim)}
+    assert {slot // BLOCK_SIZE for _, slot, _ in found} == {block, driver.blocks(victim)[1]}  # and the chain into the next block
+    assert "verify_token" in {r for reasons, _, _ in found for r in reasons}
+    driver.finish()
+
+
+def test_a_block_another_request_writes_while_still_read(engine):
+    # The engine itself rewrites the block: the writer's block table points its current
+    # block at the victim's first block, so the writer's next token lands there in the same
+    # forward that reads it for the victim.
+    llm, lines, _ = engine
+    driver = Driver(llm, "steal")
+    rng = random.Random(7)
+    for i in range(2):
+        driver.add(_tokens(rng, 70 + 5 * i), _params(200, 0))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim, writer = (driver.internal_id(r) for r in driver.ids)
+    state = plugin.active()
+    row = driver.rows()[writer]
+    last = state.block_table.num_blocks_per_row[row] - 1
+    state.block_table.block_table.np[row, last] = driver.blocks(driver.ids[0])[0]
+    driver.step()
+    found = _parse(lines.take())
+    assert found, "the rewritten block was not reported in the step that wrote it"
+    named = {r for _, _, requests in found for r in requests}
+    assert victim in named and named <= {victim, writer}
+    assert any("verify_position" in reasons for reasons, _, requests in found if victim in requests)
+    driver.finish()
+
+
+def test_raise_stops_the_step(engine):
+    llm, lines, _ = engine
+    state = plugin.active()
+    driver = Driver(llm, "raise")
+    driver.add(_tokens(random.Random(5), 70), _params(200))
+    driver.run_until_decoding()
+    block = driver.blocks(driver.ids[0])[0]
+    state.kv_caches[0].view(torch.int16)[block, 0, 3, 3] ^= 1
+    state.policy = "raise"
+    try:
+        with pytest.raises(Exception) as raised:
+            driver.step()
+    finally:
+        state.policy = "log"
+    error = raised.value
+    while error is not None and not isinstance(error, kc.KvCorruptionError):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, kc.KvCorruptionError), f"{type(raised.value).__name__} did not come from a KvCorruptionError"
+    assert all(driver.internal_id(driver.ids[0]) in line for line in error.lines)

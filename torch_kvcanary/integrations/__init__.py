@@ -1,0 +1,1 @@
+"""Engine integrations: each turns the canary on inside a serving engine (`vllm`)."""
