@@ -49,16 +49,21 @@ std::vector<int64_t> fold_entries(const FoldPlan& plan, const at::Tensor& flat_s
 // Entries ahead of the one being applied whose records are requested from
 // memory: the records of random slots miss the cache, and the loops do little
 // else than wait for them.
-constexpr int64_t kRecordPrefetchDistance = 16;
+constexpr int64_t kRecordPrefetchDistance = 32;
 
-// Requests the records an entry reads: its slot's and its previous slot's.
-void prefetch_records(const int64_t* records, const EntryInputs& in, int64_t i, int64_t capacity) {
+// Requests the records an entry reads: its slot's record and owner tag, and
+// its previous slot's record.
+void prefetch_records(const int64_t* records, const int64_t* owner_tags, const EntryInputs& in,
+                      int64_t i, int64_t capacity) {
   if (i >= in.num_entries) {
     return;
   }
   const int64_t s = entry_slot(in, i);
   const int64_t p = entry_prev_slot(in, i);
-  if (s >= 0 && s < capacity) __builtin_prefetch(records + s * kRecordFields);
+  if (s >= 0 && s < capacity) {
+    __builtin_prefetch(records + s * kRecordFields);
+    __builtin_prefetch(owner_tags + s);
+  }
   if (p >= 0 && p < capacity) __builtin_prefetch(records + p * kRecordFields);
 }
 
@@ -110,7 +115,7 @@ void record_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const at::Te
   int64_t* ring_rows = ring.mutable_data_ptr<int64_t>();
   int64_t recorded = 0;
   for (int64_t i = 0; i < in.num_entries; ++i) {
-    prefetch_records(t.records, in, i + kRecordPrefetchDistance, capacity);
+    prefetch_records(t.records, t.owner_tags, in, i + kRecordPrefetchDistance, capacity);
     const int64_t s = entry_slot(in, i);
     if (s < 0) {
       continue;  // padding
@@ -156,7 +161,7 @@ at::Tensor verify_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const 
   std::vector<int64_t> reasons(in.num_entries);
   at::parallel_for(0, in.num_entries, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      prefetch_records(table, in, i + kRecordPrefetchDistance, capacity);
+      prefetch_records(table, owners, in, i + kRecordPrefetchDistance, capacity);
       const int64_t s = entry_slot(in, i);
       if (s < 0 || s == padding_slot) {
         reasons[i] = -1;
