@@ -12,6 +12,7 @@ Every helper here returns views of the caller's tensors, never copies.
 
 from __future__ import annotations
 
+import abc
 import enum
 import math
 import sys
@@ -106,14 +107,15 @@ def _check_strided(tensor, what: str) -> None:
         raise ValueError(f"kv-canary: {what} must be a strided (dense) tensor, got {tensor.layout}")
 
 
-class KvSource:
+class KvSource(abc.ABC):
     """What every source is: the view form of its bytes, ``[num_pages, page_size,
     *token_shape]`` (`as_view`), and ``read_bytes``, the leading bytes of each token folded."""
 
     read_bytes: int
 
+    @abc.abstractmethod
     def as_view(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The view ``[num_pages, page_size, *token_shape]`` of the source's bytes."""
 
     @property
     def capacity(self) -> int:
