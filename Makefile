@@ -17,13 +17,13 @@ SGLANG_REFERENCE := $(KVCANARY_SGLANG)/sglang/kernels/ops/kv_canary/write_ref.py
 BUILD_REQUIRES := "setuptools>=70" ninja
 
 BIN := $(VENV)/bin
-BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(wildcard csrc/*)
+BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(shell find csrc -type f)
 WHEEL_DIR := $(VENV)-dist
 WHEEL_VENV := $(VENV)-wheel
 LINT_VENV := .venv-lint
 # Pinned: another version may format differently.
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
-CXX_FILES := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu tools/*.cpp)
+CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
 .PHONY: demo info test sanitize sglang-reference wheel-check lint format test-vllm bench-vllm
 
@@ -96,9 +96,9 @@ test-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python -m pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
 	$(VLLM_BIN)/python -c "import sys, xml.etree.ElementTree as T; n = sum(int(s.get('skipped')) for s in T.parse(sys.argv[1]).iter('testsuite')); sys.exit(f'{n} vLLM tests skipped in the vLLM venv' if n else 0)" $(VLLM_REPORT)
 
-# Tokens per second with the plugin off, PARTIAL and ALL (tools/vllm_bench.py).
+# Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
 bench-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/python tools/vllm_bench.py $(BENCH_ARGS)
+	$(VLLM_BIN)/python -m benchmarks.vllm_bench $(BENCH_ARGS)
 
 $(VLLM_VENV)/.deps:
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -11,33 +11,26 @@ only Python's limited API (3.10 on), so one wheel serves every later Python (abi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 from setuptools import Extension
 
+from .cuda_toolkit import find_cuda_home
+
 REPO = Path(__file__).resolve().parents[1]
-CPU_SOURCES = (
-    "csrc/ops.cpp",
-    "csrc/fold_plan.cpp",
-    "csrc/fold_cpu.cpp",
-    "csrc/fold_cpu_scalar.cpp",
-    "csrc/fold_cpu_avx2.cpp",
-    "csrc/fold_cpu_avx512.cpp",
-    "csrc/canary_plan.cpp",
-    "csrc/canary_cpu.cpp",
-    "csrc/digest_plan.cpp",
-    "csrc/digest_cpu.cpp",
-)
-CUDA_SOURCES = (
-    "csrc/fold_cuda.cpp",
-    "csrc/fold_cuda_kernel.cu",
-    "csrc/canary_cuda.cpp",
-    "csrc/canary_cuda_kernel.cu",
-    "csrc/digest_cuda.cpp",
-    "csrc/digest_cuda_kernel.cu",
-)
+CSRC = REPO / "csrc"
+# The build takes every source of these folders (csrc/README.md maps them): the operator
+# schema, the argument checks, the CPU wrappers and one unit per instruction set; the CUDA
+# launchers and kernels when CUDA is built.
+CPU_SOURCE_GLOBS = ("ops.cpp", "plan/*.cpp", "cpu/*.cpp", "cpu/isa/*.cpp")
+CUDA_SOURCE_GLOBS = ("cuda/*.cpp", "cuda/*.cu")
+
+
+def _sources(globs: tuple[str, ...]) -> list[str]:
+    return [str(path.relative_to(REPO)) for pattern in globs for path in sorted(CSRC.glob(pattern))]
+
+
 LIMITED_API = "cp310"  # the wheel's abi3 tag; Py_LIMITED_API below says the same
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The
@@ -50,19 +43,6 @@ NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1"]
 
 
-def _load_cuda_toolkit():
-    # The package's own finder (torch_kvcanary/cuda_toolkit.py), loaded by path: importing
-    # the package would load the library this build makes.
-    spec = importlib.util.spec_from_file_location("_kvcanary_cuda_toolkit", REPO / "torch_kvcanary" / "cuda_toolkit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def find_cuda_home() -> Path | None:
-    return _load_cuda_toolkit().find_cuda_home()
-
-
 def sanitize() -> bool:
     return os.environ.get("KVCANARY_SANITIZE") == "1"
 
@@ -71,7 +51,7 @@ def extensions() -> list[Extension]:
     return [
         Extension(
             "torch_kvcanary._C",
-            sources=list(CPU_SOURCES),
+            sources=_sources(CPU_SOURCE_GLOBS),
             define_macros=[("Py_LIMITED_API", "0x030A0000")],
             py_limited_api=True,
         )
@@ -110,7 +90,7 @@ def cmdclass() -> dict:
 
 def _configure(ext: Extension, cuda: bool, cpp_extension) -> None:
     device = "cuda" if cuda else "cpu"
-    ext.include_dirs += cpp_extension.include_paths(device)
+    ext.include_dirs += [str(CSRC)] + cpp_extension.include_paths(device)
     ext.library_dirs += cpp_extension.library_paths(device)
     ext.libraries += ["c10", "torch", "torch_cpu"]
     ext.language = "c++"
@@ -119,5 +99,5 @@ def _configure(ext: Extension, cuda: bool, cpp_extension) -> None:
         ext.extra_compile_args["cxx"] += SANITIZE_FLAGS
         ext.extra_link_args += SANITIZE_FLAGS[:1]
     if cuda:
-        ext.sources += list(CUDA_SOURCES)
+        ext.sources += _sources(CUDA_SOURCE_GLOBS)
         ext.libraries += ["c10_cuda", "torch_cuda", "cudart"]

@@ -23,7 +23,7 @@ c++ --version | head -1; uname -r; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-CUDA_HOME=$(python3 -c "import sys; sys.path.insert(0, 'build_tools'); from build_ext import find_cuda_home; print(find_cuda_home() or '')")
+CUDA_HOME=$(python3 -c "import sys; sys.path.insert(0, '.'); from build_tools.build_ext import find_cuda_home; print(find_cuda_home() or '')")
 export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"  # compute-sanitizer lives beside nvcc
 export MAX_JOBS=${MAX_JOBS:-16}
 

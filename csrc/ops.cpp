@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "canary_records.h"
+#include "core/canary_records.h"
 
 extern "C" {
 // `import torch_kvcanary._C` loads this library, whose static initializers

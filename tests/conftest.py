@@ -2,9 +2,15 @@
 choose with HYPOTHESIS_PROFILE."""
 
 import os
+import sys
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("nightly", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The benchmarks and build tools live beside the package in the checkout (benchmarks/,
+# build_tools/), not in it: appended, so that an installed torch_kvcanary still comes first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))

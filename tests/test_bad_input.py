@@ -10,7 +10,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
-from torch_kvcanary import layouts, upstream_baseline
+from benchmarks import upstream_baseline
+from torch_kvcanary import layouts
 
 U8 = torch.zeros(4, 2, 64, dtype=torch.uint8)  # a good view: 4 pages of 2 slots of 64 bytes
 ROWS = torch.zeros(8, 64, dtype=torch.uint8)

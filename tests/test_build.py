@@ -17,8 +17,7 @@ from helpers import REPO
 import torch_kvcanary
 from torch_kvcanary.cli import fold_backends
 
-sys.path.insert(0, str(REPO / "build_tools"))
-from build_ext import find_cuda_home  # noqa: E402
+from build_tools.cuda_toolkit import find_cuda_home
 
 CUDA_BUILD = torch.version.cuda is not None and find_cuda_home() is not None
 
@@ -91,7 +90,7 @@ def test_cpu_path_shares_no_code_with_other_units(path, tmp_path):
     # keeps for every unit, and run AVX-512 code on a CPU without it. At -O0 nothing is inlined
     # away, so every such definition shows: the unit must export its entry points (the fold's and
     # the digest's) and nothing else.
-    symbols = _defined_symbols(os.environ.get("CXX", "c++"), REPO / "csrc" / f"fold_cpu_{path}.cpp", tmp_path / f"{path}.o")
+    symbols = _defined_symbols(os.environ.get("CXX", "c++"), REPO / "csrc" / "cpu" / "isa" / f"{path}.cpp", tmp_path / f"{path}.o")
     external = [name for kind, name in symbols if kind.isupper() or kind in "uvw"]
     assert sorted(external) == [
         f"kvcanary::digest_range_{path}(kvcanary::CpuDigestRange const&)",

@@ -8,7 +8,7 @@ import torch
 from helpers import DEVICES
 
 from torch_kvcanary import KvCanary
-from torch_kvcanary.demo import Demo
+from torch_kvcanary.demos.paged_cache import Demo
 
 
 @pytest.mark.parametrize("device", DEVICES)

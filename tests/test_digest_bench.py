@@ -5,8 +5,8 @@ import json
 import pytest
 from helpers import DEVICES
 
-from torch_kvcanary import bench
-from torch_kvcanary.cli import main
+from benchmarks import bench
+
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -20,7 +20,7 @@ def test_digest_beside_fold(device):
 
 def test_cli_digest_table_and_json(tmp_path, capsys):
     path = tmp_path / "digest.json"
-    assert main(["bench", "--digest", "--device", "cpu", "--quick", "--min-run-time", "0.002", "--json", str(path)]) == 0
+    assert bench.main(["--digest", "--device", "cpu", "--quick", "--min-run-time", "0.002", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     payload = json.loads(path.read_text())
     assert [r["case"]["name"] for r in payload["digest"]] == [c.name for c in bench.digest_cases(quick=True)]

@@ -12,7 +12,7 @@ import digest_oracle as oracle
 import pytest
 import torch
 
-from torch_kvcanary import transfer_demo as td
+from torch_kvcanary.demos import transfer as td
 
 CONFIG = td.TransferConfig()
 # TP=4 prefill ranks with blocks of 8 tokens; the decode rank as before

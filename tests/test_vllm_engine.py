@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 from helpers import REPO  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations import vllm as plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from random_llama import make_llama  # noqa: E402

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from torch_kvcanary import HashMode
-from torch_kvcanary.integrations import vllm as plugin
+from torch_kvcanary.integrations.vllm import plugin
 
 
 @pytest.mark.parametrize("value", [None, ""])

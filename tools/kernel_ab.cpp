@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "fold_cpu_isa.h"  // this tree's (B's)
-#include "fold_math.h"
+#include "cpu/kernels/fold_cpu_isa.h"  // this tree's (B's)
+#include "core/fold_math.h"
 
 extern "C" {
 void fold_all_a(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n,

@@ -38,7 +38,9 @@ flags=(-O3 -std=c++17)
 # KERNEL_AB_KERNEL names the path's entry point for sides older than KERNEL_AB_PATH.
 for side in a b; do
   renamed=(-Dkvcanary=kvcanary_$side -I"$work/$side")
-  "$CXX" "${flags[@]}" "${renamed[@]}" -c "$work/$side/fold_cpu_$isa.cpp" -o "$work/kernel_$side.o"
+  unit="$work/$side/cpu/isa/$isa.cpp"  # csrc/cpu/isa/, or a flat csrc/ before it had folders
+  [[ -f $unit ]] || unit="$work/$side/fold_cpu_$isa.cpp"
+  "$CXX" "${flags[@]}" "${renamed[@]}" -c "$unit" -o "$work/kernel_$side.o"
   "$CXX" "${flags[@]}" "${renamed[@]}" -DKERNEL_AB_ENTRY=fold_all_$side -DKERNEL_AB_KERNEL=fold_range_$isa -DKERNEL_AB_PATH=$isa \
     -c "$work/side_$side.cpp" -o "$work/side_$side.o"
 done

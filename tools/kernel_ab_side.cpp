@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "fold_cpu.h"
-#include "fold_cpu_tasks.h"
+#include "cpu/kernels/fold_cpu.h"
+#include "cpu/kernels/fold_cpu_tasks.h"
 
 #define KERNEL_AB_CONCAT(a, b) a##b
 #define KERNEL_AB_TASK(path) KERNEL_AB_CONCAT(fold_task_, path)

@@ -1,4 +1,5 @@
-"""``python -m torch_kvcanary``: what is installed, the benchmark, the demo."""
+"""``python -m torch_kvcanary``: what is installed, and the demos. The benchmarks are not
+part of the package: ``python -m benchmarks.bench`` in a checkout."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import sys
 
 import torch
 
-from . import __version__, bench, demo, transfer_demo
+from . import __version__
+from .demos import paged_cache as demo
+from .demos import transfer as transfer_demo
 from .ops import fold
 from .reference import reference_fold
 from .sources import HashMode, make_packed_source, make_row_source
@@ -72,13 +75,5 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: KV moved between processes over torch.distributed, and the transfer digests catching five bugs on the way",
     )
     demo_parser.set_defaults(run=run_demo)
-    bench_parser = commands.add_parser(
-        "bench",
-        help="the fold's speed beside its baselines",
-        description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(run=bench.main)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -1,0 +1,180 @@
+// SGLang's canary records (contract: the SPEC's "The canary records"): the
+// four int64 fields kept per slot, the hash chain through a request's slots,
+// the fail-reason bits and the violation row. Torch-free, shared by the CPU
+// and CUDA kernels of kvcanary::record and kvcanary::verify.
+#pragma once
+
+#include <cstdint>
+
+#include "core/fold_math.h"
+
+namespace kvcanary {
+
+// Fields of one slot's record, in SGLang's canary-buffer order.
+enum RecordField : int { kToken = 0, kPosition = 1, kChain = 2, kFold = 3, kRecordFields = 4 };
+
+// Fields of one violation row.
+enum ViolationField : int {
+  kRowKind = 0,
+  kRowSlot = 1,
+  kRowPosition = 2,
+  kRowStoredToken = 3,
+  kRowExpectedToken = 4,
+  kRowStoredChain = 5,
+  kRowExpectedAux = 6,
+  kRowReasons = 7,
+  kViolationFields = 8,
+};
+
+// Which call flagged a row.
+enum ViolationKind : int64_t { kKindRecord = 0, kKindVerify = 1 };
+
+// Fail-reason bits: SGLang's values (bits 3 and 4 are its write-input asserts,
+// unused here), then this package's.
+enum FailReason : int64_t {
+  kChainMismatch = 1 << 0,
+  kPositionMismatch = 1 << 1,
+  kFoldMismatch = 1 << 2,
+  kTokenMismatch = 1 << 5,
+  kOwnerMismatch = 1 << 6,
+  // A slot or previous slot past the capacity, found by a kernel that was not
+  // asked to raise (CUDA-graph capture, torch.compile): the entry is skipped.
+  kSlotOutOfRange = 1 << 7,
+};
+
+// The canary's device counters, one int64 each. kRingWrite is the ring's
+// write index since the last poll; the others only grow.
+enum Counter : int {
+  kRecordCalls = 0,
+  kVerifyCalls = 1,
+  kSlotsRecorded = 2,
+  kSlotsVerified = 3,
+  kViolations = 4,
+  kRingWrite = 5,
+  kRingOverflow = 6,
+  kNumCounters = 7,
+};
+
+// Names of the counters, in Counter order (Python reads them through the
+// kvcanary::canary_counters op, so this is their one home).
+constexpr const char* kCounterNames[kNumCounters] = {
+    "record_calls", "verify_calls", "slots_recorded", "slots_verified",
+    "violations",   "ring_write",   "ring_overflow"};
+
+// splitmix64(0xC0FFEE1234567890): the link of a request's first position.
+constexpr uint64_t kChainAnchor = 0xDE7FAE23A9A1B716ull;
+
+// The link a slot's successor stores as its chain.
+KVC_HOST_DEVICE int64_t link_of(const int64_t* record) {
+  return static_cast<int64_t>(mix3<uint64_t>(static_cast<uint64_t>(record[kChain]),
+                                             static_cast<uint64_t>(record[kToken]),
+                                             static_cast<uint64_t>(record[kPosition])));
+}
+
+// link(p) over a records table [capacity, kRecordFields]; p < 0 is a first
+// position. The caller has checked p < capacity.
+KVC_HOST_DEVICE int64_t link_at(const int64_t* records, int64_t p) {
+  return p < 0 ? static_cast<int64_t>(kChainAnchor) : link_of(records + p * kRecordFields);
+}
+
+// The per-entry inputs of a record or verify call; a null pointer is an input
+// not given (positions and tokens read as -1, prev_slots as -1, tags as
+// "not checked"). All are contiguous, int32 or int64 as flagged, except tags
+// (int64, one value for all entries when tags_broadcast).
+struct EntryInputs {
+  const void* slots;
+  const void* positions;
+  const void* tokens;
+  const void* prev_slots;
+  bool slots_int32, positions_int32, tokens_int32, prev_slots_int32;
+  const int64_t* tags;
+  bool tags_broadcast;
+  int64_t num_entries;
+};
+
+KVC_HOST_DEVICE int64_t load_index(const void* data, bool is_int32, int64_t i, int64_t missing) {
+  if (data == nullptr) {
+    return missing;
+  }
+  return is_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(data)[i])
+                  : static_cast<const int64_t*>(data)[i];
+}
+
+KVC_HOST_DEVICE int64_t entry_slot(const EntryInputs& in, int64_t i) {
+  return load_index(in.slots, in.slots_int32, i, -1);
+}
+KVC_HOST_DEVICE int64_t entry_position(const EntryInputs& in, int64_t i) {
+  return load_index(in.positions, in.positions_int32, i, -1);
+}
+KVC_HOST_DEVICE int64_t entry_token(const EntryInputs& in, int64_t i) {
+  return load_index(in.tokens, in.tokens_int32, i, -1);
+}
+KVC_HOST_DEVICE int64_t entry_prev_slot(const EntryInputs& in, int64_t i) {
+  return load_index(in.prev_slots, in.prev_slots_int32, i, -1);
+}
+KVC_HOST_DEVICE int64_t entry_tag(const EntryInputs& in, int64_t i) {
+  return in.tags[in.tags_broadcast ? 0 : i];
+}
+
+// The checks of one verify entry at slot s (0 <= s < capacity, not padding;
+// padding_slot is -1 when the canary has none):
+// the reason bits, and the expected chain (the stored one where the chain is
+// not checked, as SGLang reports it).
+struct VerifyOutcome {
+  int64_t reasons;
+  int64_t expected_chain;
+};
+
+KVC_HOST_DEVICE VerifyOutcome verify_entry(const int64_t* records, const int64_t* owner_tags,
+                                           const EntryInputs& in, int64_t i, int64_t s,
+                                           int64_t fold_now, int64_t padding_slot) {
+  const int64_t* record = records + s * kRecordFields;
+  VerifyOutcome out{0, record[kChain]};
+  if (in.prev_slots != nullptr) {
+    const int64_t p = entry_prev_slot(in, i);
+    if (padding_slot < 0 || p != padding_slot) {  // a chain through padding is unreachable
+      out.expected_chain = link_at(records, p);
+      if (record[kChain] != out.expected_chain) out.reasons |= kChainMismatch;
+    }
+  }
+  if (in.positions != nullptr && record[kPosition] != entry_position(in, i)) {
+    out.reasons |= kPositionMismatch;
+  }
+  if (record[kFold] != fold_now) out.reasons |= kFoldMismatch;
+  if (in.tokens != nullptr) {
+    const int64_t token = entry_token(in, i);
+    if (token != -1 && record[kToken] != token) out.reasons |= kTokenMismatch;
+  }
+  if (in.tags != nullptr && owner_tags[s] != entry_tag(in, i)) out.reasons |= kOwnerMismatch;
+  return out;
+}
+
+// The violation row of a verify entry.
+KVC_HOST_DEVICE void verify_row(int64_t* row, const int64_t* records, const EntryInputs& in,
+                                int64_t i, int64_t s, const VerifyOutcome& outcome) {
+  const int64_t* record = records + s * kRecordFields;
+  row[kRowKind] = kKindVerify;
+  row[kRowSlot] = s;
+  row[kRowPosition] = record[kPosition];
+  row[kRowStoredToken] = record[kToken];
+  row[kRowExpectedToken] = entry_token(in, i);
+  row[kRowStoredChain] = record[kChain];
+  row[kRowExpectedAux] = outcome.expected_chain;
+  row[kRowReasons] = outcome.reasons;
+}
+
+// The row of an entry skipped because its slot or previous slot is past the
+// capacity (nothing of the table is read).
+KVC_HOST_DEVICE void out_of_range_row(int64_t* row, int64_t kind, const EntryInputs& in,
+                                      int64_t i) {
+  row[kRowKind] = kind;
+  row[kRowSlot] = entry_slot(in, i);
+  row[kRowPosition] = entry_position(in, i);
+  row[kRowStoredToken] = -1;
+  row[kRowExpectedToken] = entry_token(in, i);
+  row[kRowStoredChain] = 0;
+  row[kRowExpectedAux] = entry_prev_slot(in, i);
+  row[kRowReasons] = kSlotOutOfRange;
+}
+
+}  // namespace kvcanary

@@ -1,0 +1,49 @@
+// The CPU fold's instruction-set paths. Each lives in its own translation unit
+// (fold_cpu_scalar.cpp, fold_cpu_avx2.cpp, fold_cpu_avx512.cpp); fold_cpu.cpp
+// picks one at run time. Those units compile every function they see for
+// their instruction set, and the linker keeps one copy of each inline function
+// or template instantiation with external linkage, from whichever unit it
+// likes: so this header, which they include, holds only data, constants and
+// declarations, and everything they define is static or in an anonymous
+// namespace, but for their one entry point (tests/test_build.py checks it).
+#pragma once
+
+#include <cstdint>
+
+#include "core/fold_math.h"
+
+namespace kvcanary {
+
+// What a call folds: out[i] = the fold of slots[i] over the sources, for the
+// indices i it is given.
+struct CpuFoldWork {
+  const SourceLayout* sources;
+  int num_sources;
+  int64_t capacity;  // smallest source capacity; slots outside [0, capacity) give 0
+  const void* slots;
+  bool slots_are_int32;
+  int64_t* out;
+};
+
+// Indices [begin, end) into the work's slots.
+struct SlotSpan {
+  int64_t begin;
+  int64_t end;
+};
+
+// Every path folds slots in lane groups whose size divides this; tasks handed
+// to threads are multiples of it, so no group is split between two tasks.
+constexpr int64_t kLaneGroupMultiple = 64;
+
+enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Each path folds `task` of `work`. `next` is the span the calling thread
+// folds after it (empty when none): its first tokens are prefetched while the
+// task's last group is folded.
+void fold_task_scalar(const CpuFoldWork& work, SlotSpan task, SlotSpan next);
+#if defined(__x86_64__)
+void fold_task_avx2(const CpuFoldWork& work, SlotSpan task, SlotSpan next);
+void fold_task_avx512(const CpuFoldWork& work, SlotSpan task, SlotSpan next);
+#endif
+
+}  // namespace kvcanary

@@ -1,0 +1,322 @@
+// The CPU fold, written once for any lane type. Included by each
+// instruction-set unit after it has set its target; everything here has
+// internal linkage (see fold_cpu.h).
+//
+// The splitmix64 chain is serial within a slot, so speed comes from folding
+// many slots at once: kVectors vectors of V::kLanes slots each (a lane group
+// of kSlots slots) run independent chains side by side. A lane type provides
+//   Vec                      uint64 lanes with ^, logical >>, * by a constant
+//   kLanes                   slots per Vec
+//   zero()
+//   load_chunks(tokens, offset, &lo, &hi)
+//                            the 16-byte chunk at tokens[i] + offset of each
+//                            lane i, split into its low and high words
+//   kBlockChunks, load_block(tokens, offset, words)
+//                            optional (kBlockChunks > 1): kBlockChunks
+//                            contiguous chunks of each lane at once, as
+//                            2 * kBlockChunks vectors of words, in order
+//   store(out, vec)          the lanes, in order, to out[0..kLanes)
+//
+// The calls, from the top (each one calls those below it):
+//   fold_task          a task: its whole lane groups, then its tail
+//   fold_tail          the tail, in as few vectors as hold it
+//   fold_groups        consecutive lane groups of a span of slots
+//   fold_by_pairs      a short span, its lanes taking (source, slot) pairs
+//   fold_group         one lane group over every source
+//   hash_tokens        one source's bytes of each lane's token
+//   hash_token_blocks  the same, in blocks of several chunks (AVX-512)
+// The prefetch plan (fold_cpu_prefetch.h) is made in fold_groups and
+// fold_group, and its requests are issued step by step in hash_tokens.
+#pragma once
+
+#include "cpu/kernels/fold_cpu.h"
+#include "cpu/kernels/fold_cpu_prefetch.h"
+#include "core/fold_math.h"
+
+// The per-vector loops must be unrolled for the vectors to stay in registers.
+#if defined(__clang__)
+#define KVC_UNROLL _Pragma("unroll")
+#else
+#define KVC_UNROLL _Pragma("GCC unroll 16")
+#endif
+
+namespace kvcanary {
+namespace {
+
+template <class V, int kVectors>
+struct LaneFold {
+  using Vec = typename V::Vec;
+  static constexpr int kSlots = V::kLanes * kVectors;
+  static_assert(kLaneGroupMultiple % kSlots == 0, "tasks must hold whole lane groups");
+  static constexpr int kBlockWords = 2 * V::kBlockChunks;
+  static constexpr int64_t kBlockBytes = V::kBlockChunks * kReadAlign;
+  // A tail over several sources read at least this far is folded by (source,
+  // slot) pairs: shorter chains gain less from running side by side than the
+  // pairs' bookkeeping costs.
+  static constexpr int64_t kPairsMinBytes = 128;
+
+  // Folds `task` of `work`, then (through the prefetch plan) warms `next`.
+  static void fold_task(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+    if (work.slots_are_int32) {
+      fold_task_indexed<int32_t>(work, task, next);
+    } else {
+      fold_task_indexed<int64_t>(work, task, next);
+    }
+  }
+
+  template <typename index_t>
+  static void fold_task_indexed(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+    const SlotSpan whole{task.begin, task.begin + (task.end - task.begin) / kSlots * kSlots};
+    const SlotSpan tail{whole.end, task.end};
+    const bool has_tail = tail.begin < tail.end;
+    if (whole.begin < whole.end) {
+      fold_groups<index_t>(work, whole, has_tail ? tail : next);
+    }
+    if (has_tail) {
+      fold_tail<index_t>(work, tail, next);
+    }
+  }
+
+  // The end of a task, or all of a small one (fewer slots than a group), in
+  // as few vectors as hold it: a few slots should not cost the hashing of
+  // kSlots lanes, and up to four vectors hash in about the time of one (their
+  // chains' latency bounds them, not the vector ports). When the sources share
+  // a token layout, the lanes take (source, slot) pairs.
+  template <typename index_t>
+  static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next) {
+    const bool by_pairs = takes_pairs(work);
+    const int64_t lanes = (tail.end - tail.begin) * (by_pairs ? work.num_sources : 1);
+    const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
+    if (vectors <= 1)
+      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs);
+    if (vectors <= 2)
+      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs);
+    if (vectors <= 4)
+      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs);
+    fold_span<index_t>(work, tail, next, by_pairs);
+  }
+
+  template <typename index_t>
+  static void fold_span(const CpuFoldWork& work, SlotSpan span, SlotSpan next, bool by_pairs) {
+    if (by_pairs) {
+      fold_by_pairs<index_t>(work, span);
+    } else {
+      fold_groups<index_t>(work, span, next);
+    }
+  }
+
+  // The groups of kSlots slots of `span`, in order (the last one may be
+  // short); `next` is what the thread folds after the span. A group's padding,
+  // out-of-range and missing lanes fold a folded slot of the group instead
+  // (every read stays inside the sources) and give 0; a group with nothing to
+  // fold reads nothing.
+  template <typename index_t>
+  static void fold_groups(const CpuFoldWork& work, SlotSpan span, SlotSpan next) {
+    const auto* slots = static_cast<const index_t*>(work.slots);
+    const ReadOrder<index_t> order(work, span, next, kSlots);
+    int64_t group[kSlots];
+    int64_t folded[kSlots];
+    for (int64_t first = span.begin; first < span.end; first += kSlots) {
+      const int count = static_cast<int>(smaller(span.end - first, kSlots));
+      int64_t stand_in = -1;
+      bool all_folded = count == kSlots;
+      for (int i = 0; i < count; ++i) {
+        group[i] = slots[first + i];
+        if (!is_folded(work, group[i])) {
+          all_folded = false;
+        } else if (stand_in < 0) {
+          stand_in = group[i];
+        }
+      }
+      if (stand_in < 0 || work.num_sources == 0) {
+        for (int i = 0; i < count; ++i) work.out[first + i] = 0;
+        continue;
+      }
+      if (all_folded) {
+        fold_group(work, group, order, first, work.out + first);
+        continue;
+      }
+      for (int i = 0; i < kSlots; ++i) {
+        if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
+      }
+      fold_group(work, group, order, first, folded);
+      for (int i = 0; i < count; ++i) {
+        work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
+      }
+    }
+  }
+
+  // out[0..kSlots) = the fold of the kSlots slots of `group` (all folded, the
+  // group that starts at index `first`) over every source. While one source is
+  // hashed, the tokens read after it (`order`) are prefetched, so that the
+  // requests run one source's work ahead.
+  template <typename index_t>
+  static void fold_group(const CpuFoldWork& work, const int64_t* group,
+                         const ReadOrder<index_t>& order, int64_t first, int64_t* out) {
+    Vec acc[kVectors];
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
+    const unsigned char* tokens[kSlots];
+    TokenPrefetcher prefetcher;
+    for (int s = 0; s < work.num_sources; ++s) {
+      const SourceLayout& src = work.sources[s];
+      for (int i = 0; i < kSlots; ++i) {
+        tokens[i] = src.data + token_offset(src, group[i]);
+      }
+      prefetcher.start(work, order.after(first, s));
+      Vec h[kVectors];
+      hash_tokens(src, tokens, h, prefetcher);
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
+    }
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
+  }
+
+  // Whether hash_tokens reads `src` in blocks (its runs hold whole blocks).
+  static bool takes_blocks(const SourceLayout& src) {
+    return V::kBlockChunks > 1 && (src.num_outer == 0 || src.run_bytes % kBlockBytes == 0);
+  }
+
+  // h[v] = the hash of the read_bytes of `src` of each lane of vector v, lane
+  // i reading tokens[i] (every token laid out as `src` says). The prefetcher
+  // is paced over the hashing's steps (a word of a block, or a chunk).
+  template <class Prefetcher>
+  static void hash_tokens(const SourceLayout& src, const unsigned char* const* tokens, Vec* h,
+                          Prefetcher& prefetcher) {
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
+    const bool by_blocks = takes_blocks(src);
+    const int64_t num_blocks = by_blocks ? src.read_bytes / kBlockBytes : 0;
+    const int64_t num_chunks_after_blocks =
+        (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
+    prefetcher.pace(num_blocks * kBlockWords + num_chunks_after_blocks);
+    int64_t byte = 0;
+    if constexpr (V::kBlockChunks > 1) {
+      if (by_blocks) byte = hash_token_blocks(src, tokens, h, prefetcher);
+    }
+    for (; byte < src.read_bytes; byte += kReadAlign) {
+      prefetcher.step();
+      const int64_t offset = chunk_offset(src, byte);
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+        Vec lo, hi;
+        V::load_chunks(tokens + v * V::kLanes, offset, &lo, &hi);
+        h[v] = fold_chunk(h[v], lo, hi);
+      }
+    }
+    prefetcher.finish();
+  }
+
+  // The whole blocks of `src` for kSlots lanes; returns the bytes hashed.
+  // Software-pipelined: while the words of one block are hashed (word by word
+  // across the vectors, independent chains side by side), the next block is
+  // loaded and transposed into the other half of a small staging buffer, one
+  // vector per step, so loads overlap the hash instead of alternating with it.
+  template <class Prefetcher>
+  static int64_t hash_token_blocks(const SourceLayout& src, const unsigned char* const* tokens,
+                                   Vec* h, Prefetcher& prefetcher) {
+    static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
+    constexpr int kWordsPerLoad = kBlockWords / kVectors;
+    const int64_t num_blocks = src.read_bytes / kBlockBytes;
+    if (num_blocks == 0) return 0;
+    Vec stage[2][kVectors][kBlockWords];
+    const int64_t first = chunk_offset(src, 0);
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+      V::load_block(tokens + v * V::kLanes, first, stage[0][v]);
+    }
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const int current = static_cast<int>(block % 2);
+      const int other = 1 - current;
+      const bool load_next = block + 1 < num_blocks;
+      const int64_t next = load_next ? chunk_offset(src, (block + 1) * kBlockBytes) : 0;
+      KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
+        KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
+          h[v] = splitmix64(h[v] ^ stage[current][v][w]);
+        }
+        prefetcher.step();
+        if (load_next && w % kWordsPerLoad == 0) {
+          const int v = w / kWordsPerLoad;  // the vector whose next block is loaded at this step
+          V::load_block(tokens + v * V::kLanes, next, stage[other][v]);
+        }
+      }
+    }
+    return num_blocks * kBlockBytes;
+  }
+
+  // Whether the sources all read the same bytes of their tokens (read_bytes
+  // and the runs inside a token alike), so that a vector may hash a different
+  // source in each lane.
+  static bool same_token_layout(const CpuFoldWork& work) {
+    const SourceLayout& first = work.sources[0];
+    for (int s = 1; s < work.num_sources; ++s) {
+      const SourceLayout& src = work.sources[s];
+      if (src.read_bytes != first.read_bytes || src.num_outer != first.num_outer ||
+          (src.num_outer > 0 && src.run_bytes != first.run_bytes)) {
+        return false;
+      }
+      for (int d = 0; d < src.num_outer; ++d) {
+        if (src.outer_size[d] != first.outer_size[d] ||
+            src.outer_stride[d] != first.outer_stride[d]) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  // Whether a tail is folded by (source, slot) pairs (fold_by_pairs).
+  static bool takes_pairs(const CpuFoldWork& work) {
+    return work.num_sources > 1 && work.sources[0].read_bytes >= kPairsMinBytes &&
+           same_token_layout(work);
+  }
+
+  // Fewer slots than a lane group (kLaneGroupMultiple) over sources of one
+  // token layout: lanes take (source, slot) pairs, so that the sources' chains
+  // run side by side instead of one after another (a decode step: a few
+  // slots, a K and a V source per layer). The pairs go source by source (all
+  // slots of source 0, then of source 1, ...), so each slot's hashes combine
+  // in source order. Nothing is prefetched: the pairs are all there is.
+  template <typename index_t>
+  static void fold_by_pairs(const CpuFoldWork& work, SlotSpan span) {
+    const auto* slots = static_cast<const index_t*>(work.slots) + span.begin;
+    const int count = static_cast<int>(span.end - span.begin);
+    int64_t stand_in = -1;  // read instead of padding and out-of-range slots
+    for (int i = 0; i < count && stand_in < 0; ++i) {
+      if (is_folded(work, slots[i])) stand_in = slots[i];
+    }
+    uint64_t acc[kLaneGroupMultiple] = {};
+    const unsigned char* tokens[kSlots];
+    int64_t lane_hashes[kSlots];
+    NoPrefetch no_prefetch;
+    int source = 0;  // the next pair is (source, slot)
+    int slot = 0;
+    while (stand_in >= 0 && source < work.num_sources) {
+      const int first_source = source;
+      const int first_slot = slot;
+      int pairs = 0;
+      for (; pairs < kSlots && source < work.num_sources; ++pairs) {
+        const SourceLayout& src = work.sources[source];
+        const int64_t read = is_folded(work, slots[slot]) ? slots[slot] : stand_in;
+        tokens[pairs] = src.data + token_offset(src, read);
+        ++slot;
+        if (slot == count) {
+          slot = 0;
+          ++source;
+        }
+      }
+      for (int lane = pairs; lane < kSlots; ++lane) tokens[lane] = tokens[0];
+      Vec h[kVectors];
+      // Every source has the first one's token layout (takes_pairs).
+      hash_tokens(work.sources[first_source], tokens, h, no_prefetch);
+      KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(lane_hashes + v * V::kLanes, h[v]);
+      int i = first_slot;
+      for (int lane = 0; lane < pairs; ++lane) {
+        acc[i] = splitmix64(acc[i] ^ static_cast<uint64_t>(lane_hashes[lane]));
+        ++i;
+        if (i == count) i = 0;
+      }
+    }
+    for (int i = 0; i < count; ++i) {
+      work.out[span.begin + i] = is_folded(work, slots[i]) ? static_cast<int64_t>(acc[i]) : 0;
+    }
+  }
+};
+
+}  // namespace
+}  // namespace kvcanary

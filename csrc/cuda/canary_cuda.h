@@ -1,0 +1,35 @@
+// The interface between the CUDA canary ops (canary_cuda.cpp, plain C++) and
+// their kernels (canary_cuda_kernel.cu, compiled by nvcc without torch).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "core/canary_records.h"
+#include "cuda/fold_cuda.h"
+
+namespace kvcanary {
+
+struct CanaryLaunchArgs {
+  // The fold of each entry's slot: the last group of sources (earlier groups,
+  // when there are more than kSourcesPerLaunch, were folded into fold.out and
+  // fold.continue_chain is set). fold.slots is inputs.slots.
+  FoldLaunchArgs fold;
+  EntryInputs inputs;
+  int64_t* records;     // [capacity, kRecordFields]
+  int64_t* owner_tags;  // [capacity]
+  int64_t* counters;    // [kNumCounters]
+  int64_t* ring;        // [ring_capacity, kViolationFields]
+  int64_t ring_capacity;
+  int64_t capacity;
+  int64_t padding_slot;  // verify only; -1: none
+  bool* flagged;         // verify only: one per entry
+};
+
+// record: one thread per entry writes its slot's token, position, fold and
+// owner; the chain of a run of entries that chain through each other
+// (prev_slots[i] == slots[i - 1]) is written in order by the run's first
+// thread, so runs (requests) proceed in parallel.
+cudaError_t launch_record(const CanaryLaunchArgs& args, cudaStream_t stream);
+cudaError_t launch_verify(const CanaryLaunchArgs& args, cudaStream_t stream);
+
+}  // namespace kvcanary

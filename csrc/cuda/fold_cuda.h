@@ -1,0 +1,33 @@
+// The interface between the CUDA op (fold_cuda.cpp, plain C++) and its kernel
+// (fold_cuda_kernel.cu, compiled by nvcc without the torch headers).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "core/fold_math.h"
+
+namespace kvcanary {
+
+// Sources travel by value in the kernel's arguments (no device table, so no
+// host-to-device copy that CUDA-graph capture would have to replay). More
+// sources than this are folded by further launches that continue the chain.
+constexpr int kSourcesPerLaunch = 16;
+
+// One thread per slot, in a 1-D grid of at most 2^31 - 1 blocks.
+constexpr int kThreadsPerBlock = 128;
+constexpr int64_t kMaxSlotsPerCall = ((int64_t{1} << 31) - 1) * kThreadsPerBlock;
+
+struct FoldLaunchArgs {
+  SourceLayout sources[kSourcesPerLaunch];
+  int num_sources;
+  int64_t capacity;   // smallest source capacity of the whole fold
+  const void* slots;  // int32 or int64, contiguous
+  bool slots_are_int32;
+  int64_t num_slots;
+  int64_t* out;         // one int64 per slot
+  bool continue_chain;  // start from `out` (the fold of earlier sources)
+};
+
+cudaError_t launch_fold(const FoldLaunchArgs& args, cudaStream_t stream);
+
+}  // namespace kvcanary

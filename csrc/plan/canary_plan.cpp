@@ -1,0 +1,133 @@
+#include "plan/canary_plan.h"
+
+#include <c10/util/Exception.h>
+
+namespace kvcanary {
+namespace {
+
+bool is_index_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
+}
+
+// A tensor whose entries are read in memory order (its shape is not needed):
+// itself when contiguous, which spares a new tensor per input and call.
+at::Tensor in_memory_order(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// An optional per-entry input: int32/int64, on the slots' device, one value
+// per slot. Returns it in memory order (undefined when not given).
+at::Tensor entry_tensor(const std::optional<at::Tensor>& input, const char* name,
+                        const at::Tensor& slots) {
+  if (!input.has_value()) {
+    return at::Tensor();
+  }
+  const at::Tensor& t = *input;
+  TORCH_CHECK_TYPE(is_index_dtype(t), "kv-canary: ", name,
+                   " must be an int32 or int64 tensor, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: ", name, " is on ", t.device(),
+                    " but slots are on ", slots.device(), "; put them on one device");
+  TORCH_CHECK_VALUE(t.numel() == slots.numel(), "kv-canary: ", name, " has ", t.numel(),
+                    " entries (shape ", t.sizes(), ") but slots has ", slots.numel(), " (shape ",
+                    slots.sizes(), "); pass one value per slot");
+  return in_memory_order(t);
+}
+
+void check_table(const at::Tensor& t, const char* name, const at::Tensor& slots,
+                 std::initializer_list<int64_t> trailing) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "kv-canary: the canary's ", name,
+                   " must be int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: the canary's ", name, " is on ",
+                    t.device(), " but slots are on ", slots.device(),
+                    "; put slots on the canary's device");
+  TORCH_CHECK_VALUE(t.is_contiguous() && t.dim() == 1 + static_cast<int64_t>(trailing.size()),
+                    "kv-canary: the canary's ", name, " must be a contiguous ", 1 + trailing.size(),
+                    "-D tensor, got shape ", t.sizes());
+  int64_t d = 1;
+  for (int64_t size : trailing) {
+    TORCH_CHECK_VALUE(t.size(d) == size, "kv-canary: the canary's ", name, " must have ", size,
+                      " columns, got shape ", t.sizes());
+    ++d;
+  }
+}
+
+}  // namespace
+
+EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tensor>& positions,
+                          const std::optional<at::Tensor>& tokens,
+                          const std::optional<at::Tensor>& prev_slots,
+                          const std::optional<at::Tensor>& tags) {
+  TORCH_CHECK_TYPE(is_index_dtype(slots), "kv-canary: slots must be an int32 or int64 tensor, got ",
+                   slots.scalar_type());
+  EntryPlan plan;
+  plan.slots = in_memory_order(slots);
+  const at::Tensor flat_positions = entry_tensor(positions, "positions", slots);
+  const at::Tensor flat_tokens = entry_tensor(tokens, "tokens", slots);
+  plan.prev_slots = entry_tensor(prev_slots, "prev_slots", slots);
+  at::Tensor flat_tags;
+  if (tags.has_value()) {
+    const at::Tensor& t = *tags;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong,
+                     "kv-canary: tag must be an int or an int64 tensor, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: tag is on ", t.device(),
+                      " but slots are on ", slots.device(), "; put them on one device");
+    TORCH_CHECK_VALUE(t.numel() == 1 || t.numel() == slots.numel(), "kv-canary: tag has ",
+                      t.numel(), " values (shape ", t.sizes(), ") but slots has ", slots.numel(),
+                      "; pass one int, or one value per slot");
+    flat_tags = in_memory_order(t);
+  }
+  const auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; };
+  const auto int32 = [](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kInt; };
+  EntryInputs& in = plan.inputs;
+  in.slots = plan.slots.const_data_ptr();
+  in.slots_int32 = int32(plan.slots);
+  in.positions = data(flat_positions);
+  in.positions_int32 = int32(flat_positions);
+  in.tokens = data(flat_tokens);
+  in.tokens_int32 = int32(flat_tokens);
+  in.prev_slots = data(plan.prev_slots);
+  in.prev_slots_int32 = int32(plan.prev_slots);
+  in.tags = flat_tags.defined() ? flat_tags.const_data_ptr<int64_t>() : nullptr;
+  in.tags_broadcast = flat_tags.defined() && flat_tags.numel() == 1;
+  in.num_entries = plan.slots.numel();
+  plan.keep_alive = {flat_positions, flat_tokens, flat_tags};
+  return plan;
+}
+
+int64_t check_canary_tables(const at::Tensor& records, const at::Tensor& owner_tags,
+                            const at::Tensor& counters, const at::Tensor* ring,
+                            const at::Tensor& slots, int64_t sources_capacity) {
+  check_table(records, "records", slots, {kRecordFields});
+  const int64_t capacity = records.size(0);
+  check_table(owner_tags, "owner tags", slots, {});
+  TORCH_CHECK_VALUE(owner_tags.size(0) == capacity, "kv-canary: the canary's owner tags hold ",
+                    owner_tags.size(0), " slots but its records hold ", capacity);
+  check_table(counters, "counters", slots, {});
+  TORCH_CHECK_VALUE(counters.size(0) == kNumCounters, "kv-canary: the canary's counters must hold ",
+                    static_cast<int>(kNumCounters), " values, got ", counters.size(0));
+  if (ring != nullptr) {
+    check_table(*ring, "violation ring", slots, {kViolationFields});
+    TORCH_CHECK_VALUE(ring->size(0) >= 1, "kv-canary: the violation ring needs at least one row");
+  }
+  TORCH_CHECK_VALUE(sources_capacity < 0 || capacity <= sources_capacity,
+                    "kv-canary: the canary holds ", capacity, " slots but its sources only ",
+                    sources_capacity, "; build the canary over these sources");
+  return capacity;
+}
+
+void fail_entry_out_of_range(const char* name, int64_t value, int64_t capacity) {
+  TORCH_CHECK_INDEX(false, "kv-canary: ", name, " holds slot ", value,
+                    ", out of range for a canary of capacity ", capacity, "; slots must be < ",
+                    capacity, " (or negative for padding)");
+}
+
+void check_entries_in_range_host(const at::Tensor& index, const char* name, int64_t capacity) {
+  const int64_t n = index.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t value =
+        load_index(index.const_data_ptr(), index.scalar_type() == at::kInt, i, -1);
+    if (value >= capacity) {
+      fail_entry_out_of_range(name, value, capacity);
+    }
+  }
+}
+
+}  // namespace kvcanary

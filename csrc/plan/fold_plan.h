@@ -1,0 +1,38 @@
+// Host-side validation shared by every backend: turns the op's arguments into
+// SourceLayouts, or raises a `kv-canary:` error that says what to change.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "core/fold_math.h"
+
+namespace kvcanary {
+
+struct FoldPlan {
+  std::vector<SourceLayout> sources;
+  // Smallest source capacity (num_pages * page_size); -1 when there are no
+  // sources, since then no slot reads anything.
+  int64_t capacity = -1;
+};
+
+// Dims [first_dim, view.dim()) of `view` as (size, byte stride) pairs with
+// size-1 dims dropped and contiguous neighbours merged, innermost last: a
+// token's dims for the fold (first_dim 2), a unit's for the digest (3).
+std::vector<std::pair<int64_t, int64_t>> coalesced_dims(const at::Tensor& view, int64_t first_dim);
+
+// Checks the op's arguments (see the schema in ops.cpp) and lays out each
+// source. Never copies a source.
+FoldPlan make_fold_plan(at::TensorList sources, const at::Tensor& slots,
+                        at::IntArrayRef read_bytes);
+
+// Raises IndexError for the first slot of `slots` (a host array of n) that
+// is >= capacity.
+template <typename index_t>
+void check_slots_in_range(const index_t* slots, int64_t n, int64_t capacity);
+
+// Raises IndexError naming `slot`; for backends that find it themselves.
+[[noreturn]] void fail_slot_out_of_range(int64_t slot, int64_t capacity);
+
+}  // namespace kvcanary
