@@ -20,7 +20,7 @@ from .cuda_toolkit import find_cuda_home
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "csrc"
-# The build takes every source of these folders (csrc/README.md maps them): the operator
+# The build takes every source of these folders (docs/design.md maps them): the operator
 # schema, the argument checks, the CPU wrappers and one unit per instruction set; the CUDA
 # launchers and kernels when CUDA is built.
 CPU_SOURCE_GLOBS = ("ops.cpp", "plan/*.cpp", "cpu/*.cpp", "cpu/isa/*.cpp")
