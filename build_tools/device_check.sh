@@ -3,13 +3,11 @@
 #   build the extension against the torch there, run the test suite (GPU tests included,
 #   compute-sanitizer memcheck among them), run the GPU benchmark (the goal cases, then
 #   the sweep), print a short table last; the log, the JSON and the plot go under $OUT.
-# That machine has no package registry and no ../shared: the wheels it lacks (expecttest, a
-# recent setuptools) travel in .whl/ and the golden vectors in .shared/ (fill both with
-# build_tools/device_carry.sh, then carry .whl and .shared).
+# That machine has no package registry: the wheels it lacks (expecttest, a recent
+# setuptools) travel in .whl/ (fill it with build_tools/device_carry.sh, then carry .whl).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 export PYTHONUNBUFFERED=1
-export KVCANARY_SHARED=${KVCANARY_SHARED:-$PWD/.shared}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/device_check.log") 2>&1
 status=0

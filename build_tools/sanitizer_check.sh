@@ -5,7 +5,6 @@
 # Usage: build_tools/sanitizer_check.sh PYTHON   (a Python with torch, pytest, hypothesis)
 set -euo pipefail
 python=${1:?usage: $0 PYTHON}
-export KVCANARY_SHARED="${KVCANARY_SHARED:-$PWD/../shared}"
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 git ls-files -z | xargs -0 cp --parents -t "$tree"

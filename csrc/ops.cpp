@@ -31,7 +31,7 @@ TORCH_LIBRARY(kvcanary, m) {
   m.def(
       "fold(Tensor[] sources, Tensor slots, SymInt[] read_bytes, "
       "bool check_bounds=True) -> Tensor");
-  // The canary (the SPEC's "The canary records"). records is int64 [capacity,
+  // The canary (docs/spec.md, "The canary records"). records is int64 [capacity,
   // 4] (token, position, chain, fold), owner_tags int64 [capacity], counters
   // int64 [len(canary_counters())], ring int64 [ring_capacity, 8]. positions,
   // tokens, prev_slots (int32/int64) and tags (int64, one value or one per
@@ -57,7 +57,7 @@ TORCH_LIBRARY(kvcanary, m) {
   // The names of the canary's counters, in the order of its counters tensor.
   m.def("canary_counters() -> str[]");
   // digest(views, slots, positions, groups, unit_offsets, num_groups,
-  // check_bounds) -> int64 [num_groups] (SPEC "Digest"). views[j] is
+  // check_bounds) -> int64 [num_groups] (docs/spec.md, "The digest"). views[j] is
   // [num_pages, page_size, units, *unit_shape] of any dtype, its unit k having
   // the global id unit_offsets[j] + k; entry i (slots, positions and groups
   // of one shape; groups None: all 0) with slots[i] >= 0 adds

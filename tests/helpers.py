@@ -1,23 +1,18 @@
-"""Shared test helpers: the golden vectors and random cache layouts."""
+"""Shared test helpers: the golden vectors' sources and random cache layouts."""
 
 from __future__ import annotations
 
-import base64
-import json
-import os
 import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from golden import golden_tensor
 
 import torch_kvcanary as kc
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("KVCANARY_SHARED", REPO.parent / "shared"))
-GOLDEN_PATH = SHARED / "golden" / "fold_vectors.json"
-
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
 
@@ -25,20 +20,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason
 DTYPES = [torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
 
 
-def load_golden() -> list[dict]:
-    if not GOLDEN_PATH.is_file():
-        raise FileNotFoundError(f"golden vectors not found at {GOLDEN_PATH}; set KVCANARY_SHARED to the shared/ folder")
-    return json.loads(GOLDEN_PATH.read_text())["cases"]
-
-
-def golden_tensor(spec: dict, device: str = "cpu") -> torch.Tensor:
-    dtype = getattr(torch, spec["dtype"])
-    raw = bytearray(base64.b64decode(spec["storage_b64"]))
-    storage = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).to(device)
-    return torch.as_strided(storage, spec["shape"], spec["stride"], spec["offset"])
-
-
 def golden_source(spec: dict, device: str = "cpu"):
+    """A golden case's source (tests/data/fold_vectors.json) as the package's source."""
     tensor = golden_tensor(spec, device)
     if spec["form"] == "rows":
         return kc.RealKvSource(

@@ -36,7 +36,7 @@ def test_xxh3_baseline_hashes_the_folded_bytes_laid_out_contiguously(monkeypatch
     case = bench.Case("PARTIAL", 64, 300, 2, "random")
     result = bench.run_case(case, "cpu", min_run_time=0.01)
     assert "xxh3_64" in result.baselines and result.ratio("xxh3_64") > 0
-    # PARTIAL folds the first 16 bytes of each slot (SPEC), of each of the 2 sources.
+    # PARTIAL folds the first 16 bytes of each slot (docs/spec.md), of each of the 2 sources.
     assert hashed and all(len(b) == 300 * 16 * 2 for b in hashed)
 
 

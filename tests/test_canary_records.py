@@ -1,5 +1,5 @@
-"""KvCanary's records, checks, ring, policies and counters against the SPEC transcribed
-(canary_oracle.py), on random layouts and call sequences; the PT2 stack; TP agreement."""
+"""KvCanary's records, checks, ring, policies and counters against docs/spec.md transcribed
+(spec_oracle.py), on random layouts and call sequences; the PT2 stack; TP agreement."""
 
 import logging
 import os
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from canary_oracle import MASK, Records
 from helpers import CUDA, DEVICES, random_case
+from spec_oracle import MASK, Records
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts

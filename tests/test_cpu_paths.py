@@ -3,7 +3,8 @@ bit-exact with the reference on the golden vectors and on random layouts."""
 
 import pytest
 import torch
-from helpers import golden_source, load_golden, random_case
+from golden import load_golden
+from helpers import golden_source, random_case
 
 import torch_kvcanary as kc
 

@@ -1,14 +1,14 @@
-"""torch.ops.kvcanary.digest through `kv_digest`: the SPEC's digest transcribed in plain ints
-(digest_oracle), the invariances (ranks, pages, chunks, calls), the transfer bugs, the PT2
+"""torch.ops.kvcanary.digest through `kv_digest`: docs/spec.md's digest transcribed in plain
+ints (spec_oracle), the invariances (ranks, pages, chunks, calls), the transfer bugs, the PT2
 stack and bad input."""
 
 from __future__ import annotations
 
 import random
 
-import digest_oracle as oracle
 import expecttest
 import pytest
+import spec_oracle as oracle
 import torch
 from helpers import CUDA, DEVICES, random_bytes
 
@@ -101,14 +101,14 @@ def kc_isas() -> list[str]:
 
 def test_hand_computed_term():
     """One fp32 unit of 4 bytes, zero-padded to one word: the term is mix3(id, position, h)
-    with h = splitmix64(0 ^ word), computed here from the SPEC's constants."""
+    with h = splitmix64(0 ^ word), computed here from the spec's constants."""
     view = torch.tensor([[[1.0]]], dtype=torch.float32)  # [1 page, 1 slot, 1 unit]
     word = 0x3F800000  # the bytes of 1.0f, then four zero bytes
     h = oracle.splitmix64(word)
     term = oracle.mix3(7, 3, h)
     got = kc.kv_digest([view], torch.tensor([0]), torch.tensor([3]), unit_offsets=[7])
     assert got.tolist() == [oracle.signed(term)]
-    # the SPEC's ANCHOR pins the splitmix64 transcription itself
+    # the spec's ANCHOR pins the splitmix64 transcription itself
     assert oracle.splitmix64(0xC0FFEE1234567890) == 0xDE7FAE23A9A1B716
 
 
@@ -132,7 +132,7 @@ def test_last_unit_of_a_tight_view(device, isa, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_odd_strides_and_offsets(device):
     """Units at odd byte addresses (a stride of 21 bytes, a storage offset of 1) and units of
-    several 6-byte runs: read in the pieces their alignment allows, same digest as the SPEC."""
+    several 6-byte runs: read in the pieces their alignment allows, same digest as the spec."""
     gen = torch.Generator().manual_seed(12)
     base = random_bytes([3 * 4 * 3 * 21 + 1], torch.uint8, gen, device)
     odd = base[1:].view(3, 4, 3, 21)[..., :20]

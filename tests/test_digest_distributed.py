@@ -1,15 +1,15 @@
 """Transfer digests across real processes (torch.distributed, gloo): a tensor-parallel prefill
 group sends its blocks to a decode rank with another layout and paging. The decode side's
-digests equal the all_reduce(SUM) of the prefill group's, which equal the SPEC's digest of
-the logical KV (digest_oracle, ids written out here); each transfer bug changes exactly the
+digests equal the all_reduce(SUM) of the prefill group's, which equal the spec's digest of
+the logical KV (spec_oracle, ids written out here); each transfer bug changes exactly the
 digests of the request and chunk it hits."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import digest_oracle as oracle
 import pytest
+import spec_oracle as oracle
 import torch
 
 from torch_kvcanary.demos import transfer as td
@@ -30,7 +30,7 @@ def results_tp4():
 
 
 def spec_digests(config: td.TransferConfig) -> list[int]:
-    """Per-request then per-chunk digests of the requests' logical KV, by the SPEC: unit id =
+    """Per-request then per-chunk digests of the requests' logical KV, by the spec: unit id =
     layer * 4 * heads + kind * heads + head, kinds K, V, K scale, V scale."""
     requests = td.make_requests(config)
     heads = config.kv_heads

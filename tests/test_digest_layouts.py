@@ -1,12 +1,12 @@
 """Unit ids for real caches: one request's KV (K, V and fp32 scales per token and head) laid
 out in each engine's layout, split over tensor-parallel ranks, gives the digest that the
-plain-int transcription of the SPEC computes from the logical tensors, with the ids written
+plain-int transcription of docs/spec.md computes from the logical tensors, with the ids written
 out here: layer * 4 * num_kv_heads + kind * num_kv_heads + head (K, V, K scale, V scale)."""
 
 from __future__ import annotations
 
-import digest_oracle as oracle
 import pytest
+import spec_oracle as oracle
 import torch
 from helpers import random_bytes
 

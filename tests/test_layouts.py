@@ -6,7 +6,8 @@ import sys
 
 import pytest
 import torch
-from helpers import DEVICES, golden_tensor, load_golden
+from golden import golden_tensor, load_golden
+from helpers import DEVICES
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
+from golden import load_golden
 from helpers import (
     DEVICES,
     golden_source,
-    load_golden,
     random_case,
     random_row_source,
     random_slots,

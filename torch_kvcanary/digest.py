@@ -1,4 +1,4 @@
-"""KV transfer digests (../shared/SPEC.md, "Digest"): one int64 per request or chunk that
+"""KV transfer digests (docs/spec.md, "Digest"): one int64 per request or chunk that
 does not depend on how the cache is sharded, paged or split into calls.
 
 `kv_digest` is the entry point of ``torch.ops.kvcanary.digest``. The ``*_units`` helpers

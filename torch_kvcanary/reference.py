@@ -1,4 +1,4 @@
-"""A pure-torch fold: the executable form of the SPEC, vectorised over slots.
+"""A pure-torch fold: the executable form of docs/spec.md, vectorised over slots.
 
 It is the oracle the kernels are tested against and a baseline for the
 benchmark. It shares nothing with the C++ code but the sources' views.

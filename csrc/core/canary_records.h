@@ -1,4 +1,4 @@
-// SGLang's canary records (contract: the SPEC's "The canary records"): the
+// SGLang's canary records (contract: docs/spec.md, "The canary records"): the
 // four int64 fields kept per slot, the hash chain through a request's slots,
 // the fail-reason bits and the violation row. Torch-free, shared by the CPU
 // and CUDA kernels of kvcanary::record and kvcanary::verify.

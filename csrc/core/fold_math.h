@@ -1,7 +1,7 @@
 // The kv-canary fold: splitmix64, the 16-byte chunk step and the slot-to-byte
 // mapping. Shared by the host (CPU kernel) and device (CUDA kernel) code, so the
 // CPU tests exercise the arithmetic the GPU runs. The contract is the fold of
-// SGLang's kv-canary (docs/design.md, "The contract").
+// SGLang's kv-canary (docs/spec.md, "The fold").
 #pragma once
 
 #include <cstdint>
@@ -37,7 +37,7 @@ KVC_HOST_DEVICE Word splitmix64(Word x) {
   return x ^ (x >> 31);
 }
 
-// SPEC's mix3(a, b, c) = splitmix64(splitmix64(splitmix64(a) ^ b) ^ c): keys a
+// The spec's mix3(a, b, c) = splitmix64(splitmix64(splitmix64(a) ^ b) ^ c): keys a
 // hash by two more values (a digest term: unit id, position, unit fold).
 template <typename Word>
 KVC_HOST_DEVICE Word mix3(Word a, Word b, Word c) {

@@ -320,7 +320,7 @@ class WorkerCanary:
         return [batch.req_ids[row] for row in sorted(rows)]
 
     def line(self, violation: Violation) -> str:
-        """The SPEC's log line of ``violation``, then the ids of the vLLM requests behind it."""
+        """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
         return f"{violation.line(LAUNCH_TAG)} request_id={','.join(self.requests_of(violation)) or 'none'}"
 
     def _report(self, violations: list[Violation]) -> None:

@@ -1,0 +1,186 @@
+"""docs/spec.md transcribed in plain Python ints: the oracle of the fold, the canary records
+and the digest, for the tests and for tools/make_golden.py.
+
+It shares nothing with the package: bytes are taken from tensors by ordinary indexing in
+logical order (`tensor_bytes`), words are read with int.from_bytes, and splitmix64 is
+written out here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+MASK = (1 << 64) - 1
+PARTIAL_READ_BYTES = 16
+ANCHOR_SEED = 0xC0FFEE1234567890
+ANCHOR = 0xDE7FAE23A9A1B716  # splitmix64(ANCHOR_SEED), the value docs/spec.md pins
+
+# Verify's reason bits.
+CHAIN, POSITION, FOLD, TOKEN, OWNER, OUT_OF_RANGE = 1, 2, 4, 32, 64, 128
+
+
+# --- arithmetic ----------------------------------------------------------------------------
+
+
+def splitmix64(x: int) -> int:
+    x &= MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def mix3(a: int, b: int, c: int) -> int:
+    return splitmix64(splitmix64(splitmix64(a) ^ (b & MASK)) ^ (c & MASK))
+
+
+def signed(x: int) -> int:
+    """``x`` modulo 2^64 as a two's complement int64."""
+    x &= MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+def word_chain(data: bytes) -> int:
+    """h = splitmix64(h ^ w) from h = 0, over the 8-byte little-endian words of ``data``
+    in order, the last one zero-padded to 8 bytes."""
+    h = 0
+    for i in range(0, len(data), 8):
+        h = splitmix64(h ^ int.from_bytes(data[i : i + 8].ljust(8, b"\0"), "little"))
+    return h
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor``'s elements in logical row-major order."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).tolist())
+
+
+# --- the fold ------------------------------------------------------------------------------
+
+
+class Source(NamedTuple):
+    """A source as the fold sees it: the bytes of slot ``s`` are ``token_bytes(s)``, and
+    the first ``read_bytes`` of them are folded in ALL mode (0 leaves the source out)."""
+
+    token_bytes: Callable[[int], bytes]
+    read_bytes: int
+
+
+def row_form(tensor: torch.Tensor, page_size: int, num_bytes_per_token: int, read_bytes: int) -> Source:
+    """The row form: slot ``s`` is ``num_bytes_per_token`` bytes of row ``s // page_size``
+    (dims 1.. of ``tensor`` in logical order), from byte ``(s % page_size) * num_bytes_per_token``."""
+
+    def token_bytes(s: int) -> bytes:
+        start = (s % page_size) * num_bytes_per_token
+        return tensor_bytes(tensor[s // page_size])[start : start + num_bytes_per_token]
+
+    return Source(token_bytes, read_bytes)
+
+
+def view_form(view: torch.Tensor, read_bytes: int) -> Source:
+    """The view form: slot ``s`` is ``view[s // page_size, s % page_size]`` of a view
+    ``[num_pages, page_size, *token_shape]``."""
+    page_size = view.shape[1]
+    return Source(lambda s: tensor_bytes(view[s // page_size, s % page_size]), read_bytes)
+
+
+def fold(sources: Sequence[Source], slot: int, mode: str) -> int:
+    """The fold of one slot over ``sources`` in ``mode`` ("OFF", "PARTIAL" or "ALL")."""
+    if mode == "OFF" or slot < 0:
+        return 0
+    acc = 0
+    for source in sources:
+        if source.read_bytes == 0:
+            continue
+        n = PARTIAL_READ_BYTES if mode == "PARTIAL" else source.read_bytes
+        acc = splitmix64(acc ^ word_chain(source.token_bytes(slot)[:n]))
+    return signed(acc)
+
+
+# --- the canary records --------------------------------------------------------------------
+
+
+class Records:
+    """A canary's tables: records[s] = [token, position, chain, fold], owners[s] = tag."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.records = [[0, 0, 0, 0] for _ in range(capacity)]
+        self.owners = [-1] * capacity
+
+    def link(self, p: int) -> int:
+        if p < 0:
+            return signed(ANCHOR)
+        token, position, chain, _ = self.records[p]
+        return signed(mix3(chain, token, position))
+
+    def record(self, slots, folds, positions=None, tokens=None, prev_slots=None, tags=None):
+        for i, s in enumerate(slots):
+            if s < 0:
+                continue
+            p = prev_slots[i] if prev_slots is not None else -1
+            chain = self.link(p)
+            token = tokens[i] if tokens is not None else -1
+            position = positions[i] if positions is not None else -1
+            self.records[s] = [token, position, chain, folds[i]]
+            self.owners[s] = tags[i] if tags is not None else -1
+
+    def verify(self, slots, folds, positions=None, tokens=None, prev_slots=None, tags=None, padding_slot=None):
+        """(flags, rows): rows are the violation rows (kind 1 = verify)."""
+        flags, rows = [], []
+        for i, s in enumerate(slots):
+            if s < 0 or s == padding_slot:
+                flags.append(False)
+                continue
+            token, position, chain, fold = self.records[s]
+            bits, expected = 0, chain
+            if prev_slots is not None and not (prev_slots[i] >= 0 and prev_slots[i] == padding_slot):
+                expected = self.link(prev_slots[i])
+                bits |= CHAIN if chain != expected else 0
+            if positions is not None and position != positions[i]:
+                bits |= POSITION
+            if fold != folds[i]:
+                bits |= FOLD
+            expected_token = tokens[i] if tokens is not None else -1
+            if expected_token != -1 and token != expected_token:
+                bits |= TOKEN
+            if tags is not None and self.owners[s] != tags[i]:
+                bits |= OWNER
+            flags.append(bits != 0)
+            if bits:
+                rows.append([1, s, position, token, expected_token, chain, expected, bits])
+        return flags, rows
+
+
+# --- the digest ----------------------------------------------------------------------------
+
+
+def unit_fold(data: bytes) -> int:
+    assert len(data) % 4 == 0
+    return word_chain(data)
+
+
+def unit_bytes(view: torch.Tensor, slot: int, unit: int) -> bytes:
+    """The bytes of unit ``unit`` of slot ``slot`` of a digest view, in logical row-major order."""
+    page_size = view.shape[1]
+    return tensor_bytes(view[slot // page_size, slot % page_size, unit])
+
+
+def _ints(values) -> list[int]:
+    return [int(v) for v in torch.as_tensor(values).reshape(-1).tolist()]
+
+
+def digest(views, slots, positions, unit_offsets, groups=None, num_groups: int = 1) -> list[int]:
+    views = [v.cpu() for v in views]
+    slots, positions = _ints(slots), _ints(positions)
+    groups = [0] * len(slots) if groups is None else _ints(groups)
+    out = [0] * num_groups
+    for s, p, g in zip(slots, positions, groups):
+        if s < 0:
+            continue
+        for view, offset in zip(views, unit_offsets):
+            for k in range(view.shape[2]):
+                out[g] = (out[g] + mix3(offset + k, p, unit_fold(unit_bytes(view, s, k)))) & MASK
+    return [signed(x) for x in out]
