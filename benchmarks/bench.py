@@ -31,6 +31,7 @@ import torch
 from torch_kvcanary.ops import fold
 from torch_kvcanary.reference import reference_fold
 from torch_kvcanary.sources import HashMode, read_bytes_in_mode, view_source
+
 from .upstream_baseline import upstream_fold
 
 # A case whose eager reference would read more than this is not timed against it.
@@ -534,7 +535,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -39,10 +39,10 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 300 python3 -m pytest -q -rs ${workers} --durations=10 --junitxml="$OUT/tests.xml" tests || status=1
 
 step "GPU benchmark: the goal cases"
-timeout 150 python3 -m torch_kvcanary bench --device cuda --goals --min-run-time 0.3 --json "$OUT/bench_cuda.json" | tee "$OUT/bench_cuda.txt" || status=1
+timeout 150 python3 -m benchmarks.bench --device cuda --goals --min-run-time 0.3 --json "$OUT/bench_cuda.json" | tee "$OUT/bench_cuda.txt" || status=1
 
 step "GPU benchmark: the sweep"
-timeout 150 python3 -m torch_kvcanary bench --device cuda --min-run-time 0.2 --json "$OUT/bench_cuda_sweep.json" --plot "$OUT/bench_cuda_sweep.png" | tee "$OUT/bench_cuda_sweep.txt" || status=1
+timeout 150 python3 -m benchmarks.bench --device cuda --min-run-time 0.2 --json "$OUT/bench_cuda_sweep.json" --plot "$OUT/bench_cuda_sweep.png" | tee "$OUT/bench_cuda_sweep.txt" || status=1
 
 step "summary"
 python3 - "$OUT/bench_cuda.json" "$OUT/tests.xml" <<'PY'

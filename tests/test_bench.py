@@ -13,7 +13,6 @@ from helpers import CUDA, DEVICES, REPO
 import torch_kvcanary as kc
 from benchmarks import bench, upstream_baseline
 
-
 NVCC = upstream_baseline.find_nvcc() is not None
 
 

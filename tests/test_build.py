@@ -15,9 +15,8 @@ import torch
 from helpers import REPO
 
 import torch_kvcanary
-from torch_kvcanary.cli import fold_backends
-
 from build_tools.cuda_toolkit import find_cuda_home
+from torch_kvcanary.cli import fold_backends
 
 CUDA_BUILD = torch.version.cuda is not None and find_cuda_home() is not None
 

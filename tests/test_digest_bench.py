@@ -8,7 +8,6 @@ from helpers import DEVICES
 from benchmarks import bench
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_digest_beside_fold(device):
     case = bench.DigestCase("small", 3, 2, 64, "bfloat16", 100)
