@@ -59,7 +59,7 @@ def child(args) -> None:
     from vllm import LLM
 
     from torch_kvcanary import HashMode
-    from torch_kvcanary.integrations.vllm import plugin
+    from torch_kvcanary.integrations.vllm import adapter, plugin
 
     llm = LLM(
         model=args.model_dir, dtype="bfloat16", max_model_len=1024, block_size=32, enforce_eager=True,
@@ -77,7 +77,7 @@ def child(args) -> None:
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for setting in SETTINGS:
             llm.reset_prefix_cache()
-            runner._kvcanary = canaries[setting]
+            adapter.watch(runner, canaries[setting])
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start

@@ -27,6 +27,8 @@ recorded again when it is rewritten. Under a backend that packs a block's tokens
 the unwritten rows of each request's last block are verified too, and every slot of a
 block the forward wrote is recorded again. Under async scheduling the token check is skipped
 (the runner's token history may lag the device by a step); the other checks stay.
+
+Everything the plugin reads from or hooks into vLLM goes through `adapter`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from ... import layouts
 from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...sources import HashMode
+from . import adapter
 
 logger = logging.getLogger("torch_kvcanary")
 
@@ -84,47 +87,15 @@ def register() -> None:
     chosen = settings()
     if chosen is None:
         return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_kvcanary_hooked", False):
-        return
-    _hook(GPUModelRunner, chosen)
-    logger.info("kv-canary: vLLM plugin on (policy %s, mode %s)", chosen.policy, chosen.mode.name)
+    if adapter.hook_model_runner(lambda model_runner: _start(model_runner, chosen)):
+        logger.info("kv-canary: vLLM plugin on (policy %s, mode %s)", chosen.policy, chosen.mode.name)
 
 
-def _hook(runner_class, chosen: Settings) -> None:
-    """Wrap the three runner methods the canary needs (the CPU runner inherits them)."""
-    initialize_kv_cache = runner_class.initialize_kv_cache
-    execute_model = runner_class.execute_model
-    model_forward = runner_class._model_forward
-
-    def initialize_kv_cache_with_canary(self, kv_cache_config, is_profiling=False, *args, **kwargs):
-        initialize_kv_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
-        if not is_profiling:
-            global _active
-            self._kvcanary = _active = WorkerCanary(self, chosen)
-
-    def execute_model_with_canary(self, scheduler_output, *args, **kwargs):
-        self._kvcanary_step = scheduler_output
-        try:
-            return execute_model(self, scheduler_output, *args, **kwargs)
-        finally:
-            self._kvcanary_step = None
-
-    def model_forward_with_canary(self, input_ids=None, positions=None, *args, **kwargs):
-        canary = getattr(self, "_kvcanary", None)
-        step = getattr(self, "_kvcanary_step", None)
-        if canary is None or step is None:  # profiling, warm-up and CUDA-graph capture runs
-            return model_forward(self, input_ids, positions, *args, **kwargs)
-        batch = canary.begin_step(step, input_ids, positions)
-        output = model_forward(self, input_ids, positions, *args, **kwargs)
-        canary.end_step(batch)
-        return output
-
-    runner_class.initialize_kv_cache = initialize_kv_cache_with_canary
-    runner_class.execute_model = execute_model_with_canary
-    runner_class._model_forward = model_forward_with_canary
-    runner_class._kvcanary_hooked = True
+def _start(model_runner, chosen: Settings) -> WorkerCanary:
+    """The canary of a model runner that has just allocated its KV cache."""
+    global _active
+    _active = WorkerCanary(model_runner, chosen)
+    return _active
 
 
 @dataclass
@@ -158,56 +129,57 @@ class WorkerCanary:
     def __init__(self, runner, chosen: Settings):
         self.runner = runner
         self.policy = chosen.policy
-        if runner.uses_mrope:
+        self._vllm = adapter.Runner(runner)
+        if self._vllm.uses_mrope:
             raise ValueError(
                 f"kv-canary: the vLLM plugin does not watch M-RoPE models (positions are 3-D): unset {POLICY_ENV} to serve them"
             )
-        group = _attention_group(runner)
-        self.layer_names = _in_layer_order(group.layer_names)
-        context = runner.compilation_config.static_forward_context
-        layout = runner.cache_config.get_resolved_kv_cache_layout()
-        self.block_table = runner.input_batch.block_table.block_tables[0]
-        self.block_size = self.block_table.block_size
+        layers = self._vllm.attention_layers()
+        if layers is None:
+            raise ValueError(
+                f"kv-canary: the vLLM plugin watches models whose layers share one full-attention KV cache group; "
+                f"this model has {self._vllm.kv_cache_group_kinds()}: unset {POLICY_ENV} to serve it without the canary"
+            )
+        self.layer_names = [layer.name for layer in layers]
+        layout = self._vllm.kv_cache_layout
+        self.block_table = self._vllm.block_table
+        self.block_size = self._vllm.block_size
         self.kv_caches: list[torch.Tensor] = []
         sources, backends = [], set()
-        for name in self.layer_names:
-            kv_cache = context[name].kv_cache
+        for layer in layers:
+            kv_cache = layer.kv_cache
             if any(kv_cache.data_ptr() == seen.data_ptr() for seen in self.kv_caches):
                 continue  # a layer that shares another layer's cache
             if kv_cache.dim() != 4 or kv_cache.shape[2] != self.block_size:
                 raise ValueError(
-                    f"kv-canary: vLLM layer {name} is {tuple(kv_cache.shape)}, not a packed "
+                    f"kv-canary: vLLM layer {layer.name} is {tuple(kv_cache.shape)}, not a packed "
                     f"[num_blocks, num_kv_heads, {self.block_size}, 2 * head_size] layer the plugin can watch"
                 )
             self.kv_caches.append(kv_cache)
-            backends.add(context[name].get_attn_backend().get_name())
-            sources += layouts.vllm(kv_cache, layout=layout, backend=context[name].get_attn_backend().get_name())
+            backends.add(layer.backend)
+            sources += layouts.vllm(kv_cache, layout=layout, backend=layer.backend)
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG)
-        self._check_tokens = not runner.use_async_scheduling
+        self._check_tokens = not self._vllm.async_scheduling
         # Tensor-parallel ranks poll together, so that under "raise" they all stop.
-        self._group = _tensor_parallel_group() if runner.parallel_config.tensor_parallel_size > 1 else None
+        self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         self._batch: _Batch | None = None
         logger.info(
             "kv-canary: watching %d vLLM layers (%d slots, %s) in mode %s",
             len(self.kv_caches),
             self.canary.capacity,
-            getattr(layout, "name", layout),
+            layout,
             chosen.mode.name,
         )
 
     # The step -----------------------------------------------------------------------
 
-    def begin_step(self, scheduler_output, input_ids: torch.Tensor | None, positions: torch.Tensor) -> _Batch:
+    def begin_step(self, step: adapter.Step) -> _Batch:
         """Before the forward: verify every scheduled request's context."""
-        batch_state = self.runner.input_batch
-        req_ids = list(batch_state.req_ids)
-        scheduled = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
-        num_tokens = int(scheduled.sum())
+        req_ids, positions, written = step.request_ids, step.positions, step.slot_mapping
         rows = np.arange(len(req_ids), dtype=np.int64)
-        written = self.block_table.slot_mapping.gpu[:num_tokens]
-        batch = _Batch(req_ids, num_tokens, input_ids, positions, np.repeat(rows, scheduled), written)
-        context = batch_state.num_computed_tokens_cpu[: len(req_ids)].astype(np.int64)
+        batch = _Batch(req_ids, step.num_tokens, step.input_ids, positions, np.repeat(rows, step.num_scheduled), written)
+        context = step.num_computed
         context_rows, context_positions = _ranges(rows, np.zeros_like(context), context)
         tail_rows = tail_positions = np.zeros(0, dtype=np.int64)
         if self._blocks_packed:
@@ -225,16 +197,15 @@ class WorkerCanary:
         # this very forward (the scheduler caches a block's hash when it schedules its
         # tokens, so a later request of the same step hits it): such slots are verified
         # after the forward, once recorded.
-        slots = self._slots(row_index, at)
+        slots = self._vllm.slots(row_index, at)
         written_now = torch.isin(slots, written)
         batch.verified_slots = torch.where(written_now, -1, slots)
         batch.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
         batch.verified_positions = torch.where(is_tail, -1, at)
-        batch.verified_prev_slots = torch.where(is_tail, -1, self._slots(row_index, at - 1))
+        batch.verified_prev_slots = torch.where(is_tail, -1, self._vllm.slots(row_index, at - 1))
         tokens = np.full(len(context_rows), -1, dtype=np.int64)
         if self._check_tokens:
-            known = batch_state.is_token_ids[context_rows, context_positions]
-            tokens = np.where(known, batch_state.token_ids_cpu[context_rows, context_positions], -1).astype(np.int64)
+            tokens = self._vllm.tokens(context_rows, context_positions)
         count = len(context_rows)
         batch.context_tokens = _to(tokens, device)
         self._verify_context(batch, batch.verified_slots[:count])
@@ -250,7 +221,7 @@ class WorkerCanary:
             positions = batch.positions[: batch.num_tokens]
             row_index = _to(batch.written_rows, positions.device)
             tokens = batch.input_ids[: batch.num_tokens].to(torch.int64) if batch.input_ids is not None else torch.full_like(positions, -1)
-            entries = (batch.written_slots, positions, tokens, self._slots(row_index, positions - 1))
+            entries = (batch.written_slots, positions, tokens, self._vllm.slots(row_index, positions - 1))
             if self._blocks_packed:
                 entries = self._with_block_neighbours(batch, entries)
             slots, positions, tokens, prev_slots = entries
@@ -294,13 +265,6 @@ class WorkerCanary:
         unknown = torch.full_like(new_tail, -1)
         return tuple(torch.cat(parts) for parts in zip((new_tail, unknown, unknown, unknown), again, written))
 
-    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The slot of each (request row, position) in the device block table; -1 where the
-        position is negative (before a request's first token)."""
-        at = positions.clamp(min=0)
-        blocks = self.block_table.block_table.gpu[rows, at // self.block_size].to(torch.int64)
-        return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
-
     # Reports ------------------------------------------------------------------------
 
     def requests_of(self, violation: Violation) -> list[str]:
@@ -341,28 +305,3 @@ def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64) if array.dtype != bool else array).to(device, non_blocking=True)
-
-
-def _attention_group(runner):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    groups = runner.kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ValueError(
-            f"kv-canary: the vLLM plugin watches models whose layers share one full-attention KV cache group; "
-            f"this model has {kinds}: unset {POLICY_ENV} to serve it without the canary"
-        )
-    return groups[0]
-
-
-def _tensor_parallel_group():
-    from vllm.distributed import get_tp_group
-
-    return get_tp_group().cpu_group
-
-
-def _in_layer_order(names: list[str]) -> list[str]:
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    return sorted(names, key=extract_layer_index)
