@@ -1,10 +1,12 @@
-"""The vLLM plugin's switches (no vLLM needed): KVCANARY_VLLM and KVCANARY_VLLM_MODE, and the
-vLLM versions it starts on."""
+"""The vLLM plugin without vLLM: its switches KVCANARY_VLLM and KVCANARY_VLLM_MODE, the vLLM
+versions it starts on, and the one module that imports vLLM."""
 
+import ast
 import re
 import sys
 
 import pytest
+from helpers import REPO
 
 from torch_kvcanary import HashMode
 from torch_kvcanary.integrations.vllm import adapter, plugin
@@ -73,3 +75,19 @@ def test_another_vllm_version_is_not_read_while_off(monkeypatch):
     monkeypatch.delenv("KVCANARY_VLLM", raising=False)
     monkeypatch.setattr(adapter, "vllm_version", lambda: "0.31.0")
     plugin.register()
+
+
+def _imports_vllm(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name == "vllm" or alias.name.startswith("vllm.") for alias in node.names)
+    return isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module == "vllm" or node.module.startswith("vllm."))
+
+
+def test_only_the_adapter_imports_vllm():
+    package = REPO / "torch_kvcanary"
+    importers = {
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if any(_imports_vllm(node) for node in ast.walk(ast.parse(path.read_text())))
+    }
+    assert importers == {"integrations/vllm/adapter.py"}
