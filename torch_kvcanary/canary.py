@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import integer_view
+from .ops import integer_view, may_check_bounds
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
 logger = logging.getLogger("torch_kvcanary")
@@ -201,10 +201,6 @@ class KvCanary:
         """The fold column of `records`."""
         return self._records[:, RECORD_FIELDS.index("fold")]
 
-    def _check_bounds(self, slots: torch.Tensor) -> bool:
-        # A CUDA range check synchronises with the host: never inside a compiled graph.
-        return not (torch.compiler.is_compiling() and slots.device.type != "cpu")
-
     def record(
         self,
         slots: torch.Tensor,
@@ -230,7 +226,7 @@ class KvCanary:
             _check_entry_input(value, name)
         torch.ops.kvcanary.record(
             self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
-            self._records, self._owner_tags, self._counters, self._ring, self._check_bounds(slots),
+            self._records, self._owner_tags, self._counters, self._ring, may_check_bounds(slots),
         )  # fmt: skip
 
     def verify(
@@ -253,7 +249,7 @@ class KvCanary:
         padding = -1 if self.padding_slot is None else self.padding_slot
         return torch.ops.kvcanary.verify(
             self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
-            self._records, self._owner_tags, self._counters, self._ring, padding, self._check_bounds(slots),
+            self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots),
         )  # fmt: skip
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .ops import integer_view
+from .ops import integer_view, may_check_bounds
 
 K, V, K_SCALE, V_SCALE = range(4)
 MHA_KINDS = 4
@@ -76,8 +76,8 @@ def kv_digest(
     if groups is not None:
         groups = _index_tensor(groups, "groups")
     offsets = [int(u) for u in unit_offsets]
-    check_bounds = not (torch.compiler.is_compiling() and slots.device.type != "cpu")
-    return torch.ops.kvcanary.digest([integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check_bounds)
+    views = [integer_view(v) for v in views]
+    return torch.ops.kvcanary.digest(views, slots, positions, groups, offsets, num_groups, may_check_bounds(slots))
 
 
 # --- unit ids for real caches ---------------------------------------------------------------

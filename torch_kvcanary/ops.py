@@ -93,6 +93,13 @@ def _verify_fake(
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
+def may_check_bounds(slots: torch.Tensor) -> bool:
+    """Whether an op over ``slots`` may check their range. Off a CPU the check synchronises
+    with the host, so it is never made while torch.compile traces (the CUDA kernels
+    themselves skip it while a CUDA graph is being captured)."""
+    return not (torch.compiler.is_compiling() and slots.device.type != "cpu")
+
+
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -134,7 +141,5 @@ def fold(
     active = active_sources(sources, mode)
     views = [integer_view(s.as_view()) for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
-    # A CUDA range check synchronises with the host: never inside a compiled graph
-    # (the CUDA kernel itself skips it while a graph is being captured).
-    check_bounds = check_bounds and not (torch.compiler.is_compiling() and slots.device.type != "cpu")
+    check_bounds = check_bounds and may_check_bounds(slots)
     return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)
