@@ -13,23 +13,20 @@ and applies the policy (log, raise, a callable).
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from .ops import integer_view, may_check_bounds
+from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
-
-logger = logging.getLogger("torch_kvcanary")
 
 _MASK64 = (1 << 64) - 1
 RECORD_FIELDS = ("token", "position", "chain", "fold")
 """The columns of `KvCanary.records`, SGLang's canary-buffer order."""
 
 _VIOLATION_FIELDS = 8
-_POLICIES = ("log", "raise")
 
 
 class FailReason(enum.IntFlag):
@@ -104,14 +101,6 @@ def _counter_index() -> dict[str, int]:
     return {name: i for i, name in enumerate(torch.ops.kvcanary.canary_counters())}
 
 
-def _check_policy(on_violation) -> None:
-    if on_violation is None or callable(on_violation) or on_violation in _POLICIES:
-        return
-    raise ValueError(
-        f"kv-canary: on_violation must be 'log', 'raise', a callable taking a list of Violation, or None, got {on_violation!r}"
-    )
-
-
 def _check_entry_input(value, name: str) -> None:
     if value is not None and not isinstance(value, torch.Tensor):
         raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
@@ -165,7 +154,7 @@ class KvCanary:
             raise ValueError(f"kv-canary: KvCanary capacity must be in [1, {smallest}] (the smallest source capacity), got {capacity}")
         if isinstance(ring_capacity, bool) or not isinstance(ring_capacity, int) or ring_capacity < 1:
             raise ValueError(f"kv-canary: KvCanary ring_capacity must be an int >= 1, got {ring_capacity!r}")
-        _check_policy(on_violation)
+        check_policy(on_violation, name="on_violation", choices="'log', 'raise', a callable taking a list of Violation, or None")
         if not isinstance(name, str):
             raise TypeError(f"kv-canary: KvCanary name must be a str, got {type(name).__name__}")
         if padding_slot is not None and (
@@ -280,16 +269,16 @@ class KvCanary:
         local = pending
         elsewhere = _others_count(local, group, self.device) if group is not None else 0
         if local + elsewhere > 0:
-            self._apply_policy(violations, dropped, elsewhere)
+            apply_policy(
+                self.on_violation,
+                violations,
+                lines=lambda: self._lines(violations, dropped, elsewhere),
+                error=lambda lines: KvCorruptionError(lines, violations),
+            )
         return violations
 
-    def _apply_policy(self, violations: list[Violation], dropped: int, elsewhere: int) -> None:
-        policy = self.on_violation
-        if policy is None:
-            return
-        if callable(policy):
-            policy(violations)
-            return
+    def _lines(self, violations: list[Violation], dropped: int, elsewhere: int) -> list[str]:
+        """One line per violation, then one for those dropped and one for those of other ranks."""
         lines = [v.line(self.name) for v in violations]
         if dropped:
             lines.append(
@@ -297,10 +286,7 @@ class KvCanary:
             )
         if elsewhere:
             lines.append(f"kv_canary: launch_tag={self.name} {elsewhere} violations on other ranks of the process group")
-        if policy == "raise":
-            raise KvCorruptionError(lines, violations)
-        for line in lines:
-            logger.warning(line)
+        return lines
 
     def stats(self) -> dict[str, int]:
         """The device counters (eager; reads them): ``record_calls``, ``verify_calls``,

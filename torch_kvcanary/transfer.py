@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .canary import KvCorruptionError, logger
+from .canary import KvCorruptionError
+from .policy import apply_policy, check_policy
 
 _MASK64 = (1 << 64) - 1
 
@@ -100,8 +101,7 @@ def verify_transfer(
     Returns:
         the `TransferCheck` (syncs with the host: call it once per transfer, not per layer).
     """
-    if on_mismatch not in ("log", "raise", None) and not callable(on_mismatch):
-        raise ValueError(f"kv-canary: on_mismatch must be 'log', 'raise', None or a callable, got {on_mismatch!r}")
+    check_policy(on_mismatch, name="on_mismatch", choices="'log', 'raise', None or a callable")
     if (sent_chunks is None) != (received_chunks is None):
         raise ValueError("kv-canary: pass both sent_chunks and received_chunks, or neither")
     sent_list, received_list = _pair(sent, received, "", group)
@@ -120,13 +120,6 @@ def verify_transfer(
         if chunks:
             lines.append(f"kv-canary: {name} digest mismatch in chunks {chunks} of {len(sent_c)}")
     check = TransferCheck(tuple(requests), tuple(chunks), tuple(lines))
-    if check.ok or on_mismatch is None:
-        return check
-    if callable(on_mismatch):
-        on_mismatch(check)
-    elif on_mismatch == "raise":
-        raise KvTransferError(check)
-    else:
-        for line in lines:
-            logger.warning(line)
+    if not check.ok:
+        apply_policy(on_mismatch, check, lines=lambda: lines, error=lambda _: KvTransferError(check))
     return check
