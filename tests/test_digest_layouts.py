@@ -100,19 +100,62 @@ def test_vllm_blocks(request_kv, tp):
     assert group_digest(per_rank) == logical_digest(k, v, ks, vs)
 
 
-def test_vllm_cpu_layout(request_kv):
-    """vLLM's CPU layout [num_blocks, heads, block_size, 2 * head_size], K then V in the last dim."""
+def packed_layer(k_layer, v_layer, table, num_blocks, block_size, order) -> torch.Tensor:
+    """A packed vLLM layer, the logical [blocks, H, block_size, 2 * DIM] with K then V in the
+    content axis, its axes stored outermost to innermost in ``order``."""
+    content = torch.cat([paged(k_layer, table, num_blocks, block_size), paged(v_layer, table, num_blocks, block_size)], dim=-1)
+    logical = content.transpose(1, 2)
+    return logical.permute(order).contiguous().permute([order.index(axis) for axis in range(4)])
+
+
+@pytest.mark.parametrize("layout", sorted(kc.layouts.VLLM_LAYOUTS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_packed_layouts(request_kv, layout, tp):
     k, v, ks, vs = request_kv
+    table, block_size = [6, 1, 3], 4
+    per_rank = []
+    for rank in range(tp):
+        h = rank_heads(rank, tp)
+        order = kc.layouts.VLLM_LAYOUTS[layout]
+        caches = [packed_layer(k[layer][:, h], v[layer][:, h], table, 8, block_size, order) for layer in range(LAYERS)]
+        k_sc = [paged(ks[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
+        v_sc = [paged(vs[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
+        u = units.vllm_units(caches, layout=layout, backend="FLASH_ATTN", k_scales=k_sc, v_scales=v_sc, tp_rank=rank, tp_size=tp)
+        per_rank.append(digest_of(u, paged_slots(table, block_size)))
+    assert group_digest(per_rank) == logical_digest(k, v, ks, vs)
+
+
+def test_vllm_cpu_layout(request_kv):
+    """CPU_ATTN's layer [num_blocks, heads, block_size, 2 * head_size] read as vLLM's
+    forward reads it: each block-head a [2 * block_size, head_size] of K rows, then V rows.
+    (The kernel packs a block's tokens inside those planes: tests/test_vllm_layouts.py.)"""
+    k, v, _, _ = request_kv
     table, block_size = [2, 0], 8
     caches = []
     for layer in range(LAYERS):
-        kv = torch.cat([paged(k[layer], table, 3, block_size), paged(v[layer], table, 3, block_size)], dim=-1)  # [blocks, bs, H, 2D]
-        caches.append(kv.permute(0, 2, 1, 3).contiguous())  # [blocks, H, bs, 2D]
-    assert caches[0].shape == (3, HEADS, block_size, 2 * DIM)
-    u = units.vllm_cpu_units(caches)
+        planes = [paged(t[layer], table, 3, block_size).transpose(1, 2) for t in (k, v)]  # [blocks, H, bs, D] each
+        caches.append(torch.cat(planes, dim=2).view(3, HEADS, block_size, 2 * DIM))  # [blocks, H, 2 * bs, D] as vLLM's layer
+    u = units.vllm_units(caches, layout="LBHNC", backend="CPU_ATTN")
     # zero-copy: every view is a view of its layer's cache
     assert [view.untyped_storage().data_ptr() for view in u.views] == [c.untyped_storage().data_ptr() for c in caches] * 2
     assert digest_of(u, paged_slots(table, block_size)) == logical_digest(k, v)
+
+
+@pytest.mark.parametrize(
+    ("layout", "backend", "shape"),
+    [("NHD", None, (2, 4, 8, 2, 16)), ("HND", None, (2, 4, 2, 8, 16))]
+    + [(layout, backend, (4, 2, 8, 32)) for layout in ("LBHNC", "HND") for backend in ("FLASH_ATTN", "CPU_ATTN")],
+)
+def test_vllm_units_read_what_layouts_vllm_reads(layout, backend, shape):
+    """The digest's K and V views of a vLLM layer are the views `layouts.vllm` folds."""
+    kv = torch.arange(torch.Size(shape).numel(), dtype=torch.int32).view(shape)
+    if layout == "HND" and len(shape) == 5:
+        kv = kv.transpose(2, 3)  # [2, blocks, block_size, heads, dim] stored heads before tokens
+    sources = kc.layouts.vllm(kv, layout=layout, backend=backend)
+    u = units.vllm_units([kv], layout=layout, backend=backend)
+    for source, view in zip(sources, u.views, strict=True):
+        assert (source.as_view().data_ptr(), source.as_view().stride()) == (view.data_ptr(), view.stride())
+        assert torch.equal(source.as_view(), view)
 
 
 def test_hf_static_cache(request_kv):
@@ -201,6 +244,12 @@ def test_helpers_refuse_bad_input():
         units.sglang_mha_units(k, k, tp_rank=2, tp_size=2)
     with pytest.raises(ValueError, match="kv-canary: a vLLM layer is"):
         units.vllm_units([torch.zeros(3, 4, 2, 16)])
+    with pytest.raises(ValueError, match="kv-canary: a packed vLLM layer needs backend="):
+        units.vllm_units([torch.zeros(3, 4, 2, 16)], layout="LBHNC")
+    with pytest.raises(ValueError, match="kv-canary: a 5-D vLLM layer is the legacy"):
+        units.vllm_units([torch.zeros(2, 3, 4, 2, 16)], layout="LBHNC", backend="FLASH_ATTN")
+    with pytest.raises(ValueError, match="kv-canary: each of key_caches is"):
+        units.hf_static_cache_units([torch.zeros(2, 3, 4)], [torch.zeros(2, 3, 4, 16)])
     with pytest.raises(TypeError, match="kv-canary: kv_caches must be a sequence of per-layer tensors"):
         units.vllm_units(torch.zeros(2, 4, 2, 2, 16))
     with pytest.raises(ValueError, match="kv-canary: got 1 K layers but 2 V layers"):

@@ -2,8 +2,8 @@
 does not depend on how the cache is sharded, paged or split into calls.
 
 `kv_digest` is the entry point of ``torch.ops.kvcanary.digest``. The ``*_units`` helpers
-give ``(views, unit_offsets)`` for a layer stack of a real engine's cache, numbering the
-units the same way on every rank and layout:
+give ``(views, unit_offsets)`` for a layer stack of a real engine's cache (read as `engines`
+describes it), numbering the units the same way on every rank and layout:
 
     id = layer * units_per_layer + kind * num_kv_heads + global_head
 
@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import engines
 from .ops import integer_view, may_check_bounds
 
 K, V, K_SCALE, V_SCALE = range(4)
@@ -174,7 +175,7 @@ def sglang_mha_units(
 ) -> DigestUnits:
     """SGLang MHA: per layer ``k_buffers[l]``/``v_buffers[l]`` ``[num_slots, local_heads, head_dim]``
     and optional fp32 scales ``[num_slots, local_heads]``; slot = the pool's slot index."""
-    rows = lambda t: t.unsqueeze(1)  # noqa: E731  ([num_slots, 1, ...]: pages of one slot)
+    rows = engines.sglang_pool
     return _mha_units(
         _mapped(k_buffers, rows, "k_buffers"), _mapped(v_buffers, rows, "v_buffers"),
         _mapped(k_scales, rows, "k_scales"), _mapped(v_scales, rows, "v_scales"),
@@ -191,41 +192,42 @@ def sglang_mla_units(kv_buffers, *, scales=None, tp_rank=0, tp_size=1, first_lay
     if tp_rank != 0:
         return units
     for kind, name, tensors in ((LATENT, "kv_buffers", kv_buffers), (LATENT_SCALE, "scales", scales)):
-        for layer, t in enumerate(_mapped(tensors, lambda t: t.unsqueeze(1), name) or []):
+        for layer, t in enumerate(_mapped(tensors, engines.sglang_pool, name) or []):
             units.views.append(t)
             units.unit_offsets.append(unit_id(first_layer + layer, kind, 0, num_kv_heads=1, kinds=MLA_KINDS))
     return units
 
 
-def vllm_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
-    """vLLM: per layer ``[2, num_blocks, block_size, local_heads, head_size]`` (slot = block *
-    block_size + offset) and optional fp32 scales ``[num_blocks, block_size, local_heads]``."""
-    caches = _layer_list(kv_caches, "kv_caches")
-    for cache in caches:
-        if cache.dim() != 5 or cache.shape[0] != 2:
-            raise ValueError(
-                f"kv-canary: a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size], got shape {tuple(cache.shape)}"
-            )
-    return _mha_units(
-        [c[0] for c in caches], [c[1] for c in caches], _mapped(k_scales, lambda t: t, "k_scales"), _mapped(v_scales, lambda t: t, "v_scales"),
-        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
-    )  # fmt: skip
+def _vllm_layer(kv_cache: torch.Tensor, layout, backend: str | None) -> engines.KvViews:
+    if layout is not None:
+        return engines.vllm(kv_cache, layout=layout, backend=backend)
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv-canary: a vLLM layer is [2, num_blocks, block_size, num_kv_heads, head_size], or pass layout= (and "
+            f"backend= for a packed [num_blocks, num_kv_heads, block_size, C] layer), got shape {tuple(kv_cache.shape)}"
+        )
+    return engines.vllm_legacy(kv_cache)
 
 
-def vllm_cpu_units(kv_caches, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
-    """vLLM's CPU attention layout: per layer ``[num_blocks, local_heads, block_size, 2 * head_size]``,
-    K in the first half of the last dim and V in the second (slot = block * block_size +
-    offset); optional fp32 scales ``[num_blocks, local_heads, block_size]``."""
-    caches = _layer_list(kv_caches, "kv_caches")
-    for cache in caches:
-        if cache.dim() != 4 or cache.shape[-1] % 2:
-            raise ValueError(
-                f"kv-canary: a vLLM CPU layer is [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape {tuple(cache.shape)}"
-            )
-    half = lambda c, i: c[..., i * (c.shape[-1] // 2) : (i + 1) * (c.shape[-1] // 2)].permute(0, 2, 1, 3)  # noqa: E731
-    by_token = lambda t: t.permute(0, 2, 1)  # noqa: E731
+def vllm_units(
+    kv_caches, *, layout=None, backend=None, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0
+) -> DigestUnits:
+    """vLLM: per layer the tensor vLLM binds to it (slot = block * block_size + offset) and
+    optional fp32 scales ``[num_blocks, block_size, local_heads]``.
+
+    ``layout`` and ``backend`` describe the layers as for `layouts.vllm` (`engines.vllm`):
+    packed ``[num_blocks, local_heads, block_size, C]`` layers in any of vLLM's layouts, or
+    legacy ``[2, num_blocks, block_size, local_heads, head_size]`` ones. Without ``layout`` a
+    layer is the legacy tensor, whatever its strides. Under `engines.VLLM_BLOCK_PACKED_BACKENDS`
+    (CPU_ATTN) a slot's units are rows of its block-head's K and V planes, which the kernel
+    fills with the block's tokens packed together: a slot's units then hold bytes of other
+    tokens of its block, so two such caches give the same digest where their blocks hold
+    the same bytes (blocks copied whole between caches the same kernel packed).
+    """
+    layers = [_vllm_layer(cache, layout, backend) for cache in _layer_list(kv_caches, "kv_caches")]
+    by_slot = lambda t: t  # noqa: E731  (the scales are [num_blocks, block_size, heads] already)
     return _mha_units(
-        [half(c, 0) for c in caches], [half(c, 1) for c in caches], _mapped(k_scales, by_token, "k_scales"), _mapped(v_scales, by_token, "v_scales"),
+        [kv.key for kv in layers], [kv.value for kv in layers], _mapped(k_scales, by_slot, "k_scales"), _mapped(v_scales, by_slot, "v_scales"),
         tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
     )  # fmt: skip
 
@@ -235,11 +237,12 @@ def hf_static_cache_units(
 ) -> DigestUnits:
     """Hugging Face ``StaticCache``: per layer ``[batch, local_heads, max_len, head_dim]``
     (slot = batch_index * max_len + position) and optional scales ``[batch, local_heads, max_len]``."""
-    by_token = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731
-    scales_by_token = lambda t: t.permute(0, 2, 1)  # noqa: E731
+    keys = lambda t: engines.hf_static_cache(t, name="each of key_caches")  # noqa: E731
+    values = lambda t: engines.hf_static_cache(t, name="each of value_caches")  # noqa: E731
+    scales = engines.hf_static_cache_scales
     return _mha_units(
-        _mapped(key_caches, by_token, "key_caches"), _mapped(value_caches, by_token, "value_caches"),
-        _mapped(k_scales, scales_by_token, "k_scales"), _mapped(v_scales, scales_by_token, "v_scales"),
+        _mapped(key_caches, keys, "key_caches"), _mapped(value_caches, values, "value_caches"),
+        _mapped(k_scales, scales, "k_scales"), _mapped(v_scales, scales, "v_scales"),
         tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
     )  # fmt: skip
 
@@ -248,16 +251,10 @@ def trtllm_units(pools, *, scale_pools=None, tp_rank=0, tp_size=1, num_kv_heads=
     """TensorRT-LLM block pools: per layer ``[num_blocks, 2, local_heads, tokens_per_block, head_dim]``
     (slot = block * tokens_per_block + offset) and optional fp32 scale pools
     ``[num_blocks, 2, local_heads, tokens_per_block]``."""
-    layers = _layer_list(pools, "pools")
-    for pool in layers:
-        if pool.dim() != 5 or pool.shape[1] != 2:
-            raise ValueError(
-                f"kv-canary: a block pool is [num_blocks, 2, heads, tokens_per_block, head_dim], got shape {tuple(pool.shape)}"
-            )
-    scales = None if scale_pools is None else _layer_list(scale_pools, "scale_pools")
+    layers = [engines.trtllm_block_pool(pool) for pool in _layer_list(pools, "pools")]
+    scales = None if scale_pools is None else [engines.trtllm_scale_pool(s) for s in _layer_list(scale_pools, "scale_pools")]
     return _mha_units(
-        [p[:, 0].permute(0, 2, 1, 3) for p in layers], [p[:, 1].permute(0, 2, 1, 3) for p in layers],
-        None if scales is None else [s[:, 0].permute(0, 2, 1) for s in scales],
-        None if scales is None else [s[:, 1].permute(0, 2, 1) for s in scales],
+        [kv.key for kv in layers], [kv.value for kv in layers],
+        None if scales is None else [kv.key for kv in scales], None if scales is None else [kv.value for kv in scales],
         tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
     )  # fmt: skip
