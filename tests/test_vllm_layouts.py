@@ -1,5 +1,6 @@
-"""`layouts.vllm` against vLLM's own CPU kernels (vLLM's CPU build): where
-``cpu_attn_reshape_and_cache`` puts a token's K and V, for each instruction set this machine runs."""
+"""`layouts.vllm` and `digest.vllm_units` against vLLM's own CPU kernels (vLLM's CPU build):
+where ``cpu_attn_reshape_and_cache`` puts a token's K and V, for each instruction set this
+machine runs."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary import layouts  # noqa: E402
+from torch_kvcanary import digest, layouts  # noqa: E402
 
 BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE = 3, 2, 32, 64
 
@@ -30,6 +31,46 @@ def _write(kv: torch.Tensor, slot: int, isa: str, seed: int) -> None:
     ops.cpu_attn_reshape_and_cache(
         key, value, key_cache, value_cache, torch.tensor([slot]), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
     )
+
+
+def _distinct_bf16(count: int, first_bits: int) -> torch.Tensor:
+    """``count`` distinct finite bf16 values: the bit patterns ``first_bits``, ``first_bits + 1``, ..."""
+    assert 0 < first_bits and first_bits + count <= 0x7F80  # positive, below infinity
+    return (torch.arange(count, dtype=torch.int32) + first_bits).to(torch.int16).view(torch.bfloat16)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16).sort().values
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_k_and_v_views_hold_the_k_and_v_the_kernel_wrote(isa):
+    """Every token of the cache written through vLLM's kernel, each K and V value distinct:
+    the digest's K units of a block and head hold exactly the K bytes of that block's tokens
+    and head, its V units their V bytes (as sets: the kernel packs a block's tokens, see
+    VLLM_BLOCK_PACKED_BACKENDS), and layouts.vllm folds the same views."""
+    from vllm import _custom_ops as ops
+
+    tokens = BLOCKS * BLOCK_SIZE
+    count = tokens * HEADS * HEAD_SIZE
+    key = _distinct_bf16(count, 0x0800).view(tokens, HEADS, HEAD_SIZE)
+    value = _distinct_bf16(count, 0x0800 + count).view(tokens, HEADS, HEAD_SIZE)
+    kv = torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=torch.bfloat16)
+    key_cache, value_cache = kv.view(BLOCKS, HEADS, 2 * BLOCK_SIZE, HEAD_SIZE).chunk(2, dim=2)
+    slots = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))  # token i goes to slots[i]
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    by_slot = torch.empty_like(slots)
+    by_slot[slots] = torch.arange(tokens)  # the token at each slot
+
+    units = digest.vllm_units([kv], layout="LBHNC", backend="CPU_ATTN")
+    assert units.unit_offsets == [0, HEADS]  # layer 0: K heads, then V heads
+    sources = layouts.vllm(kv, layout="LBHNC", backend="CPU_ATTN")
+    for unit_view, source, written in zip(units.views, sources, (key, value), strict=True):
+        assert torch.equal(source.as_view(), unit_view)
+        for block in range(BLOCKS):
+            block_tokens = by_slot[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
+            for head in range(HEADS):
+                assert torch.equal(_bits(unit_view[block, :, head]), _bits(written[block_tokens, head]))
 
 
 def test_the_slots_of_a_block_cover_its_bytes_once():
