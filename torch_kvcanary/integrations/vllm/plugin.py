@@ -43,6 +43,7 @@ import torch
 
 from ... import layouts
 from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...policy import apply_policy
 from ...sources import HashMode
 from . import adapter
 
@@ -296,11 +297,8 @@ class WorkerCanary:
         return f"{violation.line(LAUNCH_TAG)} request_id={','.join(self.requests_of(violation)) or 'none'}"
 
     def _report(self, violations: list[Violation]) -> None:
-        lines = [self.line(v) for v in violations]
-        if self.policy == "raise":
-            raise KvCorruptionError(lines, violations)
-        for line in lines:
-            logger.warning(line)
+        lines = lambda: [self.line(v) for v in violations]  # noqa: E731
+        apply_policy(self.policy, violations, lines=lines, error=lambda text: KvCorruptionError(text, violations))
 
 
 def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
