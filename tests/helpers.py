@@ -88,3 +88,60 @@ def random_case(seed: int, device: str = "cpu", *, max_sources: int = 8, lengths
     capacity = min(s.capacity for s in sources)
     slots = random_slots(rng, capacity, rng.choice(lengths), rng.choice([torch.int32, torch.int64]), device)
     return sources, slots, rng.choice(list(kc.HashMode))
+
+
+# (dtype, unit_shape): bf16 heads, fp8 heads, fp32 scale sidecars of one float, units of 12
+# and 20 bytes (the last word zero-padded), 2-D units (whose rows random_digest_view may pad,
+# making units of several runs: of 24, 12 and 4 bytes)
+UNIT_KINDS = [
+    (torch.bfloat16, (16,)),
+    (torch.float8_e4m3fn, (32,)),
+    (torch.float32, ()),
+    (torch.float32, (3,)),
+    (torch.float16, (10,)),
+    (torch.uint8, (2, 24)),
+    (torch.float32, (2, 3)),
+    (torch.uint8, (3, 4)),
+    (torch.int64, (5,)),
+]
+
+
+def random_digest_view(rng: random.Random, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    """A view [num_pages, page_size, units, *unit_shape] with holes: padded pages, slots, units
+    and (sometimes) unit rows, a storage offset, and the page/slot/unit dims in a random memory
+    order; the innermost dim stays contiguous."""
+    dtype, unit_shape = rng.choice(UNIT_KINDS)
+    num_pages, page_size, units = rng.randint(1, 5), rng.choice([1, 2, 3, 8]), rng.randint(1, 5)
+    pad = [rng.randint(0, 2), rng.randint(0, 1), rng.randint(0, 1)]
+    inner_pad = [rng.randint(0, 2) if len(unit_shape) == 2 and i == 1 else 0 for i in range(len(unit_shape))]
+    order = rng.sample(range(3), 3)
+    logical = [num_pages + pad[0], page_size + pad[1], units + pad[2]]
+    inner = [n + p for n, p in zip(unit_shape, inner_pad)]
+    base = random_bytes([logical[i] for i in order] + inner, dtype, gen, device)
+    full = base.permute(*[order.index(i) for i in range(3)], *range(3, 3 + len(inner)))
+    view = full[pad[0] :, :page_size, pad[2] :]
+    return view[(...,) + tuple(slice(0, n) for n in unit_shape)] if unit_shape else view
+
+
+def random_entries(rng: random.Random, capacity: int, n: int, num_groups: int, device: str, dtype=torch.int64):
+    """n digest entries (slots, positions, groups): slots in [0, capacity) with some padding mixed in."""
+    slots = [rng.randrange(capacity) if rng.random() > 0.15 else -rng.randint(1, 3) for _ in range(n)]
+    top = 1 << (40 if dtype == torch.int64 else 30)
+    positions = [rng.randrange(-5, top) for _ in range(n)]
+    groups = [rng.randrange(num_groups) for _ in range(n)]
+    as_tensor = lambda v: torch.tensor(v, dtype=dtype, device=device)  # noqa: E731
+    return as_tensor(slots), as_tensor(positions), as_tensor(groups)
+
+
+def random_digest_case(seed: int, device: str = "cpu", *, max_entries: int = 90):
+    """(views, unit_offsets, slots, positions, groups, num_groups): 1..4 random digest views and
+    up to max_entries entries of int32 or int64."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    views = [random_digest_view(rng, gen, device) for _ in range(rng.randint(1, 4))]
+    offsets = [rng.randrange(1 << 62) for _ in views]
+    capacity = min(v.shape[0] * v.shape[1] for v in views)
+    num_groups = rng.randint(1, 4)
+    dtype = rng.choice([torch.int32, torch.int64])
+    slots, positions, groups = random_entries(rng, capacity, rng.randint(0, max_entries), num_groups, device, dtype)
+    return views, offsets, slots, positions, groups, num_groups
