@@ -1,6 +1,6 @@
 """torch.ops.kvcanary.digest through `kv_digest`: docs/spec.md's digest transcribed in plain
-ints (spec_oracle), the invariances (ranks, pages, chunks, calls), the transfer bugs, the PT2
-stack and bad input."""
+ints (spec_oracle), the invariances (ranks, pages, chunks, calls), the transfer bugs and bad
+input. The PT2 contracts are in test_op_contracts.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import expecttest
 import pytest
 import spec_oracle as oracle
 import torch
-from helpers import CUDA, DEVICES, random_bytes, random_digest_case, random_entries
+from helpers import DEVICES, random_bytes, random_digest_case, random_entries
 
 import torch_kvcanary as kc
 
@@ -246,66 +246,6 @@ def test_each_transfer_bug_changes_the_digest(device):
     assert _word_sum([two_top_bits], slots.cpu()) == _word_sum([kv], slots.cpu())
     # swapped heads (unit ids) and layers change it too
     assert digest(kv.flip(2), scales) != good
-
-
-# --- the PT2 stack -------------------------------------------------------------------------------
-
-
-def _op_args(views, offsets, slots, positions, groups, num_groups, check=True):
-    return ([kc.ops.integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    for seed in range(5):
-        views, offsets, slots, positions, groups, num_groups = random_digest_case(seed, device)
-        torch.library.opcheck(torch.ops.kvcanary.digest.default, _op_args(views, offsets, slots, positions, groups, num_groups))
-        torch.library.opcheck(torch.ops.kvcanary.digest.default, _op_args(views, offsets, slots, positions, None, 1, False))
-    pool = torch.randn(4, 2, 3, 8, device=device)  # a float view works too (not float8: see test_ops)
-    entries = torch.tensor([0, 7, -1], device=device)
-    torch.library.opcheck(torch.ops.kvcanary.digest.default, ([pool], entries, entries, None, [5], 2, True))
-
-
-def _request_digest(pool, scales, slots, positions, groups):
-    return kc.kv_digest([pool[0], pool[1], scales], slots, positions, unit_offsets=[0, 2, 4], groups=groups, num_groups=3)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_dynamic(device):
-    torch._dynamo.reset()
-    compiled = torch.compile(_request_digest, fullgraph=True, dynamic=True)
-    gen = torch.Generator().manual_seed(0)
-    pool = random_bytes([2, 6, 4, 2, 16], torch.bfloat16, gen, device)
-    scales = random_bytes([6, 4, 2], torch.float32, gen, device)
-    for n in (3, 17, 24):
-        slots = torch.randint(-1, 24, (n,), generator=gen).to(device)
-        positions = torch.randint(0, 99, (n,), generator=gen).to(device)
-        groups = torch.randint(0, 3, (n,), generator=gen).to(device)
-        assert torch.equal(compiled(pool, scales, slots, positions, groups), _request_digest(pool, scales, slots, positions, groups))
-
-
-def test_meta_tensors():
-    pool = torch.empty(2, 6, 4, 2, 16, dtype=torch.bfloat16, device="meta")
-    scales = torch.empty(6, 4, 2, dtype=torch.float32, device="meta")
-    entries = torch.empty(5, 3, dtype=torch.int32, device="meta")
-    out = _request_digest(pool, scales, entries, entries, entries)
-    assert out.device.type == "meta" and out.shape == (3,) and out.dtype == torch.int64
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_cuda_graph_capture():
-    gen = torch.Generator().manual_seed(0)
-    pool = random_bytes([2, 6, 4, 2, 16], torch.bfloat16, gen, "cuda")
-    scales = random_bytes([6, 4, 2], torch.float32, gen, "cuda")
-    slots = torch.tensor([0, 5, -1, 23, 30], device="cuda")  # 30 is past the capacity: left out under capture
-    positions = torch.arange(5, device="cuda")
-    groups = torch.tensor([0, 1, 2, 1, 0], device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _request_digest(pool, scales, slots, positions, groups)
-    graph.replay()
-    live = slots < 24
-    assert out.tolist() == _request_digest(pool, scales, slots[live], positions[live], groups[live]).tolist()
 
 
 # --- bad input -----------------------------------------------------------------------------------

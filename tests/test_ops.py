@@ -1,5 +1,6 @@
 """torch.ops.kvcanary.fold through the public `fold`: golden vectors, random layouts
-against the reference, the PT2 stack (opcheck, compile, export, meta) and bad input."""
+against the reference, result shapes, modes and padding. The PT2 contracts are in
+test_op_contracts.py."""
 
 import random
 import sys
@@ -17,7 +18,6 @@ from helpers import (
 )
 
 import torch_kvcanary as kc
-from torch_kvcanary import ops
 
 GOLDEN = load_golden()
 
@@ -90,81 +90,3 @@ def test_check_bounds_off_gives_zero_for_out_of_range():
     source = kc.view_source(torch.ones(2, 4, 16, dtype=torch.uint8), read_bytes=16)
     out = kc.fold(source, torch.tensor([7, 8, 1 << 40, -1]), check_bounds=False)
     assert out[0] != 0 and out[1:].tolist() == [0, 0, 0]
-
-
-# --- the PT2 stack ---------------------------------------------------------------------------
-
-
-def _opcheck_samples(device):
-    rng = random.Random(7)
-    samples = []
-    for seed in range(6):
-        sources, slots, _ = random_case(seed, device)
-        views = [s.as_view() for s in sources]
-        samples.append((views, slots, [s.read_bytes for s in sources], True))
-    pool = torch.randint(0, 255, (4, 16, 32), dtype=torch.uint8, device=device)
-    samples.append(([pool], torch.empty(0, dtype=torch.int64, device=device), [32], True))
-    samples.append(([], random_slots(rng, 10, 5, device=device), [], False))
-    return samples
-
-
-def _as_the_shim_passes(args):
-    views, slots, read_bytes, check = args
-    return [ops.integer_view(v) for v in views], slots, read_bytes, check
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    for args in _opcheck_samples(device):
-        torch.library.opcheck(torch.ops.kvcanary.fold.default, _as_the_shim_passes(args))
-    # float views work too, except float8: opcheck compares inputs with arithmetic float8
-    # lacks, which is why `fold` passes every view as an integer dtype of its size
-    pool = torch.randn(4, 2, 2, 8, device=device)
-    torch.library.opcheck(torch.ops.kvcanary.fold.default, ([pool], torch.tensor([0, 7, -1], device=device), [64], True))
-
-
-def _k_and_v(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    # vLLM-style [2, blocks, block_size, heads, dim] pool: K and V halves as two sources.
-    sources = [kc.view_source(pool[i], read_bytes=kc.resolve_read_bytes(kc.HashMode.ALL)) for i in range(2)]
-    return kc.fold(sources, slots)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_dynamic(device):
-    torch._dynamo.reset()
-    compiled = torch.compile(_k_and_v, fullgraph=True, dynamic=True)
-    gen = torch.Generator().manual_seed(0)
-    pool = torch.randint(0, 255, (2, 6, 4, 2, 16), dtype=torch.uint8, generator=gen).to(device)
-    for n in (3, 17, 24):
-        slots = torch.randint(-1, 24, (n,), generator=gen).to(device)
-        assert torch.equal(compiled(pool, slots), _k_and_v(pool, slots))
-    bigger = torch.randint(0, 255, (2, 9, 4, 2, 32), dtype=torch.uint8, generator=gen).to(device)
-    slots = torch.randint(-1, 36, (11,), generator=gen).to(device)
-    assert torch.equal(compiled(bigger, slots), _k_and_v(bigger, slots))
-
-
-class _KV(torch.nn.Module):
-    def forward(self, pool, slots):
-        return _k_and_v(pool, slots)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_export(device):
-    pool = torch.randint(0, 255, (2, 6, 4, 2, 16), dtype=torch.uint8).to(device)
-    slots = torch.tensor([0, 5, -1, 23], device=device)
-    batch = torch.export.Dim("batch")
-    exported = torch.export.export(_KV(), (pool, slots), dynamic_shapes=({}, {0: batch}))
-    assert any(n.target is torch.ops.kvcanary.fold.default for n in exported.graph.nodes)
-    longer = torch.tensor([1, 2, 3, 4, 5, 6, -1], device=device)
-    assert torch.equal(exported.module()(pool, longer), _k_and_v(pool, longer))
-
-
-def test_meta_tensors():
-    pool = torch.empty(2, 6, 4, 2, 16, dtype=torch.uint8, device="meta")
-    out = _k_and_v(pool, torch.empty(5, 3, dtype=torch.int32, device="meta"))
-    assert out.device.type == "meta" and out.shape == (5, 3) and out.dtype == torch.int64
-
-
-def test_the_library_names_the_module_of_its_fake_kernels():
-    # torch imports (or asks for) this module when a fake kernel is needed before it was loaded.
-    assert torch._C._dispatch_pystub("kvcanary::fold", "")[0] == "torch_kvcanary.ops"
