@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CPU kernel with AddressSanitizer and UndefinedBehaviorSanitizer in a copy
 # of the tree (its own build directory, nothing installed) and runs the property,
-# bad-input, CPU-path, canary and digest tests against it. Any sanitizer report aborts the run.
+# bad-input, CPU-path, op-contract, canary and digest tests against it. Any sanitizer report aborts the run.
 # Usage: build_tools/sanitizer_check.sh PYTHON   (a Python with torch, pytest, hypothesis)
 set -euo pipefail
 python=${1:?usage: $0 PYTHON}
@@ -18,4 +18,4 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.
 ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0:detect_odr_violation=0:abort_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   "$python" -m pytest -q -p no:cacheprovider \
-    ${KVCANARY_SANITIZE_TESTS:-tests/test_properties.py tests/test_bad_input.py tests/test_cpu_paths.py tests/test_ops.py tests/test_canary_records.py tests/test_digest.py}
+    ${KVCANARY_SANITIZE_TESTS:-tests/test_properties.py tests/test_bad_input.py tests/test_cpu_paths.py tests/test_ops.py tests/test_op_contracts.py tests/test_canary_records.py tests/test_digest.py}
