@@ -1,17 +1,23 @@
-"""Every invalid argument of every public function and of the raw op raises a Python
-exception whose message starts with `kv-canary:` and names what to change; none crashes,
-reads out of bounds (the sanitizer job runs this file) or copies a pool."""
+"""Every invalid argument of every public function and of the raw ops, and every invalid
+setting of the vLLM plugin, raises a Python exception whose message starts with `kv-canary:`
+and names what to change; none crashes, reads out of bounds (the sanitizer job runs this
+file) or copies a pool."""
 
+import re
 import sys
 
 import expecttest
 import pytest
 import torch
+from helpers import CUDA, DEVICES
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
 from benchmarks import upstream_baseline
+from torch_kvcanary import digest as digest_units
 from torch_kvcanary import layouts
+from torch_kvcanary.integrations.vllm import plugin
+from torch_kvcanary.transfer import verify_transfer
 
 U8 = torch.zeros(4, 2, 64, dtype=torch.uint8)  # a good view: 4 pages of 2 slots of 64 bytes
 ROWS = torch.zeros(8, 64, dtype=torch.uint8)
@@ -350,7 +356,7 @@ def _raw(views, slots, read_bytes):
     return lambda: torch.ops.kvcanary.fold(views, slots, read_bytes)
 
 
-class TestErrors(expecttest.TestCase):
+class TestFoldErrors(expecttest.TestCase):
     def _message(self, exc_type, fn) -> str:
         with self.assertRaises(exc_type) as info:
             fn()
@@ -475,3 +481,279 @@ def test_fake_kernel_refuses_like_the_kernels(name, call, exception):
     with FakeTensorMode() as mode, pytest.raises(exception) as fake:
         call(mode.from_tensor(U8), mode.from_tensor(SLOTS))
     assert str(fake.value) == str(real.value)
+
+
+# --- sources and engine layouts ---------------------------------------------------------------
+
+
+def test_source_helpers_exact_messages():
+    with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be <= num_bytes_per_token \(32\), got 48$"):
+        kc.make_row_source(layer_buffer=torch.zeros(4, 8, dtype=torch.float32), read_bytes=48)
+    with pytest.raises(ValueError, match=r"^kv-canary: num_bytes_per_token must be a positive multiple of 16, got 12$"):
+        kc.make_row_source(layer_buffer=torch.zeros(4, 3, dtype=torch.float32), read_bytes=16)
+    cache = torch.zeros(2, 4, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be a multiple of 16, got 8$"):
+        kc.view_source(cache, read_bytes=8)
+    with pytest.raises(
+        ValueError, match=r"^kv-canary: view_source needs a view \[num_pages, page_size, \*token_shape\], got shape \(4,\)$"
+    ):
+        kc.view_source(torch.zeros(4), read_bytes=16)
+
+
+@pytest.mark.parametrize(
+    "helper, shape",
+    [(layouts.vllm_fused, (4, 3, 16, 8)), (layouts.trtllm_block_pool, (4, 3, 2, 16, 8))],
+)
+def test_layout_shape_errors(helper, shape):
+    with pytest.raises(ValueError, match="^kv-canary: "):
+        helper(torch.zeros(shape))
+    with pytest.raises(ValueError, match=r"^kv-canary: key_cache is \[batch, heads, max_len, head_dim\]"):
+        layouts.hf_static_cache(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, 5))
+
+
+# a packed vLLM layer [B, H, N, 2D] whose memory holds N outside H (the LBHNC order)
+LBNHC_STORED_AS_LBHNC = torch.zeros(5, 32, 2, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: layouts.vllm(torch.zeros(2, 4, 32, 2, 64)), "layouts.vllm needs layout="),
+        (lambda: layouts.vllm(torch.zeros(4, 2, 32, 128), layout="LBHNC"), "needs backend="),
+        (lambda: layouts.vllm(torch.zeros(4, 2, 32, 128), layout="LBHNC", backend="MAMBA2_ATTN"), "needs backend="),
+        (lambda: layouts.vllm(torch.zeros(4, 2, 32, 128), layout="LBNHC", backend="FLASH_ATTN"), "LBNHC layer has its axes"),
+        (lambda: layouts.vllm(torch.zeros(4, 2, 32, 128), layout="XYZ", backend="FLASH_ATTN"), "a packed vLLM layer is the 4-D"),
+        (lambda: layouts.vllm(torch.zeros(2, 4, 32, 2, 64), layout="LBHNC"), "a 5-D vLLM layer is the legacy"),
+        (lambda: layouts.vllm(torch.zeros(3, 4, 32, 2, 64), layout="NHD"), "a 5-D vLLM layer is the legacy"),
+        (lambda: layouts.vllm(torch.zeros(2, 4, 32, 2, 64), layout="HND"), "HND layer has its axes"),
+        (lambda: layouts.vllm(torch.zeros(4, 2, 32, 127), layout="LBHNC", backend="FLASH_ATTN"), "2 * head_size"),
+        (lambda: layouts.vllm(LBNHC_STORED_AS_LBHNC, layout="LBNHC", backend="CPU_ATTN"), "reads each block-head"),
+        (lambda: layouts.vllm(torch.zeros(4, 2, 32, 128), layout=3, backend="FLASH_ATTN"), "layout must be vLLM's name"),
+    ],
+)
+def test_vllm_ambiguous_or_wrong_calls_are_refused(call, message):
+    with pytest.raises((ValueError, TypeError), match="^kv-canary: .*" + re.escape(message)):
+        call()
+
+
+# --- fold on each device ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fold_eager_range_check_and_switch(device):
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(-128, 127, (2, 64, 16, 2, 64), dtype=torch.int8, generator=gen).view(torch.bfloat16).to(device)
+    sources = [kc.view_source(pool[i], read_bytes=kc.resolve_read_bytes(kc.HashMode.ALL)) for i in range(2)]
+    capacity = pool.shape[1] * pool.shape[2]
+    slots = torch.tensor([0, capacity, 3], device=device)
+    with pytest.raises(IndexError, match=f"^kv-canary: slot {capacity} is out of range for sources of capacity {capacity}"):
+        kc.fold(sources, slots)
+    out = kc.fold(sources, slots, check_bounds=False)
+    assert out[1] == 0 and out[0] != 0
+
+
+# --- KvCanary -----------------------------------------------------------------------------------
+
+
+def _canary_pool(device: str) -> torch.Tensor:
+    """A vLLM [2, blocks, block_size, heads, dim] bf16 pool: a canary of capacity 128."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(2, 8, 16, 2, 32, generator=gen).to(torch.bfloat16).to(device)
+
+
+def test_canary_constructor_refuses_bad_arguments():
+    sources = layouts.vllm(_canary_pool("cpu"), layout="NHD")
+    for kwargs, match in (
+        ({"capacity": 129}, r"^kv-canary: KvCanary capacity must be in \[1, 128\]"),
+        ({"mode": 7}, "^kv-canary: mode must be a HashMode"),
+        ({"ring_capacity": 0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1, got 0"),
+        ({"ring_capacity": 2.0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1"),
+        ({"padding_slot": 128}, r"^kv-canary: KvCanary padding_slot must be None or a slot in \[0, 128\), got 128"),
+        ({"on_violation": "print"}, "^kv-canary: on_violation must be"),
+        ({"on_violation": "warn"}, "^kv-canary: on_violation must be 'log', 'raise', a callable"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            kc.KvCanary(sources, **kwargs)
+    with pytest.raises(ValueError, match="^kv-canary: KvCanary needs at least one source$"):
+        kc.KvCanary(())
+    with pytest.raises(TypeError, match="^kv-canary: KvCanary name must be a str"):
+        kc.KvCanary(sources, name=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_canary_slots_past_its_capacity(device):
+    canary = kc.KvCanary(layouts.vllm(_canary_pool(device), layout="NHD"), capacity=100)
+    canary.record(torch.tensor([-1, 5, -3], device=device))
+    before = canary.records.clone()
+    with pytest.raises(IndexError, match=r"^kv-canary: slots holds slot 100, out of range for a canary of capacity 100"):
+        canary.record(torch.tensor([7, 100, 8], device=device))  # 100 is past the capacity
+    assert torch.equal(canary.records, before)  # a refused call writes nothing
+    with pytest.raises(IndexError, match=r"^kv-canary: slots holds slot 127, out of range"):
+        canary.verify(torch.tensor([5, 127], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_canary_refused_calls_write_nothing(device):
+    canary = kc.KvCanary(layouts.vllm(_canary_pool(device), layout="NHD"), capacity=100)
+    canary.record(torch.arange(8, device=device))
+    before = [t.clone() for t in (canary._records, canary._owner_tags, canary._counters, canary._ring)]
+    slots = torch.arange(4, device=device)
+    bad = [
+        (IndexError, "^kv-canary: prev_slots holds slot 100, out of range for a canary of capacity 100", {"prev_slots": torch.tensor([-1, 0, 100, 1], device=device)}),
+        (IndexError, "^kv-canary: slots holds slot 120, out of range", {"slots": torch.tensor([1, 120], device=device)}),
+        (ValueError, r"^kv-canary: positions has 3 entries \(shape \[3\]\) but slots has 4", {"positions": torch.arange(3, device=device)}),
+        (TypeError, "^kv-canary: tokens must be an int32 or int64 tensor, got Float", {"tokens": torch.zeros(4, device=device)}),
+        (TypeError, "^kv-canary: prev_slots must be an int32 or int64 tensor shaped like slots, got list", {"prev_slots": [1, 2, 3, 4]}),
+        (ValueError, r"^kv-canary: tag has 2 values", {"tag": torch.tensor([1, 2], device=device)}),
+        (TypeError, "^kv-canary: tag must be an int or an int64 tensor", {"tag": 1.5}),
+    ]  # fmt: skip
+    for error, match, change in bad:
+        kwargs = {"slots": slots, **change}
+        for call in (canary.record, canary.verify):
+            with pytest.raises(error, match=match):
+                call(**kwargs)
+    if device == "cpu" and CUDA:
+        with pytest.raises(ValueError, match="^kv-canary: positions is on cuda"):
+            canary.record(slots, positions=slots.cuda())
+    for table, saved in zip((canary._records, canary._owner_tags, canary._counters, canary._ring), before):
+        assert torch.equal(table, saved)
+
+
+# --- the digest ---------------------------------------------------------------------------------
+
+
+class TestDigestErrors(expecttest.TestCase):
+    def _message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as info:
+            fn()
+        return str(info.exception)
+
+    def test_slot_past_capacity(self):
+        views = [torch.zeros(3, 4, 2, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.float32)]
+        entries = torch.tensor([0, 8, 12])
+        self.assertExpectedInline(
+            self._message(IndexError, lambda: kc.kv_digest(views, entries, entries, unit_offsets=[0, 2])),
+            """kv-canary: slot 8 is out of range for sources of capacity 8; slots must be < 8 (or negative for padding)""",
+        )
+
+    def test_groups_out_of_range(self):
+        view = torch.zeros(3, 4, 2, 16, dtype=torch.uint8)
+        entries = torch.tensor([0, 1, -1])
+        self.assertExpectedInline(
+            self._message(
+                IndexError, lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 2, 9]), num_groups=2)
+            ),
+            """kv-canary: group 2 is out of range for num_groups 2; groups must be in [0, 2)""",
+        )
+        # a padding entry's group is not looked at
+        assert kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 1, 9]), num_groups=2).shape == (2,)
+
+    def test_views(self):
+        entries = torch.tensor([0])
+        u8 = torch.zeros(4, 2, 2, 24, dtype=torch.uint8)
+        cases = {
+            "unit of 6 bytes": [torch.zeros(4, 2, 3, 6, dtype=torch.uint8)],
+            "innermost not contiguous": [torch.zeros(4, 2, 3, 16, 2)[..., 0]],
+            "rank 2": [torch.zeros(4, 2)],
+            "float16 element unit": [torch.zeros(4, 2, 3, dtype=torch.float16)],
+        }
+        messages = {
+            name: self._message(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()
+        }
+        messages["unit_offsets length"] = self._message(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
+        messages["devices"] = self._message(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
+        messages["positions shape"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))
+        messages["num_groups 0"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0))
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            """\
+unit of 6 bytes: kv-canary: digest view 0 has units of 6 bytes (shape [4, 2, 3, 6], dtype Byte); a unit's bytes must be a positive multiple of 4
+innermost not contiguous: kv-canary: digest view 0 must have a contiguous innermost dim (stride 1), got shape [4, 2, 3, 16] and strides [192, 96, 32, 2]; make the fastest-moving dim of each unit the last one
+rank 2: kv-canary: digest view 0 must be [num_pages, page_size, units, *unit_shape], got shape [4, 2]
+float16 element unit: kv-canary: digest view 0 has units of 2 bytes (shape [4, 2, 3], dtype Short); a unit's bytes must be a positive multiple of 4
+unit_offsets length: kv-canary: got 2 digest views but 1 unit_offsets; pass one unit offset (the global id of its unit 0) per view
+devices: kv-canary: digest view 0 is on meta but slots are on cpu; put them on one device
+positions shape: kv-canary: positions must have the shape of slots [1], got [2]
+num_groups 0: kv-canary: num_groups must be >= 1, got 0""",
+        )
+
+    def test_types(self):
+        view = torch.zeros(4, 2, 2, 16, dtype=torch.uint8)
+        entries = torch.tensor([0])
+        cases = {
+            "float slots": lambda: kc.kv_digest([view], torch.tensor([0.0]), entries, unit_offsets=[0]),
+            "list positions": lambda: kc.kv_digest([view], entries, [0], unit_offsets=[0]),
+            "int16 groups": lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=entries.short()),
+            "a tensor for views": lambda: kc.kv_digest(view, entries, entries, unit_offsets=[0]),
+        }
+        messages = {name: self._message(TypeError, fn) for name, fn in cases.items()}
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            """\
+float slots: kv-canary: slots must be an int32 or int64 tensor, got Float
+list positions: kv-canary: positions must be an int32 or int64 tensor, got list
+int16 groups: kv-canary: groups must be an int32 or int64 tensor, got Short
+a tensor for views: kv-canary: views must be a sequence of tensors [num_pages, page_size, units, *unit_shape]""",
+        )
+
+
+def test_digest_unit_helpers_refuse_bad_input():
+    k = [torch.zeros(4, 3, 16, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match="kv-canary: 3 local KV heads on each of 2 ranks do not split 4 KV heads"):
+        digest_units.sglang_mha_units(k, k, tp_rank=0, tp_size=2, num_kv_heads=4)
+    with pytest.raises(ValueError, match=r"kv-canary: tp_rank must be in \[0, tp_size=2\), got 2"):
+        digest_units.sglang_mha_units(k, k, tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="kv-canary: a vLLM layer is"):
+        digest_units.vllm_units([torch.zeros(3, 4, 2, 16)])
+    with pytest.raises(ValueError, match="kv-canary: a packed vLLM layer needs backend="):
+        digest_units.vllm_units([torch.zeros(3, 4, 2, 16)], layout="LBHNC")
+    with pytest.raises(ValueError, match="kv-canary: a 5-D vLLM layer is the legacy"):
+        digest_units.vllm_units([torch.zeros(2, 3, 4, 2, 16)], layout="LBHNC", backend="FLASH_ATTN")
+    with pytest.raises(ValueError, match="kv-canary: each of key_caches is"):
+        digest_units.hf_static_cache_units([torch.zeros(2, 3, 4)], [torch.zeros(2, 3, 4, 16)])
+    with pytest.raises(TypeError, match="kv-canary: kv_caches must be a sequence of per-layer tensors"):
+        digest_units.vllm_units(torch.zeros(2, 4, 2, 2, 16))
+    with pytest.raises(ValueError, match="kv-canary: got 1 K layers but 2 V layers"):
+        digest_units.sglang_mha_units(k, k + k)
+
+
+def test_verify_transfer_refuses_bad_arguments():
+    sent, sent_chunks = torch.tensor([5, -1, 1 << 62]), torch.tensor([1, 2, 3, 4])
+    cases = {
+        "kv-canary: sent must be a 1-D int64 tensor of digests (from kv_digest), got a torch.int32 tensor of shape (3,)": lambda: (
+            verify_transfer(sent.int(), sent)
+        ),
+        "kv-canary: received must be a 1-D int64 tensor of digests (from kv_digest), got list": lambda: verify_transfer(sent, [1, 2, 3]),
+        "kv-canary: sent has 3 digests but received has 2; pass one per request (chunk) on both sides": lambda: verify_transfer(
+            sent, sent[:2]
+        ),
+        "kv-canary: pass both sent_chunks and received_chunks, or neither": lambda: verify_transfer(sent, sent, sent_chunks=sent_chunks),
+        "kv-canary: on_mismatch must be 'log', 'raise', None or a callable, got 'warn'": lambda: verify_transfer(
+            sent, sent, on_mismatch="warn"
+        ),
+        "kv-canary: got 1 request_ids for 3 requests": lambda: verify_transfer(sent, sent, request_ids=["x"]),
+    }
+    for message, call in cases.items():
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        assert str(info.value) == message
+
+
+# --- the vLLM plugin's switches -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy, mode, message",
+    [
+        ("warn", "all", "KVCANARY_VLLM must be one of log, raise (or unset to turn the plugin off), got 'warn'"),
+        ("LOG", "all", "KVCANARY_VLLM must be one of log, raise"),
+        ("log", "full", "KVCANARY_VLLM_MODE must be one of partial, all, got 'full'"),
+    ],
+)
+def test_vllm_plugin_refuses_bad_settings(monkeypatch, policy, mode, message):
+    monkeypatch.setenv("KVCANARY_VLLM", policy)
+    monkeypatch.setenv("KVCANARY_VLLM_MODE", mode)
+    with pytest.raises(ValueError, match="^kv-canary: " + message.replace("(", r"\(").replace(")", r"\)")):
+        plugin.settings()
+    with pytest.raises(ValueError, match="^kv-canary: "):
+        plugin.register()

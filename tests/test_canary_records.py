@@ -193,8 +193,6 @@ def test_policies():
         else:
             assert len(canary.poll()) == 4
     assert [v.slot for v in seen[0]] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="^kv-canary: on_violation must be 'log', 'raise', a callable"):
-        kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation="warn")
 
 
 def test_ring_overflow_is_counted(caplog):
@@ -239,48 +237,6 @@ def test_one_launch_per_verify():
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "kernel" in e.name]
     assert len(kernels) == 1 and "verify_kernel" in kernels[0], kernels
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_refused_calls_write_nothing(device):
-    kv = _pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), capacity=100)
-    canary.record(torch.arange(8, device=device))
-    before = [t.clone() for t in (canary._records, canary._owner_tags, canary._counters, canary._ring)]
-    slots = torch.arange(4, device=device)
-    bad = [
-        (IndexError, "^kv-canary: prev_slots holds slot 100, out of range for a canary of capacity 100", {"prev_slots": torch.tensor([-1, 0, 100, 1], device=device)}),
-        (IndexError, "^kv-canary: slots holds slot 120, out of range", {"slots": torch.tensor([1, 120], device=device)}),
-        (ValueError, r"^kv-canary: positions has 3 entries \(shape \[3\]\) but slots has 4", {"positions": torch.arange(3, device=device)}),
-        (TypeError, "^kv-canary: tokens must be an int32 or int64 tensor, got Float", {"tokens": torch.zeros(4, device=device)}),
-        (TypeError, "^kv-canary: prev_slots must be an int32 or int64 tensor shaped like slots, got list", {"prev_slots": [1, 2, 3, 4]}),
-        (ValueError, r"^kv-canary: tag has 2 values", {"tag": torch.tensor([1, 2], device=device)}),
-        (TypeError, "^kv-canary: tag must be an int or an int64 tensor", {"tag": 1.5}),
-    ]  # fmt: skip
-    for error, match, change in bad:
-        kwargs = {"slots": slots, **change}
-        for call in (canary.record, canary.verify):
-            with pytest.raises(error, match=match):
-                call(**kwargs)
-    if device == "cpu" and CUDA:
-        with pytest.raises(ValueError, match="^kv-canary: positions is on cuda"):
-            canary.record(slots, positions=slots.cuda())
-    for table, saved in zip((canary._records, canary._owner_tags, canary._counters, canary._ring), before):
-        assert torch.equal(table, saved)
-
-
-def test_constructor_refuses_bad_arguments():
-    sources = layouts.vllm(_pool("cpu"), layout="NHD")
-    for kwargs, match in (
-        ({"ring_capacity": 0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1, got 0"),
-        ({"ring_capacity": 2.0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1"),
-        ({"padding_slot": 128}, r"^kv-canary: KvCanary padding_slot must be None or a slot in \[0, 128\), got 128"),
-        ({"on_violation": "print"}, "^kv-canary: on_violation must be"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            kc.KvCanary(sources, **kwargs)
-    with pytest.raises(TypeError, match="^kv-canary: KvCanary name must be a str"):
-        kc.KvCanary(sources, name=3)
 
 
 def test_prometheus_export():

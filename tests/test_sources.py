@@ -74,10 +74,6 @@ def test_make_row_source_empty(read_bytes, buffer):
 def test_make_row_source_clips_like_upstream():
     (source,) = kc.make_row_source(layer_buffer=torch.zeros(4, 8, dtype=torch.float32), read_bytes=16)
     assert (source.num_bytes_per_token, source.read_bytes) == (32, 16)
-    with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be <= num_bytes_per_token \(32\), got 48$"):
-        kc.make_row_source(layer_buffer=torch.zeros(4, 8, dtype=torch.float32), read_bytes=48)
-    with pytest.raises(ValueError, match=r"^kv-canary: num_bytes_per_token must be a positive multiple of 16, got 12$"):
-        kc.make_row_source(layer_buffer=torch.zeros(4, 3, dtype=torch.float32), read_bytes=16)
 
 
 def test_make_packed_source():
@@ -99,12 +95,6 @@ def test_view_source():
     source = kc.view_source(cache.permute(0, 2, 1, 3), read_bytes=sys.maxsize)
     assert source.read_bytes == token_bytes(source.view) == 4 * 16 * 2
     assert kc.view_source(cache, read_bytes=0).read_bytes == 0
-    with pytest.raises(ValueError, match=r"^kv-canary: read_bytes must be a multiple of 16, got 8$"):
-        kc.view_source(cache, read_bytes=8)
-    with pytest.raises(
-        ValueError, match=r"^kv-canary: view_source needs a view \[num_pages, page_size, \*token_shape\], got shape \(4,\)$"
-    ):
-        kc.view_source(torch.zeros(4), read_bytes=16)
 
 
 def test_every_source_knows_its_capacity_and_device():
