@@ -511,8 +511,8 @@ def test_layout_shape_errors(helper, shape):
         layouts.hf_static_cache(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, 5))
 
 
-# a packed vLLM layer [B, H, N, 2D] whose memory holds N outside H (the LBHNC order)
-LBNHC_STORED_AS_LBHNC = torch.zeros(5, 32, 2, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+# A packed vLLM layer, logically [B, H, N, 2D], stored in the LBNHC order (N outside H).
+LBNHC_LAYER = torch.zeros(5, 32, 2, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
 
 
 @pytest.mark.parametrize(
@@ -527,7 +527,7 @@ LBNHC_STORED_AS_LBHNC = torch.zeros(5, 32, 2, 128, dtype=torch.bfloat16).permute
         (lambda: layouts.vllm(torch.zeros(3, 4, 32, 2, 64), layout="NHD"), "a 5-D vLLM layer is the legacy"),
         (lambda: layouts.vllm(torch.zeros(2, 4, 32, 2, 64), layout="HND"), "HND layer has its axes"),
         (lambda: layouts.vllm(torch.zeros(4, 2, 32, 127), layout="LBHNC", backend="FLASH_ATTN"), "2 * head_size"),
-        (lambda: layouts.vllm(LBNHC_STORED_AS_LBHNC, layout="LBNHC", backend="CPU_ATTN"), "reads each block-head"),
+        (lambda: layouts.vllm(LBNHC_LAYER, layout="LBNHC", backend="CPU_ATTN"), "reads each block-head"),
         (lambda: layouts.vllm(torch.zeros(4, 2, 32, 128), layout=3, backend="FLASH_ATTN"), "layout must be vLLM's name"),
     ],
 )

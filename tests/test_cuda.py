@@ -1,7 +1,7 @@
-"""CUDA-only behaviour: compile with reduce-overhead, streams, devices, the eager
-range check, and compute-sanitizer. Bit-exactness against the CPU kernel and the
-golden vectors runs in test_ops.py on every device, CUDA graphs in
-test_op_contracts.py."""
+"""CUDA-only behaviour: compile with reduce-overhead, streams, devices and
+compute-sanitizer. Bit-exactness against the CPU kernel and the golden vectors
+runs in test_ops.py on every device, CUDA graphs in test_op_contracts.py and the
+eager range check in test_bad_input.py."""
 
 import os
 import shutil
