@@ -267,9 +267,9 @@ def _digest_program(device: str) -> Program:
         return slots, positions, torch.randint(0, 3, (n,), generator=gen).to(device)
 
     batches = [(pool, scales, *entries(n)) for n in (3, 17, 24)]
-    past_capacity = (torch.tensor([0, 5, -1, 23, 30], device=device), torch.arange(5, device=device))  # 30: left out in a replay
-    replays = [(pool, scales, *entries(5)), (pool, scales, *past_capacity, torch.tensor([0, 1, 2, 1, 0], device=device))]
-    replays.append((pool, scales, *entries(5)))
+    slots = torch.tensor([0, 5, -1, 23, 30], device=device)  # 30 is past the capacity: a replay leaves it out
+    past_capacity = (slots, torch.arange(5, device=device), torch.tensor([0, 1, 2, 1, 0], device=device))
+    replays = [(pool, scales, *entries(5)), (pool, scales, *past_capacity), (pool, scales, *entries(5))]
 
     def expect(pool, scales, slots, positions, groups):
         views = [pool[0], pool[1], scales]
