@@ -9,8 +9,8 @@
 
 #include <vector>
 
-#include "plan/canary_plan.h"
 #include "cpu/fold_cpu_entry.h"
+#include "plan/canary_plan.h"
 
 namespace kvcanary {
 namespace {
@@ -67,13 +67,6 @@ void prefetch_records(const int64_t* records, const int64_t* owner_tags, const E
   if (p >= 0 && p < capacity) __builtin_prefetch(records + p * kRecordFields);
 }
 
-void check_ranges(const EntryPlan& entries, int64_t capacity) {
-  check_entries_in_range_host(entries.slots, "slots", capacity);
-  if (entries.prev_slots.defined()) {
-    check_entries_in_range_host(entries.prev_slots, "prev_slots", capacity);
-  }
-}
-
 // What record and verify start from: every argument checked (a refused call
 // has written nothing yet) and every entry's fold.
 struct CpuCall {
@@ -95,7 +88,7 @@ CpuCall prepare_call(at::TensorList sources, at::IntArrayRef read_bytes, const a
       check_canary_tables(records, owner_tags, counters, &ring, slots, fold_plan.capacity);
   call.entries = make_entry_plan(slots, positions, tokens, prev_slots, tags);
   if (check_bounds) {
-    check_ranges(call.entries, call.capacity);
+    check_entries_in_range(call.entries, call.capacity, kHostSearch);
   }
   call.folds = fold_entries(fold_plan, call.entries.slots);
   return call;

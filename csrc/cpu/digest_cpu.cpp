@@ -14,11 +14,10 @@
 #include <mutex>
 #include <vector>
 
-#include "plan/digest_plan.h"
 #include "cpu/kernels/fold_cpu.h"
 #include "cpu/kernels/fold_cpu_isa.h"
 #include "cpu/kernels/fold_cpu_tasks.h"
-#include "plan/fold_plan.h"
+#include "plan/digest_plan.h"
 
 namespace kvcanary {
 namespace {
@@ -45,28 +44,15 @@ int64_t task_entries(const DigestPlan& plan) {
   return std::max<int64_t>(kDigestBatchEntries, (int64_t{1} << 18) / (bytes_per_entry + 1));
 }
 
-// The entries of `flat` (int32 or int64) as a contiguous int64 tensor.
-at::Tensor as_flat_long(const at::Tensor& t) { return t.reshape(-1).to(at::kLong).contiguous(); }
-
 at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::Tensor& positions,
                       const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets,
                       int64_t num_groups, bool check_bounds) {
   const DigestPlan plan =
       make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
-  const at::Tensor flat_slots = as_flat_long(slots);
-  const at::Tensor flat_positions = as_flat_long(positions);
-  const at::Tensor flat_groups = groups.has_value() ? as_flat_long(*groups) : at::Tensor();
-  const int64_t n = flat_slots.numel();
-  const int64_t* slot_data = flat_slots.const_data_ptr<int64_t>();
-  const int64_t* group_data = groups.has_value() ? flat_groups.const_data_ptr<int64_t>() : nullptr;
   if (check_bounds) {
-    check_slots_in_range(slot_data, n, plan.capacity);
-    for (int64_t i = 0; group_data != nullptr && i < n; ++i) {
-      if (slot_data[i] >= 0 && (group_data[i] < 0 || group_data[i] >= num_groups)) {
-        fail_group_out_of_range(group_data[i], num_groups);
-      }
-    }
+    check_digest_entries_in_range(plan, kHostSearch);
   }
+  const int64_t n = plan.slots.numel();
   at::Tensor out = at::zeros({num_groups}, slots.options().dtype(at::kLong));
   if (plan.views.empty() || n == 0) {
     return out;
@@ -75,9 +61,9 @@ at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::T
   range.views = plan.views.data();
   range.num_views = static_cast<int>(plan.views.size());
   range.capacity = plan.capacity;
-  range.slots = slot_data;
-  range.positions = flat_positions.const_data_ptr<int64_t>();
-  range.groups = group_data;
+  range.slots = plan.slots.const_data_ptr<int64_t>();
+  range.positions = plan.positions.const_data_ptr<int64_t>();
+  range.groups = plan.groups.defined() ? plan.groups.const_data_ptr<int64_t>() : nullptr;
   range.num_groups = num_groups;
 
   const CpuIsa isa = selected_cpu_isa();

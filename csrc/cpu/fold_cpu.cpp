@@ -16,6 +16,7 @@
 #include "cpu/fold_cpu_entry.h"
 #include "cpu/kernels/fold_cpu_isa.h"
 #include "cpu/kernels/fold_cpu_tasks.h"
+#include "plan/checks.h"
 
 namespace kvcanary {
 namespace {
@@ -99,7 +100,7 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots, at::IntArra
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
   const at::Tensor flat = slots.contiguous();
   if (check_bounds) {
-    check_slots_cpu(flat, plan.capacity);
+    check_slots_in_range(flat, plan.capacity, kHostSearch);
   }
   at::Tensor out = at::empty(slots.sizes(), slots.options().dtype(at::kLong));
   fold_slots_cpu(plan, flat, out.mutable_data_ptr<int64_t>());
@@ -109,14 +110,6 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots, at::IntArra
 std::string cpu_isa() { return kCpuIsaNames[static_cast<int>(selected_cpu_isa())]; }
 
 }  // namespace
-
-void check_slots_cpu(const at::Tensor& flat_slots, int64_t capacity) {
-  if (flat_slots.scalar_type() == at::kInt) {
-    check_slots_in_range(flat_slots.const_data_ptr<int32_t>(), flat_slots.numel(), capacity);
-  } else {
-    check_slots_in_range(flat_slots.const_data_ptr<int64_t>(), flat_slots.numel(), capacity);
-  }
-}
 
 void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out) {
   const CpuIsa isa = selected_cpu_isa();

@@ -10,10 +10,6 @@
 
 namespace kvcanary {
 
-// Raises IndexError for the first of `flat_slots` (contiguous int32 or int64)
-// that is >= capacity.
-void check_slots_cpu(const at::Tensor& flat_slots, int64_t capacity);
-
 // out[i] = the fold of flat_slots[i] (contiguous int32 or int64) over the
 // plan's sources, on torch's threads; slots outside [0, plan.capacity) give 0.
 void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out);

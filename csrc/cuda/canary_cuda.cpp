@@ -6,37 +6,19 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/ge.h>
-#include <ATen/ops/max.h>
-#include <ATen/ops/nonzero.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
+#include "cuda/eager_checks.h"
 #include "plan/canary_plan.h"
 #include "plan/fold_plan.h"
 
 namespace kvcanary {
 namespace {
-
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-}
-
-// The eager range check: a reduction and a host sync, skipped while a CUDA
-// graph is captured (the kernels then report such entries in the ring).
-void check_entries_in_range_cuda(const at::Tensor& index, const char* name, int64_t capacity) {
-  if (index.numel() == 0 || capturing() || index.max().item<int64_t>() < capacity) {
-    return;
-  }
-  const at::Tensor flat = index.reshape(-1);
-  const at::Tensor first = at::ge(flat, capacity).nonzero()[0][0];
-  fail_entry_out_of_range(name, flat[first.item<int64_t>()].item<int64_t>(), capacity);
-}
 
 struct CanaryCall {
   FoldPlan fold_plan;
@@ -61,10 +43,7 @@ void prepare(CanaryCall& call, at::TensorList sources, at::IntArrayRef read_byte
   TORCH_CHECK_VALUE(n <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
                     " slots per call on CUDA, got ", n, "; split the batch");
   if (check_bounds) {
-    check_entries_in_range_cuda(call.entries.slots, "slots", capacity);
-    if (call.entries.prev_slots.defined()) {
-      check_entries_in_range_cuda(call.entries.prev_slots, "prev_slots", capacity);
-    }
+    check_entries_in_range(call.entries, capacity, kCudaSearch);
   }
   CanaryLaunchArgs& a = call.args;
   a.inputs = call.entries.inputs;

@@ -4,11 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/ge.h>
-#include <ATen/ops/max.h>
-#include <ATen/ops/nonzero.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -16,25 +12,11 @@
 #include <algorithm>
 #include <limits>
 
+#include "cuda/eager_checks.h"
 #include "plan/fold_plan.h"
 
 namespace kvcanary {
 namespace {
-
-// The eager range check: one reduction and a host sync, so it is skipped
-// while a CUDA graph is being captured (the kernel then gives 0 for such
-// slots, and never reads them).
-void check_slots_in_range_cuda(const at::Tensor& slots, int64_t capacity) {
-  if (capacity < 0 || slots.numel() == 0 ||
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    return;
-  }
-  if (slots.max().item<int64_t>() < capacity) {
-    return;
-  }
-  const at::Tensor first = at::ge(slots, capacity).nonzero()[0][0];
-  fail_slot_out_of_range(slots[first.item<int64_t>()].item<int64_t>(), capacity);
-}
 
 at::Tensor fold_cuda(at::TensorList sources, const at::Tensor& slots, at::IntArrayRef read_bytes,
                      bool check_bounds) {
@@ -42,7 +24,7 @@ at::Tensor fold_cuda(at::TensorList sources, const at::Tensor& slots, at::IntArr
   const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
   const at::Tensor flat = slots.contiguous().view(-1);
   if (check_bounds) {
-    check_slots_in_range_cuda(flat, plan.capacity);
+    check_slots_in_range(flat, plan.capacity, kCudaSearch);
   }
   TORCH_CHECK_VALUE(flat.numel() <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
                     " slots per call on CUDA, got ", flat.numel(), "; split the batch");

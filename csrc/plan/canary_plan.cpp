@@ -2,12 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include "plan/checks.h"
+
 namespace kvcanary {
 namespace {
-
-bool is_index_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
-}
 
 // A tensor whose entries are read in memory order (its shape is not needed):
 // itself when contiguous, which spares a new tensor per input and call.
@@ -21,10 +19,8 @@ at::Tensor entry_tensor(const std::optional<at::Tensor>& input, const char* name
     return at::Tensor();
   }
   const at::Tensor& t = *input;
-  TORCH_CHECK_TYPE(is_index_dtype(t), "kv-canary: ", name,
-                   " must be an int32 or int64 tensor, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: ", name, " is on ", t.device(),
-                    " but slots are on ", slots.device(), "; put them on one device");
+  check_index_dtype(t, name);
+  check_on_slots_device(t, slots, kPutOnOneDevice, name);
   TORCH_CHECK_VALUE(t.numel() == slots.numel(), "kv-canary: ", name, " has ", t.numel(),
                     " entries (shape ", t.sizes(), ") but slots has ", slots.numel(), " (shape ",
                     slots.sizes(), "); pass one value per slot");
@@ -35,9 +31,7 @@ void check_table(const at::Tensor& t, const char* name, const at::Tensor& slots,
                  std::initializer_list<int64_t> trailing) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "kv-canary: the canary's ", name,
                    " must be int64, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: the canary's ", name, " is on ",
-                    t.device(), " but slots are on ", slots.device(),
-                    "; put slots on the canary's device");
+  check_on_slots_device(t, slots, kPutSlotsOnCanaryDevice, "the canary's ", name);
   TORCH_CHECK_VALUE(t.is_contiguous() && t.dim() == 1 + static_cast<int64_t>(trailing.size()),
                     "kv-canary: the canary's ", name, " must be a contiguous ", 1 + trailing.size(),
                     "-D tensor, got shape ", t.sizes());
@@ -55,8 +49,7 @@ EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tenso
                           const std::optional<at::Tensor>& tokens,
                           const std::optional<at::Tensor>& prev_slots,
                           const std::optional<at::Tensor>& tags) {
-  TORCH_CHECK_TYPE(is_index_dtype(slots), "kv-canary: slots must be an int32 or int64 tensor, got ",
-                   slots.scalar_type());
+  check_index_dtype(slots, "slots");
   EntryPlan plan;
   plan.slots = in_memory_order(slots);
   const at::Tensor flat_positions = entry_tensor(positions, "positions", slots);
@@ -67,8 +60,7 @@ EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tenso
     const at::Tensor& t = *tags;
     TORCH_CHECK_TYPE(t.scalar_type() == at::kLong,
                      "kv-canary: tag must be an int or an int64 tensor, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: tag is on ", t.device(),
-                      " but slots are on ", slots.device(), "; put them on one device");
+    check_on_slots_device(t, slots, kPutOnOneDevice, "tag");
     TORCH_CHECK_VALUE(t.numel() == 1 || t.numel() == slots.numel(), "kv-canary: tag has ",
                       t.numel(), " values (shape ", t.sizes(), ") but slots has ", slots.numel(),
                       "; pass one int, or one value per slot");
@@ -113,20 +105,10 @@ int64_t check_canary_tables(const at::Tensor& records, const at::Tensor& owner_t
   return capacity;
 }
 
-void fail_entry_out_of_range(const char* name, int64_t value, int64_t capacity) {
-  TORCH_CHECK_INDEX(false, "kv-canary: ", name, " holds slot ", value,
-                    ", out of range for a canary of capacity ", capacity, "; slots must be < ",
-                    capacity, " (or negative for padding)");
-}
-
-void check_entries_in_range_host(const at::Tensor& index, const char* name, int64_t capacity) {
-  const int64_t n = index.numel();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t value =
-        load_index(index.const_data_ptr(), index.scalar_type() == at::kInt, i, -1);
-    if (value >= capacity) {
-      fail_entry_out_of_range(name, value, capacity);
-    }
+void check_entries_in_range(const EntryPlan& entries, int64_t capacity, const IndexSearch& search) {
+  check_entries_in_range(entries.slots, "slots", capacity, search);
+  if (entries.prev_slots.defined()) {
+    check_entries_in_range(entries.prev_slots, "prev_slots", capacity, search);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/canary_records.h"
+#include "plan/checks.h"
 
 namespace kvcanary {
 
@@ -34,12 +35,8 @@ int64_t check_canary_tables(const at::Tensor& records, const at::Tensor& owner_t
                             const at::Tensor& counters, const at::Tensor* ring,
                             const at::Tensor& slots, int64_t sources_capacity);
 
-// Raises IndexError naming the argument: `value`, an entry of `name`, is
-// >= the canary's capacity.
-[[noreturn]] void fail_entry_out_of_range(const char* name, int64_t value, int64_t capacity);
-
-// The eager range check on the host: every entry of the flat int32/int64
-// tensor `index` must be < capacity (negative entries are padding).
-void check_entries_in_range_host(const at::Tensor& index, const char* name, int64_t capacity);
+// check_bounds: IndexError for the first entry of slots, then of prev_slots
+// (when given), that is >= the canary's capacity.
+void check_entries_in_range(const EntryPlan& entries, int64_t capacity, const IndexSearch& search);
 
 }  // namespace kvcanary

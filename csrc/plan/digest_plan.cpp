@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <numeric>
 
+#include "plan/checks.h"
 #include "plan/fold_plan.h"
 
 namespace kvcanary {
@@ -13,13 +14,13 @@ namespace {
 constexpr int64_t kUnitAlign = 4;
 
 void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& slots) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "kv-canary: ", name,
-                   " must be an int32 or int64 tensor, got ", t.scalar_type());
+  check_index_dtype(t, name);
   TORCH_CHECK_VALUE(t.sizes() == slots.sizes(), "kv-canary: ", name,
                     " must have the shape of slots ", slots.sizes(), ", got ", t.sizes());
-  TORCH_CHECK_VALUE(t.device() == slots.device(), "kv-canary: ", name, " is on ", t.device(),
-                    " but slots are on ", slots.device(), "; put them on one device");
+  check_on_slots_device(t, slots, kPutOnOneDevice, name);
 }
+
+at::Tensor as_flat_long(const at::Tensor& t) { return t.reshape(-1).to(at::kLong).contiguous(); }
 
 // The widest of 8, 4 and 1 bytes that divides every value in `values`.
 int32_t common_piece(std::initializer_list<int64_t> values) {
@@ -92,8 +93,7 @@ DigestView layout_view(const at::Tensor& view, int64_t index, int64_t unit_offse
 DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots,
                             const at::Tensor& positions, const std::optional<at::Tensor>& groups,
                             at::IntArrayRef unit_offsets, int64_t num_groups) {
-  TORCH_CHECK_TYPE(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt,
-                   "kv-canary: slots must be an int32 or int64 tensor, got ", slots.scalar_type());
+  check_index_dtype(slots, "slots");
   check_index_tensor(positions, "positions", slots);
   if (groups.has_value()) {
     check_index_tensor(*groups, "groups", slots);
@@ -103,29 +103,27 @@ DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots,
                     " digest views but ", unit_offsets.size(),
                     " unit_offsets; pass one unit offset (the global id of its unit 0) per view");
   DigestPlan plan;
+  plan.num_groups = num_groups;
   plan.views.reserve(views.size());
   for (size_t i = 0; i < views.size(); ++i) {
     const at::Tensor& view = views[i];
-    TORCH_CHECK_VALUE(view.device() == slots.device(), "kv-canary: digest view ", i, " is on ",
-                      view.device(), " but slots are on ", slots.device(),
-                      "; put them on one device");
+    check_on_slots_device(view, slots, kPutOnOneDevice, "digest view ", i);
     plan.views.push_back(layout_view(view, static_cast<int64_t>(i), unit_offsets[i]));
     const int64_t capacity = view.size(0) * view.size(1);
     plan.capacity = i == 0 ? capacity : std::min(plan.capacity, capacity);
   }
+  plan.slots = as_flat_long(slots);
+  plan.positions = as_flat_long(positions);
+  if (groups.has_value()) {
+    plan.groups = as_flat_long(*groups);
+  }
   return plan;
 }
 
-void fail_group_out_of_range(int64_t group, int64_t num_groups) {
-  TORCH_CHECK_INDEX(false, "kv-canary: group ", group, " is out of range for num_groups ",
-                    num_groups, "; groups must be in [0, ", num_groups, ")");
-}
-
-void check_groups_in_range(const int64_t* groups, int64_t n, int64_t num_groups) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (groups[i] < 0 || groups[i] >= num_groups) {
-      fail_group_out_of_range(groups[i], num_groups);
-    }
+void check_digest_entries_in_range(const DigestPlan& plan, const IndexSearch& search) {
+  check_slots_in_range(plan.slots, plan.capacity, search);
+  if (plan.groups.defined()) {
+    check_groups_in_range(plan.slots, plan.groups, plan.num_groups, search);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/digest_math.h"
+#include "plan/checks.h"
 
 namespace kvcanary {
 
@@ -16,6 +17,12 @@ struct DigestPlan {
   // Smallest view capacity (num_pages * page_size); -1 when there are no
   // views, since then no slot reads anything.
   int64_t capacity = -1;
+  int64_t num_groups = 1;
+  // The entries, flat, contiguous and int64; groups undefined when not given
+  // (every entry in group 0).
+  at::Tensor slots;
+  at::Tensor positions;
+  at::Tensor groups;
 };
 
 // Checks the op's arguments (see the schema in ops.cpp) and lays out each
@@ -24,10 +31,8 @@ DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots,
                             const at::Tensor& positions, const std::optional<at::Tensor>& groups,
                             at::IntArrayRef unit_offsets, int64_t num_groups);
 
-// Raises IndexError naming the group of `groups` (a host array of n) that is
-// outside [0, num_groups).
-void check_groups_in_range(const int64_t* groups, int64_t n, int64_t num_groups);
-
-[[noreturn]] void fail_group_out_of_range(int64_t group, int64_t num_groups);
+// check_bounds: IndexError for the first slot >= the views' capacity, then
+// for the first group outside [0, num_groups) of an entry with a slot >= 0.
+void check_digest_entries_in_range(const DigestPlan& plan, const IndexSearch& search);
 
 }  // namespace kvcanary

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "plan/checks.h"
+
 namespace kvcanary {
 namespace {
 
@@ -103,8 +105,7 @@ std::vector<std::pair<int64_t, int64_t>> coalesced_dims(const at::Tensor& view, 
 
 FoldPlan make_fold_plan(at::TensorList sources, const at::Tensor& slots,
                         at::IntArrayRef read_bytes) {
-  TORCH_CHECK_TYPE(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt,
-                   "kv-canary: slots must be an int32 or int64 tensor, got ", slots.scalar_type());
+  check_index_dtype(slots, "slots");
   TORCH_CHECK_VALUE(sources.size() == read_bytes.size(), "kv-canary: got ", sources.size(),
                     " sources but ", read_bytes.size(),
                     " read_bytes; pass one read_bytes per source");
@@ -112,34 +113,12 @@ FoldPlan make_fold_plan(at::TensorList sources, const at::Tensor& slots,
   plan.sources.reserve(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
     const at::Tensor& view = sources[i];
-    TORCH_CHECK_VALUE(view.device() == slots.device(), "kv-canary: source ", i, " is on ",
-                      view.device(), " but slots are on ", slots.device(),
-                      "; put them on one device");
+    check_on_slots_device(view, slots, kPutOnOneDevice, "source ", i);
     plan.sources.push_back(layout_source(view, static_cast<int64_t>(i), read_bytes[i]));
     const int64_t capacity = view.size(0) * view.size(1);
     plan.capacity = i == 0 ? capacity : std::min(plan.capacity, capacity);
   }
   return plan;
 }
-
-void fail_slot_out_of_range(int64_t slot, int64_t capacity) {
-  TORCH_CHECK_INDEX(false, "kv-canary: slot ", slot, " is out of range for sources of capacity ",
-                    capacity, "; slots must be < ", capacity, " (or negative for padding)");
-}
-
-template <typename index_t>
-void check_slots_in_range(const index_t* slots, int64_t n, int64_t capacity) {
-  if (capacity < 0) {
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    if (static_cast<int64_t>(slots[i]) >= capacity) {
-      fail_slot_out_of_range(slots[i], capacity);
-    }
-  }
-}
-
-template void check_slots_in_range<int32_t>(const int32_t*, int64_t, int64_t);
-template void check_slots_in_range<int64_t>(const int64_t*, int64_t, int64_t);
 
 }  // namespace kvcanary

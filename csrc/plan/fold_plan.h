@@ -27,12 +27,4 @@ std::vector<std::pair<int64_t, int64_t>> coalesced_dims(const at::Tensor& view, 
 FoldPlan make_fold_plan(at::TensorList sources, const at::Tensor& slots,
                         at::IntArrayRef read_bytes);
 
-// Raises IndexError for the first slot of `slots` (a host array of n) that
-// is >= capacity.
-template <typename index_t>
-void check_slots_in_range(const index_t* slots, int64_t n, int64_t capacity);
-
-// Raises IndexError naming `slot`; for backends that find it themselves.
-[[noreturn]] void fail_slot_out_of_range(int64_t slot, int64_t capacity);
-
 }  // namespace kvcanary
