@@ -24,6 +24,8 @@ struct CanaryLaunchArgs {
   int64_t padding_slot;  // verify only; -1: none
   bool* flagged;         // verify only: one per entry
 };
+static_assert(sizeof(CanaryLaunchArgs) <= kMaxLaunchArgBytes,
+              "a launch's arguments must fit the limit");
 
 // record: one thread per entry writes its slot's token, position, fold and
 // owner; the chain of a run of entries that chain through each other

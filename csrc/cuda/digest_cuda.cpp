@@ -37,8 +37,8 @@ at::Tensor digest_cuda(at::TensorList views, const at::Tensor& slots, const at::
   args.num_groups = num_groups;
   args.out = out.mutable_data_ptr<int64_t>();
   const int num_views = static_cast<int>(plan.views.size());
-  for (int first = 0; first < num_views; first += kDigestViewsPerLaunch) {
-    args.num_views = std::min(kDigestViewsPerLaunch, num_views - first);
+  for (int first = 0; first < num_views; first += kSourcesPerLaunch) {
+    args.num_views = std::min(kSourcesPerLaunch, num_views - first);
     std::copy_n(plan.views.begin() + first, args.num_views, args.views);
     args.first_unit[0] = 0;
     for (int j = 0; j < args.num_views; ++j) {

@@ -5,19 +5,15 @@
 #include <cuda_runtime_api.h>
 
 #include "core/digest_math.h"
+#include "cuda/launch_limits.h"
 
 namespace kvcanary {
 
-// Views travel by value in the kernel's arguments (no device table, so no
-// host-to-device copy that CUDA-graph capture would have to replay). More
-// views than this are digested by further launches adding to the same sums.
-constexpr int kDigestViewsPerLaunch = 16;
-
 struct DigestLaunchArgs {
-  DigestView views[kDigestViewsPerLaunch];
+  DigestView views[kSourcesPerLaunch];
   // Units of views [0, j) per entry: term t of the launch is entry
   // t / units_per_entry, unit t % units_per_entry of the views in order.
-  int64_t first_unit[kDigestViewsPerLaunch + 1];
+  int64_t first_unit[kSourcesPerLaunch + 1];
   int num_views;
   int64_t capacity;          // smallest view capacity of the whole digest
   const int64_t* slots;      // contiguous, num_entries
@@ -27,6 +23,8 @@ struct DigestLaunchArgs {
   int64_t num_groups;
   int64_t* out;  // num_groups sums, added to (wrapping)
 };
+static_assert(sizeof(DigestLaunchArgs) <= kMaxLaunchArgBytes,
+              "a launch's arguments must fit the limit");
 
 cudaError_t launch_digest(const DigestLaunchArgs& args, cudaStream_t stream);
 

@@ -5,13 +5,9 @@
 #include <cuda_runtime_api.h>
 
 #include "core/fold_math.h"
+#include "cuda/launch_limits.h"
 
 namespace kvcanary {
-
-// Sources travel by value in the kernel's arguments (no device table, so no
-// host-to-device copy that CUDA-graph capture would have to replay). More
-// sources than this are folded by further launches that continue the chain.
-constexpr int kSourcesPerLaunch = 16;
 
 // One thread per slot, in a 1-D grid of at most 2^31 - 1 blocks.
 constexpr int kThreadsPerBlock = 128;
@@ -27,6 +23,8 @@ struct FoldLaunchArgs {
   int64_t* out;         // one int64 per slot
   bool continue_chain;  // start from `out` (the fold of earlier sources)
 };
+static_assert(sizeof(FoldLaunchArgs) <= kMaxLaunchArgBytes,
+              "a launch's arguments must fit the limit");
 
 cudaError_t launch_fold(const FoldLaunchArgs& args, cudaStream_t stream);
 

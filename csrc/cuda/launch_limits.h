@@ -1,0 +1,16 @@
+// How many layouts one CUDA launch takes: a fold's (and the canary's) sources,
+// a digest's views. They travel by value in the kernel's arguments (no device
+// table, so no host-to-device copy that CUDA-graph capture would have to
+// replay), within the kernel parameter limit (kMaxLaunchArgBytes).
+// More than this are taken by further launches: the fold continues the chain
+// of the earlier ones, the digest adds to the same sums.
+#pragma once
+
+namespace kvcanary {
+
+constexpr int kSourcesPerLaunch = 16;
+
+// The kernel parameter limit every CUDA version allows.
+constexpr unsigned kMaxLaunchArgBytes = 4096;
+
+}  // namespace kvcanary
