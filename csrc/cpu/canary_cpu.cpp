@@ -7,6 +7,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "cpu/fold_cpu_entry.h"
@@ -14,18 +16,6 @@
 
 namespace kvcanary {
 namespace {
-
-// The canary's tables as raw pointers.
-struct CpuTables {
-  int64_t* records;
-  int64_t* owner_tags;
-  int64_t* counters;
-};
-
-CpuTables tables_of(at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters) {
-  return {records.mutable_data_ptr<int64_t>(), owner_tags.mutable_data_ptr<int64_t>(),
-          counters.mutable_data_ptr<int64_t>()};
-}
 
 // Appends a violation row (fill-once: rows past the ring's capacity are
 // dropped and counted).
@@ -37,13 +27,6 @@ void append_row(int64_t* counters, int64_t* ring, int64_t ring_capacity, const i
     return;
   }
   std::copy_n(row, kViolationFields, ring + index * kViolationFields);
-}
-
-// The current fold of every entry's slot (0 for padding and past the capacity).
-std::vector<int64_t> fold_entries(const FoldPlan& plan, const at::Tensor& flat_slots) {
-  std::vector<int64_t> folds(flat_slots.numel(), 0);
-  fold_slots_cpu(plan, flat_slots, folds.data());
-  return folds;
 }
 
 // Entries ahead of the one being applied whose records are requested from
@@ -68,47 +51,37 @@ void prefetch_records(const int64_t* records, const int64_t* owner_tags, const E
 }
 
 // What record and verify start from: every argument checked (a refused call
-// has written nothing yet) and every entry's fold.
+// has written nothing yet) and every entry's fold (0 for padding and past the
+// capacity).
 struct CpuCall {
   EntryPlan entries;
   int64_t capacity;
   std::vector<int64_t> folds;
 };
 
-CpuCall prepare_call(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                     const std::optional<at::Tensor>& positions,
-                     const std::optional<at::Tensor>& tokens,
-                     const std::optional<at::Tensor>& prev_slots,
-                     const std::optional<at::Tensor>& tags, const at::Tensor& records,
-                     const at::Tensor& owner_tags, const at::Tensor& counters,
-                     const at::Tensor& ring, bool check_bounds) {
-  const FoldPlan fold_plan = make_fold_plan(sources, slots, read_bytes);
-  CpuCall call;
-  call.capacity =
-      check_canary_tables(records, owner_tags, counters, &ring, slots, fold_plan.capacity);
-  call.entries = make_entry_plan(slots, positions, tokens, prev_slots, tags);
+CpuCall prepare_call(const CanaryInputs& in, const CanaryTables& tables, bool check_bounds) {
+  CanaryPlan plan = make_canary_plan(in, tables);
   if (check_bounds) {
-    check_entries_in_range(call.entries, call.capacity, kHostSearch);
+    check_entries_in_range(plan, kHostSearch);
   }
-  call.folds = fold_entries(fold_plan, call.entries.slots);
+  CpuCall call{std::move(plan.entries), plan.capacity, {}};
+  call.folds.assign(call.entries.inputs.num_entries, 0);
+  fold_slots_cpu(plan.fold, call.entries.slots, call.folds.data());
   return call;
 }
 
-void record_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& tokens,
-                const std::optional<at::Tensor>& prev_slots, const std::optional<at::Tensor>& tags,
-                at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
-                bool check_bounds) {
-  const CpuCall call = prepare_call(sources, read_bytes, slots, positions, tokens, prev_slots, tags,
-                                    records, owner_tags, counters, ring, check_bounds);
+void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check_bounds) {
+  const CpuCall call = prepare_call(args, tables, check_bounds);
   const EntryInputs& in = call.entries.inputs;
   const int64_t capacity = call.capacity;
   const std::vector<int64_t>& folds = call.folds;
-  const CpuTables t = tables_of(records, owner_tags, counters);
-  int64_t* ring_rows = ring.mutable_data_ptr<int64_t>();
+  int64_t* records = tables.records.mutable_data_ptr<int64_t>();
+  int64_t* owner_tags = tables.owner_tags.mutable_data_ptr<int64_t>();
+  int64_t* counters = tables.counters.mutable_data_ptr<int64_t>();
+  int64_t* ring = tables.ring.mutable_data_ptr<int64_t>();
   int64_t recorded = 0;
   for (int64_t i = 0; i < in.num_entries; ++i) {
-    prefetch_records(t.records, t.owner_tags, in, i + kRecordPrefetchDistance, capacity);
+    prefetch_records(records, owner_tags, in, i + kRecordPrefetchDistance, capacity);
     const int64_t s = entry_slot(in, i);
     if (s < 0) {
       continue;  // padding
@@ -117,57 +90,51 @@ void record_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const at::Te
     if (s >= capacity || p >= capacity) {
       int64_t row[kViolationFields];
       out_of_range_row(row, kKindRecord, in, i);
-      append_row(t.counters, ring_rows, ring.size(0), row);
+      append_row(counters, ring, tables.ring.size(0), row);
       continue;
     }
     // Read the link before writing the record: an entry may name its own slot.
-    const int64_t chain = link_at(t.records, p);
-    int64_t* record = t.records + s * kRecordFields;
+    const int64_t chain = link_at(records, p);
+    int64_t* record = records + s * kRecordFields;
     record[kToken] = entry_token(in, i);
     record[kPosition] = entry_position(in, i);
     record[kChain] = chain;
     record[kFold] = folds[i];
-    t.owner_tags[s] = in.tags != nullptr ? entry_tag(in, i) : -1;
+    owner_tags[s] = in.tags != nullptr ? entry_tag(in, i) : -1;
     ++recorded;
   }
-  t.counters[kRecordCalls] += 1;
-  t.counters[kSlotsRecorded] += recorded;
+  counters[kRecordCalls] += 1;
+  counters[kSlotsRecorded] += recorded;
 }
 
-at::Tensor verify_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                      const std::optional<at::Tensor>& positions,
-                      const std::optional<at::Tensor>& tokens,
-                      const std::optional<at::Tensor>& prev_slots,
-                      const std::optional<at::Tensor>& tags, const at::Tensor& records,
-                      const at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
-                      int64_t padding_slot, bool check_bounds) {
-  const CpuCall call = prepare_call(sources, read_bytes, slots, positions, tokens, prev_slots, tags,
-                                    records, owner_tags, counters, ring, check_bounds);
+at::Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t padding_slot,
+                      bool check_bounds) {
+  const CpuCall call = prepare_call(args, tables, check_bounds);
   const EntryInputs& in = call.entries.inputs;
   const int64_t capacity = call.capacity;
   const std::vector<int64_t>& folds = call.folds;
-  const int64_t* table = records.const_data_ptr<int64_t>();
-  const int64_t* owners = owner_tags.const_data_ptr<int64_t>();
-  at::Tensor flagged = at::empty(slots.sizes(), slots.options().dtype(at::kBool));
+  const int64_t* records = tables.records.const_data_ptr<int64_t>();
+  const int64_t* owner_tags = tables.owner_tags.const_data_ptr<int64_t>();
+  at::Tensor flagged = at::empty(args.slots.sizes(), args.slots.options().dtype(at::kBool));
   bool* out = flagged.mutable_data_ptr<bool>();
   // Reason bits per entry: -1 for an entry that is not checked (padding).
   std::vector<int64_t> reasons(in.num_entries);
   at::parallel_for(0, in.num_entries, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      prefetch_records(table, owners, in, i + kRecordPrefetchDistance, capacity);
+      prefetch_records(records, owner_tags, in, i + kRecordPrefetchDistance, capacity);
       const int64_t s = entry_slot(in, i);
       if (s < 0 || s == padding_slot) {
         reasons[i] = -1;
       } else if (s >= capacity || entry_prev_slot(in, i) >= capacity) {
         reasons[i] = kSlotOutOfRange;
       } else {
-        reasons[i] = verify_entry(table, owners, in, i, s, folds[i], padding_slot).reasons;
+        reasons[i] = verify_entry(records, owner_tags, in, i, s, folds[i], padding_slot).reasons;
       }
       out[i] = reasons[i] > 0;
     }
   });
-  int64_t* c = counters.mutable_data_ptr<int64_t>();
-  int64_t* ring_rows = ring.mutable_data_ptr<int64_t>();
+  int64_t* counters = tables.counters.mutable_data_ptr<int64_t>();
+  int64_t* ring = tables.ring.mutable_data_ptr<int64_t>();
   int64_t verified = 0;
   for (int64_t i = 0; i < in.num_entries; ++i) {
     verified += reasons[i] >= 0;
@@ -179,21 +146,21 @@ at::Tensor verify_cpu(at::TensorList sources, at::IntArrayRef read_bytes, const 
     if (reasons[i] == kSlotOutOfRange) {
       out_of_range_row(row, kKindVerify, in, i);
     } else {
-      verify_row(row, table, in, i, s,
-                 verify_entry(table, owners, in, i, s, folds[i], padding_slot));
+      verify_row(row, records, in, i, s,
+                 verify_entry(records, owner_tags, in, i, s, folds[i], padding_slot));
     }
-    append_row(c, ring_rows, ring.size(0), row);
+    append_row(counters, ring, tables.ring.size(0), row);
   }
-  c[kVerifyCalls] += 1;
-  c[kSlotsVerified] += verified;
+  counters[kVerifyCalls] += 1;
+  counters[kSlotsVerified] += verified;
   return flagged;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
-  m.impl("record", &record_cpu);
-  m.impl("verify", &verify_cpu);
+  m.impl("record", &record_op<record_cpu>);
+  m.impl("verify", &verify_op<verify_cpu>);
 }
 
 }  // namespace kvcanary

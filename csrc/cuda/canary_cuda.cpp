@@ -12,99 +12,101 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "cuda/eager_checks.h"
 #include "plan/canary_plan.h"
-#include "plan/fold_plan.h"
 
 namespace kvcanary {
 namespace {
 
-struct CanaryCall {
-  FoldPlan fold_plan;
-  EntryPlan entries;
-  at::Tensor partial_folds;  // the fold of the sources before the last launch's
-  CanaryLaunchArgs args{};
+// The pointer a kernel gets to a table: writable where it writes (record),
+// read-only where it only reads (verify).
+template <typename Table>
+Table* table_data(const at::Tensor& table) {
+  if constexpr (std::is_const_v<Table>) {
+    return table.const_data_ptr<int64_t>();
+  } else {
+    return table.mutable_data_ptr<int64_t>();
+  }
+}
+
+template <typename Table>
+struct CudaCall {
+  CanaryPlan plan;
+  at::Tensor partial_folds;  // the fold of the sources before the last group
+  CanaryLaunchArgs<Table> args{};
 };
 
-// Checks everything, then folds all but the last group of sources; the
-// caller launches the canary kernel, which folds the last group.
-void prepare(CanaryCall& call, at::TensorList sources, at::IntArrayRef read_bytes,
-             const at::Tensor& slots, const std::optional<at::Tensor>& positions,
-             const std::optional<at::Tensor>& tokens, const std::optional<at::Tensor>& prev_slots,
-             const std::optional<at::Tensor>& tags, const at::Tensor& records,
-             const at::Tensor& owner_tags, const at::Tensor& counters, const at::Tensor& ring,
-             bool check_bounds, cudaStream_t stream) {
-  call.fold_plan = make_fold_plan(sources, slots, read_bytes);
-  const int64_t capacity =
-      check_canary_tables(records, owner_tags, counters, &ring, slots, call.fold_plan.capacity);
-  call.entries = make_entry_plan(slots, positions, tokens, prev_slots, tags);
-  const int64_t n = call.entries.inputs.num_entries;
-  TORCH_CHECK_VALUE(n <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
-                    " slots per call on CUDA, got ", n, "; split the batch");
-  if (check_bounds) {
-    check_entries_in_range(call.entries, capacity, kCudaSearch);
-  }
-  CanaryLaunchArgs& a = call.args;
-  a.inputs = call.entries.inputs;
-  a.records = const_cast<int64_t*>(records.const_data_ptr<int64_t>());
-  a.owner_tags = const_cast<int64_t*>(owner_tags.const_data_ptr<int64_t>());
-  a.counters = const_cast<int64_t*>(counters.const_data_ptr<int64_t>());
-  a.ring = const_cast<int64_t*>(ring.const_data_ptr<int64_t>());
-  a.ring_capacity = ring.size(0);
-  a.capacity = capacity;
-  a.padding_slot = -1;
-  FoldLaunchArgs& fold = a.fold;
-  fold.capacity = call.fold_plan.capacity;
-  fold.slots = a.inputs.slots;
-  fold.slots_are_int32 = a.inputs.slots_int32;
+// Sets up `fold` for the canary kernel, which folds the last group of
+// sources, after folding the groups before it into `partial_folds`.
+void fold_leading_groups(const CanaryPlan& plan, const at::Tensor& slots, at::Tensor& partial_folds,
+                         FoldLaunchArgs& fold, cudaStream_t stream) {
+  const std::vector<SourceLayout>& sources = plan.fold.sources;
+  const int64_t n = plan.entries.inputs.num_entries;
+  fold.capacity = plan.fold.capacity;
+  fold.slots = plan.entries.inputs.slots;
+  fold.slots_are_int32 = plan.entries.inputs.slots_int32;
   fold.num_slots = n;
-  const int num_sources = static_cast<int>(call.fold_plan.sources.size());
+  const int num_sources = static_cast<int>(sources.size());
   const int last = num_sources <= kSourcesPerLaunch
                        ? 0
                        : (num_sources - 1) / kSourcesPerLaunch * kSourcesPerLaunch;
   if (last > 0) {
-    call.partial_folds = at::empty({n}, slots.options().dtype(at::kLong));
-    fold.out = call.partial_folds.mutable_data_ptr<int64_t>();
+    partial_folds = at::empty({n}, slots.options().dtype(at::kLong));
+    fold.out = partial_folds.mutable_data_ptr<int64_t>();
     for (int first = 0; first < last; first += kSourcesPerLaunch) {
       fold.num_sources = kSourcesPerLaunch;
-      std::copy_n(call.fold_plan.sources.begin() + first, kSourcesPerLaunch, fold.sources);
+      std::copy_n(sources.begin() + first, kSourcesPerLaunch, fold.sources);
       fold.continue_chain = first > 0;
       C10_CUDA_CHECK(launch_fold(fold, stream));
     }
   }
   fold.num_sources = num_sources - last;
-  std::copy_n(call.fold_plan.sources.begin() + last, fold.num_sources, fold.sources);
+  std::copy_n(sources.begin() + last, fold.num_sources, fold.sources);
   fold.continue_chain = last > 0;
 }
 
-void record_cuda(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                 const std::optional<at::Tensor>& positions,
-                 const std::optional<at::Tensor>& tokens,
-                 const std::optional<at::Tensor>& prev_slots, const std::optional<at::Tensor>& tags,
-                 at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters,
-                 at::Tensor& ring, bool check_bounds) {
-  const c10::cuda::CUDAGuard guard(slots.device());
+// Checks everything, then folds all but the last group of sources; the
+// caller launches the canary kernel, which folds the last group.
+template <typename Table>
+void prepare(CudaCall<Table>& call, const CanaryInputs& in, const CanaryTables& tables,
+             bool check_bounds, cudaStream_t stream) {
+  call.plan = make_canary_plan(in, tables);
+  const int64_t n = call.plan.entries.inputs.num_entries;
+  TORCH_CHECK_VALUE(n <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
+                    " slots per call on CUDA, got ", n, "; split the batch");
+  if (check_bounds) {
+    check_entries_in_range(call.plan, kCudaSearch);
+  }
+  CanaryLaunchArgs<Table>& a = call.args;
+  a.inputs = call.plan.entries.inputs;
+  a.records = table_data<Table>(tables.records);
+  a.owner_tags = table_data<Table>(tables.owner_tags);
+  a.counters = tables.counters.mutable_data_ptr<int64_t>();
+  a.ring = tables.ring.mutable_data_ptr<int64_t>();
+  a.ring_capacity = tables.ring.size(0);
+  a.capacity = call.plan.capacity;
+  a.padding_slot = -1;
+  fold_leading_groups(call.plan, in.slots, call.partial_folds, a.fold, stream);
+}
+
+void record_cuda(const CanaryInputs& in, const CanaryTables& tables, bool check_bounds) {
+  const c10::cuda::CUDAGuard guard(in.slots.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  CanaryCall call;
-  prepare(call, sources, read_bytes, slots, positions, tokens, prev_slots, tags, records,
-          owner_tags, counters, ring, check_bounds, stream);
+  CudaCall<int64_t> call;
+  prepare(call, in, tables, check_bounds, stream);
   C10_CUDA_CHECK(launch_record(call.args, stream));
 }
 
-at::Tensor verify_cuda(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                       const std::optional<at::Tensor>& positions,
-                       const std::optional<at::Tensor>& tokens,
-                       const std::optional<at::Tensor>& prev_slots,
-                       const std::optional<at::Tensor>& tags, const at::Tensor& records,
-                       const at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
-                       int64_t padding_slot, bool check_bounds) {
-  const c10::cuda::CUDAGuard guard(slots.device());
+at::Tensor verify_cuda(const CanaryInputs& in, const CanaryTables& tables, int64_t padding_slot,
+                       bool check_bounds) {
+  const c10::cuda::CUDAGuard guard(in.slots.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  CanaryCall call;
-  prepare(call, sources, read_bytes, slots, positions, tokens, prev_slots, tags, records,
-          owner_tags, counters, ring, check_bounds, stream);
-  at::Tensor flagged = at::empty(slots.sizes(), slots.options().dtype(at::kBool));
+  CudaCall<const int64_t> call;
+  prepare(call, in, tables, check_bounds, stream);
+  at::Tensor flagged = at::empty(in.slots.sizes(), in.slots.options().dtype(at::kBool));
   call.args.padding_slot = padding_slot;
   call.args.flagged = flagged.mutable_data_ptr<bool>();
   C10_CUDA_CHECK(launch_verify(call.args, stream));
@@ -114,8 +116,8 @@ at::Tensor verify_cuda(at::TensorList sources, at::IntArrayRef read_bytes, const
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
-  m.impl("record", &record_cuda);
-  m.impl("verify", &verify_cuda);
+  m.impl("record", &record_op<record_cuda>);
+  m.impl("verify", &verify_op<verify_cuda>);
 }
 
 }  // namespace kvcanary

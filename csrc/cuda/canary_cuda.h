@@ -9,29 +9,36 @@
 
 namespace kvcanary {
 
+// The arguments of the record and verify kernels. `Table` is int64_t for
+// record, which writes the records and owner tags, and const int64_t for
+// verify, which reads them.
+template <typename Table>
 struct CanaryLaunchArgs {
   // The fold of each entry's slot: the last group of sources (earlier groups,
   // when there are more than kSourcesPerLaunch, were folded into fold.out and
   // fold.continue_chain is set). fold.slots is inputs.slots.
   FoldLaunchArgs fold;
   EntryInputs inputs;
-  int64_t* records;     // [capacity, kRecordFields]
-  int64_t* owner_tags;  // [capacity]
-  int64_t* counters;    // [kNumCounters]
-  int64_t* ring;        // [ring_capacity, kViolationFields]
+  Table* records;     // [capacity, kRecordFields]
+  Table* owner_tags;  // [capacity]
+  int64_t* counters;  // [kNumCounters]
+  int64_t* ring;      // [ring_capacity, kViolationFields]
   int64_t ring_capacity;
   int64_t capacity;
   int64_t padding_slot;  // verify only; -1: none
   bool* flagged;         // verify only: one per entry
 };
-static_assert(sizeof(CanaryLaunchArgs) <= kMaxLaunchArgBytes,
+
+using RecordLaunchArgs = CanaryLaunchArgs<int64_t>;
+using VerifyLaunchArgs = CanaryLaunchArgs<const int64_t>;
+static_assert(sizeof(RecordLaunchArgs) <= kMaxLaunchArgBytes,
               "a launch's arguments must fit the limit");
 
 // record: one thread per entry writes its slot's token, position, fold and
 // owner; the chain of a run of entries that chain through each other
 // (prev_slots[i] == slots[i - 1]) is written in order by the run's first
 // thread, so runs (requests) proceed in parallel.
-cudaError_t launch_record(const CanaryLaunchArgs& args, cudaStream_t stream);
-cudaError_t launch_verify(const CanaryLaunchArgs& args, cudaStream_t stream);
+cudaError_t launch_record(const RecordLaunchArgs& args, cudaStream_t stream);
+cudaError_t launch_verify(const VerifyLaunchArgs& args, cudaStream_t stream);
 
 }  // namespace kvcanary

@@ -13,7 +13,8 @@ __device__ __forceinline__ unsigned long long* as_counter(int64_t* p) {
 }
 
 // Appends a violation row; rows past the ring's capacity are dropped, counted.
-__device__ void append_row(const CanaryLaunchArgs& a, const int64_t* row) {
+template <typename Table>
+__device__ void append_row(const CanaryLaunchArgs<Table>& a, const int64_t* row) {
   const auto index = static_cast<int64_t>(atomicAdd(as_counter(a.counters + kRingWrite), 1ull));
   atomicAdd(as_counter(a.counters + kViolations), 1ull);
   if (index >= a.ring_capacity) {
@@ -26,13 +27,13 @@ __device__ void append_row(const CanaryLaunchArgs& a, const int64_t* row) {
 }
 
 // Whether entry i is recorded: a slot and previous slot in range.
-__device__ __forceinline__ bool recordable(const CanaryLaunchArgs& a, int64_t i) {
+__device__ __forceinline__ bool recordable(const RecordLaunchArgs& a, int64_t i) {
   const int64_t s = entry_slot(a.inputs, i);
   return s >= 0 && s < a.capacity && entry_prev_slot(a.inputs, i) < a.capacity;
 }
 
 // Whether recorded entry i chains through entry i - 1 of the same call.
-__device__ __forceinline__ bool continues_run(const CanaryLaunchArgs& a, int64_t i) {
+__device__ __forceinline__ bool continues_run(const RecordLaunchArgs& a, int64_t i) {
   if (i == 0) {
     return false;
   }
@@ -41,7 +42,7 @@ __device__ __forceinline__ bool continues_run(const CanaryLaunchArgs& a, int64_t
 }
 
 // The first entry of a run writes the chain of every entry of the run.
-__device__ void write_run_chain(const CanaryLaunchArgs& a, int64_t first) {
+__device__ void write_run_chain(const RecordLaunchArgs& a, int64_t first) {
   int64_t chain = link_at(a.records, entry_prev_slot(a.inputs, first));
   a.records[entry_slot(a.inputs, first) * kRecordFields + kChain] = chain;
   for (int64_t j = first + 1; j < a.inputs.num_entries && recordable(a, j) && continues_run(a, j);
@@ -73,7 +74,8 @@ struct ThreadEntry {
 // What every canary kernel starts with: thread 0 counts the call, and each
 // thread folds its entry's slot (every lane of a warp must take part).
 // Returns false for a warp wholly past the batch, which then returns.
-__device__ __forceinline__ bool start_entry(const CanaryLaunchArgs& a, Counter calls,
+template <typename Table>
+__device__ __forceinline__ bool start_entry(const CanaryLaunchArgs<Table>& a, Counter calls,
                                             ulonglong2* tile, ThreadEntry& e) {
   const int lane = threadIdx.x % kWarpSize;
   e.i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
@@ -92,7 +94,7 @@ __device__ __forceinline__ bool start_entry(const CanaryLaunchArgs& a, Counter c
   return true;
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const CanaryLaunchArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const RecordLaunchArgs a) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   ThreadEntry e;
   if (!start_entry(a, kRecordCalls, tiles[threadIdx.x / kWarpSize], e)) {
@@ -118,7 +120,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const CanaryLa
   count_warp(a.counters + kSlotsRecorded, recorded);
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock) verify_kernel(const CanaryLaunchArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock) verify_kernel(const VerifyLaunchArgs a) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   ThreadEntry e;
   if (!start_entry(a, kVerifyCalls, tiles[threadIdx.x / kWarpSize], e)) {
@@ -157,12 +159,12 @@ unsigned int blocks_for(int64_t entries) {
 }  // namespace
 
 // One block even for an empty batch: the call is still counted.
-cudaError_t launch_record(const CanaryLaunchArgs& args, cudaStream_t stream) {
+cudaError_t launch_record(const RecordLaunchArgs& args, cudaStream_t stream) {
   record_kernel<<<blocks_for(args.inputs.num_entries), kThreadsPerBlock, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
-cudaError_t launch_verify(const CanaryLaunchArgs& args, cudaStream_t stream) {
+cudaError_t launch_verify(const VerifyLaunchArgs& args, cudaStream_t stream) {
   verify_kernel<<<blocks_for(args.inputs.num_entries), kThreadsPerBlock, 0, stream>>>(args);
   return cudaGetLastError();
 }

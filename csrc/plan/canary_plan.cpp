@@ -43,21 +43,17 @@ void check_table(const at::Tensor& t, const char* name, const at::Tensor& slots,
   }
 }
 
-}  // namespace
-
-EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tensor>& positions,
-                          const std::optional<at::Tensor>& tokens,
-                          const std::optional<at::Tensor>& prev_slots,
-                          const std::optional<at::Tensor>& tags) {
+EntryPlan make_entry_plan(const CanaryInputs& call) {
+  const at::Tensor& slots = call.slots;
   check_index_dtype(slots, "slots");
   EntryPlan plan;
   plan.slots = in_memory_order(slots);
-  const at::Tensor flat_positions = entry_tensor(positions, "positions", slots);
-  const at::Tensor flat_tokens = entry_tensor(tokens, "tokens", slots);
-  plan.prev_slots = entry_tensor(prev_slots, "prev_slots", slots);
+  const at::Tensor flat_positions = entry_tensor(call.positions, "positions", slots);
+  const at::Tensor flat_tokens = entry_tensor(call.tokens, "tokens", slots);
+  plan.prev_slots = entry_tensor(call.prev_slots, "prev_slots", slots);
   at::Tensor flat_tags;
-  if (tags.has_value()) {
-    const at::Tensor& t = *tags;
+  if (call.tags.has_value()) {
+    const at::Tensor& t = *call.tags;
     TORCH_CHECK_TYPE(t.scalar_type() == at::kLong,
                      "kv-canary: tag must be an int or an int64 tensor, got ", t.scalar_type());
     check_on_slots_device(t, slots, kPutOnOneDevice, "tag");
@@ -84,31 +80,43 @@ EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tenso
   return plan;
 }
 
-int64_t check_canary_tables(const at::Tensor& records, const at::Tensor& owner_tags,
-                            const at::Tensor& counters, const at::Tensor* ring,
-                            const at::Tensor& slots, int64_t sources_capacity) {
-  check_table(records, "records", slots, {kRecordFields});
-  const int64_t capacity = records.size(0);
-  check_table(owner_tags, "owner tags", slots, {});
-  TORCH_CHECK_VALUE(owner_tags.size(0) == capacity, "kv-canary: the canary's owner tags hold ",
-                    owner_tags.size(0), " slots but its records hold ", capacity);
-  check_table(counters, "counters", slots, {});
-  TORCH_CHECK_VALUE(counters.size(0) == kNumCounters, "kv-canary: the canary's counters must hold ",
-                    static_cast<int>(kNumCounters), " values, got ", counters.size(0));
-  if (ring != nullptr) {
-    check_table(*ring, "violation ring", slots, {kViolationFields});
-    TORCH_CHECK_VALUE(ring->size(0) >= 1, "kv-canary: the violation ring needs at least one row");
-  }
+// Checks the canary's tables and that the sources hold every slot of the
+// canary; returns its capacity.
+int64_t check_tables(const CanaryTables& tables, const at::Tensor& slots,
+                     int64_t sources_capacity) {
+  check_table(tables.records, "records", slots, {kRecordFields});
+  const int64_t capacity = tables.records.size(0);
+  check_table(tables.owner_tags, "owner tags", slots, {});
+  TORCH_CHECK_VALUE(tables.owner_tags.size(0) == capacity,
+                    "kv-canary: the canary's owner tags hold ", tables.owner_tags.size(0),
+                    " slots but its records hold ", capacity);
+  check_table(tables.counters, "counters", slots, {});
+  TORCH_CHECK_VALUE(tables.counters.size(0) == kNumCounters,
+                    "kv-canary: the canary's counters must hold ", static_cast<int>(kNumCounters),
+                    " values, got ", tables.counters.size(0));
+  check_table(tables.ring, "violation ring", slots, {kViolationFields});
+  TORCH_CHECK_VALUE(tables.ring.size(0) >= 1,
+                    "kv-canary: the violation ring needs at least one row");
   TORCH_CHECK_VALUE(sources_capacity < 0 || capacity <= sources_capacity,
                     "kv-canary: the canary holds ", capacity, " slots but its sources only ",
                     sources_capacity, "; build the canary over these sources");
   return capacity;
 }
 
-void check_entries_in_range(const EntryPlan& entries, int64_t capacity, const IndexSearch& search) {
-  check_entries_in_range(entries.slots, "slots", capacity, search);
-  if (entries.prev_slots.defined()) {
-    check_entries_in_range(entries.prev_slots, "prev_slots", capacity, search);
+}  // namespace
+
+CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables) {
+  CanaryPlan plan;
+  plan.fold = make_fold_plan(in.sources, in.slots, in.read_bytes);
+  plan.capacity = check_tables(tables, in.slots, plan.fold.capacity);
+  plan.entries = make_entry_plan(in);
+  return plan;
+}
+
+void check_entries_in_range(const CanaryPlan& plan, const IndexSearch& search) {
+  check_entries_in_range(plan.entries.slots, "slots", plan.capacity, search);
+  if (plan.entries.prev_slots.defined()) {
+    check_entries_in_range(plan.entries.prev_slots, "prev_slots", plan.capacity, search);
   }
 }
 

@@ -10,11 +10,64 @@
 
 #include "core/canary_records.h"
 #include "plan/checks.h"
+#include "plan/fold_plan.h"
 
 namespace kvcanary {
 
-// The entry inputs of one call as raw pointers, with the contiguous tensors
-// they point into kept alive.
+// The inputs of a record or verify call, as the op receives them (the schema
+// in ops.cpp): the sources folded at each entry's slot, and the per-entry
+// inputs.
+struct CanaryInputs {
+  at::TensorList sources;
+  at::IntArrayRef read_bytes;
+  const at::Tensor& slots;
+  const std::optional<at::Tensor>& positions;
+  const std::optional<at::Tensor>& tokens;
+  const std::optional<at::Tensor>& prev_slots;
+  const std::optional<at::Tensor>& tags;
+};
+
+// The canary's tables. record writes every one; verify reads records and
+// owner_tags and writes counters and ring.
+struct CanaryTables {
+  const at::Tensor& records;     // int64 [capacity, kRecordFields]
+  const at::Tensor& owner_tags;  // int64 [capacity]
+  const at::Tensor& counters;    // int64 [kNumCounters]
+  const at::Tensor& ring;        // int64 [ring_capacity, kViolationFields]
+};
+
+// A backend's record and verify on the bundled arguments.
+using RecordKernel = void (*)(const CanaryInputs& in, const CanaryTables& tables,
+                              bool check_bounds);
+using VerifyKernel = at::Tensor (*)(const CanaryInputs& in, const CanaryTables& tables,
+                                    int64_t padding_slot, bool check_bounds);
+
+// The ops' C++ signatures (the schema in ops.cpp), written once: a backend
+// registers record_op<its record> and verify_op<its verify>.
+template <RecordKernel record>
+void record_op(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
+               const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& tokens,
+               const std::optional<at::Tensor>& prev_slots, const std::optional<at::Tensor>& tags,
+               at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
+               bool check_bounds) {
+  record({sources, read_bytes, slots, positions, tokens, prev_slots, tags},
+         {records, owner_tags, counters, ring}, check_bounds);
+}
+
+template <VerifyKernel verify>
+at::Tensor verify_op(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
+                     const std::optional<at::Tensor>& positions,
+                     const std::optional<at::Tensor>& tokens,
+                     const std::optional<at::Tensor>& prev_slots,
+                     const std::optional<at::Tensor>& tags, const at::Tensor& records,
+                     const at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
+                     int64_t padding_slot, bool check_bounds) {
+  return verify({sources, read_bytes, slots, positions, tokens, prev_slots, tags},
+                {records, owner_tags, counters, ring}, padding_slot, check_bounds);
+}
+
+// The per-entry inputs of one call as raw pointers, with the contiguous
+// tensors they point into kept alive.
 struct EntryPlan {
   EntryInputs inputs{};
   std::vector<at::Tensor> keep_alive;
@@ -22,21 +75,20 @@ struct EntryPlan {
   at::Tensor prev_slots;  // contiguous; undefined when not given
 };
 
-EntryPlan make_entry_plan(const at::Tensor& slots, const std::optional<at::Tensor>& positions,
-                          const std::optional<at::Tensor>& tokens,
-                          const std::optional<at::Tensor>& prev_slots,
-                          const std::optional<at::Tensor>& tags);
+// A checked call: its sources laid out, its entries, and the canary's
+// capacity.
+struct CanaryPlan {
+  FoldPlan fold;
+  EntryPlan entries;
+  int64_t capacity = 0;
+};
 
-// Checks the canary's tables: records int64 [capacity, 4], owner_tags int64
-// [capacity], counters int64 [kNumCounters], ring int64 [ring_capacity, 8]
-// (when given), all contiguous and on the slots' device, and that the sources
-// hold every slot of the canary. Returns the capacity.
-int64_t check_canary_tables(const at::Tensor& records, const at::Tensor& owner_tags,
-                            const at::Tensor& counters, const at::Tensor* ring,
-                            const at::Tensor& slots, int64_t sources_capacity);
+// Checks the sources, the canary's tables (int64, contiguous, on the slots'
+// device, of one capacity that the sources hold) and the per-entry inputs.
+CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables);
 
 // check_bounds: IndexError for the first entry of slots, then of prev_slots
 // (when given), that is >= the canary's capacity.
-void check_entries_in_range(const EntryPlan& entries, int64_t capacity, const IndexSearch& search);
+void check_entries_in_range(const CanaryPlan& plan, const IndexSearch& search);
 
 }  // namespace kvcanary
