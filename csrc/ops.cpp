@@ -1,6 +1,5 @@
 // The kvcanary operator library: the schema lives here, once; each backend
-// registers its kernel in its own file (fold_cpu.cpp, fold_cuda.cpp,
-// digest_cpu.cpp, digest_cuda.cpp).
+// registers its kernels beside them (cpu/*.cpp, cuda/*.cpp).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -79,4 +78,7 @@ std::vector<std::string> canary_counters() {
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvcanary, CatchAll, m) { m.impl("canary_counters", &canary_counters); }
+// No tensor arguments: CompositeExplicitAutograd serves every call.
+TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {
+  m.impl("canary_counters", &canary_counters);
+}
