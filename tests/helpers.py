@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -145,3 +147,29 @@ def random_digest_case(seed: int, device: str = "cpu", *, max_entries: int = 90)
     dtype = rng.choice([torch.int32, torch.int64])
     slots, positions, groups = random_entries(rng, capacity, rng.randint(0, max_entries), num_groups, device, dtype)
     return views, offsets, slots, positions, groups, num_groups
+
+
+# The CPU kernels' instruction-set paths, from the least to the best.
+CPU_PATHS = ["scalar", "avx2", "avx512"]
+
+
+def run_python(args: list[str], **env: str | None) -> subprocess.CompletedProcess:
+    """`python *args` in a child process that imports this process's torch_kvcanary, with the
+    environment variables `env` set (None: unset). It runs in tests/, so that nothing on its
+    path comes before that package."""
+    environ = {name: value for name, value in os.environ.items() if name not in env}
+    environ.update({name: value for name, value in env.items() if value is not None})
+    package_root = str(Path(kc.__file__).resolve().parents[1])
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, *args], cwd=REPO / "tests", env=environ, capture_output=True, text=True, timeout=900)
+
+
+def best_cpu_path() -> str:
+    """The best instruction-set path this CPU has: the one a process takes unless
+    KVCANARY_CPU_ISA names a lesser one. A process reads the variable once, so when it is set
+    here a child without it is asked."""
+    if not os.environ.get("KVCANARY_CPU_ISA"):
+        return torch.ops.kvcanary.cpu_isa()
+    child = run_python(["-c", "import torch, torch_kvcanary; print(torch.ops.kvcanary.cpu_isa())"], KVCANARY_CPU_ISA=None)
+    assert child.returncode == 0, child.stderr
+    return child.stdout.strip()

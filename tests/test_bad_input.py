@@ -9,7 +9,7 @@ import sys
 import expecttest
 import pytest
 import torch
-from helpers import CUDA, DEVICES
+from helpers import CUDA, DEVICES, best_cpu_path, run_python
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
@@ -268,14 +268,14 @@ def test_no_copy_of_the_pool():
     assert (before != after).nonzero().flatten().tolist() == [3 * 4 + 2]
 
 
-def test_forced_cpu_path_the_cpu_lacks(monkeypatch):
-    monkeypatch.delenv("KVCANARY_CPU_ISA", raising=False)
-    best = torch.ops.kvcanary.cpu_isa()
-    monkeypatch.setenv("KVCANARY_CPU_ISA", "sse9")
-    with pytest.raises(
-        ValueError, match=rf"^kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best} or unset it$"
-    ):
-        kc.fold(GOOD, SLOTS)
+def test_forced_cpu_path_the_cpu_lacks():
+    # A process reads KVCANARY_CPU_ISA when a kernel first runs, so a child forces the path.
+    fold = "kc.fold(kc.view_source(torch.zeros(4, 2, 64, dtype=torch.uint8), read_bytes=64), torch.tensor([0, 1]))"
+    code = f"import torch, torch_kvcanary as kc\ntry:\n    {fold}\nexcept ValueError as error:\n    print(error)"
+    child = run_python(["-c", code], KVCANARY_CPU_ISA="sse9")
+    assert child.returncode == 0, child.stderr
+    message = f"kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best_cpu_path()} or unset it"
+    assert child.stdout.splitlines() == [message]
 
 
 def test_upstream_baseline_refuses_what_it_cannot_fold():

@@ -1,29 +1,57 @@
-"""Each instruction-set path of the CPU kernel, forced with KVCANARY_CPU_ISA, is
-bit-exact with the reference on the golden vectors and on random layouts."""
+"""Each instruction-set path of the CPU kernels is bit-exact with the reference on the golden
+vectors and on random layouts. A process takes one path, chosen when a kernel first runs: the
+best one its CPU has, or the lesser one KVCANARY_CPU_ISA names. So the tests of this module,
+and the digest's tests that depend on the path, run on this process's path, and
+test_every_path reruns them in a child process for each other path."""
+
+import os
 
 import pytest
 import torch
 from golden import load_golden
-from helpers import golden_source, random_case
+from helpers import CPU_PATHS, best_cpu_path, golden_source, random_case, run_python
 
 import torch_kvcanary as kc
 
-PATHS = ["scalar", "avx2", "avx512"]
+# The tests that run once per path.
+PER_PATH_TESTS = [
+    "test_cpu_paths.py",
+    "test_digest.py::test_cpu_path_matches_the_spec",
+    "test_digest.py::test_last_unit_of_a_tight_view",
+]
 
 
-@pytest.fixture(params=PATHS)
-def cpu_path(request, monkeypatch):
-    monkeypatch.setenv("KVCANARY_CPU_ISA", request.param)
-    try:
-        assert torch.ops.kvcanary.cpu_isa() == request.param
-    except ValueError as error:
-        pytest.skip(f"this CPU cannot run the {request.param} path: {error}")
-    return request.param
+@pytest.fixture
+def cpu_path():
+    """The path this process takes."""
+    return torch.ops.kvcanary.cpu_isa()
 
 
-def test_default_is_the_best_path(monkeypatch):
-    monkeypatch.delenv("KVCANARY_CPU_ISA", raising=False)
-    assert torch.ops.kvcanary.cpu_isa() in PATHS
+def test_the_path_taken(cpu_path):
+    forced = os.environ.get("KVCANARY_CPU_ISA")
+    assert cpu_path == (forced or best_cpu_path())
+
+
+def test_the_path_is_chosen_once(cpu_path, monkeypatch):
+    # KVCANARY_CPU_ISA is read when a kernel first runs and never again: a later value, even
+    # one no CPU runs, changes nothing.
+    sources, slots, mode = random_case(7)
+    monkeypatch.setenv("KVCANARY_CPU_ISA", "sse9")
+    assert torch.ops.kvcanary.cpu_isa() == cpu_path
+    assert torch.equal(kc.fold(sources, slots, mode=mode), kc.reference_fold(sources, slots, mode=mode))
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_every_path(path, cpu_path):
+    if CPU_PATHS.index(path) > CPU_PATHS.index(best_cpu_path()):
+        pytest.skip(f"this CPU cannot run the {path} path")
+    if path == cpu_path:
+        pytest.skip(f"the {path} path is this process's: the tests run on it here")
+    child = run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not test_every_path", *PER_PATH_TESTS], KVCANARY_CPU_ISA=path
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout.splitlines()[-1], child.stdout[-2000:]
 
 
 def test_golden_vectors(cpu_path):

@@ -13,8 +13,6 @@ from helpers import DEVICES, random_bytes, random_digest_case, random_entries
 
 import torch_kvcanary as kc
 
-ISAS = ["scalar", "avx2", "avx512"]
-
 
 def expected(views, offsets, slots, positions, groups=None, num_groups=1) -> list[int]:
     return oracle.digest(views, slots, positions, offsets, groups, num_groups)
@@ -29,20 +27,12 @@ def test_random_views_match_the_spec(seed, device):
     assert got.tolist() == expected(views, offsets, slots, positions, groups, num_groups)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_every_cpu_path_matches_the_spec(isa, monkeypatch):
-    if isa not in kc_isas():
-        pytest.skip(f"this CPU has no {isa} path")
-    monkeypatch.setenv("KVCANARY_CPU_ISA", isa)
+def test_cpu_path_matches_the_spec():
+    """On this process's CPU path; test_cpu_paths.py reruns it on every other path."""
     for seed in range(100, 130):
         views, offsets, slots, positions, groups, num_groups = random_digest_case(seed)
         got = kc.kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=num_groups)
         assert got.tolist() == expected(views, offsets, slots, positions, groups, num_groups), seed
-
-
-def kc_isas() -> list[str]:
-    best = torch.ops.kvcanary.cpu_isa()
-    return ISAS[: ISAS.index(best) + 1]
 
 
 def test_hand_computed_term():
@@ -59,13 +49,10 @@ def test_hand_computed_term():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("isa", ISAS)
-def test_last_unit_of_a_tight_view(device, isa, monkeypatch):
+def test_last_unit_of_a_tight_view(device):
     """Views whose last unit ends the allocation (units of 4 and 12 bytes, whose last word is
-    padded): digesting the last slot reads nothing past it (the sanitizer build runs this)."""
-    if isa not in kc_isas():
-        pytest.skip(f"this CPU has no {isa} path")
-    monkeypatch.setenv("KVCANARY_CPU_ISA", isa)
+    padded): digesting the last slot reads nothing past it (the sanitizer build runs this). On
+    this process's CPU path; test_cpu_paths.py reruns it on every other path."""
     gen = torch.Generator().manual_seed(8)
     views = [random_bytes([2, 3, 5], torch.float32, gen, device), random_bytes([2, 3, 2, 6], torch.float16, gen, device)]
     for view in views:

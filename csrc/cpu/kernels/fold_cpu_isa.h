@@ -6,10 +6,6 @@
 
 namespace kvcanary {
 
-// The path the CPU kernels take: the best one this CPU has, or the lesser one
-// $KVCANARY_CPU_ISA names (fold_cpu.cpp).
-CpuIsa selected_cpu_isa();
-
 // Indexed by CpuIsa.
 constexpr const char* kCpuIsaNames[] = {"scalar", "avx2", "avx512"};
 

@@ -29,9 +29,9 @@
 // fold_group, and its requests are issued step by step in hash_tokens.
 #pragma once
 
+#include "core/fold_math.h"
 #include "cpu/kernels/fold_cpu.h"
 #include "cpu/kernels/fold_cpu_prefetch.h"
-#include "core/fold_math.h"
 
 // The per-vector loops must be unrolled for the vectors to stay in registers.
 #if defined(__clang__)

@@ -9,8 +9,8 @@
 // ones are hashed overlaps the two.
 #pragma once
 
-#include "cpu/kernels/fold_cpu.h"
 #include "core/fold_math.h"
+#include "cpu/kernels/fold_cpu.h"
 
 namespace kvcanary {
 namespace {

@@ -10,10 +10,14 @@
 
 namespace kvcanary {
 
-// Slots per task handed to a thread: about 256 KiB of reads (small batches
-// stay on one thread), in whole lane groups.
+// The reads of a task handed to a thread, about: small batches stay on one
+// thread.
+constexpr int64_t kTaskReadBytes = int64_t{1} << 18;
+
+// Slots per task of the fold: about kTaskReadBytes of reads, in whole lane
+// groups.
 inline int64_t task_slots(int64_t read_bytes_per_slot) {
-  const int64_t slots = (int64_t{1} << 18) / (read_bytes_per_slot + 1);
+  const int64_t slots = kTaskReadBytes / (read_bytes_per_slot + 1);
   const int64_t groups = (slots + kLaneGroupMultiple - 1) / kLaneGroupMultiple;
   return (groups > 1 ? groups : 1) * kLaneGroupMultiple;
 }
