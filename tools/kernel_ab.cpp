@@ -2,7 +2,7 @@
 // memory speed drifts by tens of percent within minutes, so two builds are
 // compared by calling them in turn, round after round, in one process, on the
 // same pool and slots. Built and run by tools/kernel_ab.sh; each build is
-// reached through its side (kernel_ab_side.cpp), fold_all_a or fold_all_b.
+// reached through its side (tools/kernel_ab_side.cpp), fold_all_a or fold_all_b.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "cpu/kernels/fold_cpu_isa.h"  // this tree's (B's)
 #include "core/fold_math.h"
+#include "cpu/kernels/fold_cpu_isa.h"  // this tree's (B's)
 
 extern "C" {
 void fold_all_a(const unsigned char* pool, int64_t row_bytes, const int64_t* slots, int64_t n,

@@ -21,7 +21,7 @@ using kvcanary::CpuFoldWork;
 using kvcanary::SlotSpan;
 
 // Runs the kernel over all slots on `threads` threads in tasks of task_slots()
-// slots, claimed as fold_cpu.cpp's threads claim them (run_tasks; these
+// slots, claimed as cpu/parallel_tasks.h's threads claim them (run_tasks; these
 // threads are started per call, on both sides alike).
 void fold_all(const CpuFoldWork& work, int64_t n, int threads) {
   const int64_t task = kvcanary::task_slots(work.sources[0].read_bytes);

@@ -1,6 +1,6 @@
 // The digest's addressing and unit fold (docs/spec.md, "The digest"), shared by the host
 // (CPU kernel) and device (CUDA kernel) code. splitmix64, mix3 and the
-// byte-offset arithmetic are the fold's (fold_math.h).
+// byte-offset arithmetic are the fold's (core/fold_math.h).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // CUDA backend of kvcanary::record and kvcanary::verify: argument checks and
-// launches (the kernels are in canary_cuda_kernel.cu). One launch per call
+// launches (the kernels are in cuda/canary_cuda_kernel.cu). One launch per call
 // when the sources fit one launch (kSourcesPerLaunch); more sources are
 // folded first by the fold's kernel, whose chain the canary kernel continues.
 #include "cuda/canary_cuda.h"
@@ -15,7 +15,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/eager_checks.h"
+#include "cuda/checks.h"
 #include "plan/canary_plan.h"
 
 namespace kvcanary {
@@ -75,8 +75,7 @@ void prepare(CudaCall<Table>& call, const CanaryInputs& in, const CanaryTables& 
              bool check_bounds, cudaStream_t stream) {
   call.plan = make_canary_plan(in, tables);
   const int64_t n = call.plan.entries.inputs.num_entries;
-  TORCH_CHECK_VALUE(n <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
-                    " slots per call on CUDA, got ", n, "; split the batch");
+  check_slots_per_call(n);
   if (check_bounds) {
     check_entries_in_range(call.plan, kCudaSearch);
   }

@@ -1,5 +1,6 @@
-// The interface between the CUDA canary ops (canary_cuda.cpp, plain C++) and
-// their kernels (canary_cuda_kernel.cu, compiled by nvcc without torch).
+// The interface between the CUDA canary ops (cuda/canary_cuda.cpp, plain C++)
+// and their kernels (cuda/canary_cuda_kernel.cu, compiled by nvcc without
+// torch).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
 // CUDA backend of kvcanary::digest: argument checks and launches (the kernel is
-// in digest_cuda_kernel.cu).
+// in cuda/digest_cuda_kernel.cu).
 #include "cuda/digest_cuda.h"
 
 #include <ATen/core/Tensor.h>
@@ -11,7 +11,7 @@
 
 #include <algorithm>
 
-#include "cuda/eager_checks.h"
+#include "cuda/checks.h"
 #include "plan/digest_plan.h"
 
 namespace kvcanary {

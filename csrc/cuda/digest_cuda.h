@@ -1,5 +1,6 @@
-// The interface between the CUDA digest op (digest_cuda.cpp, plain C++) and its
-// kernel (digest_cuda_kernel.cu, compiled by nvcc without the torch headers).
+// The interface between the CUDA digest op (cuda/digest_cuda.cpp, plain C++)
+// and its kernel (cuda/digest_cuda_kernel.cu, compiled by nvcc without the
+// torch headers).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
 // CUDA kernel of kvcanary::digest. Kept free of torch headers, like the fold's
-// kernel; argument checks live in digest_cuda.cpp.
+// kernel; argument checks live in cuda/digest_cuda.cpp.
 //
 // One thread per (entry, unit) term, in a grid-stride loop: consecutive
 // threads take consecutive units of an entry, so a warp reads neighbouring

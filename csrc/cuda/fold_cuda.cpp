@@ -1,5 +1,5 @@
 // CUDA backend of kvcanary::fold: argument checks and launches (the kernel is
-// in fold_cuda_kernel.cu).
+// in cuda/fold_cuda_kernel.cu).
 #include "cuda/fold_cuda.h"
 
 #include <ATen/core/Tensor.h>
@@ -10,9 +10,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
 
-#include "cuda/eager_checks.h"
+#include "cuda/checks.h"
 #include "plan/fold_plan.h"
 
 namespace kvcanary {
@@ -26,8 +25,7 @@ at::Tensor fold_cuda(at::TensorList sources, const at::Tensor& slots, at::IntArr
   if (check_bounds) {
     check_slots_in_range(flat, plan.capacity, kCudaSearch);
   }
-  TORCH_CHECK_VALUE(flat.numel() <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
-                    " slots per call on CUDA, got ", flat.numel(), "; split the batch");
+  check_slots_per_call(flat.numel());
   at::Tensor out = at::empty(slots.sizes(), slots.options().dtype(at::kLong));
   const int num_sources = static_cast<int>(plan.sources.size());
   if (num_sources == 0) {

@@ -1,5 +1,6 @@
-// The interface between the CUDA op (fold_cuda.cpp, plain C++) and its kernel
-// (fold_cuda_kernel.cu, compiled by nvcc without the torch headers).
+// The interface between the CUDA op (cuda/fold_cuda.cpp, plain C++) and its
+// kernel (cuda/fold_cuda_kernel.cu, compiled by nvcc without the torch
+// headers).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,6 +1,6 @@
 // CUDA kernel of kvcanary::fold. Kept free of torch headers so that nvcc
-// compiles it in seconds; argument checks live in fold_cuda.cpp. A warp folds
-// 32 slots, one per lane (fold_cuda_warp.cuh, shared with the canary's
+// compiles it in seconds; argument checks live in cuda/fold_cuda.cpp. A warp
+// folds 32 slots, one per lane (cuda/fold_cuda_warp.cuh, shared with the canary's
 // kernels); the grid is sized to the batch. docs/design.md has the reasons.
 #include "cuda/fold_cuda_warp.cuh"
 

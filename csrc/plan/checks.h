@@ -29,7 +29,7 @@ void check_on_slots_device(const at::Tensor& t, const at::Tensor& slots, const c
 void check_index_dtype(const at::Tensor& t, const char* name);
 
 // How a backend finds the entries its range checks refuse. The host loops
-// over them (kHostSearch); CUDA reduces them on the device (cuda/eager_checks.h),
+// over them (kHostSearch); CUDA reduces them on the device (cuda/checks.h),
 // and finds none while a CUDA graph is being captured, whose kernels then skip
 // such entries without reading them.
 struct IndexSearch {

@@ -1,8 +1,9 @@
 // The CPU digest's instruction-set paths. Each is compiled in the fold's
-// instruction-set translation unit (fold_cpu_scalar.cpp, fold_cpu_avx2.cpp,
-// fold_cpu_avx512.cpp) with that unit's lane type, as its second entry point;
-// digest_cpu.cpp picks one at run time, as the fold does. Like fold_cpu.h,
-// this header holds only data, constants and declarations.
+// instruction-set translation unit (cpu/isa/scalar.cpp, cpu/isa/avx2.cpp,
+// cpu/isa/avx512.cpp) with that unit's lane type, as its second entry point;
+// cpu/cpu_path.cpp picks one at run time, for the fold and the digest alike.
+// Like cpu/kernels/fold_cpu.h, this header holds only data, constants and
+// declarations.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,7 @@ constexpr int64_t kDigestBatchEntries = 64;
 
 // The terms of entries [begin, end): slots[i] >= 0 and < capacity (others add
 // nothing) with groups[i] (null: all 0) in [0, num_groups), added (wrapping)
-// to sums[groups[i]]. Data only, as fold_cpu.h says why.
+// to sums[groups[i]]. Data only, as cpu/kernels/fold_cpu.h says why.
 struct CpuDigestRange {
   const DigestView* views;
   int num_views;

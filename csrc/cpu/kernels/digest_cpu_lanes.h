@@ -1,7 +1,7 @@
 // The CPU digest, written once for any of the fold's lane types (see
-// fold_cpu_lanes.h, which it includes). Included by each instruction-set
-// translation unit after it has set its target; everything here has internal
-// linkage (see fold_cpu.h).
+// cpu/kernels/fold_cpu_lanes.h, which it includes). Included by each
+// instruction-set translation unit after it has set its target; everything
+// here has internal linkage (see cpu/kernels/fold_cpu.h).
 //
 // A unit's words form one serial splitmix64 chain, but the units of a view
 // are independent chains of the same layout: kChains = V::kLanes * kVectors

@@ -1,11 +1,13 @@
 // The CPU fold's instruction-set paths. Each lives in its own translation unit
-// (fold_cpu_scalar.cpp, fold_cpu_avx2.cpp, fold_cpu_avx512.cpp); fold_cpu.cpp
-// picks one at run time. Those units compile every function they see for
-// their instruction set, and the linker keeps one copy of each inline function
-// or template instantiation with external linkage, from whichever unit it
-// likes: so this header, which they include, holds only data, constants and
-// declarations, and everything they define is static or in an anonymous
-// namespace, but for their one entry point (tests/test_build.py checks it).
+// (cpu/isa/scalar.cpp, cpu/isa/avx2.cpp, cpu/isa/avx512.cpp), which also holds
+// the digest's path (cpu/kernels/digest_cpu.h); cpu/cpu_path.cpp picks one at
+// run time. Those units compile every function they see for their instruction
+// set, and the linker keeps one copy of each inline function or template
+// instantiation with external linkage, from whichever unit it likes: so this
+// header, which they include, holds only data, constants and declarations,
+// and everything they define is static or in an anonymous namespace, but for
+// their two entry points, fold_task_<isa> and digest_range_<isa>
+// (tests/test_build.py checks it).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
-// The CPU fold's instruction-set paths by name, and which ones this CPU runs.
-// Portable code only (fold_cpu.cpp, tools/kernel_ab.cpp): see fold_cpu.h.
+// The CPU kernels' instruction-set paths by name, and which ones this CPU
+// runs. Portable code only (cpu/cpu_path.cpp, tools/kernel_ab.cpp): see
+// cpu/kernels/fold_cpu.h.
 #pragma once
 
 #include "cpu/kernels/fold_cpu.h"

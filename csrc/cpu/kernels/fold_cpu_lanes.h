@@ -1,6 +1,6 @@
 // The CPU fold, written once for any lane type. Included by each
 // instruction-set unit after it has set its target; everything here has
-// internal linkage (see fold_cpu.h).
+// internal linkage (see cpu/kernels/fold_cpu.h).
 //
 // The splitmix64 chain is serial within a slot, so speed comes from folding
 // many slots at once: kVectors vectors of V::kLanes slots each (a lane group
@@ -25,7 +25,7 @@
 //   fold_group         one lane group over every source
 //   hash_tokens        one source's bytes of each lane's token
 //   hash_token_blocks  the same, in blocks of several chunks (AVX-512)
-// The prefetch plan (fold_cpu_prefetch.h) is made in fold_groups and
+// The prefetch plan (cpu/kernels/fold_cpu_prefetch.h) is made in fold_groups and
 // fold_group, and its requests are issued step by step in hash_tokens.
 #pragma once
 

@@ -1,8 +1,8 @@
 // The CPU fold's prefetching: which tokens a thread reads next (ReadOrder) and
 // how their lines are requested while the current ones are hashed
 // (TokenPrefetcher). Included by each instruction-set unit, through
-// fold_cpu_lanes.h, after it has set its target; everything here has internal
-// linkage (see fold_cpu.h).
+// cpu/kernels/fold_cpu_lanes.h, after it has set its target; everything here
+// has internal linkage (see cpu/kernels/fold_cpu.h).
 //
 // Why: the fold of a random slot waits on memory, and hardware prefetchers do
 // not guess random addresses. Asking for the next tokens while the current

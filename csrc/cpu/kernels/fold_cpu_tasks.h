@@ -1,6 +1,7 @@
-// How the CPU fold's slots are cut into tasks and shared among threads.
-// Portable code only (fold_cpu.cpp): the instruction-set units never include
-// it, so its inline code is never compiled for a wider instruction set.
+// How the CPU kernels' entries are cut into tasks and shared among threads.
+// Portable code only (cpu/parallel_tasks.h, tools/kernel_ab_side.cpp): the
+// instruction-set units never include it, so its inline code is never
+// compiled for a wider instruction set.
 #pragma once
 
 #include <atomic>

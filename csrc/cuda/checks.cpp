@@ -1,4 +1,4 @@
-#include "cuda/eager_checks.h"
+#include "cuda/checks.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/any.h>
@@ -9,6 +9,9 @@
 #include <ATen/ops/max.h>
 #include <ATen/ops/nonzero.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/util/Exception.h>
+
+#include "cuda/fold_cuda.h"
 
 namespace kvcanary {
 namespace {
@@ -46,5 +49,10 @@ std::optional<int64_t> first_bad_group_cuda(const at::Tensor& slots, const at::T
 }  // namespace
 
 const IndexSearch kCudaSearch{first_at_least_cuda, first_bad_group_cuda};
+
+void check_slots_per_call(int64_t num_slots) {
+  TORCH_CHECK_VALUE(num_slots <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
+                    " slots per call on CUDA, got ", num_slots, "; split the batch");
+}
 
 }  // namespace kvcanary
