@@ -1,5 +1,7 @@
 """What was built: a CUDA kernel whenever torch is a CUDA build and a toolkit is
-present, with sm_80 and sm_90 machine code and compute_90 PTX; CPU paths that prefetch."""
+present, with sm_80 and sm_90 machine code and compute_90 PTX; CPU paths that prefetch and
+share no code; and the include rules of csrc/ (instruction-set units and CUDA kernels see
+none of torch's headers)."""
 
 import importlib.util
 import os
@@ -95,3 +97,55 @@ def test_cpu_path_shares_no_code_with_other_units(path, tmp_path):
         f"kvcanary::digest_range_{path}(kvcanary::CpuDigestRange const&)",
         f"kvcanary::fold_task_{path}(kvcanary::CpuFoldWork const&, kvcanary::SlotSpan, kvcanary::SlotSpan)",
     ], external
+
+
+CSRC = REPO / "csrc"
+INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
+# The headers of torch and of what it brings in with it.
+TORCH_HEADERS = ("torch/", "ATen/", "c10/", "caffe2/", "pybind11/", "Python.h")
+ISA_UNITS = sorted((CSRC / "cpu" / "isa").glob("*.cpp"))
+CUDA_KERNELS = sorted([*CSRC.rglob("*.cu"), *CSRC.rglob("*.cuh")])
+
+
+def _included(source: Path) -> tuple[set[Path], set[str]]:
+    """The project headers `source` includes, transitively (quoted includes, written from
+    csrc/), and the other headers that any of them includes (angle includes)."""
+    project: set[Path] = set()
+    system: set[str] = set()
+    todo = [source]
+    while todo:
+        current = todo.pop()
+        for kind, name in INCLUDE.findall(current.read_text()):
+            if kind == "<":
+                system.add(name)
+                continue
+            header = CSRC / name
+            assert header.is_file(), f"{current.relative_to(REPO)} includes {name}, which is not under csrc/"
+            if header not in project:
+                project.add(header)
+                todo.append(header)
+    return project, system
+
+
+def test_the_include_rules_cover_the_sources():
+    assert [unit.name for unit in ISA_UNITS] == ["avx2.cpp", "avx512.cpp", "scalar.cpp"]
+    assert {kernel.suffix for kernel in CUDA_KERNELS} == {".cu", ".cuh"}
+
+
+@pytest.mark.parametrize("unit", ISA_UNITS, ids=lambda path: path.name)
+def test_instruction_set_unit_includes_only_torch_free_kernel_headers(unit):
+    # An instruction-set unit compiles what it includes for its instruction set (see
+    # test_cpu_path_shares_no_code_with_other_units): only the torch-free math and kernel
+    # headers, and system headers, none of torch's.
+    project, system = _included(unit)
+    allowed = {CSRC / "core", CSRC / "cpu" / "kernels"}
+    assert sorted(str(header.relative_to(CSRC)) for header in project if header.parent not in allowed) == []
+    assert sorted(name for name in system if name.startswith(TORCH_HEADERS)) == []
+
+
+@pytest.mark.parametrize("kernel", CUDA_KERNELS, ids=lambda path: path.name)
+def test_cuda_kernel_includes_no_torch_header(kernel):
+    # nvcc compiles the kernels without torch's headers, which keeps their builds short and
+    # their code free of host-only types; the launchers (cuda/*.cpp) hold the torch side.
+    _, system = _included(kernel)
+    assert sorted(name for name in system if name.startswith(TORCH_HEADERS)) == []
