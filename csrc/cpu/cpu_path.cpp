@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
 #include "cpu/kernels/fold_cpu_isa.h"
@@ -21,6 +22,14 @@ constexpr CpuPath kCpuPaths[] = {
     {CpuIsa::kAvx512, fold_task_avx512, digest_range_avx512},
 #endif
 };
+
+constexpr bool indexed_by_isa() {
+  for (int i = 0; i < static_cast<int>(std::size(kCpuPaths)); ++i) {
+    if (static_cast<int>(kCpuPaths[i].isa) != i) return false;
+  }
+  return true;
+}
+static_assert(indexed_by_isa(), "kCpuPaths must be indexed by CpuIsa");
 
 const char* name_of(CpuIsa isa) { return kCpuIsaNames[static_cast<int>(isa)]; }
 
@@ -42,8 +51,8 @@ struct IsaChoice {
 };
 
 IsaChoice choose_isa() {
-  IsaChoice choice{best_cpu_isa(), CpuIsa::kScalar, {}};
-  choice.isa = choice.best;
+  const CpuIsa best = best_cpu_isa();
+  IsaChoice choice{best, best, {}};
   const char* forced = std::getenv(kIsaVariable);
   if (forced == nullptr || *forced == '\0') {
     return choice;
