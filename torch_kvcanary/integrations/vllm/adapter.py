@@ -119,7 +119,7 @@ def hook(plugin: Plugin) -> bool:
     ``plugin.refusal``. The memory the worker reports for the KV cache is cut to
     ``plugin.kv_cache_budget``. Once the runner has allocated its KV cache (not in a
     profiling run), ``plugin.start(runner)`` returns its watcher, and every model forward of
-    an engine step runs between the watcher's ``begin_step(Step)`` and ``end_step(batch)``;
+    an engine step runs between the watcher's ``begin_step`` and ``end_step`` (`Watcher`);
     a worker whose runner has no watcher after allocating its KV cache is stopped too.
     False, and nothing done, when vLLM is hooked already."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
