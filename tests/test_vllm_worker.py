@@ -48,13 +48,13 @@ def _run(script: str, model, **env) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
 
 
-def _vllm_lines(output: str, file: str) -> list[tuple[str, int, str, str]]:
-    """(process, pid, level, message) of each line of ``output`` that vLLM's log format
-    wrote from ``file``."""
+def _canary_lines(output: str) -> list[tuple[str, int, str, str]]:
+    """(process, pid, level, message) of each line of ``output`` in vLLM's log format whose
+    message is the canary's."""
     found = []
     for line in output.splitlines():
         match = VLLM_LINE.match(line)
-        if match and match[4] == file:
+        if match and match[5].startswith(("kv-canary", "kv_canary")):
             found.append((match[1], int(match[2]), match[3], match[5]))
     return found
 
@@ -126,7 +126,8 @@ def test_the_engine_process_logs_through_vllm(tiny_llama):
     assert done.returncode == 0, done.stdout[-3000:]
     (flipped,) = [line.split() for line in done.stdout.splitlines() if line.startswith("FLIPPED")]
     slot, pid = int(flipped[1]), int(flipped[2])
-    lines = _vllm_lines(done.stdout, "plugin.py")
+    lines = _canary_lines(done.stdout)
+    assert sum("kv_canary" in line or "kv-canary" in line for line in done.stdout.splitlines()) == len(lines)
     processes = {(process, line_pid) for process, line_pid, _, _ in lines}
     assert len(processes) == 1 and pid not in {line_pid for _, line_pid in processes}  # the engine's process
     start = [message for _, _, level, message in lines if level == "INFO"]
