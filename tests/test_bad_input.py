@@ -757,3 +757,14 @@ def test_vllm_plugin_refuses_bad_settings(monkeypatch, policy, mode, message):
         plugin.settings()
     with pytest.raises(ValueError, match="^kv-canary: "):
         plugin.register()
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
+def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
+    monkeypatch.setenv("KVCANARY_VLLM", "log")
+    monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
+    message = f"^kv-canary: KVCANARY_VLLM_SUMMARY_S must be a number of seconds >= 0 \\(0: after every step\\), got '{value}'$"
+    with pytest.raises(ValueError, match=message):
+        plugin.settings()
+    with pytest.raises(ValueError, match=message):
+        plugin.register()

@@ -6,6 +6,8 @@ splits prompts and preempts requests. Faults are injected between ``llm_engine.s
 calls and must be reported at the next step, naming the request.
 """
 
+import contextlib
+import io
 import logging
 import os
 import random
@@ -20,7 +22,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 from helpers import REPO  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from random_llama import make_llama  # noqa: E402
@@ -29,26 +31,55 @@ BLOCK_SIZE = 32
 NUM_BLOCKS = 24
 PER_STEP = 64
 LINE = re.compile(r"^kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
+SUMMARY = re.compile(
+    r"^kv_canary summary: launch_tag=vllm seconds=\S+ repeated_detections=(\d+) repeated_slots=(\d+) slots_logged=(\d+) ring_dropped=(\d+)$"
+)
+
+# The KV cache budget: NUM_BLOCKS blocks of K and V (2 layers, 2 KV heads of 64 bf16) and the
+# canary over them (a record of four int64 and an int64 owner tag per slot; a ring of 1024
+# rows of eight int64, and its counters, which need far less than a block of slack).
+KV_BYTES_PER_SLOT = 2 * 2 * 2 * 64 * 2
+CANARY_BYTES_PER_SLOT = 5 * 8
+KV_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
 
 
 class Lines(logging.Handler):
-    """The plugin's WARNING lines."""
+    """The plugin's WARNING and ERROR records."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.lines: list[str] = []
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record):
-        self.lines.append(record.getMessage())
+        self.records.append(record)
+
+    @property
+    def lines(self) -> list[str]:
+        return [record.getMessage() for record in self.records]
 
     def take(self) -> list[str]:
-        lines, self.lines = self.lines, []
+        lines, self.records = self.lines, []
         return lines
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@contextlib.contextmanager
+def vllm_log():
+    """What vLLM's own log handler writes meanwhile. vLLM configures its logging when an
+    engine starts, with a handler on ``sys.stdout``, or has done so already."""
+    log = io.StringIO()
+    streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers}
+    try:
+        with contextlib.redirect_stdout(log):
+            yield log
+    finally:
+        for handler in logging.getLogger("vllm").handlers:
+            if handler.stream is log:
+                handler.setStream(streams.get(handler, sys.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -62,31 +93,34 @@ def engine(tiny_llama):
         preemptions.append(request.request_id)
         return preempt(self, request, *args, **kwargs)
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV)}
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ[plugin.POLICY_ENV] = "log"
+    os.environ.pop(plugin.SUMMARY_ENV, None)
     Scheduler._preempt_request = counting_preempt
     lines = Lines()
-    logging.getLogger("torch_kvcanary").addHandler(lines)
     try:
-        llm = vllm.LLM(
-            model=str(tiny_llama),
-            dtype="bfloat16",
-            max_model_len=512,
-            block_size=BLOCK_SIZE,
-            kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_SIZE * 2 * 2 * 2 * 64 * 2,  # layers * K,V * heads * dim * bf16
-            gpu_memory_utilization=0.05,
-            enforce_eager=True,
-            distributed_executor_backend="uni",
-            enable_prefix_caching=True,
-            enable_chunked_prefill=True,
-            max_num_batched_tokens=PER_STEP,
-            max_num_seqs=8,
-        )
+        with vllm_log() as startup_log:
+            llm = vllm.LLM(
+                model=str(tiny_llama),
+                dtype="bfloat16",
+                max_model_len=512,
+                block_size=BLOCK_SIZE,
+                kv_cache_memory_bytes=KV_BUDGET,
+                gpu_memory_utilization=0.05,
+                enforce_eager=True,
+                distributed_executor_backend="uni",
+                enable_prefix_caching=True,
+                enable_chunked_prefill=True,
+                max_num_batched_tokens=PER_STEP,
+                max_num_seqs=8,
+            )
+        llm.startup_log = startup_log.getvalue()
+        plugin.logger.addHandler(lines)  # once vLLM has configured its logging, which clears its children's handlers
         yield llm, lines, preemptions
     finally:
         Scheduler._preempt_request = preempt
-        logging.getLogger("torch_kvcanary").removeHandler(lines)
+        plugin.logger.removeHandler(lines)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -178,6 +212,48 @@ def test_the_plugin_watches_every_layer(engine):
     assert runner.cache_config.get_resolved_kv_cache_layout().name == "LBHNC"
 
 
+def test_the_canary_memory_is_taken_from_the_kv_cache_budget(engine):
+    # KV_BUDGET holds NUM_BLOCKS blocks and their canary; without the canary it would hold
+    # more blocks, and vLLM would size the cache by them.
+    llm, _, _ = engine
+    state = plugin.active()
+    assert KV_BUDGET // (BLOCK_SIZE * KV_BYTES_PER_SLOT) > NUM_BLOCKS
+    assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == NUM_BLOCKS
+    assert sum(kv.nbytes for kv in state.kv_caches) == NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_SLOT
+    assert sum(kv.nbytes for kv in state.kv_caches) + state.canary.nbytes <= KV_BUDGET
+
+
+def test_the_start_line_is_in_vllms_log(engine):
+    llm, _, _ = engine
+    state = plugin.active()
+    watching = [line for line in llm.startup_log.splitlines() if "kv-canary: watching" in line]
+    (line,) = watching  # vLLM's format: process and pid, level, time, file and line
+    pattern = (
+        r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[plugin\.py:\d+\] kv-canary: watching "
+        r"vllm\.v1\.worker\.cpu_model_runner\.CPUModelRunner: 1 KV cache group \(FullAttentionSpec\), 2 layers \(2 caches, LBHNC\), "
+        rf"{NUM_BLOCKS * BLOCK_SIZE} slots in blocks of {BLOCK_SIZE}; mode ALL, policy log; "
+        r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache$"
+    )
+    match = re.match(pattern, line)
+    assert match, line
+    assert float(match[1]) == round(state.canary.nbytes / 1024, 1) and float(match[2]) == round(KV_BUDGET / 1024, 1)
+
+
+def test_the_runners_the_plugin_watches(engine):
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    assert adapter.unwatchable(plugin.active().runner) is None
+
+    class OwnForward(CPUModelRunner):  # a runner whose forwards the hooks would not see
+        def _model_forward(self, *args, **kwargs):
+            return super()._model_forward(*args, **kwargs)
+
+    reason = adapter.unwatchable(object.__new__(OwnForward))
+    assert reason.startswith(f"the vLLM plugin cannot watch {__name__}.test_the_runners_the_plugin_watches.<locals>.OwnForward: ")
+    assert "overrides _model_forward of vllm.v1.worker.gpu_model_runner.GPUModelRunner" in reason
+    assert "cannot watch builtins.object: it watches vLLM's Model Runner V1" in adapter.unwatchable(object())
+
+
 def test_a_mixed_workload_raises_no_false_alarm(engine):
     llm, lines, preemptions = engine
     state = plugin.active()
@@ -230,8 +306,20 @@ def test_a_flipped_bit_names_its_request(engine):
     assert found, "the flipped bit was not reported"
     for reasons, slot, requests in found:
         assert reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block and requests == [driver.internal_id(victim)]
-    driver.step()
-    assert _parse(lines.take()) == found  # reported again while the request still reads it
+    # Read again at every later step: counted, and summed up in a summary line, not repeated.
+    state = plugin.active()
+    later_steps = 6
+    for _ in range(later_steps):
+        driver.step()
+    assert lines.take() == []
+    state.reports.interval = 0.0
+    try:
+        driver.step()
+    finally:
+        state.reports.interval = plugin.SUMMARY_SECONDS
+    (summary,) = lines.take()
+    repeated, slots, logged, dropped = map(int, SUMMARY.match(summary).groups())
+    assert (repeated, slots, dropped) == ((later_steps + 1) * len(found), len(found), 0) and logged >= len(found)
     driver.finish()
 
 
@@ -335,6 +423,35 @@ def test_a_block_another_request_writes_while_still_read(engine):
     driver.finish()
 
 
+def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
+    llm, lines, _ = engine
+    state = plugin.active()
+    rng = random.Random(8)
+    prompts = [{"prompt_token_ids": _tokens(rng, 40 + 20 * i)} for i in range(3)]
+
+    def fault(*args, **kwargs):
+        raise ZeroDivisionError("a fault injected into the plugin")
+
+    assert lines.take() == []
+    monkeypatch.setattr(plugin, "_ranges", fault)
+    try:
+        outputs = llm.generate(prompts, [_params(30, i) for i in range(3)], use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
+        assert not state.on and state.faults == 1
+        (error,) = lines.records
+        assert error.levelno == logging.ERROR and error.getMessage().startswith("kv-canary: the canary's own code failed")
+        assert isinstance(error.exc_info[1], ZeroDivisionError)  # with its traceback
+        stats = state.canary.stats()
+        llm.generate(prompts[:1], _params(10), use_tqdm=False)
+        assert state.canary.stats() == stats and len(lines.records) == 1  # off from here on
+    finally:
+        lines.take()
+        monkeypatch.undo()
+        llm.reset_prefix_cache()  # blocks written while the canary was off have no records
+        state.on, state.faults = True, 0
+        adapter.watch(state.runner, state)
+
+
 def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()
@@ -354,3 +471,26 @@ def test_raise_stops_the_step(engine):
         error = error.__cause__ or error.__context__
     assert isinstance(error, kc.KvCorruptionError), f"{type(raised.value).__name__} did not come from a KvCorruptionError"
     assert all(driver.internal_id(driver.ids[0]) in line for line in error.lines)
+
+
+def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
+    llm, lines, _ = engine
+    state = plugin.active()
+    driver = Driver(llm, "own-fault")
+    driver.add(_tokens(random.Random(9), 40), _params(20))
+
+    def fault(*args, **kwargs):
+        raise ZeroDivisionError("a fault injected into the plugin")
+
+    monkeypatch.setattr(plugin, "_ranges", fault)
+    state.policy = "raise"
+    try:
+        with pytest.raises(Exception) as raised:
+            driver.step()
+    finally:
+        state.policy = "log"
+    error = raised.value
+    while error is not None and not isinstance(error, ZeroDivisionError):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, ZeroDivisionError), f"{type(raised.value).__name__} did not come from the injected fault"
+    assert state.on and state.faults == 0 and lines.take() == []

@@ -1,14 +1,20 @@
-"""The vLLM plugin without vLLM: its switches KVCANARY_VLLM and KVCANARY_VLLM_MODE, the vLLM
-versions it starts on, and the one module that imports vLLM."""
+"""The vLLM plugin without vLLM: its switches (KVCANARY_VLLM, KVCANARY_VLLM_MODE,
+KVCANARY_VLLM_SUMMARY_S), the vLLM versions it starts on, the one module that imports vLLM,
+the canary's share of the KV cache memory, and how violations are logged."""
 
 import ast
+import math
 import re
 import sys
+from fractions import Fraction
 
 import pytest
+import torch
 from helpers import REPO
 
+import torch_kvcanary as kc
 from torch_kvcanary import HashMode
+from torch_kvcanary.canary import KvCanary
 from torch_kvcanary.integrations.vllm import adapter, plugin
 
 
@@ -74,3 +80,59 @@ def test_only_the_adapter_imports_vllm():
         if any(_imports_vllm(node) for node in ast.walk(ast.parse(path.read_text())))
     }
     assert importers == {"integrations/vllm/adapter.py"}
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])
+def test_summary_seconds(monkeypatch, value, seconds):
+    monkeypatch.setenv("KVCANARY_VLLM", "log")
+    if value is None:
+        monkeypatch.delenv("KVCANARY_VLLM_SUMMARY_S", raising=False)
+    else:
+        monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
+    assert plugin.settings().summary_seconds == seconds
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 4096])
+@pytest.mark.parametrize("ring_capacity", [1, 1024])
+def test_the_canary_memory(capacity, ring_capacity):
+    # A record of four int64 fields and an int64 owner tag per slot; a ring row of eight
+    # int64; counters and the no-tag scalar, a few int64.
+    source = kc.RealKvSource(tensor=torch.zeros(capacity, 64, dtype=torch.uint8), page_size=1, num_bytes_per_token=64, read_bytes=64)
+    canary = kc.KvCanary(source, ring_capacity=ring_capacity)
+    assert canary.nbytes == KvCanary.device_bytes(capacity, ring_capacity)
+    assert KvCanary.device_bytes(capacity + 1, ring_capacity) - KvCanary.device_bytes(capacity, ring_capacity) == 40
+    assert 0 < KvCanary.device_bytes(capacity, ring_capacity) - capacity * 40 - ring_capacity * 64 <= 16 * 8
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("kv_bytes_per_slot", [64, 1024, Fraction(1000, 3), 576 * 2 * 61])
+@pytest.mark.parametrize("available", [0, 70_000, 10**6 + 7, 22 * 2**30 + 12345])
+def test_the_kv_cache_budget_leaves_room_for_the_canary(block_size, kv_bytes_per_slot, available):
+    # vLLM sizes the cache in whole blocks of the budget; those blocks and the canary over
+    # them fit in what was available, and one block more would not.
+    budget = plugin.kv_cache_budget(available, kv_bytes_per_slot)
+    assert 0 <= budget <= available
+    blocks = math.floor(budget / (block_size * kv_bytes_per_slot))
+
+    def needs(blocks: int) -> Fraction:
+        return blocks * block_size * kv_bytes_per_slot + KvCanary.device_bytes(blocks * block_size)
+
+    assert needs(blocks) <= available or blocks == 0
+    assert needs(blocks + 1) > available
+
+
+def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
+    reports = plugin.Reports(interval=10.0)
+    assert reports.summary(100.0) is None  # the clock starts
+    assert reports.first_detection(5) and reports.first_detection(9)
+    assert not reports.first_detection(5) and not reports.first_detection(5) and not reports.first_detection(9)
+    assert reports.summary(105.0) is None  # not yet
+    reports.dropped(4)
+    line = reports.summary(110.5)
+    assert line == "kv_canary summary: launch_tag=vllm seconds=10.5 repeated_detections=3 repeated_slots=2 slots_logged=2 ring_dropped=4"
+    assert reports.summary(130.0) is None  # nothing new to say
+    reports.rewritten([9, 11])  # slot 9 written again: a violation there is a new one
+    assert reports.first_detection(9) and not reports.first_detection(5)
+    assert reports.summary(130.5) == (
+        "kv_canary summary: launch_tag=vllm seconds=20.0 repeated_detections=1 repeated_slots=1 slots_logged=3 ring_dropped=0"
+    )

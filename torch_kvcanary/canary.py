@@ -28,6 +28,10 @@ RECORD_FIELDS = ("token", "position", "chain", "fold")
 
 _VIOLATION_FIELDS = 8
 
+SLOT_BYTES = 8 * (len(RECORD_FIELDS) + 1)
+"""Device bytes a `KvCanary` holds per tracked slot: its record (four int64 fields) and its
+owner tag (one int64)."""
+
 
 class FailReason(enum.IntFlag):
     """Why an entry was flagged: SGLang's bit values, then this package's."""
@@ -178,6 +182,18 @@ class KvCanary:
         self._host = _HostReader(self._counters, self._ring)
         self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self._ring_overflow_reported = 0
+
+    @staticmethod
+    def device_bytes(capacity: int, ring_capacity: int = 1024) -> int:
+        """Device bytes a `KvCanary` of ``capacity`` slots holds: `SLOT_BYTES` per slot, plus
+        what does not grow with the capacity (its violation ring, its counters and the
+        one-element "no tag")."""
+        return capacity * SLOT_BYTES + 8 * (ring_capacity * _VIOLATION_FIELDS + len(_counter_index()) + 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this canary's tensors hold (`device_bytes` of its capacity and ring)."""
+        return sum(t.nbytes for t in (self._records, self._owner_tags, self._counters, self._ring, self._no_tag))
 
     @property
     def records(self) -> torch.Tensor:

@@ -32,9 +32,11 @@ def apply_policy(
     *,
     lines: Callable[[], list[str]],
     error: Callable[[list[str]], Exception],
+    log: logging.Logger = logger,
 ) -> None:
     """Apply ``policy`` to ``findings``: call it with them, raise ``error(lines())``, log
-    ``lines()`` at WARNING, or do nothing. The lines are built only when logged or raised."""
+    ``lines()`` at WARNING on ``log`` (the ``torch_kvcanary`` logger unless an integration
+    names its engine's), or do nothing. The lines are built only when logged or raised."""
     if policy is None:
         return
     if callable(policy):
@@ -44,4 +46,4 @@ def apply_policy(
     if policy == "raise":
         raise error(text)
     for line in text:
-        logger.warning(line)
+        log.warning(line)

@@ -1,9 +1,10 @@
 """Every vLLM internal the plugin touches, and the vLLM versions they are read off.
 
 The plugin (`plugin`) decides what is verified, recorded and reported; this module is its
-only way into vLLM: it wraps the model runner's methods (`hook_model_runner`), turns each
-model forward into a `Step`, and reads a runner's KV cache layers, block table and token
-history (`Runner`). How a layer's bytes split into K and V is `layouts.vllm`'s.
+only way into vLLM: it wraps the worker's and the model runner's methods (`hook`), refuses a
+model runner it cannot watch, turns each model forward into a `Step`, reads a runner's KV
+cache layers, block table and token history (`Runner`), and names the logger whose lines
+reach vLLM's log (`LOGGER`). How a layer's bytes split into K and V is `layouts.vllm`'s.
 
 Nothing here imports vLLM at module level: the plugin's entry point runs in every process
 vLLM starts and must cost nothing while the plugin is off.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
 import numpy as np
@@ -23,10 +25,22 @@ import torch
 SUPPORTED_SERIES = ((0, 32), (0, 33))
 SUPPORTED = " and ".join(f"{major}.{minor}" for major, minor in SUPPORTED_SERIES)
 
-# What the hooks keep on vLLM's runner class and instances.
+LOGGER = "vllm.torch_kvcanary"
+"""The plugin's logger. vLLM's logging configuration handles the ``vllm`` logger and its
+children only (its format: process name, pid, level, time, file and line), so a child of it
+reaches vLLM's log wherever vLLM configures it, and follows ``VLLM_LOGGING_LEVEL``."""
+
+# The model runner the hooks wrap (Model Runner V1; vLLM's CPU runner subclasses it), and
+# Model Runner V2, which it is not: "module.qualname".
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+
+# What the hooks keep on vLLM's classes, instances and wrapper functions.
 _HOOKED = "_kvcanary_hooked"
 _WATCHER = "_kvcanary"
 _SCHEDULED = "_kvcanary_step"
+_BUDGET = "_kvcanary_kv_budget"
+_WRAPS = "_kvcanary_wraps"
 
 
 def vllm_version() -> str:
@@ -63,9 +77,11 @@ class Step:
 
 
 class Watcher(Protocol):
-    """What the hooks call around each model forward of an engine step."""
+    """What the hooks call around each model forward of an engine step: ``begin_step`` gets
+    the function that reads the forward's `Step` from the runner, so that reading it runs
+    inside the watcher's own error handling."""
 
-    def begin_step(self, step: Step): ...
+    def begin_step(self, read_step: Callable[[], Step]): ...
 
     def end_step(self, batch) -> None: ...
 
@@ -77,16 +93,45 @@ class AttentionLayer:
     backend: str  # its attention backend's get_name()
 
 
-def hook_model_runner(on_kv_cache: Callable[[object], Watcher | None]) -> bool:
-    """Wraps the model runner's methods that the canary needs (vLLM's CPU runner inherits
-    them): once a runner has allocated its KV cache (not in a profiling run),
-    ``on_kv_cache(runner)`` returns its watcher, and every model forward of an engine step
-    then runs between the watcher's ``begin_step(Step)`` and ``end_step(batch)``.
-    False, and nothing done, when the runner is hooked already."""
+@dataclass(frozen=True)
+class Plugin:
+    """What the hooks ask of the plugin.
+
+    ``start(runner)``: the watcher of a model runner that has just allocated its KV cache.
+    ``kv_cache_budget(available, kv_bytes_per_slot)``: of the ``available`` bytes a worker
+    found for its KV cache, those vLLM may size the cache by (the rest is the canary's),
+    given the KV cache's bytes per slot over all layers.
+    ``refusal(reason)``: the error that stops a worker whose model runner the plugin cannot
+    watch, ``reason`` naming the runner and what to do.
+    """
+
+    start: Callable[[object], Watcher]
+    kv_cache_budget: Callable[[int, Fraction], int]
+    refusal: Callable[[str], Exception]
+
+
+def hook(plugin: Plugin) -> bool:
+    """Wraps the worker's and the model runner's methods that the canary needs.
+
+    In each worker: before vLLM sizes the KV cache (``determine_available_memory``) and
+    before it allocates it (``initialize_from_config``) the worker's model runner is checked
+    (`unwatchable`); a runner the hooks cannot watch stops the worker with
+    ``plugin.refusal``. The memory the worker reports for the KV cache is cut to
+    ``plugin.kv_cache_budget``. Once the runner has allocated its KV cache (not in a
+    profiling run), ``plugin.start(runner)`` returns its watcher, and every model forward of
+    an engine step runs between the watcher's ``begin_step`` and ``end_step`` (`Watcher`);
+    a worker whose runner has no watcher after allocating its KV cache is stopped too.
+    False, and nothing done, when vLLM is hooked already."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner, _HOOKED, False):
         return False
+    _hook_model_runner(GPUModelRunner, plugin.start)
+    _hook_workers(plugin)
+    return True
+
+
+def _hook_model_runner(GPUModelRunner, on_kv_cache: Callable[[object], Watcher]) -> None:
     initialize_kv_cache = GPUModelRunner.initialize_kv_cache
     execute_model = GPUModelRunner.execute_model
     model_forward = GPUModelRunner._model_forward
@@ -108,16 +153,107 @@ def hook_model_runner(on_kv_cache: Callable[[object], Watcher | None]) -> bool:
         scheduled = getattr(self, _SCHEDULED, None)
         if watcher is None or scheduled is None:  # profiling, warm-up and CUDA-graph capture runs
             return model_forward(self, input_ids, positions, *args, **kwargs)
-        batch = watcher.begin_step(_step(self, scheduled, input_ids, positions))
+        batch = watcher.begin_step(lambda: _step(self, scheduled, input_ids, positions))
         output = model_forward(self, input_ids, positions, *args, **kwargs)
         watcher.end_step(batch)
         return output
 
-    GPUModelRunner.initialize_kv_cache = initialize_kv_cache_with_canary
-    GPUModelRunner.execute_model = execute_model_with_canary
-    GPUModelRunner._model_forward = model_forward_with_canary
+    for name, wrapper in (
+        ("initialize_kv_cache", initialize_kv_cache_with_canary),
+        ("execute_model", execute_model_with_canary),
+        ("_model_forward", model_forward_with_canary),
+    ):
+        setattr(wrapper, _WRAPS, name)
+        setattr(GPUModelRunner, name, wrapper)
     setattr(GPUModelRunner, _HOOKED, True)
-    return True
+
+
+# The runner methods a subclass must inherit from the hooked class for every forward to be
+# seen (initialize_kv_cache may be overridden: a runner that never reaches the hooked one is
+# caught once it has allocated its KV cache, without a watcher).
+_STEP_METHODS = ("execute_model", "_model_forward")
+
+
+def _hook_workers(plugin: Plugin) -> None:
+    """Every vLLM worker built from here on gets, on the instance, the two methods that size
+    and allocate its KV cache wrapped. vLLM builds a worker after loading the plugins, in
+    the process that runs it, whatever its class (GPU, CPU, ...), so `WorkerBase`'s
+    constructor is where every one of them passes."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    construct = WorkerBase.__init__
+
+    def construct_with_canary(self, *args, **kwargs):
+        construct(self, *args, **kwargs)
+        _wrap_worker(self, plugin)
+
+    WorkerBase.__init__ = construct_with_canary
+
+
+def _wrap_worker(worker, plugin: Plugin) -> None:
+    determine_available_memory = worker.determine_available_memory
+    initialize_from_config = worker.initialize_from_config
+
+    def determine_available_memory_with_canary(*args, **kwargs):
+        runner = _checked_runner(worker, plugin)
+        available = determine_available_memory(*args, **kwargs)
+        budget = plugin.kv_cache_budget(available, _kv_bytes_per_slot(worker))
+        setattr(runner, _BUDGET, (available, budget))
+        return budget
+
+    def initialize_from_config_with_canary(*args, **kwargs):
+        runner = _checked_runner(worker, plugin)
+        initialize_from_config(*args, **kwargs)
+        if getattr(runner, _WATCHER, None) is None:
+            raise plugin.refusal(
+                f"the vLLM plugin did not attach to {_qualified_name(type(runner))}: it allocated its KV cache "
+                f"without reaching {V1_RUNNER}.initialize_kv_cache"
+            )
+
+    worker.determine_available_memory = determine_available_memory_with_canary
+    worker.initialize_from_config = initialize_from_config_with_canary
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def unwatchable(model_runner) -> str | None:
+    """Why the hooks cannot watch ``model_runner`` (naming it and what to do), or None when
+    they can: it must be vLLM's V1 model runner, or a subclass that inherits its hooked
+    step methods."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    cls = type(model_runner)
+    name = _qualified_name(cls)
+    if not isinstance(model_runner, GPUModelRunner):
+        if any(_qualified_name(base) == V2_RUNNER for base in cls.__mro__):
+            return (
+                f"the vLLM plugin cannot watch {name}, vLLM's Model Runner V2: it watches Model Runner V1 ({V1_RUNNER}); "
+                "set VLLM_USE_V2_MODEL_RUNNER=0 to serve with the canary"
+            )
+        return f"the vLLM plugin cannot watch {name}: it watches vLLM's Model Runner V1 ({V1_RUNNER}) and its subclasses"
+    overridden = [method for method in _STEP_METHODS if getattr(getattr(cls, method), _WRAPS, None) != method]
+    if overridden:
+        return (
+            f"the vLLM plugin cannot watch {name}: it overrides {', '.join(overridden)} of {V1_RUNNER}, "
+            "which the plugin wraps to see every model forward"
+        )
+    return None
+
+
+def _checked_runner(worker, plugin: Plugin):
+    """The worker's model runner, once `unwatchable` has nothing against it."""
+    model_runner = getattr(worker, "model_runner", None)
+    reason = unwatchable(model_runner)
+    if reason is not None:
+        raise plugin.refusal(reason)
+    return model_runner
+
+
+def _kv_bytes_per_slot(worker) -> Fraction:
+    """The KV cache's bytes per slot (token), over every layer of the worker's KV cache spec."""
+    return sum((Fraction(spec.page_size_bytes, spec.block_size) for spec in worker.get_kv_cache_spec().values()), Fraction(0))
 
 
 def watch(model_runner, watcher: Watcher | None) -> None:
@@ -146,6 +282,17 @@ class Runner:
     def __init__(self, model_runner):
         self.model_runner = model_runner
         self.block_table = _block_table(model_runner)
+
+    @property
+    def name(self) -> str:
+        """The runner's class, ``module.qualname``."""
+        return _qualified_name(type(self.model_runner))
+
+    @property
+    def kv_cache_budget(self) -> tuple[int, int] | None:
+        """(bytes the worker found for the KV cache, bytes it reported to vLLM for it), or
+        None when vLLM sized the cache without asking this worker."""
+        return getattr(self.model_runner, _BUDGET, None)
 
     @property
     def uses_mrope(self) -> bool:

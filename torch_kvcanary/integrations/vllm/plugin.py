@@ -3,13 +3,18 @@
 vLLM runs `register` in every process (the ``vllm.general_plugins`` entry point). It does
 nothing unless ``KVCANARY_VLLM`` is set:
 
-* ``KVCANARY_VLLM=log``: each violation is a WARNING line on the ``torch_kvcanary`` logger;
+* ``KVCANARY_VLLM=log``: each corrupted slot is a WARNING line in vLLM's log at its first
+  detection; later detections of it are counted into a summary line;
 * ``KVCANARY_VLLM=raise``: the step raises `KvCorruptionError`;
-* ``KVCANARY_VLLM_MODE=partial|all`` (default ``all``): how much of each slot is folded.
+* ``KVCANARY_VLLM_MODE=partial|all`` (default ``all``): how much of each slot is folded;
+* ``KVCANARY_VLLM_SUMMARY_S`` (default 60): at most how often the summary line comes.
 
-In each worker, once vLLM has allocated the KV caches, a `KvCanary` watches K and V of every
-attention layer (zero-copy views, `layouts.vllm`). In every engine step, around the model
-forward:
+In each worker the model runner is checked before vLLM sizes the KV cache: one the plugin
+cannot watch stops the worker with a ``kv-canary:`` error (a canary that is silently off is
+worse than none). The KV cache is sized with the canary's memory taken from its budget.
+Once vLLM has allocated the KV caches, a `KvCanary` watches K and V of every attention layer
+(zero-copy views, `layouts.vllm`), and one INFO line says what is watched. In every engine
+step, around the model forward:
 
 1. before it, every scheduled request's context (the positions already in the cache) is
    verified as the request's block table gives it: the slot's bytes, its position, its
@@ -17,8 +22,7 @@ forward:
    itself writes, for another request of the batch, is verified after the forward);
 2. after it, the slots the forward wrote are recorded with their positions, tokens and
    previous slots;
-3. the canary is polled once; each violation line names the vLLM request(s) whose block
-   table holds the slot.
+3. the canary is polled once; a violation line names the vLLM request(s) that read the slot.
 
 Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
 block holds the same records for every request that reads it, and a recomputed slot is
@@ -28,31 +32,42 @@ the unwritten rows of each request's last block are verified too, and every slot
 block the forward wrote is recorded again. Under async scheduling the token check is skipped
 (the runner's token history may lag the device by a step); the other checks stay.
 
+An exception of the plugin's own code in a step (not a violation) stops the engine under
+``raise``; under ``log`` it is logged once at ERROR with its traceback and the canary turns
+itself off in that worker, which keeps serving.
+
 Everything the plugin reads from or hooks into vLLM goes through `adapter`, which also says
 which vLLM versions it supports: with ``KVCANARY_VLLM`` set, any other version is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import math
 import os
+import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 import torch
 
 from ... import layouts
-from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...policy import apply_policy
 from ...sources import HashMode
 from . import adapter
 
-logger = logging.getLogger("torch_kvcanary")
+logger = logging.getLogger(adapter.LOGGER)
 
 POLICY_ENV = "KVCANARY_VLLM"
 MODE_ENV = "KVCANARY_VLLM_MODE"
+SUMMARY_ENV = "KVCANARY_VLLM_SUMMARY_S"
 POLICIES = ("log", "raise")
 MODES = {"partial": HashMode.PARTIAL, "all": HashMode.ALL}
+SUMMARY_SECONDS = 60.0
 LAUNCH_TAG = "vllm"
 
 _active: WorkerCanary | None = None
@@ -62,6 +77,7 @@ _active: WorkerCanary | None = None
 class Settings:
     policy: str
     mode: HashMode
+    summary_seconds: float = SUMMARY_SECONDS
 
 
 def settings() -> Settings | None:
@@ -74,7 +90,20 @@ def settings() -> Settings | None:
     mode = os.environ.get(MODE_ENV, "all") or "all"
     if mode not in MODES:
         raise ValueError(f"kv-canary: {MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    return Settings(policy, MODES[mode])
+    return Settings(policy, MODES[mode], _summary_seconds())
+
+
+def _summary_seconds() -> float:
+    value = os.environ.get(SUMMARY_ENV, "")
+    if not value:
+        return SUMMARY_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"kv-canary: {SUMMARY_ENV} must be a number of seconds >= 0 (0: after every step), got {value!r}")
+    return seconds
 
 
 def active() -> WorkerCanary | None:
@@ -96,8 +125,9 @@ def register() -> None:
             f"kv-canary: the vLLM plugin supports vLLM {adapter.SUPPORTED}, this is vLLM {version}: "
             f"install a supported vLLM, or unset {POLICY_ENV} to serve without the canary"
         )
-    if adapter.hook_model_runner(lambda model_runner: _start(model_runner, chosen)):
-        logger.info("kv-canary: vLLM plugin on (policy %s, mode %s)", chosen.policy, chosen.mode.name)
+    hooks = adapter.Plugin(start=lambda model_runner: _start(model_runner, chosen), kv_cache_budget=kv_cache_budget, refusal=_refusal)
+    if adapter.hook(hooks):
+        logger.debug("kv-canary: vLLM plugin hooked (policy %s, mode %s)", chosen.policy, chosen.mode.name)
 
 
 def _start(model_runner, chosen: Settings) -> WorkerCanary:
@@ -105,6 +135,20 @@ def _start(model_runner, chosen: Settings) -> WorkerCanary:
     global _active
     _active = WorkerCanary(model_runner, chosen)
     return _active
+
+
+def _refusal(reason: str) -> RuntimeError:
+    return RuntimeError(f"kv-canary: {reason}, or unset {POLICY_ENV} to serve without the canary")
+
+
+def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
+    """The bytes of ``available`` (what a worker found for its KV cache) by which vLLM may
+    size the KV cache, so that the cache and its canary fit in ``available`` together: the
+    canary's fixed part comes off the top, and the rest is split between a slot's KV bytes
+    and its `SLOT_BYTES`. vLLM gives the cache at most the budget, in whole blocks."""
+    fixed = KvCanary.device_bytes(0)
+    share = Fraction(max(available - fixed, 0)) * kv_bytes_per_slot / (kv_bytes_per_slot + SLOT_BYTES)
+    return math.floor(share)
 
 
 @dataclass
@@ -133,11 +177,16 @@ class _Batch:
 class WorkerCanary:
     """The canary of one vLLM model runner: `canary` (a `KvCanary` over K and V of every
     attention layer), `kv_caches` (the layer tensors it watches, in layer order), `runner`
-    and `block_table` (vLLM's), and `policy` ("log" or "raise", read by each poll)."""
+    and `block_table` (vLLM's), `policy` ("log" or "raise", read by each step), `reports`
+    (what the log has said about violations), `faults` (exceptions of the plugin's own code
+    in a step) and `on` (False once such a fault turned it off)."""
 
     def __init__(self, runner, chosen: Settings):
         self.runner = runner
         self.policy = chosen.policy
+        self.reports = Reports(chosen.summary_seconds)
+        self.faults = 0
+        self.on = True
         self._vllm = adapter.Runner(runner)
         if self._vllm.uses_mrope:
             raise ValueError(
@@ -173,18 +222,63 @@ class WorkerCanary:
         self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         self._batch: _Batch | None = None
-        logger.info(
-            "kv-canary: watching %d vLLM layers (%d slots, %s) in mode %s",
-            len(self.kv_caches),
-            self.canary.capacity,
-            layout,
-            chosen.mode.name,
+        self._ring_overflow = 0
+        logger.info("%s", self._start_line(layout))
+
+    def _start_line(self, layout: str) -> str:
+        """What this worker watches, and the memory the canary holds."""
+        kinds = self._vllm.kv_cache_group_kinds()
+        budget = self._vllm.kv_cache_budget
+        if budget is None:
+            source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
+        else:
+            source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
+        return (
+            f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
+            f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}), "
+            f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}; "
+            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot), {source}"
         )
 
     # The step -----------------------------------------------------------------------
 
-    def begin_step(self, step: adapter.Step) -> _Batch:
-        """Before the forward: verify every scheduled request's context."""
+    def begin_step(self, read_step) -> _Batch | None:
+        """Before the forward: verify every scheduled request's context. ``read_step``
+        returns the forward's `adapter.Step`. None when the canary is off (or has just
+        turned off)."""
+        if not self.on:
+            return None
+        with self._guarded():
+            return self._begin_step(read_step())
+        return None
+
+    def end_step(self, batch: _Batch | None) -> None:
+        """After the forward: record the slots it wrote, then poll once."""
+        if batch is None or not self.on:
+            return
+        with self._guarded():
+            self._end_step(batch)
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """Runs a step's own code: under "raise" anything it raises stops the step (and a
+        `KvCorruptionError` is how a violation does); under "log" an exception of its own
+        turns the canary off, so that it never takes the engine down."""
+        try:
+            yield
+        except Exception:
+            if self.policy == "raise":
+                raise
+            self.faults += 1
+            self.on = False
+            self._batch = None
+            adapter.watch(self.runner, None)
+            logger.exception(
+                "kv-canary: the canary's own code failed in an engine step; it is off in this worker from here on, "
+                "and vLLM keeps serving without it (report this traceback)"
+            )
+
+    def _begin_step(self, step: adapter.Step) -> _Batch:
         req_ids, positions, written = step.request_ids, step.positions, step.slot_mapping
         rows = np.arange(len(req_ids), dtype=np.int64)
         batch = _Batch(req_ids, step.num_tokens, step.input_ids, positions, np.repeat(rows, step.num_scheduled), written)
@@ -224,8 +318,7 @@ class WorkerCanary:
         self._batch = batch
         return batch
 
-    def end_step(self, batch: _Batch) -> None:
-        """After the forward: record the slots it wrote, then poll once."""
+    def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
             positions = batch.positions[: batch.num_tokens]
             row_index = _to(batch.written_rows, positions.device)
@@ -237,8 +330,13 @@ class WorkerCanary:
             self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
             if batch.deferred_slots is not None:
                 self._verify_context(batch, batch.deferred_slots[: len(batch.context_tokens)])
+            if self.reports.logged:
+                self.reports.rewritten(batch.written_slots.tolist())
         self.canary.poll(group=self._group)
         self._batch = None
+        summary = self.reports.summary(time.monotonic())
+        if summary is not None:
+            logger.warning("%s", summary)
 
     def _verify_context(self, batch: _Batch, slots: torch.Tensor) -> None:
         """Every check of the context entries at ``slots`` (-1: skipped)."""
@@ -294,11 +392,91 @@ class WorkerCanary:
 
     def line(self, violation: Violation) -> str:
         """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
-        return f"{violation.line(LAUNCH_TAG)} request_id={','.join(self.requests_of(violation)) or 'none'}"
+        return self._line(violation, self.requests_of(violation))
+
+    @staticmethod
+    def _line(violation: Violation, requests: list[str]) -> str:
+        return f"{violation.line(LAUNCH_TAG)} request_id={','.join(requests) or 'none'}"
+
+    def slot_lines(self, violations: list[Violation]) -> dict[int, str]:
+        """One line per slot of ``violations``: its first violation, with the reasons of all
+        of them and every request behind any of them."""
+        by_slot: dict[int, list[Violation]] = {}
+        for violation in violations:
+            by_slot.setdefault(violation.slot, []).append(violation)
+        lines = {}
+        for slot, found in by_slot.items():
+            reasons = found[0].reasons
+            requests: list[str] = []
+            for violation in found:
+                reasons |= violation.reasons
+                requests += [r for r in self.requests_of(violation) if r not in requests]
+            lines[slot] = self._line(dataclasses.replace(found[0], reasons=reasons), requests)
+        return lines
 
     def _report(self, violations: list[Violation]) -> None:
-        lines = lambda: [self.line(v) for v in violations]  # noqa: E731
-        apply_policy(self.policy, violations, lines=lines, error=lambda text: KvCorruptionError(text, violations))
+        """The policy over one line per slot: under "log" only the slots detected for the
+        first time, the others counted into `reports`."""
+        lines = self.slot_lines(violations)
+        if self.policy == "log":
+            overflow = self.canary.stats()["ring_overflow"]
+            self.reports.dropped(overflow - self._ring_overflow)
+            self._ring_overflow = overflow
+            lines = {slot: line for slot, line in lines.items() if self.reports.first_detection(slot)}
+        apply_policy(
+            self.policy,
+            violations,
+            lines=lambda: list(lines.values()),
+            error=lambda text: KvCorruptionError(text, violations),
+            log=logger,
+        )
+
+
+class Reports:
+    """What the log says about violations: each corrupted slot once, at its first detection
+    (until a forward rewrites it); its later detections are counted, and `summary` gives a
+    line of them at most every ``interval`` seconds (0: whenever there are any)."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.logged: set[int] = set()  # slots logged and not rewritten since
+        self.slots_logged = 0
+        self.repeats = 0  # later detections since the last summary
+        self.repeated_slots: set[int] = set()
+        self.ring_dropped = 0  # violations lost to a full ring since the last summary
+        self._since: float | None = None  # when the last summary came
+
+    def first_detection(self, slot: int) -> bool:
+        """Whether ``slot`` is to be logged now; counted as a later detection if not."""
+        if slot in self.logged:
+            self.repeats += 1
+            self.repeated_slots.add(slot)
+            return False
+        self.logged.add(slot)
+        self.slots_logged += 1
+        return True
+
+    def dropped(self, count: int) -> None:
+        self.ring_dropped += count
+
+    def rewritten(self, slots: list[int]) -> None:
+        """Slots a forward has written: a violation there again is a new one."""
+        self.logged.difference_update(slots)
+
+    def summary(self, now: float) -> str | None:
+        """The summary line, when there is something to say and ``interval`` has passed."""
+        if self._since is None:
+            self._since = now
+        if not (self.repeats or self.ring_dropped) or now - self._since < self.interval:
+            return None
+        line = (
+            f"kv_canary summary: launch_tag={LAUNCH_TAG} seconds={now - self._since:.1f} "
+            f"repeated_detections={self.repeats} repeated_slots={len(self.repeated_slots)} "
+            f"slots_logged={self.slots_logged} ring_dropped={self.ring_dropped}"
+        )
+        self.repeats, self.ring_dropped, self._since = 0, 0, now
+        self.repeated_slots.clear()
+        return line
 
 
 def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -307,6 +485,14 @@ def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.
     total = int(counts.sum())
     offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(rows, counts), np.repeat(starts, counts) + offsets
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.2f} GiB"
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""The vLLM plugin in the processes vLLM starts (vLLM's CPU build), each engine in a Python
+process of its own: the runner a worker builds is watched or refused, and the plugin's lines
+reach vLLM's log from the engine's own process, in vLLM's format, one line per corrupted slot.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_llama import make_llama  # noqa: E402
+
+# vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
+VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
+
+ENGINE = """
+import os, sys
+import vllm
+
+def engine(**overrides):
+    settings = dict(
+        model=sys.argv[1], dtype="bfloat16", max_model_len=512, block_size=32, kv_cache_memory_bytes=2 << 20,
+        enforce_eager=True, enable_prefix_caching=True, max_num_seqs=4,
+    )
+    return vllm.LLM(**{**settings, **overrides})
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _run(script: str, model, **env) -> subprocess.CompletedProcess:
+    """``script`` (after `ENGINE`) in a Python process of its own, with ``env`` over this
+    environment less the plugin's switches; stdout and stderr together."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    environment.update(env)
+    command = [sys.executable, "-c", ENGINE + textwrap.dedent(script), str(model)]
+    return subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+def _canary_lines(output: str) -> list[tuple[str, int, str, str]]:
+    """(process, pid, level, message) of each line of ``output`` in vLLM's log format whose
+    message is the canary's."""
+    found = []
+    for line in output.splitlines():
+        match = VLLM_LINE.match(line)
+        if match and match[5].startswith(("kv-canary", "kv_canary")):
+            found.append((match[1], int(match[2]), match[3], match[5]))
+    return found
+
+
+# Model Runner V2 needs Triton with a CPU backend, which vLLM's CPU build here lacks; with
+# vLLM's two Triton gates satisfied, in this process only, it builds V2's CPU runner and
+# starts (it would fail at its first Triton kernel, which no test reaches).
+MODEL_RUNNER_V2 = """
+import vllm.config.vllm, vllm.v1.worker.gpu_worker
+vllm.config.vllm.HAS_TRITON = vllm.v1.worker.gpu_worker.HAS_TRITON = True
+try:
+    llm = engine(distributed_executor_backend="uni")
+except Exception as error:
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    print("REFUSED", error)
+    sys.exit(3)
+print("STARTED", type(llm.llm_engine.model_executor.driver_worker.worker.model_runner).__module__)
+"""
+
+
+@pytest.mark.parametrize("policy", [None, "log", "raise"])
+def test_model_runner_v2_is_refused(tiny_llama, policy):
+    env = dict(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if policy is not None:
+        env["KVCANARY_VLLM"] = policy
+    done = _run(MODEL_RUNNER_V2, tiny_llama, **env)
+    if policy is None:  # without the plugin, vLLM starts with V2's CPU runner
+        assert done.returncode == 0 and "STARTED vllm.v1.worker.cpu.model_runner\n" in done.stdout, done.stdout[-3000:]
+        return
+    assert done.returncode == 3, done.stdout[-3000:]
+    (refused,) = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert refused == (
+        "REFUSED kv-canary: the vLLM plugin cannot watch vllm.v1.worker.cpu.model_runner.CPUModelRunner, vLLM's Model Runner V2: "
+        "it watches Model Runner V1 (vllm.v1.worker.gpu_model_runner.GPUModelRunner); set VLLM_USE_V2_MODEL_RUNNER=0 to serve "
+        "with the canary, or unset KVCANARY_VLLM to serve without the canary"
+    )
+    assert "Explicitly set" not in done.stdout  # refused before vLLM sized the KV cache
+
+
+# A multiprocess engine, as `vllm serve` runs one: a prompt's blocks stay in the prefix cache,
+# a bit of one of them is flipped in the worker, and three requests read it at every step.
+CORRUPTED_PREFIX = """
+import torch
+from torch_kvcanary.integrations.vllm import plugin
+
+llm = engine()
+prompt = list(range(10, 110))
+llm.generate([{"prompt_token_ids": prompt}], vllm.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+def flip(worker):  # in the worker's process: one bit of the slot of the prompt's position 40
+    state = plugin.active()
+    records = state.canary.records
+    (slot,) = ((records[:, 0] == prompt[40]) & (records[:, 1] == 40)).nonzero().flatten().tolist()
+    state.kv_caches[0].view(torch.int16)[slot // 32, 0, slot % 32, 3] ^= 1 << 9
+    return slot
+
+(slot,) = llm.collective_rpc(flip)
+for i in range(3):
+    params = vllm.SamplingParams(max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt + [200 + i]}], params, use_tqdm=False)
+print("FLIPPED", slot, os.getpid())
+"""
+
+
+def test_the_engine_process_logs_through_vllm(tiny_llama):
+    env = dict(KVCANARY_VLLM="log", KVCANARY_VLLM_SUMMARY_S="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    done = _run(CORRUPTED_PREFIX, tiny_llama, **env)
+    assert done.returncode == 0, done.stdout[-3000:]
+    (flipped,) = [line.split() for line in done.stdout.splitlines() if line.startswith("FLIPPED")]
+    slot, pid = int(flipped[1]), int(flipped[2])
+    lines = _canary_lines(done.stdout)
+    assert sum("kv_canary" in line or "kv-canary" in line for line in done.stdout.splitlines()) == len(lines)
+    processes = {(process, line_pid) for process, line_pid, _, _ in lines}
+    assert len(processes) == 1 and pid not in {line_pid for _, line_pid in processes}  # the engine's process
+    start = [message for _, _, level, message in lines if level == "INFO"]
+    assert len(start) == 1 and start[0].startswith("kv-canary: watching vllm.v1.worker.cpu_model_runner.CPUModelRunner: ")
+    warnings = [message for _, _, level, message in lines if level == "WARNING"]
+    violations = [m for m in warnings if m.startswith("kv_canary violation: ")]
+    summaries = [re.fullmatch(r"kv_canary summary: launch_tag=vllm seconds=\S+ (.*)", m) for m in warnings if m not in violations]
+    assert all(summaries) and len(violations) + len(summaries) == len(warnings) == len(lines) - 1
+    # One line for the slot (a row of the flipped slot's block: CPU_ATTN packs a block's
+    # tokens across its rows), naming the first request that read it ("1"); then counts:
+    # each request reads it in its 12 steps (a prefill of the uncached tail, 11 decodes).
+    (violation,) = violations
+    match = re.search(r" slot_idx=(\d+) .* request_id=1(-\w+)?$", violation)
+    assert match and int(match[1]) // 32 == slot // 32, violation
+    counts = [dict(field.split("=") for field in summary[1].split()) for summary in summaries]
+    assert sum(int(c["repeated_detections"]) for c in counts) == 3 * 12 - 1
+    assert all(c["repeated_slots"] == "1" and c["slots_logged"] == "1" and c["ring_dropped"] == "0" for c in counts)
