@@ -1,5 +1,5 @@
 """What the vLLM plugin costs: generated tokens per second with the plugin off, in PARTIAL
-and in ALL, on random Llamas made on the spot (tools/random_llama.py).
+and in ALL, on random Llamas made on the spot (tools/random_models.py).
 
     .venv-vllm/bin/python -m benchmarks.vllm_bench [--models tiny small] [--rounds 5]
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from random_llama import TINY, make_llama  # noqa: E402
+from random_models import TINY, make_llama  # noqa: E402
 
 MODELS = {
     "tiny": TINY,

@@ -25,7 +25,7 @@ import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
-from random_llama import make_llama  # noqa: E402
+from random_models import make_llama  # noqa: E402
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24

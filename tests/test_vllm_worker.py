@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 from helpers import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
-from random_llama import make_llama  # noqa: E402
+from random_models import make_llama  # noqa: E402
 
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
