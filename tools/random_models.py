@@ -1,34 +1,108 @@
-"""Random Llama checkpoints made on the spot for the vLLM tests and tools/vllm_bench.py (no hub
-access needed): transformers' LlamaConfig with random weights, and a byte-level BPE tokenizer
-trained with the tokenizers library."""
+"""Random checkpoints made on the spot for the vLLM tests and benchmarks/vllm_bench.py (no hub
+access needed): a transformers config class with random bf16 weights, and a byte-level BPE
+tokenizer trained with the tokenizers library. One maker per model kind the vLLM plugin
+watches: dense full attention (Llama), a sliding window (Mistral), full and sliding layers
+in separate KV cache groups (Gemma 2), MLA (DeepSeek V2) and M-RoPE (Qwen2-VL)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+VOCAB_SIZE = 512
+
 # The engine tests' model: CPU_ATTN needs a head size in {32, 64, 80, ...}.
 TINY = dict(
-    vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=2,
 )
 
+# Each kind's transformers config and model class, and its settings over `TINY`.
+KINDS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    # Every layer attends to the last `sliding_window` tokens: one SlidingWindowSpec group.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48)),
+    # Layer 0 slides, layer 1 attends to everything: two KV cache groups over one pool.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(sliding_window=48, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=64),
+    ),
+    # vLLM's CPU MLA kernels need kv_lora_rank 512 and qk_rope_head_dim 64; no MoE layer.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            q_lora_rank=None,
+            first_k_dense_replace=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            num_key_value_heads=4,
+        ),
+    ),
+    # M-RoPE: vLLM's runner keeps [3, tokens] positions for the model beside the 1-D ones.
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", dict(head_dim=64)),
+}
 
-def make_llama(directory: Path, *, seed: int = 0, **config) -> Path:
-    """Writes a random bf16 Llama (``config`` overrides `TINY`) and its tokenizer to ``directory``."""
-    import torch
+
+def _tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    settings = {**TINY, **config}
-    directory.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=settings["vocab_size"], special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator([f"the quick brown fox jumps over the lazy dog {i}" for i in range(200)], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+
+
+def make_model(directory: Path, kind: str = "llama", *, seed: int = 0, **config) -> Path:
+    """Writes a random bf16 model of ``kind`` (a `KINDS` key; ``config`` overrides its
+    settings) and its tokenizer to ``directory``."""
+    import torch
+    import transformers
+
+    config_class, model_class, settings = KINDS[kind]
+    settings = {**TINY, **settings, **config}
+    directory.mkdir(parents=True, exist_ok=True)
+    _tokenizer(directory)
     torch.manual_seed(seed)
-    config = LlamaConfig(max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16", **settings)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    common = dict(bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
+    if kind == "qwen2_vl":
+        config = _qwen2_vl_config(directory, settings, common)
+    else:
+        config = getattr(transformers, config_class)(max_position_embeddings=1024, **common, **settings)
+    getattr(transformers, model_class)(config).to(torch.bfloat16).save_pretrained(directory)
     return directory
+
+
+def _qwen2_vl_config(directory: Path, text: dict, common: dict):
+    """A Qwen2-VL config (M-RoPE over a head of 64: sections of 8, 12 and 12 frequencies)
+    with a one-block vision tower, and its image processor beside the tokenizer."""
+    from transformers import Qwen2VLConfig, Qwen2VLImageProcessor
+
+    vocab = text["vocab_size"]
+    rope = {"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0}
+    text = {**text, "max_position_embeddings": 1024, "rope_parameters": rope, **common}
+    vision = dict(depth=1, embed_dim=64, hidden_size=text["hidden_size"], num_heads=2)
+    # The vision token ids, past the tokenizer's vocabulary (text prompts never use them).
+    special = dict(image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1)
+    Qwen2VLImageProcessor().save_pretrained(directory)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, **special, **common)
+
+
+def make_llama(directory: Path, *, seed: int = 0, **config) -> Path:
+    """Writes a random bf16 Llama (``config`` overrides `TINY`) and its tokenizer to ``directory``."""
+    return make_model(directory, "llama", seed=seed, **config)

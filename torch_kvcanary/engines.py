@@ -156,6 +156,21 @@ def _block_head_planes(kv_cache: torch.Tensor, backend: str) -> tuple[torch.Tens
     return kv_cache.as_strided(shape, strides, offset), kv_cache.as_strided(shape, strides, offset + block_size * head_size)
 
 
+# vLLM's MLA backends (their get_name()) whose layers bind the token-major latent cache
+# [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: a slot's row holds its
+# compressed KV then its rope key (CPU_MLA's and AMX_MLA's concat-and-cache kernels write
+# token t of block b to row [b, t]).
+VLLM_MLA_BACKENDS = frozenset({"CPU_MLA", "AMX_MLA"})
+
+
+def vllm_mla(kv_cache: torch.Tensor) -> torch.Tensor:
+    """One vLLM MLA layer ``[num_blocks, block_size, latent]`` (`VLLM_MLA_BACKENDS`) as
+    ``[num_blocks, block_size, 1, latent]``: one head, the latent; slot = block * block_size + offset."""
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv-canary: a vLLM MLA layer is [num_blocks, block_size, latent], got shape {tuple(kv_cache.shape)}")
+    return kv_cache.unsqueeze(2)
+
+
 def vllm_fused(kv_cache: torch.Tensor) -> KvViews:
     """vLLM's fused layout where K and V share each token's row: shape
     ``[num_blocks, 2, block_size, heads * head_size]``, strides

@@ -39,6 +39,7 @@ VLLM_LAYOUTS = engines.VLLM_LAYOUTS
 VLLM_LEGACY_LAYOUTS = engines.VLLM_LEGACY_LAYOUTS
 VLLM_BACKEND_SPLITS = engines.VLLM_BACKEND_SPLITS
 VLLM_BLOCK_PACKED_BACKENDS = engines.VLLM_BLOCK_PACKED_BACKENDS
+VLLM_MLA_BACKENDS = engines.VLLM_MLA_BACKENDS
 
 
 def vllm(kv_cache: torch.Tensor, *, layout=None, backend: str | None = None, read_bytes: int = sys.maxsize) -> Sources:
@@ -62,6 +63,12 @@ def vllm(kv_cache: torch.Tensor, *, layout=None, backend: str | None = None, rea
             "legacy [2, num_blocks, block_size, num_kv_heads, head_size] layer); the shape alone is ambiguous"
         )
     return _views(*engines.vllm(kv_cache, layout=layout, backend=backend), read_bytes=read_bytes)
+
+
+def vllm_mla(kv_cache: torch.Tensor, *, read_bytes: int = sys.maxsize) -> Sources:
+    """One vLLM MLA layer ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``
+    (`engines.vllm_mla`): one source, a slot's latent row; slot = block * block_size + offset."""
+    return _views(engines.vllm_mla(kv_cache), read_bytes=read_bytes)
 
 
 def vllm_fused(kv_cache: torch.Tensor, *, read_bytes: int = sys.maxsize) -> Sources:

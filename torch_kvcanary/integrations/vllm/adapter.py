@@ -61,15 +61,16 @@ def is_supported(version: str) -> bool:
 class Step:
     """One model forward of an engine step. Row ``i`` of the arrays is row ``i`` of the
     runner's input batch, request ``request_ids[i]``; the tokens of the forward are laid
-    out row by row (``num_scheduled[i]`` of row ``i``), and ``slot_mapping[t]`` is the slot
-    token ``t`` is written to."""
+    out row by row (``num_scheduled[i]`` of row ``i``), ``positions[t]`` is token ``t``'s
+    position in its sequence, and ``slot_mappings[g][t]`` the slot token ``t`` is written to
+    in watched KV cache group ``g`` (`Runner.kv_cache_groups` order)."""
 
     request_ids: list[str]
     num_scheduled: np.ndarray  # int64, tokens this forward runs per row
     num_computed: np.ndarray  # int64, tokens already in the KV cache per row (the context)
     input_ids: torch.Tensor | None  # None when the model runs on input embeddings
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor  # on the runner's device
+    positions: torch.Tensor  # 1-D, also for M-RoPE models
+    slot_mappings: list[torch.Tensor]  # on the runner's device
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +92,50 @@ class AttentionLayer:
     name: str
     kv_cache: torch.Tensor  # the tensor vLLM binds to the layer
     backend: str  # its attention backend's get_name()
+
+
+# The KV cache groups the plugin watches, by their spec's class (vllm/v1/kv_cache_interface.py),
+# and those it skips: Mamba groups hold a state per request, not a slot per token.
+WATCHED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
+SKIPPED_SPECS = ("MambaSpec",)
+
+
+@dataclass(frozen=True)
+class KvCacheGroup:
+    """One watched KV cache group of a runner: its index in vLLM's ``kv_cache_groups``, its
+    kind (spec class name), its attention layers in layer order, vLLM's block table of the
+    group (kernel blocks: slot = block * block_size + offset in the layers' tensors), and the
+    window of a sliding-window or chunked-local group."""
+
+    index: int
+    kind: str
+    layers: list[AttentionLayer]
+    block_table: object
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.block_table.block_size
+
+    def first_attended(self, num_computed: np.ndarray) -> np.ndarray:
+        """Per row, the first position the forward's tokens attend to, with ``num_computed``
+        tokens in the cache; vLLM frees the blocks wholly below it, and may reuse them.
+        These are vLLM's ``get_num_skipped_tokens`` of SlidingWindowManager (without the
+        trailing tokens it retains for spec decoding, which it does not attend to) and of
+        ChunkedLocalAttentionManager; 0 for full attention."""
+        if self.sliding_window is not None:
+            return np.maximum(num_computed - self.sliding_window + 1, 0)
+        if self.attention_chunk_size is not None:
+            return num_computed // self.attention_chunk_size * self.attention_chunk_size
+        return np.zeros_like(num_computed)
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The slot (block * block_size + offset) of each (input-batch row, position) in the
+        group's device block table; -1 where the position is negative (before a request's first token)."""
+        at = positions.clamp(min=0)
+        blocks = self.block_table.block_table.gpu[rows, at // self.block_size].to(torch.int64)
+        return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
 
 
 @dataclass(frozen=True)
@@ -261,9 +306,10 @@ def watch(model_runner, watcher: Watcher | None) -> None:
     setattr(model_runner, _WATCHER, watcher)
 
 
-def _block_table(model_runner):
-    """The block table of the runner's first (for the plugin, only) KV cache group."""
-    return model_runner.input_batch.block_table.block_tables[0]
+def _watched_group_indices(model_runner) -> list[int]:
+    """The indices of the runner's KV cache groups of a `WATCHED_SPECS` kind."""
+    groups = model_runner.kv_cache_config.kv_cache_groups
+    return [i for i, group in enumerate(groups) if type(group.kv_cache_spec).__name__ in WATCHED_SPECS]
 
 
 def _step(model_runner, scheduler_output, input_ids: torch.Tensor | None, positions: torch.Tensor) -> Step:
@@ -271,17 +317,24 @@ def _step(model_runner, scheduler_output, input_ids: torch.Tensor | None, positi
     request_ids = list(batch.req_ids)
     num_scheduled = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in request_ids], dtype=np.int64)
     num_computed = batch.num_computed_tokens_cpu[: len(request_ids)].astype(np.int64)
-    slot_mapping = _block_table(model_runner).slot_mapping.gpu[: int(num_scheduled.sum())]
-    return Step(request_ids, num_scheduled, num_computed, input_ids, positions, slot_mapping)
+    num_tokens = int(num_scheduled.sum())
+    if positions.dim() != 1:  # M-RoPE's [3, tokens]: the runner keeps the sequence positions beside them
+        positions = model_runner.positions[:num_tokens]
+    if input_ids is None and model_runner.supports_mm_inputs and not model_runner.enable_prompt_embeds:
+        # A multimodal model runs on the embeddings of the runner's input ids (placeholders
+        # where an image goes), which the runner keeps.
+        input_ids = model_runner.input_ids.gpu[:num_tokens]
+    tables = batch.block_table.block_tables
+    slot_mappings = [tables[i].slot_mapping.gpu[:num_tokens] for i in _watched_group_indices(model_runner)]
+    return Step(request_ids, num_scheduled, num_computed, input_ids, positions, slot_mappings)
 
 
 class Runner:
     """One vLLM model runner whose KV cache is allocated, as the plugin reads it:
-    ``model_runner`` (vLLM's) and ``block_table`` (vLLM's, of its first KV cache group)."""
+    ``model_runner`` (vLLM's)."""
 
     def __init__(self, model_runner):
         self.model_runner = model_runner
-        self.block_table = _block_table(model_runner)
 
     @property
     def name(self) -> str:
@@ -303,10 +356,6 @@ class Runner:
         return self.model_runner.use_async_scheduling
 
     @property
-    def block_size(self) -> int:
-        return self.block_table.block_size
-
-    @property
     def kv_cache_layout(self) -> str:
         """vLLM's name of the layout its caches are in (a `layouts.VLLM_LAYOUTS` key, or a legacy alias)."""
         return self.model_runner.cache_config.get_resolved_kv_cache_layout().name
@@ -325,25 +374,33 @@ class Runner:
         """The kind of each of the model's KV cache groups (its spec's class name)."""
         return [type(group.kv_cache_spec).__name__ for group in self.model_runner.kv_cache_config.kv_cache_groups]
 
-    def attention_layers(self) -> list[AttentionLayer] | None:
-        """The attention layers in layer order, or None unless they share one full-attention
-        KV cache group (sliding windows, MLA, Mamba and hybrids do not)."""
+    def unwatched_group_kinds(self) -> list[str]:
+        """The kinds of the model's KV cache groups the plugin neither watches nor skips."""
+        return [kind for kind in self.kv_cache_group_kinds() if kind not in WATCHED_SPECS and kind not in SKIPPED_SPECS]
+
+    def kv_cache_groups(self) -> list[KvCacheGroup]:
+        """The watched KV cache groups (`WATCHED_SPECS`), each with its attention layers in layer order."""
         from vllm.model_executor.models.utils import extract_layer_index
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         groups = self.model_runner.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-            return None
+        tables = self.model_runner.input_batch.block_table.block_tables
         context = self.model_runner.compilation_config.static_forward_context
-        names = sorted(groups[0].layer_names, key=extract_layer_index)
-        return [AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name()) for name in names]
-
-    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The slot (block * block_size + offset) of each (input-batch row, position) in the
-        device block table; -1 where the position is negative (before a request's first token)."""
-        at = positions.clamp(min=0)
-        blocks = self.block_table.block_table.gpu[rows, at // self.block_size].to(torch.int64)
-        return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
+        watched = []
+        for index in _watched_group_indices(self.model_runner):
+            spec = groups[index].kv_cache_spec
+            names = sorted(groups[index].layer_names, key=extract_layer_index)
+            layers = [AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name()) for name in names]
+            watched.append(
+                KvCacheGroup(
+                    index,
+                    type(spec).__name__,
+                    layers,
+                    tables[index],
+                    sliding_window=getattr(spec, "sliding_window", None),
+                    attention_chunk_size=getattr(spec, "attention_chunk_size", None),
+                )
+            )
+        return watched
 
     def tokens(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The token id at each (input-batch row, position) of the runner's token history

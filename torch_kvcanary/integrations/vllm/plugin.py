@@ -152,16 +152,12 @@ def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
 
 
 @dataclass
-class _Batch:
-    """One step's scheduled requests and the entries the canary saw for them: the verified
-    ones (each request's context, then under a block-packed backend the unwritten tail of
-    its last block) and the written ones. ``*_rows`` are input-batch rows, on the host."""
+class _GroupBatch:
+    """One watched KV cache group's entries of a step: the verified ones (each request's
+    context still attended to, then under a block-packed backend the unwritten tail of its
+    last block) and the written ones. ``verified_rows`` are input-batch rows, on the host."""
 
-    req_ids: list[str]
-    num_tokens: int
-    input_ids: torch.Tensor | None
-    positions: torch.Tensor
-    written_rows: np.ndarray
+    group: adapter.KvCacheGroup
     written_slots: torch.Tensor
     verified_rows: np.ndarray | None = None
     verified_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
@@ -174,12 +170,32 @@ class _Batch:
     checks: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass
+class _Batch:
+    """One step's scheduled requests and, per watched KV cache group, the entries the canary
+    saw for them. ``written_rows`` are the input-batch rows of the forward's tokens."""
+
+    req_ids: list[str]
+    num_tokens: int
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    written_rows: np.ndarray
+    groups: list[_GroupBatch] = field(default_factory=list)
+
+
 class WorkerCanary:
-    """The canary of one vLLM model runner: `canary` (a `KvCanary` over K and V of every
-    attention layer), `kv_caches` (the layer tensors it watches, in layer order), `runner`
-    and `block_table` (vLLM's), `policy` ("log" or "raise", read by each step), `reports`
-    (what the log has said about violations), `faults` (exceptions of the plugin's own code
-    in a step) and `on` (False once such a fault turned it off)."""
+    """The canary of one vLLM model runner: `canary` (one `KvCanary` over the distinct
+    bytes of every attention layer: K and V, or MLA's latent), `kv_caches` (the distinct
+    layer tensors it watches, in group and layer order), `groups` (the watched KV cache
+    groups, `adapter.KvCacheGroup`), `runner` and `block_table` (vLLM's, of the first
+    watched group), `policy` ("log" or "raise", read by each step), `reports` (what the log
+    has said about violations), `faults` (exceptions of the plugin's own code in a step) and
+    `on` (False once such a fault turned it off).
+
+    The KV cache groups of a model share one pool of blocks (vLLM's hybrid allocator
+    overlays their layers on the same tensors, and gives each block to one group at a
+    time), so one canary covers them all, slot = block * block_size + offset, and each
+    group verifies and records through its own block table and slot mapping."""
 
     def __init__(self, runner, chosen: Settings):
         self.runner = runner
@@ -188,34 +204,32 @@ class WorkerCanary:
         self.faults = 0
         self.on = True
         self._vllm = adapter.Runner(runner)
-        if self._vllm.uses_mrope:
+        unwatched = self._vllm.unwatched_group_kinds()
+        if unwatched:
             raise ValueError(
-                f"kv-canary: the vLLM plugin does not watch M-RoPE models (positions are 3-D): unset {POLICY_ENV} to serve them"
+                f"kv-canary: the vLLM plugin watches KV cache groups of {', '.join(adapter.WATCHED_SPECS)} and skips "
+                f"{', '.join(adapter.SKIPPED_SPECS)}; this model has {', '.join(unwatched)}: unset {POLICY_ENV} to serve it without the canary"
             )
-        layers = self._vllm.attention_layers()
-        if layers is None:
+        self.groups = self._vllm.kv_cache_groups()
+        block_sizes = sorted({group.block_size for group in self.groups})
+        if len(block_sizes) != 1:
             raise ValueError(
-                f"kv-canary: the vLLM plugin watches models whose layers share one full-attention KV cache group; "
-                f"this model has {self._vllm.kv_cache_group_kinds()}: unset {POLICY_ENV} to serve it without the canary"
+                f"kv-canary: the vLLM plugin watches KV cache groups of one block size, this model's are "
+                f"{self._vllm.kv_cache_group_kinds()} in blocks of {block_sizes}: unset {POLICY_ENV} to serve it without the canary"
             )
-        self.layer_names = [layer.name for layer in layers]
+        self.layer_names = [layer.name for group in self.groups for layer in group.layers]
         layout = self._vllm.kv_cache_layout
-        self.block_table = self._vllm.block_table
-        self.block_size = self._vllm.block_size
+        self.block_table = self.groups[0].block_table
+        self.block_size = block_sizes[0]
         self.kv_caches: list[torch.Tensor] = []
         sources, backends = [], set()
-        for layer in layers:
+        for layer in (layer for group in self.groups for layer in group.layers):
             kv_cache = layer.kv_cache
-            if any(kv_cache.data_ptr() == seen.data_ptr() for seen in self.kv_caches):
-                continue  # a layer that shares another layer's cache
-            if kv_cache.dim() != 4 or kv_cache.shape[2] != self.block_size:
-                raise ValueError(
-                    f"kv-canary: vLLM layer {layer.name} is {tuple(kv_cache.shape)}, not a packed "
-                    f"[num_blocks, num_kv_heads, {self.block_size}, 2 * head_size] layer the plugin can watch"
-                )
+            if any(_same_view(kv_cache, seen) for seen in self.kv_caches):
+                continue  # a layer that shares another layer's cache, or another group's layer over the same pool
             self.kv_caches.append(kv_cache)
             backends.add(layer.backend)
-            sources += layouts.vllm(kv_cache, layout=layout, backend=layer.backend)
+            sources += self._sources(layer, layout)
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG)
         self._check_tokens = not self._vllm.async_scheduling
         # Tensor-parallel ranks poll together, so that under "raise" they all stop.
@@ -224,6 +238,23 @@ class WorkerCanary:
         self._batch: _Batch | None = None
         self._ring_overflow = 0
         logger.info("%s", self._start_line(layout))
+
+    def _sources(self, layer: adapter.AttentionLayer, layout: str) -> tuple:
+        """The fold sources of one layer's cache: MLA's latent rows, or K and V."""
+        kv_cache = layer.kv_cache
+        if layer.backend in layouts.VLLM_MLA_BACKENDS:
+            if kv_cache.dim() != 3 or kv_cache.shape[1] != self.block_size:
+                raise ValueError(
+                    f"kv-canary: vLLM MLA layer {layer.name} is {tuple(kv_cache.shape)}, not the token-major "
+                    f"[num_blocks, {self.block_size}, latent] layer the plugin can watch"
+                )
+            return layouts.vllm_mla(kv_cache)
+        if kv_cache.dim() != 4 or kv_cache.shape[2] != self.block_size:
+            raise ValueError(
+                f"kv-canary: vLLM layer {layer.name} ({layer.backend}) is {tuple(kv_cache.shape)}, not a packed "
+                f"[num_blocks, num_kv_heads, {self.block_size}, 2 * head_size] layer the plugin can watch"
+            )
+        return layouts.vllm(kv_cache, layout=layout, backend=layer.backend)
 
     def _start_line(self, layout: str) -> str:
         """What this worker watches, and the memory the canary holds."""
@@ -279,94 +310,112 @@ class WorkerCanary:
             )
 
     def _begin_step(self, step: adapter.Step) -> _Batch:
-        req_ids, positions, written = step.request_ids, step.positions, step.slot_mapping
-        rows = np.arange(len(req_ids), dtype=np.int64)
-        batch = _Batch(req_ids, step.num_tokens, step.input_ids, positions, np.repeat(rows, step.num_scheduled), written)
+        rows = np.arange(len(step.request_ids), dtype=np.int64)
+        batch = _Batch(step.request_ids, step.num_tokens, step.input_ids, step.positions, np.repeat(rows, step.num_scheduled))
+        written = torch.cat(step.slot_mappings)
+        for group, slot_mapping in zip(self.groups, step.slot_mappings):
+            batch.groups.append(self._begin_group(group, step, rows, slot_mapping, written))
+        self._batch = batch
+        return batch
+
+    def _begin_group(
+        self, group: adapter.KvCacheGroup, step: adapter.Step, rows: np.ndarray, slot_mapping: torch.Tensor, written: torch.Tensor
+    ) -> _GroupBatch:
+        """Verifies one group's context of every scheduled request: the positions its tokens
+        still attend to (a sliding window's or a local chunk's blocks below them may be free)."""
+        entries = _GroupBatch(group, slot_mapping)
         context = step.num_computed
-        context_rows, context_positions = _ranges(rows, np.zeros_like(context), context)
+        first = group.first_attended(context)
+        context_rows, context_positions = _ranges(rows, first, context)
         tail_rows = tail_positions = np.zeros(0, dtype=np.int64)
         if self._blocks_packed:
             tail_end = -(-context // self.block_size) * self.block_size
             tail_rows, tail_positions = _ranges(rows, context, tail_end)
         if len(context_rows) + len(tail_rows) == 0:
-            self._batch = batch
-            return batch
-        device = positions.device
-        batch.verified_rows = np.concatenate([context_rows, tail_rows])
-        row_index = _to(batch.verified_rows, device)
+            return entries
+        device = step.positions.device
+        entries.verified_rows = np.concatenate([context_rows, tail_rows])
+        row_index = _to(entries.verified_rows, device)
         at = _to(np.concatenate([context_positions, tail_positions]), device)
-        is_tail = _to(np.arange(len(batch.verified_rows)) >= len(context_rows), device)
+        # The chain of a request's first attended position leads out of what it attends to.
+        prev = np.where(context_positions > first[context_rows], context_positions - 1, -1)
+        prev_at = _to(np.concatenate([prev, np.full_like(tail_positions, -1)]), device)
+        is_tail = _to(np.arange(len(entries.verified_rows)) >= len(context_rows), device)
         # A request may read, as context, a block another request of this batch writes in
         # this very forward (the scheduler caches a block's hash when it schedules its
         # tokens, so a later request of the same step hits it): such slots are verified
         # after the forward, once recorded.
-        slots = self._vllm.slots(row_index, at)
+        slots = group.slots(row_index, at)
         written_now = torch.isin(slots, written)
-        batch.verified_slots = torch.where(written_now, -1, slots)
-        batch.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
-        batch.verified_positions = torch.where(is_tail, -1, at)
-        batch.verified_prev_slots = torch.where(is_tail, -1, self._vllm.slots(row_index, at - 1))
+        entries.verified_slots = torch.where(written_now, -1, slots)
+        entries.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
+        entries.verified_positions = torch.where(is_tail, -1, at)
+        entries.verified_prev_slots = torch.where(is_tail, -1, group.slots(row_index, prev_at))
         tokens = np.full(len(context_rows), -1, dtype=np.int64)
         if self._check_tokens:
             tokens = self._vllm.tokens(context_rows, context_positions)
         count = len(context_rows)
-        batch.context_tokens = _to(tokens, device)
-        self._verify_context(batch, batch.verified_slots[:count])
+        entries.context_tokens = _to(tokens, device)
+        self._verify_context(entries, entries.verified_slots[:count])
         if len(tail_rows):  # only their bytes: a tail slot may hold a rejected draft token's record
-            tail_slots = batch.verified_slots[count:]
-            batch.checks.append((tail_slots, tail_rows, self.canary.verify(tail_slots)))
-        self._batch = batch
-        return batch
+            tail_slots = entries.verified_slots[count:]
+            entries.checks.append((tail_slots, tail_rows, self.canary.verify(tail_slots)))
+        return entries
 
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
             positions = batch.positions[: batch.num_tokens]
             row_index = _to(batch.written_rows, positions.device)
             tokens = batch.input_ids[: batch.num_tokens].to(torch.int64) if batch.input_ids is not None else torch.full_like(positions, -1)
-            entries = (batch.written_slots, positions, tokens, self._vllm.slots(row_index, positions - 1))
-            if self._blocks_packed:
-                entries = self._with_block_neighbours(batch, entries)
-            slots, positions, tokens, prev_slots = entries
-            self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
-            if batch.deferred_slots is not None:
-                self._verify_context(batch, batch.deferred_slots[: len(batch.context_tokens)])
-            if self.reports.logged:
-                self.reports.rewritten(batch.written_slots.tolist())
+            for entries in batch.groups:
+                self._record(entries, row_index, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _verify_context(self, batch: _Batch, slots: torch.Tensor) -> None:
-        """Every check of the context entries at ``slots`` (-1: skipped)."""
-        count = len(batch.context_tokens)
+    def _record(self, entries: _GroupBatch, row_index: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Records the slots the forward wrote in one group, then verifies its deferred context."""
+        written = (entries.written_slots, positions, tokens, entries.group.slots(row_index, positions - 1))
+        if self._blocks_packed:
+            written = self._with_block_neighbours(entries, written)
+        slots, positions, tokens, prev_slots = written
+        self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
+        if entries.deferred_slots is not None:
+            self._verify_context(entries, entries.deferred_slots[: len(entries.context_tokens)])
+        if self.reports.logged:
+            self.reports.rewritten(entries.written_slots.tolist())
+
+    def _verify_context(self, entries: _GroupBatch, slots: torch.Tensor) -> None:
+        """Every check of a group's context entries at ``slots`` (-1: skipped)."""
+        count = len(entries.context_tokens)
         flagged = self.canary.verify(
             slots,
-            positions=batch.verified_positions[:count],
-            tokens=batch.context_tokens,
-            prev_slots=batch.verified_prev_slots[:count],
+            positions=entries.verified_positions[:count],
+            tokens=entries.context_tokens,
+            prev_slots=entries.verified_prev_slots[:count],
         )
-        batch.checks.append((slots, batch.verified_rows[:count], flagged))
+        entries.checks.append((slots, entries.verified_rows[:count], flagged))
 
-    def _with_block_neighbours(self, batch: _Batch, written: tuple) -> tuple:
+    def _with_block_neighbours(self, entries: _GroupBatch, written: tuple) -> tuple:
         """Under a block-packed backend writing a slot changes the fold of its block's other
         slots, so every slot of a block the forward wrote is recorded again, ahead of the
         written entries: those verified before the forward (and not flagged) with the records
         they hold (an unwritten tail slot holds -1s), the others (a new block's tail) with -1s."""
         written_slots = written[0]
         touched = torch.unique(written_slots[written_slots >= 0] // self.block_size)
-        if batch.verified_slots is None:
+        if entries.verified_slots is None:
             verified = torch.full((0,), -1, dtype=torch.int64, device=written_slots.device)
             again = (verified, verified, verified, verified)
         else:
-            verified = batch.verified_slots
+            verified = entries.verified_slots
             # A flagged slot keeps its record, so that it is reported again while it is read.
-            passed = ~torch.cat([answer for _, _, answer in batch.checks])
+            passed = ~torch.cat([answer for _, _, answer in entries.checks])
             in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0) & passed
             slots = torch.where(in_touched, verified, -1)
             held_tokens = self.canary.records[slots.clamp(min=0), 0]
-            again = (slots, batch.verified_positions, held_tokens, batch.verified_prev_slots)
+            again = (slots, entries.verified_positions, held_tokens, entries.verified_prev_slots)
         block_slots = (touched[:, None] * self.block_size + torch.arange(self.block_size, device=touched.device)).reshape(-1)
         new_tail = block_slots[~torch.isin(block_slots, torch.cat([verified, written_slots]))]
         unknown = torch.full_like(new_tail, -1)
@@ -382,11 +431,12 @@ class WorkerCanary:
             return []
         flagged: set[int] = set()
         holding: set[int] = set()
-        for slots, rows, answer in batch.checks:
-            at_slot = (slots == violation.slot).cpu().numpy()
-            holding.update(rows[at_slot].tolist())
-            flagged.update(rows[at_slot & answer.cpu().numpy()].tolist())
-        holding.update(batch.written_rows[(batch.written_slots == violation.slot).cpu().numpy()].tolist())
+        for entries in batch.groups:
+            for slots, rows, answer in entries.checks:
+                at_slot = (slots == violation.slot).cpu().numpy()
+                holding.update(rows[at_slot].tolist())
+                flagged.update(rows[at_slot & answer.cpu().numpy()].tolist())
+            holding.update(batch.written_rows[(entries.written_slots == violation.slot).cpu().numpy()].tolist())
         rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
         return [batch.req_ids[row] for row in sorted(rows)]
 
@@ -477,6 +527,11 @@ class Reports:
         self.repeats, self.ring_dropped, self._since = 0, 0, now
         self.repeated_slots.clear()
         return line
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two layer tensors are the same view of the same bytes."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
