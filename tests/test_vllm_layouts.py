@@ -102,3 +102,51 @@ def test_the_kernel_packs_a_blocks_tokens(isa):
     _write(kv, BLOCK_SIZE + 5, isa, 0)
     rows_touched = (k_source.as_view()[1] != 0).flatten(1).any(1).nonzero().flatten().tolist()
     assert rows_touched != [5]
+
+
+# MLA: the latent of kv_lora_rank 512 and qk_rope_head_dim 64 that vLLM's CPU MLA kernels need.
+KV_LORA_RANK, ROPE_DIM = 512, 64
+
+
+def _write_mla(kv: torch.Tensor, slots: torch.Tensor, backend: str, latent: torch.Tensor, rope: torch.Tensor) -> None:
+    """Tokens written by ``backend``'s own cache update (AMX_MLA's kernel, or CPU_MLA's)."""
+    if backend == "AMX_MLA":
+        from vllm import _custom_ops as ops
+
+        ops.amx_mla_concat_and_cache(latent, rope, kv, slots)
+    else:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+        impl = object.__new__(CPUMLAImpl)
+        CPUMLAImpl.do_kv_cache_update(impl, latent, rope.unsqueeze(1), kv, slots, "auto", torch.tensor(1.0))
+
+
+def _mla_backends() -> list[str]:
+    return ["AMX_MLA", "CPU_MLA"] if torch.cpu._is_amx_tile_supported() else ["CPU_MLA"]
+
+
+@pytest.mark.parametrize("backend", _mla_backends())
+def test_an_mla_slot_is_its_tokens_latent_row(backend):
+    """Each token written by vLLM's CPU MLA cache update, its values distinct: the slot's source
+    row in `layouts.vllm_mla` holds that token's latent then its rope key, and nothing else."""
+    assert backend in layouts.VLLM_MLA_BACKENDS
+    tokens = BLOCKS * BLOCK_SIZE // 2  # as many distinct values as bf16 has
+    width = KV_LORA_RANK + ROPE_DIM
+    values = _distinct_bf16(tokens * width, 0x0800).view(tokens, width)
+    kv = torch.zeros(BLOCKS, BLOCK_SIZE, width, dtype=torch.bfloat16)
+    slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=torch.Generator().manual_seed(2))[:tokens]
+    _write_mla(kv, slots, backend, values[:, :KV_LORA_RANK].contiguous(), values[:, KV_LORA_RANK:].contiguous())
+    (source,) = layouts.vllm_mla(kv)
+    rows = source.as_view()
+    assert rows.shape == (BLOCKS, BLOCK_SIZE, 1, width)
+    assert rows.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()  # a view, no copy
+    for token, slot in enumerate(slots.tolist()):
+        assert torch.equal(rows[slot // BLOCK_SIZE, slot % BLOCK_SIZE, 0].view(torch.int16), values[token].view(torch.int16))
+    unwritten = torch.ones(BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    unwritten[slots] = False
+    assert not rows.reshape(BLOCKS * BLOCK_SIZE, width)[unwritten].view(torch.int16).any()
+
+
+def test_an_mla_layer_of_another_shape_is_refused():
+    with pytest.raises(ValueError, match=r"^kv-canary: a vLLM MLA layer is \[num_blocks, block_size, latent\], got shape \(2, 2, 32, 64\)"):
+        layouts.vllm_mla(torch.zeros(2, 2, 32, 64))

@@ -12,16 +12,19 @@ nothing unless ``KVCANARY_VLLM`` is set:
 In each worker the model runner is checked before vLLM sizes the KV cache: one the plugin
 cannot watch stops the worker with a ``kv-canary:`` error (a canary that is silently off is
 worse than none). The KV cache is sized with the canary's memory taken from its budget.
-Once vLLM has allocated the KV caches, a `KvCanary` watches K and V of every attention layer
-(zero-copy views, `layouts.vllm`), and one INFO line says what is watched. In every engine
-step, around the model forward:
+Once vLLM has allocated the KV caches, one `KvCanary` watches every attention layer of the
+watched KV cache groups (full, sliding-window, chunked-local and MLA attention; Mamba groups
+are skipped, any other kind refused): K and V of a packed layer (`layouts.vllm`) or MLA's
+latent (`layouts.vllm_mla`), zero-copy views of the distinct tensors; one INFO line says
+what is watched. In every engine step, around the model forward, in each watched group:
 
-1. before it, every scheduled request's context (the positions already in the cache) is
-   verified as the request's block table gives it: the slot's bytes, its position, its
-   token, and its chain through the previous position's slot (a context slot this forward
-   itself writes, for another request of the batch, is verified after the forward);
-2. after it, the slots the forward wrote are recorded with their positions, tokens and
-   previous slots;
+1. before it, every scheduled request's context that the step's tokens attend to (all of it,
+   or a window's positions: blocks below may be freed) is verified as the group's block
+   table gives it: the slot's bytes, its position, its token, and its chain through the
+   previous position's slot (a context slot this forward itself writes, for another
+   request of the batch, is verified after the forward);
+2. after it, the slots the forward wrote (the group's slot mapping) are recorded with their
+   positions (the 1-D sequence positions, also for M-RoPE models), tokens and previous slots;
 3. the canary is polled once; a violation line names the vLLM request(s) that read the slot.
 
 Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
