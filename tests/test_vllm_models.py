@@ -46,12 +46,16 @@ def model_engine(request, tmp_path_factory):
     model = make_model(tmp_path_factory.mktemp(kind), kind)
     budget = (BLOCKS + 1) * BLOCK_SIZE * (MODELS[kind][2] + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096  # a block of slack
     with started_engine(model, kv_budget=budget) as (llm, lines, preemptions):
+        llm.kv_budget = budget
         yield kind, llm, lines, preemptions
 
 
 def test_the_plugin_watches_each_group(model_engine):
-    kind, _, _, _ = model_engine
+    kind, llm, _, _ = model_engine
     state = plugin.active()
+    # The distinct KV bytes and the canary over them fit in the budget (a hybrid model's
+    # groups overlay one pool: its slots are not the sum of every layer's bytes).
+    assert sum(kv.nbytes for kv in state.kv_caches) + state.canary.nbytes <= llm.kv_budget
     kinds, backends, _ = MODELS[kind]
     assert [group.kind for group in state.groups] == kinds
     assert {layer.backend for group in state.groups for layer in group.layers} <= backends

@@ -301,8 +301,21 @@ def _checked_runner(worker, plugin: Plugin):
 
 
 def _kv_bytes_per_slot(worker) -> Fraction:
-    """The KV cache's bytes per slot (token), over every layer of the worker's KV cache spec."""
-    return sum((Fraction(spec.page_size_bytes, spec.block_size) for spec in worker.get_kv_cache_spec().values()), Fraction(0))
+    """The KV cache's bytes per slot (token). vLLM splits the layers into KV cache groups
+    (`get_kv_cache_groups`, as it will when it allocates the cache) that share the pool's
+    tensors: a hybrid model's groups overlay one another, each block given to one group at a
+    time, so a slot holds the bytes of the group with the most, the sum over its layers."""
+    from copy import deepcopy
+
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    specs = worker.get_kv_cache_spec()
+    groups = get_kv_cache_groups(worker.vllm_config, deepcopy(specs))
+
+    def per_slot(names) -> Fraction:
+        return sum((Fraction(specs[name].page_size_bytes, specs[name].block_size) for name in names), Fraction(0))
+
+    return max((per_slot(group.layer_names) for group in groups), default=Fraction(0))
 
 
 def watch(model_runner, watcher: Watcher | None) -> None:
