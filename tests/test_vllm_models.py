@@ -156,7 +156,7 @@ def test_the_positions_a_windowed_group_still_attends_to(window, chunk, computed
     assert group.first_attended(np.array(computed)).tolist() == first
 
 
-def _fake_runner(*, mrope: bool, multimodal: bool, prompt_embeds: bool = False):
+def _fake_runner(*, multimodal: bool, prompt_embeds: bool = False):
     """The parts of a V1 model runner `adapter._step` reads, for two requests of 3 and 2 tokens."""
     table = types.SimpleNamespace(slot_mapping=types.SimpleNamespace(gpu=torch.arange(100, 110)))
     spec = type("FullAttentionSpec", (), {})()
@@ -169,14 +169,13 @@ def _fake_runner(*, mrope: bool, multimodal: bool, prompt_embeds: bool = False):
         kv_cache_config=types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec)]),
         positions=torch.tensor([7, 8, 9, 4, 5, 0, 0]),
         input_ids=types.SimpleNamespace(gpu=torch.tensor([11, 12, 13, 14, 15, 0, 0])),
-        uses_mrope=mrope,
         supports_mm_inputs=multimodal,
         enable_prompt_embeds=prompt_embeds,
     )
 
 
 def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids():
-    runner = _fake_runner(mrope=True, multimodal=True)
+    runner = _fake_runner(multimodal=True)
     scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2})
     mrope_positions = torch.zeros(3, 7, dtype=torch.int64)  # [3, tokens]: what the model gets
     step = adapter._step(runner, scheduled, None, mrope_positions)
@@ -184,7 +183,7 @@ def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids
     assert step.input_ids.tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
     assert [s.tolist() for s in step.slot_mappings] == [[100, 101, 102, 103, 104]]
     # Prompt embeddings have no token ids to record.
-    assert adapter._step(_fake_runner(mrope=True, multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
+    assert adapter._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
 
 
 def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():

@@ -365,10 +365,6 @@ class Runner:
         return getattr(self.model_runner, _BUDGET, None)
 
     @property
-    def uses_mrope(self) -> bool:
-        return self.model_runner.uses_mrope
-
-    @property
     def async_scheduling(self) -> bool:
         return self.model_runner.use_async_scheduling
 
