@@ -1,7 +1,8 @@
 """The vLLM plugin on every kind of attention model vLLM's CPU build serves, in-process and
 driven step by step (test_vllm_engine's engine and driver): a sliding window (Mistral), full
 and sliding layers in two KV cache groups over one pool (Gemma 2, hybrid KV cache manager),
-and MLA (DeepSeek V2), each a tiny random checkpoint made on the spot. Each serves a clean
+chunked-local and full layers likewise (Llama 4), and MLA (DeepSeek V2), each a tiny random
+checkpoint made on the spot. Each serves a clean
 mixed workload without a report, and names the right request after a flipped byte in a
 live block and after a block-table entry pointing at another request's block.
 
@@ -29,10 +30,13 @@ sys.path.insert(0, str(REPO / "tools"))
 from random_models import make_model  # noqa: E402
 
 # Each kind: its KV cache groups as the plugin sees them, its layers' attention backends,
-# and the KV bytes per slot over its layers (vLLM's sizing), for a budget of `BLOCKS` blocks.
+# and the KV bytes per slot over its layers, for a budget of `BLOCKS` blocks (a hybrid
+# model's groups overlay one pool, a layer's worth per slot, but a request takes blocks in
+# each group: the budget holds about `BLOCKS` blocks per group).
 MODELS = {
     "mistral": (["SlidingWindowSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
     "gemma2": (["SlidingWindowSpec", "FullAttentionSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
+    "llama4": (["ChunkedLocalAttentionSpec", "FullAttentionSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
     "deepseek_v2": (["MLAAttentionSpec"], {"AMX_MLA", "CPU_MLA"}, 2 * 576 * 2),
 }
 # One request of the longest length (512 tokens); ten of them preempt each other even when a
@@ -65,7 +69,7 @@ def test_the_plugin_watches_each_group(model_engine):
         for layer in group.layers:
             assert any(context[layer.name].kv_cache.data_ptr() == kv.data_ptr() for kv in state.kv_caches)
     assert state.canary.capacity == state.kv_caches[0].shape[0] * state.block_size
-    if kind == "gemma2":  # both groups' layers lie over one pool
+    if kind in ("gemma2", "llama4"):  # both groups' layers lie over one pool
         assert len(state.kv_caches) == 1 and len(state.canary.sources) == 2
     if kind == "deepseek_v2":  # the latent, one source per layer
         assert all(kv.dim() == 3 and kv.shape[2] == 576 for kv in state.kv_caches)
@@ -79,10 +83,22 @@ def test_a_mixed_workload_raises_no_false_alarm(model_engine):
 
 def _last_full_block(driver: Driver, request_id: str, group: int) -> tuple[int, int]:
     """(index in the request's block table, block) of its last full block in ``group``: in
-    the context, below the block the next token goes to, and within a window of 48."""
+    the context, below the block the next token goes to, and within a window of 48 (not
+    necessarily within a local chunk)."""
     index = driver.context(request_id) // plugin.active().block_size - 1
     assert index >= 1
     return index, driver.blocks(request_id, group)[index]
+
+
+def _newest_context_position(driver: Driver, request_id: str, group: int) -> int:
+    """The request's newest position in the KV cache, once it is one its tokens attend to in
+    ``group`` (a local chunk may have just begun)."""
+    for _ in range(3):
+        context = driver.context(request_id)
+        if context - 1 >= plugin.active().groups[group].first_attended(np.array([context]))[0]:
+            return context - 1
+        driver.step()
+    raise AssertionError(f"{request_id} attends to none of its context")
 
 
 def test_a_flipped_byte_names_its_request(model_engine):
@@ -95,8 +111,9 @@ def test_a_flipped_byte_names_its_request(model_engine):
     driver.run_until_decoding()
     assert lines.take() == []
     victim = driver.ids[1]
-    _, block = _last_full_block(driver, victim, 0)
-    row = state.block_size - 1  # the block's last slot: within a sliding window's reach
+    position = _newest_context_position(driver, victim, 0)  # in the first group: a window's or a chunk's
+    block, row = driver.blocks(victim, 0)[position // state.block_size], position % state.block_size
+    assert lines.take() == []
     kv = state.groups[0].layers[0].kv_cache.view(torch.int16)
     if kv.dim() == 3:  # MLA: token-major, the slot's latent row
         kv[block, row, 77] ^= 1 << 9
@@ -116,7 +133,7 @@ def test_a_flipped_byte_names_its_request(model_engine):
 def test_a_block_table_pointing_at_another_requests_block(model_engine):
     _, llm, lines, _ = model_engine
     state = plugin.active()
-    group = len(state.groups) - 1  # Gemma 2's full-attention group, the only group elsewhere
+    group = len(state.groups) - 1  # the full-attention group of Gemma 2 and Llama 4, the only group elsewhere
     driver = Driver(llm, "table")
     rng = random.Random(3)
     for _ in range(2):

@@ -2,7 +2,8 @@
 access needed): a transformers config class with random bf16 weights, and a byte-level BPE
 tokenizer trained with the tokenizers library. One maker per model kind the vLLM plugin
 watches: dense full attention (Llama), a sliding window (Mistral), full and sliding layers
-in separate KV cache groups (Gemma 2), MLA (DeepSeek V2) and M-RoPE (Qwen2-VL)."""
+in separate KV cache groups (Gemma 2), chunked-local and full layers (Llama 4), MLA
+(DeepSeek V2) and M-RoPE (Qwen2-VL)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ KINDS = {
             moe_intermediate_size=64,
             num_key_value_heads=4,
         ),
+    ),
+    # Layer 0 attends within chunks of 64 tokens (with RoPE), layer 1 to everything (NoPE):
+    # a ChunkedLocalAttentionSpec and a FullAttentionSpec group over one pool; no MoE layer.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(attention_chunk_size=64, no_rope_layers=[1, 0], interleave_moe_layer_step=3, intermediate_size_mlp=512, num_local_experts=2),
     ),
     # M-RoPE: vLLM's runner keeps [3, tokens] positions for the model beside the 1-D ones.
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", dict(head_dim=64)),
