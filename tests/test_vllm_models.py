@@ -211,3 +211,12 @@ def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
         match=r"^kv-canary: the vLLM plugin watches KV cache groups of .*; this model has CrossAttentionSpec: unset KVCANARY_VLLM",
     ):
         plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
+
+
+def test_a_model_without_an_attention_group_is_refused_at_start():
+    groups = [types.SimpleNamespace(kv_cache_spec=type("MambaSpec", (), {})())]
+    runner = types.SimpleNamespace(kv_cache_config=types.SimpleNamespace(kv_cache_groups=groups))
+    with pytest.raises(
+        ValueError, match=r"^kv-canary: the vLLM plugin watches attention KV cache groups; this model has \['MambaSpec'\]: unset"
+    ):
+        plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))

@@ -395,11 +395,14 @@ class Runner:
         """The watched KV cache groups (`WATCHED_SPECS`), each with its attention layers in layer order."""
         from vllm.model_executor.models.utils import extract_layer_index
 
+        indices = _watched_group_indices(self.model_runner)
+        if not indices:
+            return []
         groups = self.model_runner.kv_cache_config.kv_cache_groups
         tables = self.model_runner.input_batch.block_table.block_tables
         context = self.model_runner.compilation_config.static_forward_context
         watched = []
-        for index in _watched_group_indices(self.model_runner):
+        for index in indices:
             spec = groups[index].kv_cache_spec
             names = sorted(groups[index].layer_names, key=extract_layer_index)
             layers = [AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name()) for name in names]

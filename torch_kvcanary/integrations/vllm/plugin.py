@@ -214,6 +214,11 @@ class WorkerCanary:
                 f"{', '.join(adapter.SKIPPED_SPECS)}; this model has {', '.join(unwatched)}: unset {POLICY_ENV} to serve it without the canary"
             )
         self.groups = self._vllm.kv_cache_groups()
+        if not self.groups:
+            raise ValueError(
+                f"kv-canary: the vLLM plugin watches attention KV cache groups; this model has "
+                f"{self._vllm.kv_cache_group_kinds()}: unset {POLICY_ENV} to serve it without the canary"
+            )
         block_sizes = sorted({group.block_size for group in self.groups})
         if len(block_sizes) != 1:
             raise ValueError(
