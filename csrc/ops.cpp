@@ -1,84 +1,115 @@
 // The kvcanary operator library: the schema lives here, once; each backend
 // registers its kernels beside them (cpu/*.cpp, cuda/*.cpp).
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <string>
 #include <vector>
 
 #include "core/canary_records.h"
+#include "plan/shim_lookup.h"
 
-extern "C" {
 // `import torch_kvcanary._C` loads this library, whose static initializers
-// register the ops; the module itself is empty.
-PyObject* PyInit__C(void) {
+// register the ops; the module itself is empty. PyMODINIT_FUNC exports it from
+// a library whose other symbols are hidden.
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
-}
 
-TORCH_LIBRARY(kvcanary, m) {
-  // The fake (meta) kernels are Python functions in this module: torch imports
-  // it, or says to, when an op needs one before the package was imported.
-  m.set_python_module("torch_kvcanary.ops");
-  // fold(sources, slots, read_bytes, check_bounds) -> int64 tensor shaped
-  // like slots. sources[i] is a view [num_pages, page_size, *token_shape] of
-  // any dtype; read_bytes[i] leading bytes of each token are folded. Slots < 0
-  // give 0; slots >= the smallest capacity raise IndexError when check_bounds
-  // (CPU, or eager CUDA) and give 0 otherwise.
-  m.def(
-      "fold(Tensor[] sources, Tensor slots, SymInt[] read_bytes, "
-      "bool check_bounds=True) -> Tensor");
-  // The canary (docs/spec.md, "The canary records"). records is int64 [capacity,
-  // 4] (token, position, chain, fold), owner_tags int64 [capacity], counters
-  // int64 [len(canary_counters())], ring int64 [ring_capacity, 8]. positions,
-  // tokens, prev_slots (int32/int64) and tags (int64, one value or one per
-  // slot) are per-entry inputs shaped like slots; a check whose input is None
-  // is not run. Slots past the capacity raise IndexError when check_bounds
-  // and give a kSlotOutOfRange violation row otherwise.
-  //
-  // record: entries are applied in order, so an entry may chain through an
-  // earlier entry's slot; nothing is written when an argument is refused.
-  m.def(
-      "record(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
-      "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
-      "Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
-      "Tensor(d!) ring, bool check_bounds=True) -> ()");
-  // verify -> bool tensor shaped like slots, True where a check failed; each
-  // flagged entry appends a row to the ring. padding_slot (-1: none) is never
-  // checked, and a chain through it is not checked.
-  m.def(
-      "verify(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
-      "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
-      "Tensor records, Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, "
-      "int padding_slot=-1, bool check_bounds=True) -> Tensor");
-  // The names of the canary's counters, in the order of its counters tensor.
-  m.def("canary_counters() -> str[]");
-  // digest(views, slots, positions, groups, unit_offsets, num_groups,
-  // check_bounds) -> int64 [num_groups] (docs/spec.md, "The digest"). views[j] is
-  // [num_pages, page_size, units, *unit_shape] of any dtype, its unit k having
-  // the global id unit_offsets[j] + k; entry i (slots, positions and groups
-  // of one shape; groups None: all 0) with slots[i] >= 0 adds
-  // mix3(id, positions[i], unit fold) of every unit to out[groups[i]],
-  // wrapping. Slots past the smallest capacity and groups outside
-  // [0, num_groups) raise IndexError when check_bounds (CPU, or eager CUDA)
-  // and add nothing otherwise.
-  m.def(
-      "digest(Tensor[] views, Tensor slots, Tensor positions, Tensor? groups, "
-      "int[] unit_offsets, SymInt num_groups, bool check_bounds=True) -> Tensor");
-  // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
-  // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
-  m.def("cpu_isa() -> str");
-}
-
+namespace kvcanary {
 namespace {
+
+// The schemas, each with its contract.
+constexpr const char* kSchemas[] = {
+    // fold(sources, slots, read_bytes, check_bounds) -> int64 tensor shaped
+    // like slots. sources[i] is a view [num_pages, page_size, *token_shape] of
+    // any dtype; read_bytes[i] leading bytes of each token are folded. Slots <
+    // 0 give 0; slots >= the smallest capacity raise IndexError when
+    // check_bounds (CPU, or eager CUDA) and give 0 otherwise.
+    "fold(Tensor[] sources, Tensor slots, SymInt[] read_bytes, "
+    "bool check_bounds=True) -> Tensor",
+    // The canary (docs/spec.md, "The canary records"). records is int64
+    // [capacity, 4] (token, position, chain, fold), owner_tags int64
+    // [capacity], counters int64 [len(canary_counters())], ring int64
+    // [ring_capacity, 8]. positions, tokens, prev_slots (int32/int64) and tags
+    // (int64, one value or one per slot) are per-entry inputs shaped like
+    // slots; a check whose input is None is not run. Slots past the capacity
+    // raise IndexError when check_bounds and give a kSlotOutOfRange violation
+    // row otherwise.
+    //
+    // record: entries are applied in order, so an entry may chain through an
+    // earlier entry's slot; nothing is written when an argument is refused.
+    "record(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
+    "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
+    "Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
+    "Tensor(d!) ring, bool check_bounds=True) -> ()",
+    // verify -> bool tensor shaped like slots, True where a check failed; each
+    // flagged entry appends a row to the ring. padding_slot (-1: none) is
+    // never checked, and a chain through it is not checked.
+    "verify(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
+    "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
+    "Tensor records, Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, "
+    "int padding_slot=-1, bool check_bounds=True) -> Tensor",
+    // The names of the canary's counters, in the order of its counters tensor.
+    "canary_counters() -> str[]",
+    // digest(views, slots, positions, groups, unit_offsets, num_groups,
+    // check_bounds) -> int64 [num_groups] (docs/spec.md, "The digest").
+    // views[j] is [num_pages, page_size, units, *unit_shape] of any dtype, its
+    // unit k having the global id unit_offsets[j] + k; entry i (slots,
+    // positions and groups of one shape; groups None: all 0) with slots[i] >=
+    // 0 adds mix3(id, positions[i], unit fold) of every unit to
+    // out[groups[i]], wrapping. Slots past the smallest capacity and groups
+    // outside [0, num_groups) raise IndexError when check_bounds (CPU, or
+    // eager CUDA) and add nothing otherwise.
+    "digest(Tensor[] views, Tensor slots, Tensor positions, Tensor? groups, "
+    "int[] unit_offsets, SymInt num_groups, bool check_bounds=True) -> Tensor",
+    // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
+    // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
+    "cpu_isa() -> str",
+};
+
+// The module of the fake (meta) kernels, torch_kvcanary/ops.py, which loads
+// this library, so they are registered whenever the ops are. Named to torch
+// too where torch has the shim for it (2.13 on), which then imports it, or
+// says to, when an op needs a fake kernel before the package was imported.
+constexpr const char* kFakeKernelModule = "torch_kvcanary.ops";
+
+// The library's definition, as STABLE_TORCH_LIBRARY makes it, with the module
+// of the fake kernels named before the schemas, as torch requires.
+class OpDefinitions {
+ public:
+  OpDefinitions() {
+    STABLE_TORCH_ERROR_CODE_CHECK(
+        aoti_torch_library_init_def("kvcanary", __FILE__, __LINE__, &library_));
+    using SetPythonModule = AOTITorchError (*)(TorchLibraryHandle, const char*, const char*);
+    if (const auto set_python_module = reinterpret_cast<SetPythonModule>(
+            find_shim_function("libtorch_cpu.so", "torch_library_set_python_module"))) {
+      STABLE_TORCH_ERROR_CODE_CHECK(set_python_module(library_, kFakeKernelModule, ""));
+    }
+    for (const char* schema : kSchemas) {
+      STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_library_def(library_, schema));
+    }
+  }
+  OpDefinitions(const OpDefinitions&) = delete;
+  OpDefinitions& operator=(const OpDefinitions&) = delete;
+  ~OpDefinitions() { aoti_torch_delete_library_object(library_); }
+
+ private:
+  TorchLibraryHandle library_ = nullptr;
+};
+
+const OpDefinitions kDefinitions;
+
 std::vector<std::string> canary_counters() {
-  return {std::begin(kvcanary::kCounterNames), std::end(kvcanary::kCounterNames)};
+  return {std::begin(kCounterNames), std::end(kCounterNames)};
 }
+
 }  // namespace
+}  // namespace kvcanary
 
 // No tensor arguments: CompositeExplicitAutograd serves every call.
-TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {
-  m.impl("canary_counters", &canary_counters);
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {
+  m.impl("canary_counters", TORCH_BOX(&kvcanary::canary_counters));
 }

@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from golden import golden_tensor
+from torch.torch_version import TorchVersion
 
 import torch_kvcanary as kc
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
+# What an op called directly raises for a refused argument other than an index out of range
+# (csrc/plan/checks.h): the kernels throw std::invalid_argument, which torch raises as
+# ValueError, and as RuntimeError from 2.15 on. The package's functions raise the documented
+# types on every torch (torch_kvcanary/ops.py).
+RAW_OP_REFUSAL = ValueError if TorchVersion(torch.__version__) < (2, 15) else RuntimeError
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
 
 # dtypes a KV cache is stored in, with the element size of each

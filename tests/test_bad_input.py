@@ -9,13 +9,13 @@ import sys
 import expecttest
 import pytest
 import torch
-from helpers import CUDA, DEVICES, best_cpu_path, run_python
+from helpers import CUDA, DEVICES, RAW_OP_REFUSAL, best_cpu_path, run_python
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
 from benchmarks import upstream_baseline
 from torch_kvcanary import digest as digest_units
-from torch_kvcanary import layouts
+from torch_kvcanary import layouts, ops
 from torch_kvcanary.integrations.vllm import plugin
 from torch_kvcanary.transfer import verify_transfer
 
@@ -210,29 +210,29 @@ CASES = [
         "source 0 is on meta but slots are on cpu",
     ),
     # the raw op
-    ("op: list lengths", lambda: op([U8, U8], SLOTS, [16], True), ValueError, "got 2 sources but 1 read_bytes"),
-    ("op: read 0", lambda: op([U8], SLOTS, [0], True), ValueError, "read_bytes[0] must be a positive multiple of 16"),
-    ("op: read negative", lambda: op([U8], SLOTS, [-16], True), ValueError, "read_bytes[0] must be a positive multiple of 16"),
+    ("op: list lengths", lambda: op([U8, U8], SLOTS, [16], True), RAW_OP_REFUSAL, "got 2 sources but 1 read_bytes"),
+    ("op: read 0", lambda: op([U8], SLOTS, [0], True), RAW_OP_REFUSAL, "read_bytes[0] must be a positive multiple of 16"),
+    ("op: read negative", lambda: op([U8], SLOTS, [-16], True), RAW_OP_REFUSAL, "read_bytes[0] must be a positive multiple of 16"),
     (
         "op: read past token",
         lambda: op([U8], SLOTS, [80], True),
-        ValueError,
+        RAW_OP_REFUSAL,
         "read_bytes[0] must be a positive multiple of 16 and <= the source's 64 bytes",
     ),
     (
         "op: rank 1",
         lambda: op([U8.view(-1)], SLOTS, [16], True),
-        ValueError,
+        RAW_OP_REFUSAL,
         "source 0 must be a view [num_pages, page_size, *token_shape]",
     ),
     (
         "op: empty token",
         lambda: op([torch.zeros(4, 2, 0, dtype=torch.uint8)], SLOTS, [16], True),
-        ValueError,
+        RAW_OP_REFUSAL,
         "source 0 has 0 bytes per token",
     ),
-    ("op: slots dtype", lambda: op([U8], SLOTS.short(), [16], True), TypeError, "slots must be an int32 or int64 tensor"),
-    ("op: second source bad", lambda: op([U8, U8[:, :, :8]], SLOTS, [16, 16], True), ValueError, "source 1 has 8 bytes per token"),
+    ("op: slots dtype", lambda: op([U8], SLOTS.short(), [16], True), RAW_OP_REFUSAL, "slots must be an int32 or int64 tensor"),
+    ("op: second source bad", lambda: op([U8, U8[:, :, :8]], SLOTS, [16, 16], True), RAW_OP_REFUSAL, "source 1 has 8 bytes per token"),
     (
         "op: slot out of range",
         lambda: op([U8], torch.tensor([[0, 9]]), [16], True),
@@ -276,6 +276,56 @@ def test_forced_cpu_path_the_cpu_lacks():
     assert child.returncode == 0, child.stderr
     message = f"kv-canary: KVCANARY_CPU_ISA=sse9 is not a path this CPU can run; use one of scalar..{best_cpu_path()} or unset it"
     assert child.stdout.splitlines() == [message]
+
+
+def test_a_refusal_raised_as_runtime_error_reaches_the_caller_as_value_error(monkeypatch):
+    # From torch 2.15 on, torch raises a kernel's std::invalid_argument as RuntimeError
+    # (csrc/plan/checks.h); the package's functions raise it as the ValueError they document.
+    def refusing_op(*args):
+        raise RuntimeError("kv-canary: source 0 has 8 bytes per token; it must be a positive multiple of 16")
+
+    monkeypatch.setattr(torch.ops.kvcanary, "fold", refusing_op)
+    with pytest.raises(ValueError) as info:
+        kc.fold(GOOD, SLOTS)
+    assert type(info.value) is ValueError
+    assert str(info.value) == "kv-canary: source 0 has 8 bytes per token; it must be a positive multiple of 16"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: an illegal memory access"),
+        IndexError("kv-canary: slot 9 is out of range"),
+        kc.KvCorruptionError(["kv-canary: a subclass of RuntimeError"], []),
+    ],
+    ids=["not a refusal", "index error", "a RuntimeError subclass"],
+)
+def test_other_errors_of_an_op_pass_through_unchanged(error):
+    def failing_op(*args):
+        raise error
+
+    with pytest.raises(type(error)) as info:
+        ops.call_op(failing_op)
+    assert info.value is error
+
+
+def test_a_torch_older_than_the_floor_is_refused_before_a_library_loads():
+    # The libraries would fail to load there on a missing stable-ABI symbol; the package says why.
+    code = (
+        "import sys, torch\n"
+        "torch.__version__ = '2.9.1+cu128'\n"
+        "try:\n"
+        "    import torch_kvcanary\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+        "print(sorted(name for name in sys.modules if name.startswith('torch_kvcanary._C')))"
+    )
+    child = run_python(["-c", code])
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == [
+        "kv-canary: torch_kvcanary needs torch 2.10 or later, this is torch 2.9.1+cu128; install torch>=2.10",
+        "[]",
+    ]
 
 
 def test_upstream_baseline_refuses_what_it_cannot_fold():
@@ -444,7 +494,7 @@ row stride 100: kv-canary: source 0 has a stride of 100 bytes (shape [4, 1, 96],
             "rank 1": _raw([pool.view(-1)], slots, [16]),
             "token of 8 bytes": _raw([torch.zeros(4, 2, 8, dtype=torch.uint8)], slots, [16]),
         }
-        messages = {name: self._message(ValueError, fn) for name, fn in cases.items()}
+        messages = {name: self._message(RAW_OP_REFUSAL, fn) for name, fn in cases.items()}
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in messages.items()),
             """\
@@ -465,7 +515,7 @@ token of 8 bytes: kv-canary: source 0 has 8 bytes per token (shape [4, 2, 8], dt
 
 
 # The fake kernel (FakeTensor, torch.compile) refuses what the kernels refuse without data,
-# with their messages.
+# with their messages; being Python, it raises the types the package documents.
 FAKE_CASES = [
     ("slots dtype", lambda u8, slots: op([u8], slots.short(), [16], True), TypeError),
     ("list lengths", lambda u8, slots: op([u8, u8], slots, [16], True), ValueError),
@@ -476,7 +526,7 @@ FAKE_CASES = [
 
 @pytest.mark.parametrize("name, call, exception", FAKE_CASES, ids=[c[0] for c in FAKE_CASES])
 def test_fake_kernel_refuses_like_the_kernels(name, call, exception):
-    with pytest.raises(exception) as real:
+    with pytest.raises(RAW_OP_REFUSAL) as real:
         call(U8, SLOTS)
     with FakeTensorMode() as mode, pytest.raises(exception) as fake:
         call(mode.from_tensor(U8), mode.from_tensor(SLOTS))

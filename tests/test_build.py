@@ -1,7 +1,7 @@
-"""What was built: a CUDA kernel whenever torch is a CUDA build and a toolkit is
-present, with sm_80 and sm_90 machine code and compute_90 PTX; CPU paths that prefetch and
-share no code; and the include rules of csrc/ (instruction-set units and CUDA kernels see
-none of torch's headers)."""
+"""What was built: libraries that use only libtorch's stable ABI and load in every torch from
+the floor on; a CUDA library, loaded under a CUDA build of torch, with sm_80 and sm_90 machine
+code and compute_90 PTX; CPU paths that prefetch and share no code; and the include rules of
+csrc/ (instruction-set units and CUDA kernels see none of torch's headers)."""
 
 import importlib.util
 import os
@@ -17,14 +17,22 @@ import torch
 from helpers import REPO
 
 import torch_kvcanary
-from build_tools.cuda_toolkit import find_cuda_home
+from build_tools import build_ext
+from torch_kvcanary import _torch_floor
 from torch_kvcanary.cli import fold_backends
+from torch_kvcanary.ops import has_cuda_library
 
-CUDA_BUILD = torch.version.cuda is not None and find_cuda_home() is not None
+CUDA_LIBRARY = has_cuda_library()
+# The CUDA kernels are registered where torch is a CUDA build and the package has them.
+CUDA_REGISTERED = CUDA_LIBRARY and torch.version.cuda is not None
 
 
-def _library() -> Path:
-    return Path(importlib.util.find_spec("torch_kvcanary._C").origin)
+def _library(name: str = "_C") -> Path:
+    return Path(importlib.util.find_spec(f"torch_kvcanary.{name}").origin)
+
+
+def _libraries() -> list[Path]:
+    return [_library("_C")] + ([_library("_C_cuda")] if CUDA_LIBRARY else [])
 
 
 def _cuobjdump() -> str | None:
@@ -39,25 +47,65 @@ def _cuobjdump() -> str | None:
 def test_backends_match_the_build():
     backends = fold_backends()
     assert "CPU" in backends and "Meta" in backends
-    assert ("CUDA" in backends) == CUDA_BUILD
+    assert ("CUDA" in backends) == CUDA_REGISTERED
 
 
 def test_info_says_what_was_built():
     out = subprocess.run([sys.executable, "-m", "torch_kvcanary", "info"], capture_output=True, text=True, check=True).stdout
     assert f"torch_kvcanary {torch_kvcanary.__version__}" in out
     assert "matches the reference" in out
-    assert ("CPU-only build" in out) != CUDA_BUILD
+    assert ("CPU-only build" in out) != CUDA_LIBRARY
+    assert ("CPU-only torch" in out) == (CUDA_LIBRARY and not CUDA_REGISTERED)
 
 
-@pytest.mark.skipif(not CUDA_BUILD, reason="CPU-only torch or no CUDA toolkit: no CUDA code was built")
+@pytest.mark.skipif(not CUDA_LIBRARY, reason="a CPU-only build: no CUDA code was built")
 def test_cuda_library_holds_sm80_sm90_and_ptx():
     tool = _cuobjdump()
     if tool is None:
         pytest.fail("a CUDA build needs cuobjdump to be checked (it ships with triton)")
-    elf = subprocess.run([tool, "--list-elf", str(_library())], capture_output=True, text=True, check=True).stdout
-    ptx = subprocess.run([tool, "--list-ptx", str(_library())], capture_output=True, text=True, check=True).stdout
+    elf = subprocess.run([tool, "--list-elf", str(_library("_C_cuda"))], capture_output=True, text=True, check=True).stdout
+    ptx = subprocess.run([tool, "--list-ptx", str(_library("_C_cuda"))], capture_output=True, text=True, check=True).stdout
     assert "sm_80.cubin" in elf and "sm_90.cubin" in elf
     assert "sm_90.ptx" in ptx
+
+
+# --- one build for every torch from the floor on ------------------------------------------------
+
+LIBTORCH_CPP = re.compile(r"\b(at|c10|torch|caffe2)::")
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
+def test_no_library_needs_a_cpp_symbol_of_libtorch():
+    # libtorch's C++ symbols change with every release; its stable ABI is a C shim
+    # (aoti_torch_*, torch_*), which is all the libraries may take from it.
+    for library in _libraries():
+        undefined = subprocess.run(["nm", "-D", "--undefined-only", "-C", str(library)], capture_output=True, text=True, check=True).stdout
+        assert [line.split()[-1] for line in undefined.splitlines() if LIBTORCH_CPP.search(line)] == [], library.name
+
+
+def _needed(library: Path) -> list[str]:
+    dynamic = subprocess.run(["objdump", "-p", str(library)], capture_output=True, text=True, check=True).stdout
+    return sorted(line.split()[1] for line in dynamic.splitlines() if line.strip().startswith("NEEDED"))
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_libraries_need_only_the_libtorch_every_torch_has():
+    # No libtorch_cuda, c10_cuda or libcudart: the CPU library loads under a CPU-only torch, and
+    # the CUDA one under a CUDA torch of any CUDA version (its runtime is linked in).
+    for library in _libraries():
+        needed = _needed(library)
+        assert [name for name in needed if "torch" in name or "c10" in name or "cuda" in name] == ["libtorch_cpu.so"], (
+            library.name,
+            needed,
+        )
+
+
+def test_the_torch_floor_is_said_alike_everywhere():
+    floor = ".".join(map(str, _torch_floor.TORCH_FLOOR))
+    assert build_ext.TORCH_FLOOR == _torch_floor.TORCH_FLOOR
+    assert build_ext.TORCH_TARGET_VERSION == "0x{:02x}{:02x}000000000000".format(*_torch_floor.TORCH_FLOOR)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^dependencies = \["torch>=' + re.escape(floor) + r'"\]$', pyproject, re.MULTILINE), pyproject
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump on x86-64")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import integer_view, may_check_bounds
+from .ops import call_op, check_index_dtype, integer_view, may_check_bounds
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
@@ -106,8 +106,11 @@ def _counter_index() -> dict[str, int]:
 
 
 def _check_entry_input(value, name: str) -> None:
-    if value is not None and not isinstance(value, torch.Tensor):
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
         raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
+    check_index_dtype(value, name)
 
 
 class KvCanary:
@@ -229,8 +232,8 @@ class KvCanary:
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
-        torch.ops.kvcanary.record(
-            self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
+        call_op(
+            torch.ops.kvcanary.record, self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
             self._records, self._owner_tags, self._counters, self._ring, may_check_bounds(slots),
         )  # fmt: skip
 
@@ -252,8 +255,8 @@ class KvCanary:
             _check_entry_input(value, name)
         tags = None if tag is None else self._tag_tensor(tag)
         padding = -1 if self.padding_slot is None else self.padding_slot
-        return torch.ops.kvcanary.verify(
-            self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
+        return call_op(
+            torch.ops.kvcanary.verify, self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
             self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots),
         )  # fmt: skip
 

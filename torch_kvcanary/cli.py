@@ -12,7 +12,7 @@ import torch
 from . import __version__
 from .demos import paged_cache as demo
 from .demos import transfer as transfer_demo
-from .ops import fold
+from .ops import fold, has_cuda_library
 from .reference import reference_fold
 from .sources import HashMode, make_packed_source, make_row_source
 
@@ -43,8 +43,10 @@ def info(args: argparse.Namespace) -> int:
     print(f"python         {platform.python_version()} ({platform.machine()})")
     print(f"torch          {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     print(f"kvcanary::fold kernels: {', '.join(backends)}")
-    if "CUDA" not in backends:
+    if not has_cuda_library():
         print("               (CPU-only build: no CUDA kernel was compiled)")
+    elif "CUDA" not in backends:
+        print("               (CPU-only torch: the CUDA kernels load under a CUDA build of torch)")
     devices = ["cpu"] + (["cuda"] if "CUDA" in backends and torch.cuda.is_available() else [])
     ok = True
     for device in devices:

@@ -1,13 +1,37 @@
-"""The kvcanary ops' library, their fake kernels, and the `fold` shim (`kv_digest` is in digest.py)."""
+"""The kvcanary ops' libraries, their fake kernels, how their refusals reach the caller, and
+the `fold` shim (`kv_digest` is in digest.py)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Iterable
 
 import torch
 
-from . import _C  # noqa: F401  (loading the library registers torch.ops.kvcanary)
+from ._torch_floor import check_torch_version
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
+
+
+def has_cuda_library() -> bool:
+    """Whether the package was built with its CUDA kernels (the `_C_cuda` library)."""
+    return importlib.util.find_spec(f"{__package__}._C_cuda") is not None
+
+
+def _load_libraries() -> bool:
+    """Loads the ops' library (`_C`: the schema and the CPU kernels), after refusing a torch
+    older than the floor, and the CUDA kernels' (`_C_cuda`) when torch is a CUDA build and the
+    package was built with them; returns whether the CUDA kernels are registered. Under a
+    CPU-only torch the CUDA library is left alone: it needs torch's CUDA side."""
+    check_torch_version(torch.__version__)
+    importlib.import_module(f"{__package__}._C")
+    if torch.version.cuda is None or not has_cuda_library():
+        return False
+    importlib.import_module(f"{__package__}._C_cuda")
+    return True
+
+
+CUDA_KERNELS = _load_libraries()
 
 Source = KvSource
 
@@ -21,12 +45,43 @@ def _c10_dtype_name(dtype: torch.dtype) -> str:
     return torch.empty((), dtype=dtype, device="cpu").type().removeprefix("torch.").removesuffix("Tensor")
 
 
+# How a kernel's refusal reaches the caller (csrc/plan/checks.h): a `kv-canary:` message in
+# an IndexError (a slot or group out of range) or in a ValueError, which torch raises as a
+# RuntimeError from torch 2.15 on; no kernel can raise TypeError. The package's functions
+# check index dtypes here before they call an op (TypeError) and raise a refusal that reached
+# them as a RuntimeError as the ValueError it is (raise_refusal), so each error has its
+# documented type on every torch.
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_index_dtype(value: torch.Tensor, name: str) -> None:
+    """The kernels' index-dtype check (csrc/plan/checks.cpp), with its message, as a TypeError."""
+    if value.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+
+
+def raise_refusal(error: RuntimeError) -> None:
+    """Raises a kernel's refusal that torch raised as a RuntimeError (``error``, a plain
+    RuntimeError whose message starts with `kv-canary:`) as a ValueError; returns for any
+    other error, which the caller re-raises."""
+    if type(error) is RuntimeError and str(error).startswith("kv-canary: "):
+        raise ValueError(str(error)) from None
+
+
+def call_op(op, *args):
+    """``op(*args)``, a refusal raised as its documented type (`raise_refusal`)."""
+    try:
+        return op(*args)
+    except RuntimeError as error:
+        raise_refusal(error)
+        raise
+
+
 @torch.library.register_fake("kvcanary::fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
-    # The checks of make_fold_plan (csrc/fold_plan.cpp) that need no data nor guards on
+    # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
     # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
-    if slots.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {_c10_dtype_name(slots.dtype)}")
+    check_index_dtype(slots, "slots")
     if len(sources) != len(read_bytes):
         raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
     for index, view in enumerate(sources):
@@ -39,12 +94,12 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
 
 @torch.library.register_fake("kvcanary::digest")
 def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
-    # The checks of make_digest_plan (csrc/digest_plan.cpp) that need no data nor guards on
-    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
+    # The checks of make_digest_plan (csrc/plan/digest_plan.cpp) that need no data nor guards
+    # on symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
     entries = {"slots": slots, "positions": positions, "groups": groups}
     for name, value in entries.items():
-        if value is not None and value.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+        if value is not None:
+            check_index_dtype(value, name)
     if len(views) != len(unit_offsets):
         raise ValueError(
             f"kv-canary: got {len(views)} digest views but {len(unit_offsets)} unit_offsets; pass one unit offset (the global id of its unit 0) per view"
@@ -61,7 +116,7 @@ def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, chec
 
 
 def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
-    # The canary kernels' cheap checks (csrc/canary_plan.cpp): one value per slot, one
+    # The canary kernels' cheap checks (csrc/plan/canary_plan.cpp): one value per slot, one
     # device. Mixed devices dispatch here when one of them is meta.
     for name, value in entries.items():
         if value is not None and value.numel() != slots.numel():
@@ -137,9 +192,10 @@ def fold(
     """
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
+    check_index_dtype(slots, "slots")
     mode = as_mode(mode)
     active = active_sources(sources, mode)
     views = [integer_view(s.as_view()) for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
     check_bounds = check_bounds and may_check_bounds(slots)
-    return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)
+    return call_op(torch.ops.kvcanary.fold, views, slots, read_bytes, check_bounds)

@@ -2,10 +2,8 @@
 // with the CPU fold on torch's threads, then the records are applied (record:
 // in entry order, since an entry may chain through an earlier one) or checked
 // (verify: in parallel, the flagged rows appended in entry order).
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <utility>
@@ -13,6 +11,7 @@
 
 #include "cpu/fold_cpu_entry.h"
 #include "plan/canary_plan.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -107,19 +106,19 @@ void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check
   counters[kSlotsRecorded] += recorded;
 }
 
-at::Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t padding_slot,
-                      bool check_bounds) {
+Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t padding_slot,
+                  bool check_bounds) {
   const CpuCall call = prepare_call(args, tables, check_bounds);
   const EntryInputs& in = call.entries.inputs;
   const int64_t capacity = call.capacity;
   const std::vector<int64_t>& folds = call.folds;
   const int64_t* records = tables.records.const_data_ptr<int64_t>();
   const int64_t* owner_tags = tables.owner_tags.const_data_ptr<int64_t>();
-  at::Tensor flagged = at::empty(args.slots.sizes(), args.slots.options().dtype(at::kBool));
+  Tensor flagged = new_tensor(args.slots.sizes(), ScalarType::Bool, args.slots.device());
   bool* out = flagged.mutable_data_ptr<bool>();
   // Reason bits per entry: -1 for an entry that is not checked (padding).
   std::vector<int64_t> reasons(in.num_entries);
-  at::parallel_for(0, in.num_entries, 4096, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, in.num_entries, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       prefetch_records(records, owner_tags, in, i + kRecordPrefetchDistance, capacity);
       const int64_t s = entry_slot(in, i);
@@ -158,9 +157,9 @@ at::Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int6
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
-  m.impl("record", &record_op<record_cpu>);
-  m.impl("verify", &verify_op<verify_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
+  m.impl("record", TORCH_BOX(&record_op<record_cpu>));
+  m.impl("verify", TORCH_BOX(&verify_op<verify_cpu>));
 }
 
 }  // namespace kvcanary

@@ -1,13 +1,13 @@
 #include "cpu/cpu_path.h"
 
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <cstdlib>
 #include <iterator>
 #include <string>
 
 #include "cpu/kernels/fold_cpu_isa.h"
+#include "plan/checks.h"
 
 namespace kvcanary {
 namespace {
@@ -73,13 +73,15 @@ std::string cpu_isa() { return name_of(cpu_path().isa); }
 
 const CpuPath& cpu_path() {
   static const IsaChoice choice = choose_isa();
-  TORCH_CHECK_VALUE(choice.refused.empty(), "kv-canary: ", kIsaVariable, "=", choice.refused,
-                    " is not a path this CPU can run; use one of scalar..", name_of(choice.best),
-                    " or unset it");
+  KVCANARY_CHECK_VALUE(choice.refused.empty(), kIsaVariable, "=", choice.refused,
+                       " is not a path this CPU can run; use one of scalar..", name_of(choice.best),
+                       " or unset it");
   return kCpuPaths[static_cast<int>(choice.isa)];
 }
 
 // No tensor arguments: CompositeExplicitAutograd serves every call.
-TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) { m.impl("cpu_isa", &cpu_isa); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {
+  m.impl("cpu_isa", TORCH_BOX(&cpu_isa));
+}
 
 }  // namespace kvcanary

@@ -2,9 +2,7 @@
 // torch's threads by the instruction-set path this process takes. Each thread
 // adds its terms into sums of its own; the wrapping sums are then added
 // together, so the result does not depend on the split or the order.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <mutex>
@@ -13,6 +11,7 @@
 #include "cpu/cpu_path.h"
 #include "cpu/parallel_tasks.h"
 #include "plan/digest_plan.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -26,16 +25,18 @@ int64_t task_entries(const DigestPlan& plan) {
   return std::max<int64_t>(kDigestBatchEntries, kTaskReadBytes / (bytes_per_entry + 1));
 }
 
-at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::Tensor& positions,
-                      const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets,
-                      int64_t num_groups, bool check_bounds) {
+Tensor digest_cpu(const std::vector<Tensor>& views, const Tensor& slots, const Tensor& positions,
+                  const std::optional<Tensor>& groups, const std::vector<int64_t>& unit_offsets,
+                  int64_t num_groups, bool check_bounds) {
   const DigestPlan plan =
       make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
   if (check_bounds) {
     check_digest_entries_in_range(plan, kHostSearch);
   }
   const int64_t n = plan.slots.numel();
-  at::Tensor out = at::zeros({num_groups}, slots.options().dtype(at::kLong));
+  Tensor out = new_tensor({num_groups}, ScalarType::Long, slots.device());
+  auto* total = reinterpret_cast<uint64_t*>(out.mutable_data_ptr<int64_t>());
+  std::fill_n(total, num_groups, 0);
   if (plan.views.empty() || n == 0) {
     return out;
   }
@@ -45,11 +46,10 @@ at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::T
   range.capacity = plan.capacity;
   range.slots = plan.slots.const_data_ptr<int64_t>();
   range.positions = plan.positions.const_data_ptr<int64_t>();
-  range.groups = plan.groups.defined() ? plan.groups.const_data_ptr<int64_t>() : nullptr;
+  range.groups = plan.groups.has_value() ? plan.groups->const_data_ptr<int64_t>() : nullptr;
   range.num_groups = num_groups;
 
   const CpuPath& path = cpu_path();
-  auto* total = reinterpret_cast<uint64_t*>(out.mutable_data_ptr<int64_t>());
   std::mutex merge;
   parallel_tasks(n, task_entries(plan), [&](const auto& run_my_tasks) {
     std::vector<uint64_t> sums(static_cast<size_t>(num_groups), 0);
@@ -68,6 +68,6 @@ at::Tensor digest_cpu(at::TensorList views, const at::Tensor& slots, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvcanary, CPU, m) { m.impl("digest", &digest_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) { m.impl("digest", TORCH_BOX(&digest_cpu)); }
 
 }  // namespace kvcanary

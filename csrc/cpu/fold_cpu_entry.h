@@ -2,16 +2,15 @@
 // they fold their slots with it and then apply their own bookkeeping.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 
 #include "plan/fold_plan.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 
 // out[i] = the fold of flat_slots[i] (contiguous int32 or int64) over the
 // plan's sources, on torch's threads; slots outside [0, plan.capacity) give 0.
-void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out);
+void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out);
 
 }  // namespace kvcanary

@@ -2,7 +2,7 @@
 // cpu/kernels/fold_cpu_tasks.h) and shared among torch's threads.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,13 +27,14 @@ namespace kvcanary {
 template <typename OnThread>
 void parallel_tasks(int64_t n, int64_t task, const OnThread& on_thread) {
   const int64_t num_tasks = (n + task - 1) / task;
-  const int64_t workers = std::min<int64_t>(num_tasks, at::get_num_threads());
+  const int64_t workers =
+      std::min<int64_t>(num_tasks, static_cast<int64_t>(torch::stable::get_num_threads()));
   if (workers <= 1) {
     on_thread([&](const auto& work) { work(SlotSpan{0, n}, SlotSpan{n, n}); });
     return;
   }
   std::atomic<int64_t> next{workers};
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     // Tasks [begin, end) are this thread's to start with (one, unless
     // parallel_for runs inline), then whatever it claims.
     on_thread([&](const auto& work) { run_tasks(begin, end, next, n, task, work); });

@@ -4,19 +4,18 @@
 // folded first by the fold's kernel, whose chain the canary kernel continues.
 #include "cuda/canary_cuda.h"
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "cuda/checks.h"
+#include "cuda/stream.h"
 #include "plan/canary_plan.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -24,7 +23,7 @@ namespace {
 // The pointer a kernel gets to a table: writable where it writes (record),
 // read-only where it only reads (verify).
 template <typename Table>
-Table* table_data(const at::Tensor& table) {
+Table* table_data(const Tensor& table) {
   if constexpr (std::is_const_v<Table>) {
     return table.const_data_ptr<int64_t>();
   } else {
@@ -35,14 +34,15 @@ Table* table_data(const at::Tensor& table) {
 template <typename Table>
 struct CudaCall {
   CanaryPlan plan;
-  at::Tensor partial_folds;  // the fold of the sources before the last group
+  std::optional<Tensor> partial_folds;  // the fold of the sources before the last group
   CanaryLaunchArgs<Table> args{};
 };
 
 // Sets up `fold` for the canary kernel, which folds the last group of
 // sources, after folding the groups before it into `partial_folds`.
-void fold_leading_groups(const CanaryPlan& plan, const at::Tensor& slots, at::Tensor& partial_folds,
-                         FoldLaunchArgs& fold, cudaStream_t stream) {
+void fold_leading_groups(const CanaryPlan& plan, const Tensor& slots,
+                         std::optional<Tensor>& partial_folds, FoldLaunchArgs& fold,
+                         cudaStream_t stream) {
   const std::vector<SourceLayout>& sources = plan.fold.sources;
   const int64_t n = plan.entries.inputs.num_entries;
   fold.capacity = plan.fold.capacity;
@@ -54,13 +54,13 @@ void fold_leading_groups(const CanaryPlan& plan, const at::Tensor& slots, at::Te
                        ? 0
                        : (num_sources - 1) / kSourcesPerLaunch * kSourcesPerLaunch;
   if (last > 0) {
-    partial_folds = at::empty({n}, slots.options().dtype(at::kLong));
-    fold.out = partial_folds.mutable_data_ptr<int64_t>();
+    partial_folds = new_tensor({n}, ScalarType::Long, slots.device());
+    fold.out = partial_folds->mutable_data_ptr<int64_t>();
     for (int first = 0; first < last; first += kSourcesPerLaunch) {
       fold.num_sources = kSourcesPerLaunch;
       std::copy_n(sources.begin() + first, kSourcesPerLaunch, fold.sources);
       fold.continue_chain = first > 0;
-      C10_CUDA_CHECK(launch_fold(fold, stream));
+      check_cuda(launch_fold(fold, stream));
     }
   }
   fold.num_sources = num_sources - last;
@@ -68,12 +68,11 @@ void fold_leading_groups(const CanaryPlan& plan, const at::Tensor& slots, at::Te
   fold.continue_chain = last > 0;
 }
 
-// Checks everything, then folds all but the last group of sources; the
-// caller launches the canary kernel, which folds the last group.
+// Checks the entries of a planned call, then folds all but the last group of
+// sources; the caller launches the canary kernel, which folds the last group.
 template <typename Table>
-void prepare(CudaCall<Table>& call, const CanaryInputs& in, const CanaryTables& tables,
+void prepare(CudaCall<Table>& call, const Tensor& slots, const CanaryTables& tables,
              bool check_bounds, cudaStream_t stream) {
-  call.plan = make_canary_plan(in, tables);
   const int64_t n = call.plan.entries.inputs.num_entries;
   check_slots_per_call(n);
   if (check_bounds) {
@@ -88,35 +87,36 @@ void prepare(CudaCall<Table>& call, const CanaryInputs& in, const CanaryTables& 
   a.ring_capacity = tables.ring.size(0);
   a.capacity = call.plan.capacity;
   a.padding_slot = -1;
-  fold_leading_groups(call.plan, in.slots, call.partial_folds, a.fold, stream);
+  fold_leading_groups(call.plan, slots, call.partial_folds, a.fold, stream);
 }
 
 void record_cuda(const CanaryInputs& in, const CanaryTables& tables, bool check_bounds) {
-  const c10::cuda::CUDAGuard guard(in.slots.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  CudaCall<int64_t> call;
-  prepare(call, in, tables, check_bounds, stream);
-  C10_CUDA_CHECK(launch_record(call.args, stream));
+  CudaCall<int64_t> call{make_canary_plan(in, tables), std::nullopt, {}};
+  // The plan found every tensor on the slots' device, a CUDA one.
+  const torch::stable::accelerator::DeviceGuard guard(in.slots.get_device_index());
+  const cudaStream_t stream = current_stream(in.slots.get_device_index());
+  prepare(call, in.slots, tables, check_bounds, stream);
+  check_cuda(launch_record(call.args, stream));
 }
 
-at::Tensor verify_cuda(const CanaryInputs& in, const CanaryTables& tables, int64_t padding_slot,
-                       bool check_bounds) {
-  const c10::cuda::CUDAGuard guard(in.slots.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  CudaCall<const int64_t> call;
-  prepare(call, in, tables, check_bounds, stream);
-  at::Tensor flagged = at::empty(in.slots.sizes(), in.slots.options().dtype(at::kBool));
+Tensor verify_cuda(const CanaryInputs& in, const CanaryTables& tables, int64_t padding_slot,
+                   bool check_bounds) {
+  CudaCall<const int64_t> call{make_canary_plan(in, tables), std::nullopt, {}};
+  const torch::stable::accelerator::DeviceGuard guard(in.slots.get_device_index());
+  const cudaStream_t stream = current_stream(in.slots.get_device_index());
+  prepare(call, in.slots, tables, check_bounds, stream);
+  Tensor flagged = new_tensor(in.slots.sizes(), ScalarType::Bool, in.slots.device());
   call.args.padding_slot = padding_slot;
   call.args.flagged = flagged.mutable_data_ptr<bool>();
-  C10_CUDA_CHECK(launch_verify(call.args, stream));
+  check_cuda(launch_verify(call.args, stream));
   return flagged;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
-  m.impl("record", &record_op<record_cuda>);
-  m.impl("verify", &verify_op<verify_cuda>);
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
+  m.impl("record", TORCH_BOX(&record_op<record_cuda>));
+  m.impl("verify", TORCH_BOX(&verify_op<verify_cuda>));
 }
 
 }  // namespace kvcanary

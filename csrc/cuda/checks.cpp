@@ -1,49 +1,65 @@
 #include "cuda/checks.h"
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/any.h>
-#include <ATen/ops/ge.h>
-#include <ATen/ops/logical_and.h>
-#include <ATen/ops/logical_or.h>
-#include <ATen/ops/lt.h>
-#include <ATen/ops/max.h>
-#include <ATen/ops/nonzero.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/util/Exception.h>
+#include <cstdint>
 
 #include "cuda/fold_cuda.h"
+#include "cuda/range_search.h"
+#include "cuda/stream.h"
 
 namespace kvcanary {
 namespace {
 
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+// A host copy of `bytes` bytes at device address `source`, ordered after the
+// work on `stream` (one host sync; the caller knows the copy is needed).
+void copy_to_host(void* target, const void* source, size_t bytes, cudaStream_t stream) {
+  check_cuda(cudaMemcpyAsync(target, source, bytes, cudaMemcpyDeviceToHost, stream));
+  check_cuda(cudaStreamSynchronize(stream));
 }
 
-// The value of `values` at the first entry where the flat bool `flags` is
-// true (one host sync per step; the caller knows one is).
-int64_t value_at_first(const at::Tensor& values, const at::Tensor& flags) {
-  return values[flags.nonzero()[0][0].item<int64_t>()].item<int64_t>();
-}
-
-std::optional<int64_t> first_at_least_cuda(const at::Tensor& index, int64_t limit) {
-  if (index.numel() == 0 || capturing() || index.max().item<int64_t>() < limit) {
+// The value of the entry of `values` (int32 when values_int32, int64
+// otherwise) that `launch` (a search writing a position, cuda/range_search.h)
+// finds first, or nullopt when it finds none or while a CUDA graph is being
+// captured on the current stream.
+template <typename Launch>
+std::optional<int64_t> value_at_first(const Tensor& values, bool values_int32,
+                                      const Launch& launch) {
+  const cudaStream_t stream = current_stream(values.get_device_index());
+  if (values.numel() == 0 || capturing(stream)) {
     return std::nullopt;
   }
-  const at::Tensor flat = index.reshape(-1);
-  return value_at_first(flat, at::ge(flat, limit));
+  const Tensor found = new_tensor({1}, ScalarType::Long, values.device());
+  auto* first = reinterpret_cast<unsigned long long*>(found.mutable_data_ptr<int64_t>());
+  check_cuda(launch(first, stream));
+  unsigned long long position = kNoEntry;
+  copy_to_host(&position, first, sizeof(position), stream);
+  if (position == kNoEntry) {
+    return std::nullopt;
+  }
+  const auto* base = static_cast<const char*>(values.const_data_ptr());
+  if (values_int32) {
+    int32_t value = 0;
+    copy_to_host(&value, base + position * sizeof(int32_t), sizeof(value), stream);
+    return value;
+  }
+  int64_t value = 0;
+  copy_to_host(&value, base + position * sizeof(int64_t), sizeof(value), stream);
+  return value;
 }
 
-std::optional<int64_t> first_bad_group_cuda(const at::Tensor& slots, const at::Tensor& groups,
+std::optional<int64_t> first_at_least_cuda(const Tensor& index, int64_t limit) {
+  const bool int32 = index.scalar_type() == ScalarType::Int;
+  return value_at_first(index, int32, [&](unsigned long long* first, cudaStream_t stream) {
+    return launch_first_at_least(index.const_data_ptr(), int32, index.numel(), limit, first,
+                                 stream);
+  });
+}
+
+std::optional<int64_t> first_bad_group_cuda(const Tensor& slots, const Tensor& groups,
                                             int64_t num_groups) {
-  if (slots.numel() == 0 || capturing()) {
-    return std::nullopt;
-  }
-  const at::Tensor bad = slots.ge(0).logical_and(groups.lt(0).logical_or(groups.ge(num_groups)));
-  if (!bad.any().item<bool>()) {
-    return std::nullopt;
-  }
-  return value_at_first(groups, bad);
+  return value_at_first(groups, false, [&](unsigned long long* first, cudaStream_t stream) {
+    return launch_first_bad_group(slots.const_data_ptr<int64_t>(), groups.const_data_ptr<int64_t>(),
+                                  slots.numel(), num_groups, first, stream);
+  });
 }
 
 }  // namespace
@@ -51,8 +67,8 @@ std::optional<int64_t> first_bad_group_cuda(const at::Tensor& slots, const at::T
 const IndexSearch kCudaSearch{first_at_least_cuda, first_bad_group_cuda};
 
 void check_slots_per_call(int64_t num_slots) {
-  TORCH_CHECK_VALUE(num_slots <= kMaxSlotsPerCall, "kv-canary: at most ", kMaxSlotsPerCall,
-                    " slots per call on CUDA, got ", num_slots, "; split the batch");
+  KVCANARY_CHECK_VALUE(num_slots <= kMaxSlotsPerCall, "at most ", kMaxSlotsPerCall,
+                       " slots per call on CUDA, got ", num_slots, "; split the batch");
 }
 
 }  // namespace kvcanary

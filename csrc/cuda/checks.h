@@ -1,8 +1,8 @@
 // The CUDA ops' own checks. The range checks (check_bounds) find the entries
-// they refuse with reductions on the device and a host sync, which a CUDA
-// graph cannot capture: so while the current stream is capturing kCudaSearch
-// finds nothing, and the kernels skip such entries without reading them (the
-// canary's report them in its ring). The checks and their messages are
+// they refuse with a search on the device (cuda/range_search.h) and a host
+// sync, which a CUDA graph cannot capture: so while the current stream is
+// capturing kCudaSearch finds nothing, and the kernels skip such entries
+// without reading them (the canary's report them in its ring). The checks and their messages are
 // plan/checks.h's.
 #pragma once
 

@@ -2,37 +2,37 @@
 // in cuda/digest_cuda_kernel.cu).
 #include "cuda/digest_cuda.h"
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 
 #include "cuda/checks.h"
+#include "cuda/stream.h"
 #include "plan/digest_plan.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
 
-at::Tensor digest_cuda(at::TensorList views, const at::Tensor& slots, const at::Tensor& positions,
-                       const std::optional<at::Tensor>& groups, at::IntArrayRef unit_offsets,
-                       int64_t num_groups, bool check_bounds) {
-  const c10::cuda::CUDAGuard guard(slots.device());
+Tensor digest_cuda(const std::vector<Tensor>& views, const Tensor& slots, const Tensor& positions,
+                   const std::optional<Tensor>& groups, const std::vector<int64_t>& unit_offsets,
+                   int64_t num_groups, bool check_bounds) {
   const DigestPlan plan =
       make_digest_plan(views, slots, positions, groups, unit_offsets, num_groups);
+  // The plan found every tensor on the slots' device, a CUDA one.
+  const torch::stable::accelerator::DeviceGuard guard(slots.get_device_index());
   if (check_bounds) {
     check_digest_entries_in_range(plan, kCudaSearch);
   }
-  at::Tensor out = at::zeros({num_groups}, slots.options().dtype(at::kLong));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Tensor out = new_tensor({num_groups}, ScalarType::Long, slots.device());
+  const cudaStream_t stream = current_stream(slots.get_device_index());
+  check_cuda(cudaMemsetAsync(out.mutable_data_ptr(), 0, num_groups * sizeof(int64_t), stream));
   DigestLaunchArgs args{};
   args.capacity = plan.capacity;
   args.slots = plan.slots.const_data_ptr<int64_t>();
   args.positions = plan.positions.const_data_ptr<int64_t>();
-  args.groups = plan.groups.defined() ? plan.groups.const_data_ptr<int64_t>() : nullptr;
+  args.groups = plan.groups.has_value() ? plan.groups->const_data_ptr<int64_t>() : nullptr;
   args.num_entries = plan.slots.numel();
   args.num_groups = num_groups;
   args.out = out.mutable_data_ptr<int64_t>();
@@ -44,13 +44,13 @@ at::Tensor digest_cuda(at::TensorList views, const at::Tensor& slots, const at::
     for (int j = 0; j < args.num_views; ++j) {
       args.first_unit[j + 1] = args.first_unit[j] + args.views[j].num_units;
     }
-    C10_CUDA_CHECK(launch_digest(args, stream));
+    check_cuda(launch_digest(args, stream));
   }
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) { m.impl("digest", &digest_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) { m.impl("digest", TORCH_BOX(&digest_cuda)); }
 
 }  // namespace kvcanary

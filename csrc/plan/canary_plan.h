@@ -3,14 +3,13 @@
 // checked before anything is written, so a refused call changes nothing.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <optional>
 #include <vector>
 
 #include "core/canary_records.h"
 #include "plan/checks.h"
 #include "plan/fold_plan.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 
@@ -18,50 +17,48 @@ namespace kvcanary {
 // in ops.cpp): the sources folded at each entry's slot, and the per-entry
 // inputs.
 struct CanaryInputs {
-  at::TensorList sources;
-  at::IntArrayRef read_bytes;
-  const at::Tensor& slots;
-  const std::optional<at::Tensor>& positions;
-  const std::optional<at::Tensor>& tokens;
-  const std::optional<at::Tensor>& prev_slots;
-  const std::optional<at::Tensor>& tags;
+  const std::vector<Tensor>& sources;
+  const std::vector<int64_t>& read_bytes;
+  const Tensor& slots;
+  const std::optional<Tensor>& positions;
+  const std::optional<Tensor>& tokens;
+  const std::optional<Tensor>& prev_slots;
+  const std::optional<Tensor>& tags;
 };
 
 // The canary's tables. record writes every one; verify reads records and
 // owner_tags and writes counters and ring.
 struct CanaryTables {
-  const at::Tensor& records;     // int64 [capacity, kRecordFields]
-  const at::Tensor& owner_tags;  // int64 [capacity]
-  const at::Tensor& counters;    // int64 [kNumCounters]
-  const at::Tensor& ring;        // int64 [ring_capacity, kViolationFields]
+  const Tensor& records;     // int64 [capacity, kRecordFields]
+  const Tensor& owner_tags;  // int64 [capacity]
+  const Tensor& counters;    // int64 [kNumCounters]
+  const Tensor& ring;        // int64 [ring_capacity, kViolationFields]
 };
 
 // A backend's record and verify on the bundled arguments.
 using RecordKernel = void (*)(const CanaryInputs& in, const CanaryTables& tables,
                               bool check_bounds);
-using VerifyKernel = at::Tensor (*)(const CanaryInputs& in, const CanaryTables& tables,
-                                    int64_t padding_slot, bool check_bounds);
+using VerifyKernel = Tensor (*)(const CanaryInputs& in, const CanaryTables& tables,
+                                int64_t padding_slot, bool check_bounds);
 
 // The ops' C++ signatures (the schema in ops.cpp), written once: a backend
 // registers record_op<its record> and verify_op<its verify>.
 template <RecordKernel record>
-void record_op(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-               const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& tokens,
-               const std::optional<at::Tensor>& prev_slots, const std::optional<at::Tensor>& tags,
-               at::Tensor& records, at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
-               bool check_bounds) {
+void record_op(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
+               const Tensor& slots, const std::optional<Tensor>& positions,
+               const std::optional<Tensor>& tokens, const std::optional<Tensor>& prev_slots,
+               const std::optional<Tensor>& tags, Tensor& records, Tensor& owner_tags,
+               Tensor& counters, Tensor& ring, bool check_bounds) {
   record({sources, read_bytes, slots, positions, tokens, prev_slots, tags},
          {records, owner_tags, counters, ring}, check_bounds);
 }
 
 template <VerifyKernel verify>
-at::Tensor verify_op(at::TensorList sources, at::IntArrayRef read_bytes, const at::Tensor& slots,
-                     const std::optional<at::Tensor>& positions,
-                     const std::optional<at::Tensor>& tokens,
-                     const std::optional<at::Tensor>& prev_slots,
-                     const std::optional<at::Tensor>& tags, const at::Tensor& records,
-                     const at::Tensor& owner_tags, at::Tensor& counters, at::Tensor& ring,
-                     int64_t padding_slot, bool check_bounds) {
+Tensor verify_op(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
+                 const Tensor& slots, const std::optional<Tensor>& positions,
+                 const std::optional<Tensor>& tokens, const std::optional<Tensor>& prev_slots,
+                 const std::optional<Tensor>& tags, const Tensor& records, const Tensor& owner_tags,
+                 Tensor& counters, Tensor& ring, int64_t padding_slot, bool check_bounds) {
   return verify({sources, read_bytes, slots, positions, tokens, prev_slots, tags},
                 {records, owner_tags, counters, ring}, padding_slot, check_bounds);
 }
@@ -70,17 +67,17 @@ at::Tensor verify_op(at::TensorList sources, at::IntArrayRef read_bytes, const a
 // tensors they point into kept alive.
 struct EntryPlan {
   EntryInputs inputs{};
-  std::vector<at::Tensor> keep_alive;
-  at::Tensor slots;       // contiguous
-  at::Tensor prev_slots;  // contiguous; undefined when not given
+  std::vector<Tensor> keep_alive;
+  Tensor slots;                      // contiguous
+  std::optional<Tensor> prev_slots;  // contiguous; nullopt when not given
 };
 
 // A checked call: its sources laid out, its entries, and the canary's
 // capacity.
 struct CanaryPlan {
   FoldPlan fold;
-  EntryPlan entries;
   int64_t capacity = 0;
+  EntryPlan entries;
 };
 
 // Checks the sources, the canary's tables (int64, contiguous, on the slots'

@@ -1,9 +1,9 @@
 #include "plan/digest_plan.h"
 
-#include <c10/util/Exception.h>
-
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <utility>
 
 #include "plan/checks.h"
 #include "plan/fold_plan.h"
@@ -13,14 +13,12 @@ namespace {
 
 constexpr int64_t kUnitAlign = 4;
 
-void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& slots) {
+void check_index_tensor(const Tensor& t, const char* name, const Tensor& slots) {
   check_index_dtype(t, name);
-  TORCH_CHECK_VALUE(t.sizes() == slots.sizes(), "kv-canary: ", name,
-                    " must have the shape of slots ", slots.sizes(), ", got ", t.sizes());
+  KVCANARY_CHECK_VALUE(t.sizes() == slots.sizes(), name, " must have the shape of slots ",
+                       shape_of(slots), ", got ", shape_of(t));
   check_on_slots_device(t, slots, kPutOnOneDevice, name);
 }
-
-at::Tensor as_flat_long(const at::Tensor& t) { return t.reshape(-1).to(at::kLong).contiguous(); }
 
 // The widest of 8, 4 and 1 bytes that divides every value in `values`.
 int32_t common_piece(std::initializer_list<int64_t> values) {
@@ -32,41 +30,43 @@ int32_t common_piece(std::initializer_list<int64_t> values) {
   return 1;
 }
 
-DigestView layout_view(const at::Tensor& view, int64_t index, int64_t unit_offset) {
-  TORCH_CHECK_VALUE(view.dim() >= 3, "kv-canary: digest view ", index,
-                    " must be [num_pages, page_size, units, *unit_shape], got shape ",
-                    view.sizes());
+DigestView layout_view(const Tensor& view, int64_t index, int64_t unit_offset) {
+  const IntList sizes = view.sizes();
+  const IntList strides = view.strides();
+  KVCANARY_CHECK_VALUE(sizes.size() >= 3, "digest view ", index,
+                       " must be [num_pages, page_size, units, *unit_shape], got shape ",
+                       shape_of(view));
   const int64_t itemsize = static_cast<int64_t>(view.element_size());
-  const int64_t unit_bytes = itemsize * c10::multiply_integers(view.sizes().slice(3));
-  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes % kUnitAlign == 0, "kv-canary: digest view ",
-                    index, " has units of ", unit_bytes, " bytes (shape ", view.sizes(), ", dtype ",
-                    view.scalar_type(), "); a unit's bytes must be a positive multiple of ",
-                    kUnitAlign);
+  const int64_t unit_bytes = itemsize * product_from(sizes, 3);
+  KVCANARY_CHECK_VALUE(unit_bytes > 0 && unit_bytes % kUnitAlign == 0, "digest view ", index,
+                       " has units of ", unit_bytes, " bytes (shape ", shape_of(view), ", dtype ",
+                       dtype_of(view), "); a unit's bytes must be a positive multiple of ",
+                       kUnitAlign);
 
   DigestView out{};
   SourceLayout& unit = out.unit;
   unit.data = static_cast<const unsigned char*>(view.const_data_ptr());
-  unit.page_size = view.size(1);
-  unit.page_stride = view.stride(0) * itemsize;
-  unit.slot_stride = view.stride(1) * itemsize;
+  unit.page_size = sizes[1];
+  unit.page_stride = strides[0] * itemsize;
+  unit.slot_stride = strides[1] * itemsize;
   unit.read_bytes = unit_bytes;
-  out.num_units = view.size(2);
-  out.unit_stride = view.stride(2) * itemsize;
+  out.num_units = sizes[2];
+  out.unit_stride = strides[2] * itemsize;
   out.first_unit_id = static_cast<uint64_t>(unit_offset);
 
   auto dims = coalesced_dims(view, 3);
   if (dims.empty()) {  // a unit of one element
     dims.emplace_back(1, itemsize);
   }
-  TORCH_CHECK_VALUE(dims.back().second == itemsize, "kv-canary: digest view ", index,
-                    " must have a contiguous innermost dim (stride 1), got shape ", view.sizes(),
-                    " and strides ", view.strides(),
-                    "; make the fastest-moving dim of each unit the last one");
+  KVCANARY_CHECK_VALUE(dims.back().second == itemsize, "digest view ", index,
+                       " must have a contiguous innermost dim (stride 1), got shape ",
+                       shape_of(view), " and strides ", strides_of(view),
+                       "; make the fastest-moving dim of each unit the last one");
   unit.run_bytes = dims.back().first * itemsize;
   dims.pop_back();
-  TORCH_CHECK_VALUE(static_cast<int>(dims.size()) <= kMaxOuterDims, "kv-canary: digest view ",
-                    index, " has ", dims.size(), " non-contiguous unit dims (strides ",
-                    view.strides(), "); at most ", kMaxOuterDims, " are supported");
+  KVCANARY_CHECK_VALUE(static_cast<int>(dims.size()) <= kMaxOuterDims, "digest view ", index,
+                       " has ", dims.size(), " non-contiguous unit dims (strides ",
+                       strides_of(view), "); at most ", kMaxOuterDims, " are supported");
   unit.num_outer = static_cast<int32_t>(dims.size());
   int64_t outer_gcd = 0;
   for (size_t d = 0; d < dims.size(); ++d) {
@@ -79,51 +79,56 @@ DigestView layout_view(const at::Tensor& view, int64_t index, int64_t unit_offse
   // dims longer than 1, and (when a unit has several runs) the run length.
   const auto stride_if = [](int64_t size, int64_t stride) { return size > 1 ? stride : 0; };
   const int64_t address = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(unit.data) % 16);
-  const int64_t strides = std::gcd(std::gcd(stride_if(view.size(0), unit.page_stride),
-                                            stride_if(view.size(1), unit.slot_stride)),
-                                   std::gcd(stride_if(out.num_units, out.unit_stride), outer_gcd));
+  const int64_t stride_gcd = std::gcd(
+      std::gcd(stride_if(sizes[0], unit.page_stride), stride_if(sizes[1], unit.slot_stride)),
+      std::gcd(stride_if(out.num_units, out.unit_stride), outer_gcd));
   const int64_t runs = unit.num_outer > 0 ? unit.run_bytes : 0;
-  out.piece_bytes = common_piece({address, strides, runs});
-  out.aligned_chunks = address == 0 && strides % 16 == 0 && runs % 16 == 0;
+  out.piece_bytes = common_piece({address, stride_gcd, runs});
+  out.aligned_chunks = address == 0 && stride_gcd % 16 == 0 && runs % 16 == 0;
   return out;
 }
 
 }  // namespace
 
-DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots,
-                            const at::Tensor& positions, const std::optional<at::Tensor>& groups,
-                            at::IntArrayRef unit_offsets, int64_t num_groups) {
+DigestPlan make_digest_plan(const std::vector<Tensor>& views, const Tensor& slots,
+                            const Tensor& positions, const std::optional<Tensor>& groups,
+                            const std::vector<int64_t>& unit_offsets, int64_t num_groups) {
   check_index_dtype(slots, "slots");
   check_index_tensor(positions, "positions", slots);
   if (groups.has_value()) {
     check_index_tensor(*groups, "groups", slots);
   }
-  TORCH_CHECK_VALUE(num_groups >= 1, "kv-canary: num_groups must be >= 1, got ", num_groups);
-  TORCH_CHECK_VALUE(views.size() == unit_offsets.size(), "kv-canary: got ", views.size(),
-                    " digest views but ", unit_offsets.size(),
-                    " unit_offsets; pass one unit offset (the global id of its unit 0) per view");
-  DigestPlan plan;
-  plan.num_groups = num_groups;
-  plan.views.reserve(views.size());
+  KVCANARY_CHECK_VALUE(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
+  KVCANARY_CHECK_VALUE(
+      views.size() == unit_offsets.size(), "got ", views.size(), " digest views but ",
+      unit_offsets.size(),
+      " unit_offsets; pass one unit offset (the global id of its unit 0) per view");
+  std::vector<DigestView> laid_out;
+  laid_out.reserve(views.size());
+  int64_t capacity = -1;
   for (size_t i = 0; i < views.size(); ++i) {
-    const at::Tensor& view = views[i];
+    const Tensor& view = views[i];
     check_on_slots_device(view, slots, kPutOnOneDevice, "digest view ", i);
-    plan.views.push_back(layout_view(view, static_cast<int64_t>(i), unit_offsets[i]));
-    const int64_t capacity = view.size(0) * view.size(1);
-    plan.capacity = i == 0 ? capacity : std::min(plan.capacity, capacity);
+    laid_out.push_back(layout_view(view, static_cast<int64_t>(i), unit_offsets[i]));
+    const int64_t view_capacity = laid_out.back().unit.page_size * view.sizes()[0];
+    capacity = i == 0 ? view_capacity : std::min(capacity, view_capacity);
   }
-  plan.slots = as_flat_long(slots);
-  plan.positions = as_flat_long(positions);
+  std::optional<Tensor> flat_groups;
   if (groups.has_value()) {
-    plan.groups = as_flat_long(*groups);
+    flat_groups = in_memory_order_int64(*groups);
   }
-  return plan;
+  return DigestPlan{std::move(laid_out),
+                    capacity,
+                    num_groups,
+                    in_memory_order_int64(slots),
+                    in_memory_order_int64(positions),
+                    std::move(flat_groups)};
 }
 
 void check_digest_entries_in_range(const DigestPlan& plan, const IndexSearch& search) {
   check_slots_in_range(plan.slots, plan.capacity, search);
-  if (plan.groups.defined()) {
-    check_groups_in_range(plan.slots, plan.groups, plan.num_groups, search);
+  if (plan.groups.has_value()) {
+    check_groups_in_range(plan.slots, *plan.groups, plan.num_groups, search);
   }
 }
 

@@ -2,13 +2,12 @@
 // CUDA kernels: DigestViews, or a `kv-canary:` error that says what to change.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <optional>
 #include <vector>
 
 #include "core/digest_math.h"
 #include "plan/checks.h"
+#include "plan/tensors.h"
 
 namespace kvcanary {
 
@@ -18,18 +17,18 @@ struct DigestPlan {
   // views, since then no slot reads anything.
   int64_t capacity = -1;
   int64_t num_groups = 1;
-  // The entries, flat, contiguous and int64; groups undefined when not given
-  // (every entry in group 0).
-  at::Tensor slots;
-  at::Tensor positions;
-  at::Tensor groups;
+  // The entries, contiguous and int64, read in memory order; groups not given
+  // (every entry in group 0): nullopt.
+  Tensor slots;
+  Tensor positions;
+  std::optional<Tensor> groups;
 };
 
 // Checks the op's arguments (see the schema in ops.cpp) and lays out each
 // view. Never copies a view.
-DigestPlan make_digest_plan(at::TensorList views, const at::Tensor& slots,
-                            const at::Tensor& positions, const std::optional<at::Tensor>& groups,
-                            at::IntArrayRef unit_offsets, int64_t num_groups);
+DigestPlan make_digest_plan(const std::vector<Tensor>& views, const Tensor& slots,
+                            const Tensor& positions, const std::optional<Tensor>& groups,
+                            const std::vector<int64_t>& unit_offsets, int64_t num_groups);
 
 // check_bounds: IndexError for the first slot >= the views' capacity, then
 // for the first group outside [0, num_groups) of an entry with a slot >= 0.
