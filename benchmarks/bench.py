@@ -148,15 +148,55 @@ def _median(stmt, device: str, min_run_time: float) -> tuple[float, int]:
 
 def _interleaved_medians(stmts: dict, device: str, min_run_time: float, rounds: int = 5) -> dict[str, float]:
     """Median seconds of each statement, measured in turns (`rounds` blocks each, one
-    statement after the other), so that a machine's slow phases hit every one alike."""
+    statement after the other, each round starting one statement later), so that a machine's
+    slow phases and the order hit every one alike."""
     from torch.utils import benchmark
 
     times: dict[str, list[float]] = {name: [] for name in stmts}
-    for _ in range(rounds):
-        for name, stmt in stmts.items():
+    names = list(stmts)
+    for turn in range(rounds):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            stmt = stmts[name]
             timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt}, num_threads=torch.get_num_threads())
             times[name] += timer.blocked_autorange(min_run_time=min_run_time / rounds).times
     return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
+# The op library a baseline build registers: its namespace renamed (tools/overhead_ab.sh builds
+# one from a git revision), so that it loads beside this build's.
+BASELINE_NAMESPACE = "kvcanary_base"
+
+
+def call_overhead(min_run_time: float, baseline_library: str | None = None) -> dict[str, float]:
+    """Microseconds per call of a decode step's fold on the CPU, where the cost of the call
+    itself shows: 256 random slots of one source of 256-byte tokens, its 1 MiB pool in
+    cache. `fold` is the package's function (its argument checks, the op and the kernel), `op`
+    the op called directly; with ``baseline_library`` (another build of the op library whose
+    namespace is BASELINE_NAMESPACE), `baseline op` is that build's op on the same arguments,
+    checked to fold alike. Medians of measurements taken in turns."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (4096, 1, 256), dtype=torch.uint8, generator=gen)
+    source = view_source(pool, read_bytes=256)
+    slots = torch.randint(0, 4096, (256,), generator=gen)
+    op = torch.ops.kvcanary.fold
+    stmts = {
+        "fold": lambda: fold(source, slots),
+        "op": lambda: op([pool], slots, [256], True),
+    }
+    if baseline_library is not None:
+        torch.ops.load_library(baseline_library)
+        baseline_op = getattr(torch.ops, BASELINE_NAMESPACE).fold
+        if not torch.equal(baseline_op([pool], slots, [256], True), op([pool], slots, [256], True)):
+            raise AssertionError("kv-canary: the baseline library folds differently")
+        stmts["baseline op"] = lambda: baseline_op([pool], slots, [256], True)
+    return {name: seconds * 1e6 for name, seconds in _interleaved_medians(stmts, "cpu", min_run_time, rounds=10).items()}
+
+
+def format_call_overhead(times: dict[str, float]) -> str:
+    line = "fold of 256 slots (1 source of 256 B, in cache), us per call: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items())
+    if "baseline op" in times:
+        line += f"; op - baseline op: {times['op'] - times['baseline op']:+.2f} us"
+    return line
 
 
 def canary_cost(device: str, min_run_time: float) -> list[dict]:
@@ -474,6 +514,13 @@ def run(args: argparse.Namespace) -> int:
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr)
     if args.digest:
         return digest_main(args, devices, info)
+    if args.call_overhead:
+        times = call_overhead(args.min_run_time, args.baseline_library)
+        print(format_call_overhead(times))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": info, "call_overhead_us": times}, f, indent=1)
+        return 0
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
     for device, case in plan:
@@ -532,6 +579,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--canary", action="store_true", help="also time KvCanary.record and verify beside a bare fold")
     parser.add_argument("--digest", action="store_true", help="instead: the transfer digest beside the fold over the same slots and bytes")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")
+    parser.add_argument(
+        "--call-overhead", action="store_true", help="instead: microseconds per call of a fold of 256 slots on the CPU (in cache)"
+    )
+    parser.add_argument(
+        "--baseline-library",
+        metavar="SO",
+        help=f"with --call-overhead: also time the op of this build of the op library (namespace {BASELINE_NAMESPACE}, see tools/overhead_ab.sh)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
