@@ -20,6 +20,8 @@ BUILD_REQUIRES := "setuptools>=70" ninja
 
 BIN := $(VENV)/bin
 BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(shell find csrc -type f)
+# What the wheel holds besides the libraries: the package's Python and its README.
+WHEEL_INPUTS := $(BUILD_INPUTS) README.md $(shell find torch_kvcanary -name '*.py')
 WHEEL_DIR := dist
 # The wheel is tested under this torch, in a venv of its own.
 WHEEL_TORCH ?= $(TORCH)
@@ -65,7 +67,7 @@ sanitize: $(VENV)/.built
 # with the CUDA library when that torch is a CUDA build and a toolkit is found.
 wheel: $(WHEEL_DIR)/.built
 
-$(WHEEL_DIR)/.built: $(VENV)/.deps $(BUILD_INPUTS)
+$(WHEEL_DIR)/.built: $(VENV)/.deps $(WHEEL_INPUTS)
 	rm -rf $(WHEEL_DIR)
 	$(BIN)/python -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w $(WHEEL_DIR) .
 	ls $(WHEEL_DIR)/torch_kvcanary-*-cp310-abi3-*.whl

@@ -278,17 +278,25 @@ def test_forced_cpu_path_the_cpu_lacks():
     assert child.stdout.splitlines() == [message]
 
 
-def test_a_refusal_raised_as_runtime_error_reaches_the_caller_as_value_error(monkeypatch):
+@pytest.mark.parametrize(
+    "slots, exception",
+    [(SLOTS, ValueError), (SLOTS.float(), TypeError)],
+    ids=["a value refused", "a dtype refused"],
+)
+def test_a_refusal_raised_as_runtime_error_reaches_the_caller_as_documented(monkeypatch, slots, exception):
     # From torch 2.15 on, torch raises a kernel's std::invalid_argument as RuntimeError
-    # (csrc/plan/checks.h); the package's functions raise it as the ValueError they document.
+    # (csrc/plan/checks.h); the package's functions raise the types they document.
+    message = "kv-canary: source 0 has 8 bytes per token; it must be a positive multiple of 16"
+
     def refusing_op(*args):
-        raise RuntimeError("kv-canary: source 0 has 8 bytes per token; it must be a positive multiple of 16")
+        raise RuntimeError(message)
 
     monkeypatch.setattr(torch.ops.kvcanary, "fold", refusing_op)
-    with pytest.raises(ValueError) as info:
-        kc.fold(GOOD, SLOTS)
-    assert type(info.value) is ValueError
-    assert str(info.value) == "kv-canary: source 0 has 8 bytes per token; it must be a positive multiple of 16"
+    with pytest.raises(exception) as info:
+        kc.fold(GOOD, slots)
+    assert type(info.value) is exception
+    expected = message if exception is ValueError else "kv-canary: slots must be an int32 or int64 tensor, got Float"
+    assert str(info.value) == expected
 
 
 @pytest.mark.parametrize(
@@ -301,12 +309,7 @@ def test_a_refusal_raised_as_runtime_error_reaches_the_caller_as_value_error(mon
     ids=["not a refusal", "index error", "a RuntimeError subclass"],
 )
 def test_other_errors_of_an_op_pass_through_unchanged(error):
-    def failing_op(*args):
-        raise error
-
-    with pytest.raises(type(error)) as info:
-        ops.call_op(failing_op)
-    assert info.value is error
+    assert ops.refusal(error, {"slots": SLOTS.float()}) is error
 
 
 def test_a_torch_older_than_the_floor_is_refused_before_a_library_loads():

@@ -18,6 +18,7 @@ from helpers import REPO
 
 import torch_kvcanary
 from build_tools import build_ext
+from build_tools.cuda_toolkit import find_cuda_home
 from torch_kvcanary import _torch_floor
 from torch_kvcanary.cli import fold_backends
 from torch_kvcanary.ops import has_cuda_library
@@ -36,12 +37,15 @@ def _libraries() -> list[Path]:
 
 
 def _cuobjdump() -> str | None:
+    """cuobjdump of triton (CUDA builds of torch bring it), on PATH, or of the CUDA toolkit."""
     triton = importlib.util.find_spec("triton")
     if triton is not None:
         candidate = Path(triton.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         if candidate.is_file():
             return str(candidate)
-    return shutil.which("cuobjdump")
+    home = find_cuda_home()
+    toolkit = None if home is None else home / "bin" / "cuobjdump"
+    return shutil.which("cuobjdump") or (str(toolkit) if toolkit is not None and toolkit.is_file() else None)
 
 
 def test_backends_match_the_build():
@@ -62,7 +66,7 @@ def test_info_says_what_was_built():
 def test_cuda_library_holds_sm80_sm90_and_ptx():
     tool = _cuobjdump()
     if tool is None:
-        pytest.fail("a CUDA build needs cuobjdump to be checked (it ships with triton)")
+        pytest.fail("a CUDA build needs cuobjdump to be checked (it ships with triton and the CUDA toolkit)")
     elf = subprocess.run([tool, "--list-elf", str(_library("_C_cuda"))], capture_output=True, text=True, check=True).stdout
     ptx = subprocess.run([tool, "--list-ptx", str(_library("_C_cuda"))], capture_output=True, text=True, check=True).stdout
     assert "sm_80.cubin" in elf and "sm_90.cubin" in elf

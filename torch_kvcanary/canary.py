@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import call_op, check_index_dtype, integer_view, may_check_bounds
+from .ops import integer_view, may_check_bounds, refusal
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
@@ -106,11 +106,8 @@ def _counter_index() -> dict[str, int]:
 
 
 def _check_entry_input(value, name: str) -> None:
-    if value is None:
-        return
-    if not isinstance(value, torch.Tensor):
+    if value is not None and not isinstance(value, torch.Tensor):
         raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
-    check_index_dtype(value, name)
 
 
 class KvCanary:
@@ -232,10 +229,13 @@ class KvCanary:
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
-        call_op(
-            torch.ops.kvcanary.record, self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
-            self._records, self._owner_tags, self._counters, self._ring, may_check_bounds(slots),
-        )  # fmt: skip
+        try:
+            torch.ops.kvcanary.record(
+                self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
+                self._records, self._owner_tags, self._counters, self._ring, may_check_bounds(slots),
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as error:
+            raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
 
     def verify(
         self,
@@ -255,10 +255,13 @@ class KvCanary:
             _check_entry_input(value, name)
         tags = None if tag is None else self._tag_tensor(tag)
         padding = -1 if self.padding_slot is None else self.padding_slot
-        return call_op(
-            torch.ops.kvcanary.verify, self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
-            self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots),
-        )  # fmt: skip
+        try:
+            return torch.ops.kvcanary.verify(
+                self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
+                self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots),
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as error:
+            raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
         if isinstance(tag, int) and tag == -1 and not isinstance(tag, bool):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import engines
-from .ops import call_op, check_index_dtype, integer_view, may_check_bounds
+from .ops import integer_view, may_check_bounds, refusal
 
 K, V, K_SCALE, V_SCALE = range(4)
 MHA_KINDS = 4
@@ -34,7 +34,6 @@ MLA_KINDS = 2
 def _index_tensor(value, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {type(value).__name__}")
-    check_index_dtype(value, name)
     return value
 
 
@@ -79,7 +78,10 @@ def kv_digest(
         groups = _index_tensor(groups, "groups")
     offsets = [int(u) for u in unit_offsets]
     views = [integer_view(v) for v in views]
-    return call_op(torch.ops.kvcanary.digest, views, slots, positions, groups, offsets, num_groups, may_check_bounds(slots))
+    try:
+        return torch.ops.kvcanary.digest(views, slots, positions, groups, offsets, num_groups, may_check_bounds(slots))
+    except (ValueError, RuntimeError) as error:
+        raise refusal(error, {"slots": slots, "positions": positions, "groups": groups}) from None
 
 
 # --- unit ids for real caches ---------------------------------------------------------------

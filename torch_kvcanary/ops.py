@@ -47,34 +47,39 @@ def _c10_dtype_name(dtype: torch.dtype) -> str:
 
 # How a kernel's refusal reaches the caller (csrc/plan/checks.h): a `kv-canary:` message in
 # an IndexError (a slot or group out of range) or in a ValueError, which torch raises as a
-# RuntimeError from torch 2.15 on; no kernel can raise TypeError. The package's functions
-# check index dtypes here before they call an op (TypeError) and raise a refusal that reached
-# them as a RuntimeError as the ValueError it is (raise_refusal), so each error has its
-# documented type on every torch.
+# RuntimeError from torch 2.15 on; no kernel can raise TypeError, so a refused index dtype
+# arrives as a ValueError too. The package's functions raise `refusal(error, ...)` for what an
+# op raised: a TypeError where one of their index tensors has a dtype the kernels refuse, a
+# refusal that reached them as a RuntimeError as the ValueError it is. Each error then has its
+# documented type on every torch, at no cost to a call that succeeds.
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def index_dtype_error(value: torch.Tensor, name: str) -> TypeError | None:
+    """The kernels' index-dtype check (csrc/plan/checks.cpp), with its message, as a TypeError;
+    None when ``value`` is int32 or int64."""
+    if value.dtype in _INDEX_DTYPES:
+        return None
+    return TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+
+
 def check_index_dtype(value: torch.Tensor, name: str) -> None:
-    """The kernels' index-dtype check (csrc/plan/checks.cpp), with its message, as a TypeError."""
-    if value.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+    """Raises `index_dtype_error`."""
+    if (error := index_dtype_error(value, name)) is not None:
+        raise error
 
 
-def raise_refusal(error: RuntimeError) -> None:
-    """Raises a kernel's refusal that torch raised as a RuntimeError (``error``, a plain
-    RuntimeError whose message starts with `kv-canary:`) as a ValueError; returns for any
-    other error, which the caller re-raises."""
-    if type(error) is RuntimeError and str(error).startswith("kv-canary: "):
-        raise ValueError(str(error)) from None
-
-
-def call_op(op, *args):
-    """``op(*args)``, a refusal raised as its documented type (`raise_refusal`)."""
-    try:
-        return op(*args)
-    except RuntimeError as error:
-        raise_refusal(error)
-        raise
+def refusal(error: Exception, index_tensors: dict[str, torch.Tensor | None]) -> Exception:
+    """The exception to raise for ``error``, raised by an op a package function called with
+    ``index_tensors`` (by name; None: not given): when it is a kernel's refusal (a plain
+    ValueError or RuntimeError with a `kv-canary:` message), a TypeError for the first of them
+    whose dtype the kernels refuse, else a ValueError; ``error`` itself otherwise."""
+    if type(error) not in (ValueError, RuntimeError) or not str(error).startswith("kv-canary: "):
+        return error
+    for name, value in index_tensors.items():
+        if value is not None and (dtype_error := index_dtype_error(value, name)) is not None:
+            return dtype_error
+    return ValueError(str(error)) if type(error) is RuntimeError else error
 
 
 @torch.library.register_fake("kvcanary::fold")
@@ -192,10 +197,12 @@ def fold(
     """
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"kv-canary: slots must be an int32 or int64 tensor, got {type(slots).__name__}")
-    check_index_dtype(slots, "slots")
     mode = as_mode(mode)
     active = active_sources(sources, mode)
     views = [integer_view(s.as_view()) for s in active]
     read_bytes = [folded_bytes(s, mode) for s in active]
     check_bounds = check_bounds and may_check_bounds(slots)
-    return call_op(torch.ops.kvcanary.fold, views, slots, read_bytes, check_bounds)
+    try:
+        return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)
+    except (ValueError, RuntimeError) as error:
+        raise refusal(error, {"slots": slots}) from None
