@@ -65,6 +65,8 @@ def test_info_says_what_was_built():
 @pytest.mark.skipif(not CUDA_LIBRARY, reason="a CPU-only build: no CUDA code was built")
 def test_cuda_library_holds_sm80_sm90_and_ptx():
     tool = _cuobjdump()
+    if tool is None and torch.version.cuda is None:
+        pytest.skip("no cuobjdump under this CPU-only torch (it ships with triton, which CUDA builds of torch bring)")
     if tool is None:
         pytest.fail("a CUDA build needs cuobjdump to be checked (it ships with triton and the CUDA toolkit)")
     elf = subprocess.run([tool, "--list-elf", str(_library("_C_cuda"))], capture_output=True, text=True, check=True).stdout
@@ -85,6 +87,22 @@ def test_no_library_needs_a_cpp_symbol_of_libtorch():
     for library in _libraries():
         undefined = subprocess.run(["nm", "-D", "--undefined-only", "-C", str(library)], capture_output=True, text=True, check=True).stdout
         assert [line.split()[-1] for line in undefined.splitlines() if LIBTORCH_CPP.search(line)] == [], library.name
+
+
+def _dynamic_symbols(library: Path, which: str) -> set[str]:
+    listing = subprocess.run(["nm", "-D", which, str(library)], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
+def test_this_torch_has_every_shim_function_the_libraries_link():
+    # Functions bind when first called, so one this torch lacked would abort the process
+    # mid-call rather than fail the import: each must be in this torch's libtorch_cpu.
+    torch_cpu = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    defined = _dynamic_symbols(torch_cpu, "--defined-only")
+    for library in _libraries():
+        shim = {name for name in _dynamic_symbols(library, "--undefined-only") if name.startswith(("aoti_torch_", "torch_"))}
+        assert shim and sorted(shim - defined) == [], library.name
 
 
 def _needed(library: Path) -> list[str]:
