@@ -27,11 +27,11 @@ WHEEL_DIR := dist
 WHEEL_TORCH ?= $(TORCH)
 WHEEL_VENV ?= $(VENV)-wheel-$(subst torch==,,$(WHEEL_TORCH))
 LINT_VENV := .venv-lint
-# Pinned: another version may format differently.
-LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5
+# Pinned: another version may format (or audit) differently.
+LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check lint format test-vllm bench-vllm
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm bench-vllm
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -72,6 +72,15 @@ $(WHEEL_DIR)/.built: $(VENV)/.deps $(WHEEL_INPUTS)
 	$(BIN)/python -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w $(WHEEL_DIR) .
 	ls $(WHEEL_DIR)/torch_kvcanary-*-cp310-abi3-*.whl
 	touch $@
+
+# The wheel's libraries audited by torch-abi-audit (pinned in $(LINT_VENV)): neither may use
+# libtorch beyond its stable ABI, nor need a torch newer than the floor (build_ext.py's).
+abi-audit: $(WHEEL_DIR)/.built $(LINT_VENV)/.installed
+	rm -rf $(WHEEL_DIR)/unpacked
+	$(BIN)/python -c "import glob, sys, zipfile; zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0]).extractall(sys.argv[1] + '/unpacked')" $(WHEEL_DIR)
+	$(LINT_VENV)/bin/torch-abi-audit $(WHEEL_DIR)/unpacked/torch_kvcanary --check both
+	$(LINT_VENV)/bin/torch-abi-audit $(WHEEL_DIR)/unpacked/torch_kvcanary --json > $(WHEEL_DIR)/abi-audit.json
+	$(BIN)/python -c "import json, sys; from build_tools.build_ext import TORCH_FLOOR; floor = '%d.%d.0' % TORCH_FLOOR; need = {e['path'].rsplit('/', 1)[1]: e['torch']['min_torch_version'] for e in json.load(open(sys.argv[1]))['extensions']}; print('torch each library needs:', need); sys.exit(None if set(need.values()) == {floor} else f'kv-canary: every library must need torch {floor}, no later')" $(WHEEL_DIR)/abi-audit.json
 
 # The wheel installed in a fresh venv of $(WHEEL_TORCH) and tested there. pytest runs by its
 # script, not `python -m`, so the tree's package is not on sys.path: the tests import the
