@@ -290,5 +290,8 @@ def test_tensor_parallel_ranks_raise_together(tmp_path: Path):
     outputs = [w.communicate(timeout=120) for w in workers]
     for w, (_out, err) in zip(workers, outputs):
         assert w.returncode == 0, err
-    assert outputs[0][0].strip() == "rank 0 raised: kv_canary: launch_tag=KV 1 violations on other ranks of the process group"
-    assert outputs[1][0].startswith("rank 1 raised: kv_canary violation: launch_tag=KV fail_reason=verify_real_kv_hash slot_idx=35 ")
+    # The workers' own lines: some torch versions' gloo logs its connections to stdout too.
+    printed = [[line for line in out.splitlines() if not line.startswith("[Gloo]")] for out, _err in outputs]
+    assert printed[0] == ["rank 0 raised: kv_canary: launch_tag=KV 1 violations on other ranks of the process group"]
+    assert len(printed[1]) == 1
+    assert printed[1][0].startswith("rank 1 raised: kv_canary violation: launch_tag=KV fail_reason=verify_real_kv_hash slot_idx=35 ")
