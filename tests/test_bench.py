@@ -116,3 +116,11 @@ def test_kernel_ab_times_two_builds_and_compares_their_fingerprints(tmp_path):
     math_h.write_text(math_h.read_text().replace("0xBF58476D1CE4E5B9ull", "0xBF58476D1CE4E5BBull"))
     differ = _kernel_ab(changed, "--isa", "scalar")
     assert differ.returncode == 1 and "fingerprints DIFFER" in differ.stdout
+
+
+def test_call_overhead_times_the_fold_and_the_op_per_call(tmp_path, capsys):
+    path = tmp_path / "overhead.json"
+    assert bench.main(["--call-overhead", "--min-run-time", "0.05", "--json", str(path)]) == 0
+    times = json.loads(path.read_text())["call_overhead_us"]
+    assert set(times) == {"fold", "op"} and all(us > 0 for us in times.values())
+    assert capsys.readouterr().out.startswith("fold of 256 slots (1 source of 256 B, in cache), us per call: fold ")
