@@ -394,11 +394,14 @@ _DIGEST_ROUNDS = 3
 
 def digest_cases(quick: bool) -> list[DigestCase]:
     """The issue's request (2048 tokens of a 32-layer, 8-KV-head, 128-dim bf16 cache: 64 K/V
-    views) and one view of 64 Ki random slots with bf16 and fp8 units."""
+    views) and one view of 64 Ki random slots for each unit size a head takes: bf16 heads of
+    128 and 64 dims, fp8 heads of 128 and 64 dims (units of 256, 128 and 64 bytes)."""
     n = 4096 if quick else 1 << 16
     return [
         DigestCase("request 2048 tok x 32 layers", 8 if quick else 64, 8, 128, "bfloat16", 256 if quick else 2048),
         DigestCase("bf16 units of 256 B", 1, 8, 128, "bfloat16", n),
+        DigestCase("bf16 units of 128 B", 1, 8, 64, "bfloat16", n),
+        DigestCase("fp8 units of 128 B", 1, 8, 128, "float8_e4m3fn", n),
         DigestCase("fp8 units of 64 B", 1, 8, 64, "float8_e4m3fn", n),
     ]
 
