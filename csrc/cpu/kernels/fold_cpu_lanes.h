@@ -175,25 +175,27 @@ struct LaneFold {
     return V::kBlockChunks > 1 && (src.num_outer == 0 || src.run_bytes % kBlockBytes == 0);
   }
 
+  // The steps hash_tokens takes over `src` (a word of a block, or a chunk).
+  static int64_t hash_steps(const SourceLayout& src) {
+    const int64_t num_blocks = takes_blocks(src) ? src.read_bytes / kBlockBytes : 0;
+    return num_blocks * kBlockWords + (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
+  }
+
   // h[v] = the hash of the read_bytes of `src` of each lane of vector v, lane
-  // i reading tokens[i] (every token laid out as `src` says). The prefetcher
-  // is paced over the hashing's steps (a word of a block, or a chunk).
+  // i reading tokens[i] + base (every token laid out as `src` says). The
+  // prefetcher is paced over the hashing's steps.
   template <class Prefetcher>
   static void hash_tokens(const SourceLayout& src, const unsigned char* const* tokens, Vec* h,
-                          Prefetcher& prefetcher) {
+                          Prefetcher& prefetcher, int64_t base = 0) {
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
-    const bool by_blocks = takes_blocks(src);
-    const int64_t num_blocks = by_blocks ? src.read_bytes / kBlockBytes : 0;
-    const int64_t num_chunks_after_blocks =
-        (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
-    prefetcher.pace(num_blocks * kBlockWords + num_chunks_after_blocks);
+    prefetcher.pace(hash_steps(src));
     int64_t byte = 0;
     if constexpr (V::kBlockChunks > 1) {
-      if (by_blocks) byte = hash_token_blocks(src, tokens, h, prefetcher);
+      if (takes_blocks(src)) byte = hash_token_blocks(src, tokens, h, prefetcher, base);
     }
     for (; byte < src.read_bytes; byte += kReadAlign) {
       prefetcher.step();
-      const int64_t offset = chunk_offset(src, byte);
+      const int64_t offset = base + chunk_offset(src, byte);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
         Vec lo, hi;
         V::load_chunks(tokens + v * V::kLanes, offset, &lo, &hi);
@@ -210,13 +212,13 @@ struct LaneFold {
   // vector per step, so loads overlap the hash instead of alternating with it.
   template <class Prefetcher>
   static int64_t hash_token_blocks(const SourceLayout& src, const unsigned char* const* tokens,
-                                   Vec* h, Prefetcher& prefetcher) {
+                                   Vec* h, Prefetcher& prefetcher, int64_t base) {
     static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
     constexpr int kWordsPerLoad = kBlockWords / kVectors;
     const int64_t num_blocks = src.read_bytes / kBlockBytes;
     if (num_blocks == 0) return 0;
     Vec stage[2][kVectors][kBlockWords];
-    const int64_t first = chunk_offset(src, 0);
+    const int64_t first = base + chunk_offset(src, 0);
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
       V::load_block(tokens + v * V::kLanes, first, stage[0][v]);
     }
@@ -224,7 +226,7 @@ struct LaneFold {
       const int current = static_cast<int>(block % 2);
       const int other = 1 - current;
       const bool load_next = block + 1 < num_blocks;
-      const int64_t next = load_next ? chunk_offset(src, (block + 1) * kBlockBytes) : 0;
+      const int64_t next = load_next ? base + chunk_offset(src, (block + 1) * kBlockBytes) : 0;
       KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
         KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
           h[v] = splitmix64(h[v] ^ stage[current][v][w]);
