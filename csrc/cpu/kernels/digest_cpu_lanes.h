@@ -129,21 +129,96 @@ struct LaneDigest {
     }
   }
 
+  // The terms of a lane group, unit after unit: each unit's hash h (one per
+  // lane) becomes the lanes' terms, added to their sums.
+  struct Terms {
+    const DigestView& view;
+    Vec position[kVectors];
+    Vec sum[kVectors];
+
+    Terms(const DigestView& v, const Group& group) : view(v) {
+      KVC_UNROLL for (int i = 0; i < kVectors; ++i) {
+        position[i] = V::load(group.positions + i * V::kLanes);
+        sum[i] = V::zero();
+      }
+    }
+
+    void add(int64_t unit, const Vec* h) {
+      const Vec id =
+          V::splat(splitmix64<uint64_t>(view.first_unit_id + static_cast<uint64_t>(unit)));
+      KVC_UNROLL for (int i = 0; i < kVectors; ++i) {
+        const Vec key = splitmix64(id ^ position[i]);
+        sum[i] = sum[i] + splitmix64(key ^ h[i]);
+      }
+    }
+  };
+
+  // The blocks of all of a view's units, one unit after the other, for
+  // Fold::hash_blocks: the units' blocks are hashed in one software pipeline,
+  // and each unit's hash becomes its terms as its last block is done.
+  struct UnitBlocks {
+    const SourceLayout& unit;  // the unit's layout, all whole blocks
+    int64_t stride;
+    int64_t per_unit;
+    int64_t count;
+    Terms& terms;
+    int64_t load_unit = 0;  // where the next block to load is
+    int64_t load_block = 0;
+    int64_t unit_done = 0;  // the unit being hashed, and its blocks hashed
+    int64_t blocks_done = 0;
+
+    int64_t next_offset() {
+      const int64_t offset =
+          load_unit * stride + chunk_offset(unit, Fold::kBlockBytes * load_block);
+      if (++load_block == per_unit) load_block = 0, ++load_unit;
+      return offset;
+    }
+    void after_block(Vec* h) {
+      if (++blocks_done < per_unit) return;
+      terms.add(unit_done++, h);
+      blocks_done = 0;
+      KVC_UNROLL for (int i = 0; i < kVectors; ++i) h[i] = V::zero();
+    }
+  };
+
   // The lanes' sums of the view's terms of each lane's entry; `prefetch`
   // requests the tokens read next meanwhile, paced over all units.
   static void lane_sums(const DigestView& view, const Group& group, int64_t* sums,
                         TokenPrefetcher& prefetch) {
+    Terms terms(view, group);
+    hash_units(view, group, terms, prefetch);
+    prefetch.finish();
+    KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(sums + v * V::kLanes, terms.sum[v]);
+  }
+
+  // The view's units hashed into terms: as one sequence of blocks when each
+  // unit is whole blocks that hash_tokens would read as blocks (AVX-512:
+  // units of 64, 128, 256 bytes...), else one hash_tokens call each.
+  static void hash_units(const DigestView& view, const Group& group, Terms& terms,
+                         TokenPrefetcher& prefetch) {
+    if constexpr (V::kBlockChunks > 1) {
+      if (view.unit.read_bytes % Fold::kBlockBytes == 0 && Fold::takes_blocks(view.unit)) {
+        const int64_t per_unit = view.unit.read_bytes / Fold::kBlockBytes;
+        UnitBlocks blocks{view.unit, view.unit_stride, per_unit, per_unit * view.num_units, terms};
+        prefetch.pace(view.num_units * Fold::hash_steps(view.unit));
+        Vec h[kVectors];
+        KVC_UNROLL for (int i = 0; i < kVectors; ++i) h[i] = V::zero();
+        Fold::hash_blocks(group.tokens, h, prefetch, blocks);
+        return;
+      }
+    }
+    hash_unit_by_unit(view, group, terms, prefetch);
+  }
+
+  // The view's units hashed one hash_tokens call each (their chunks and the
+  // words past them).
+  static void hash_unit_by_unit(const DigestView& view, const Group& group, Terms& terms,
+                                TokenPrefetcher& prefetch) {
     SourceLayout chunks = view.unit;
     chunks.read_bytes = view.unit.read_bytes / kReadAlign * kReadAlign;
     // The words past the whole chunks: 4, 8 or 12 bytes, the last one zero-padded.
     const int64_t first_tail_word = chunks.read_bytes / 8;
     const int64_t tail_words = unit_words(view) - first_tail_word;
-    Vec position[kVectors];
-    Vec sum[kVectors];
-    KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
-      position[v] = V::load(group.positions + v * V::kLanes);
-      sum[v] = V::zero();
-    }
     prefetch.pace(view.num_units * Fold::hash_steps(chunks));
     PacedOverUnits<TokenPrefetcher> paced{prefetch};
     for (int64_t k = 0; k < view.num_units; ++k) {
@@ -159,14 +234,8 @@ struct LaneDigest {
         KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] =
             splitmix64(h[v] ^ V::load(words + v * V::kLanes));
       }
-      const Vec id = V::splat(splitmix64<uint64_t>(view.first_unit_id + static_cast<uint64_t>(k)));
-      KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
-        const Vec key = splitmix64(id ^ position[v]);
-        sum[v] = sum[v] + splitmix64(key ^ h[v]);
-      }
+      terms.add(k, h);
     }
-    prefetch.finish();
-    KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(sums + v * V::kLanes, sum[v]);
   }
 
   // lane_sums in as few vectors as hold the group: the last group of a range

@@ -25,6 +25,7 @@
 //   fold_group         one lane group over every source
 //   hash_tokens        one source's bytes of each lane's token
 //   hash_token_blocks  the same, in blocks of several chunks (AVX-512)
+//   hash_blocks        the software pipeline of the blocks
 // The prefetch plan (cpu/kernels/fold_cpu_prefetch.h) is made in fold_groups and
 // fold_group, and its requests are issued step by step in hash_tokens.
 #pragma once
@@ -206,19 +207,44 @@ struct LaneFold {
   }
 
   // The whole blocks of `src` for kSlots lanes; returns the bytes hashed.
-  // Software-pipelined: while the words of one block are hashed (word by word
-  // across the vectors, independent chains side by side), the next block is
-  // loaded and transposed into the other half of a small staging buffer, one
-  // vector per step, so loads overlap the hash instead of alternating with it.
   template <class Prefetcher>
   static int64_t hash_token_blocks(const SourceLayout& src, const unsigned char* const* tokens,
                                    Vec* h, Prefetcher& prefetcher, int64_t base) {
+    TokenBlocks blocks{src, base, src.read_bytes / kBlockBytes};
+    hash_blocks(tokens, h, prefetcher, blocks);
+    return blocks.count * kBlockBytes;
+  }
+
+  // The whole blocks of a token laid out as `src`, lane i's at tokens[i] +
+  // base: what hash_tokens reads in blocks. A sequence of blocks for
+  // hash_blocks gives, in order, the offset of each block to load
+  // (next_offset), and is told when each block's words are hashed into h
+  // (after_block).
+  struct TokenBlocks {
+    const SourceLayout& src;
+    int64_t base;
+    int64_t count;
+    int64_t loaded = 0;
+
+    int64_t next_offset() { return base + chunk_offset(src, kBlockBytes * loaded++); }
+    void after_block(Vec*) {}
+  };
+
+  // Hashes the blocks of `blocks` into h (kSlots lanes, lane i's block at
+  // tokens[i] + its offset). Software-pipelined: while the words of one block
+  // are hashed (word by word across the vectors, independent chains side by
+  // side), the next block is loaded and transposed into the other half of a
+  // small staging buffer, one vector per step, so loads overlap the hash
+  // instead of alternating with it.
+  template <class Prefetcher, class Blocks>
+  static void hash_blocks(const unsigned char* const* tokens, Vec* h, Prefetcher& prefetcher,
+                          Blocks& blocks) {
     static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
     constexpr int kWordsPerLoad = kBlockWords / kVectors;
-    const int64_t num_blocks = src.read_bytes / kBlockBytes;
-    if (num_blocks == 0) return 0;
+    const int64_t num_blocks = blocks.count;
+    if (num_blocks == 0) return;
     Vec stage[2][kVectors][kBlockWords];
-    const int64_t first = base + chunk_offset(src, 0);
+    const int64_t first = blocks.next_offset();
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
       V::load_block(tokens + v * V::kLanes, first, stage[0][v]);
     }
@@ -226,7 +252,7 @@ struct LaneFold {
       const int current = static_cast<int>(block % 2);
       const int other = 1 - current;
       const bool load_next = block + 1 < num_blocks;
-      const int64_t next = load_next ? base + chunk_offset(src, (block + 1) * kBlockBytes) : 0;
+      const int64_t next = load_next ? blocks.next_offset() : 0;
       KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
         KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
           h[v] = splitmix64(h[v] ^ stage[current][v][w]);
@@ -237,8 +263,8 @@ struct LaneFold {
           V::load_block(tokens + v * V::kLanes, next, stage[other][v]);
         }
       }
+      blocks.after_block(h);
     }
-    return num_blocks * kBlockBytes;
   }
 
   // Whether the sources all read the same bytes of their tokens (read_bytes
