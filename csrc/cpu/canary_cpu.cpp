@@ -17,24 +17,41 @@
 namespace kvcanary {
 namespace {
 
-// A checked call (a refused call has written nothing yet) and room for its
-// entries' folds, and for record their chains after them.
+// A checked call (a refused call has written nothing yet): its entries as
+// int64 columns and room for their folds, and for record their chains.
 struct CpuCall {
   EntryPlan entries;
   FoldPlan fold;
   int64_t capacity;
-  std::unique_ptr<int64_t[]> folds;
+  std::unique_ptr<int64_t[]> scratch;
+  EntryColumns columns;
+  int64_t* folds;
+  int64_t* chains;
 };
 
+// record fills missing inputs with -1 and needs room for chains; verify
+// leaves them missing.
 CpuCall plan_call(const CanaryInputs& in, const CanaryTables& tables, bool check_bounds,
-                  int64_t values_per_entry) {
+                  bool for_record) {
   CanaryPlan plan = make_canary_plan(in, tables);
   if (check_bounds) {
     check_entries_in_range(plan, kHostSearch);
   }
-  const int64_t n = plan.entries.inputs.num_entries;
-  return {std::move(plan.entries), std::move(plan.fold), plan.capacity,
-          std::make_unique_for_overwrite<int64_t[]>(values_per_entry * n)};
+  const EntryInputs& inputs = plan.entries.inputs;
+  const int64_t n = inputs.num_entries;
+  const int64_t values =
+      (for_record ? 2 : 1) * n + EntryColumns::scratch_values(inputs, for_record);
+  auto scratch = std::make_unique_for_overwrite<int64_t[]>(values);
+  int64_t* folds = scratch.get();
+  int64_t* chains = for_record ? folds + n : nullptr;
+  EntryColumns columns(inputs, for_record, folds + (for_record ? 2 : 1) * n);
+  return {std::move(plan.entries),
+          std::move(plan.fold),
+          plan.capacity,
+          std::move(scratch),
+          columns,
+          folds,
+          chains};
 }
 
 template <typename Int>
@@ -49,19 +66,18 @@ CpuCanaryTables<Int> cpu_tables(const CanaryTables& tables, int64_t capacity, In
 }
 
 void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check_bounds) {
-  const CpuCall call = plan_call(args, tables, check_bounds, 2);
-  const int64_t n = call.entries.inputs.num_entries;
-  fold_slots_cpu(call.fold, call.entries.slots, call.folds.get());
+  const CpuCall call = plan_call(args, tables, check_bounds, true);
+  fold_slots_cpu(call.fold, call.entries.slots, call.folds);
   record_entries(cpu_tables(tables, call.capacity, tables.records.mutable_data_ptr<int64_t>(),
                             tables.owner_tags.mutable_data_ptr<int64_t>()),
-                 call.entries.inputs, call.folds.get(), call.folds.get() + n);
+                 call.columns, call.folds, call.chains);
 }
 
 // verify's checks, run by the fold's threads on each task of entries once it
 // is folded.
 struct VerifyTasks {
   CpuVerifyTables tables;
-  const EntryInputs& in;
+  const EntryColumns& columns;
   const int64_t* folds;
   int64_t padding_slot;
   bool* flagged;
@@ -69,25 +85,24 @@ struct VerifyTasks {
 
   static void before(void* self, SlotSpan task) {
     const auto& v = *static_cast<const VerifyTasks*>(self);
-    prefetch_verify_task(v.tables, v.in, task);
+    prefetch_verify_task(v.tables, v.columns, task);
   }
   static void after(void* self, SlotSpan task) {
     auto& v = *static_cast<VerifyTasks*>(self);
-    v.checked += verify_task(v.tables, v.in, v.folds, v.padding_slot, task, v.flagged);
+    v.checked += verify_task(v.tables, v.columns, v.folds, v.padding_slot, task, v.flagged);
   }
 };
 
 at::Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t padding_slot,
                       bool check_bounds) {
-  const CpuCall call = plan_call(args, tables, check_bounds, 1);
+  const CpuCall call = plan_call(args, tables, check_bounds, false);
   at::Tensor flagged = at::empty(args.slots.sizes(), args.slots.options().dtype(at::kBool));
   VerifyTasks tasks{cpu_tables(tables, call.capacity, tables.records.const_data_ptr<int64_t>(),
                                tables.owner_tags.const_data_ptr<int64_t>()),
-                    call.entries.inputs, call.folds.get(), padding_slot,
-                    flagged.mutable_data_ptr<bool>()};
-  fold_slots_cpu(call.fold, call.entries.slots, call.folds.get(),
+                    call.columns, call.folds, padding_slot, flagged.mutable_data_ptr<bool>()};
+  fold_slots_cpu(call.fold, call.entries.slots, call.folds,
                  {&VerifyTasks::before, &VerifyTasks::after, &tasks});
-  verify_rows(tasks.tables, tasks.in, tasks.folds, padding_slot, tasks.flagged,
+  verify_rows(tasks.tables, tasks.columns, tasks.folds, padding_slot, tasks.flagged,
               tasks.checked.load());
   return flagged;
 }
