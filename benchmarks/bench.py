@@ -179,7 +179,9 @@ def canary_cost(device: str, min_run_time: float) -> list[dict]:
             prev = torch.randint(0, rows, (n, 1), generator=gen)
         positions = torch.arange(n // requests).expand(requests, -1)
         tokens = torch.randint(0, 1 << 17, (requests, n // requests), generator=gen)
-        slots, prev, positions, tokens = (t.reshape(-1).to(device) for t in (slots, prev, positions, tokens))
+        # Contiguous, as an engine's inputs are: a strided one (the decode step's positions, an
+        # expanded view) would add its copy to record and verify, which the fold does not take.
+        slots, prev, positions, tokens = (t.reshape(-1).contiguous().to(device) for t in (slots, prev, positions, tokens))
         inputs = {"positions": positions, "tokens": tokens, "prev_slots": prev}
         canary.record(slots, **inputs)
         # The timed calls run within this iteration, so they see its slots and inputs.

@@ -1,13 +1,13 @@
 // CPU kernels of kvcanary::record and kvcanary::verify: the slots are folded
-// with the CPU fold on torch's threads, then the records are applied (record)
-// or checked (verify) by the torch-free loops of cpu/kernels/canary_cpu.h.
+// with the CPU fold on torch's threads, verify checking each lane group of
+// entries as it is folded and record applying the entries in order once all
+// are, with the torch-free loops of cpu/kernels/canary_cpu.h.
 #include "cpu/kernels/canary_cpu.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <memory>
 #include <utility>
 
@@ -65,31 +65,48 @@ CpuCanaryTables<Int> cpu_tables(const CanaryTables& tables, int64_t capacity, In
           capacity};
 }
 
+// record's side of the fold: the lines of a small call's entries requested
+// as the fold goes (those of a big one would be gone by the time record
+// applies them).
+struct RecordSide {
+  static constexpr int64_t kMaxEntries = 2048;
+  CpuRecordTables tables;
+  const EntryColumns& columns;
+
+  static int lines(const void* self, SlotSpan span, const void** out) {
+    const auto& r = *static_cast<const RecordSide*>(self);
+    return entry_lines(r.tables, r.columns, true, span, out);
+  }
+};
+
 void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check_bounds) {
   const CpuCall call = plan_call(args, tables, check_bounds, true);
-  fold_slots_cpu(call.fold, call.entries.slots, call.folds);
-  record_entries(cpu_tables(tables, call.capacity, tables.records.mutable_data_ptr<int64_t>(),
-                            tables.owner_tags.mutable_data_ptr<int64_t>()),
-                 call.columns, call.folds, call.chains);
+  const RecordSide side{
+      cpu_tables(tables, call.capacity, tables.records.mutable_data_ptr<int64_t>(),
+                 tables.owner_tags.mutable_data_ptr<int64_t>()),
+      call.columns};
+  const bool small = call.columns.size() <= RecordSide::kMaxEntries;
+  fold_slots_cpu(call.fold, call.entries.slots, call.folds,
+                 small ? FoldSideWork{&RecordSide::lines, nullptr, &side} : FoldSideWork{});
+  record_entries(side.tables, call.columns, call.folds, call.chains);
 }
 
-// verify's checks, run by the fold's threads on each task of entries once it
-// is folded.
-struct VerifyTasks {
+// verify's side of the fold: each lane group's entries checked once folded,
+// their lines requested while the group before is hashed.
+struct VerifySide {
   CpuVerifyTables tables;
   const EntryColumns& columns;
   const int64_t* folds;
   int64_t padding_slot;
   bool* flagged;
-  std::atomic<int64_t> checked{0};
 
-  static void before(void* self, SlotSpan task) {
-    const auto& v = *static_cast<const VerifyTasks*>(self);
-    prefetch_verify_task(v.tables, v.columns, task);
+  static int lines(const void* self, SlotSpan span, const void** out) {
+    const auto& v = *static_cast<const VerifySide*>(self);
+    return entry_lines(v.tables, v.columns, v.columns.inputs().tags != nullptr, span, out);
   }
-  static void after(void* self, SlotSpan task) {
-    auto& v = *static_cast<VerifyTasks*>(self);
-    v.checked += verify_task(v.tables, v.columns, v.folds, v.padding_slot, task, v.flagged);
+  static void after(const void* self, SlotSpan span) {
+    const auto& v = *static_cast<const VerifySide*>(self);
+    verify_span(v.tables, v.columns, v.folds, v.padding_slot, span, v.flagged);
   }
 };
 
@@ -97,13 +114,12 @@ at::Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int6
                       bool check_bounds) {
   const CpuCall call = plan_call(args, tables, check_bounds, false);
   at::Tensor flagged = at::empty(args.slots.sizes(), args.slots.options().dtype(at::kBool));
-  VerifyTasks tasks{cpu_tables(tables, call.capacity, tables.records.const_data_ptr<int64_t>(),
-                               tables.owner_tags.const_data_ptr<int64_t>()),
-                    call.columns, call.folds, padding_slot, flagged.mutable_data_ptr<bool>()};
+  const VerifySide side{cpu_tables(tables, call.capacity, tables.records.const_data_ptr<int64_t>(),
+                                   tables.owner_tags.const_data_ptr<int64_t>()),
+                        call.columns, call.folds, padding_slot, flagged.mutable_data_ptr<bool>()};
   fold_slots_cpu(call.fold, call.entries.slots, call.folds,
-                 {&VerifyTasks::before, &VerifyTasks::after, &tasks});
-  verify_rows(tasks.tables, tasks.columns, tasks.folds, padding_slot, tasks.flagged,
-              tasks.checked.load());
+                 {&VerifySide::lines, &VerifySide::after, &side});
+  verify_rows(side.tables, call.columns, call.folds, padding_slot, side.flagged);
   return flagged;
 }
 

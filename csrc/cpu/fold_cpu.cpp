@@ -33,7 +33,7 @@ at::Tensor fold_cpu(at::TensorList sources, const at::Tensor& slots, at::IntArra
 }  // namespace
 
 void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out,
-                    const FoldTaskHooks& hooks) {
+                    const FoldSideWork& side) {
   const CpuPath& path = cpu_path();
   CpuFoldWork work{};
   work.sources = plan.sources.data();
@@ -42,12 +42,9 @@ void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t*
   work.slots = flat_slots.const_data_ptr();
   work.slots_are_int32 = flat_slots.scalar_type() == at::kInt;
   work.out = out;
+  work.side = side;
   parallel_tasks(flat_slots.numel(), task_size(plan), [&](const auto& run_my_tasks) {
-    run_my_tasks([&](SlotSpan task, SlotSpan next) {
-      if (hooks.before != nullptr) hooks.before(hooks.state, task);
-      path.fold_task(work, task, next);
-      if (hooks.after != nullptr) hooks.after(hooks.state, task);
-    });
+    run_my_tasks([&](SlotSpan task, SlotSpan next) { path.fold_task(work, task, next); });
   });
 }
 

@@ -6,15 +6,15 @@
 
 #include <cstdint>
 
-#include "cpu/kernels/fold_cpu_tasks.h"
+#include "cpu/kernels/fold_cpu.h"
 #include "plan/fold_plan.h"
 
 namespace kvcanary {
 
 // out[i] = the fold of flat_slots[i] (contiguous int32 or int64) over the
 // plan's sources, on torch's threads; slots outside [0, plan.capacity) give 0.
-// `hooks` run around each task of slots (cpu/kernels/fold_cpu_tasks.h).
+// `side` is the caller's work beside the fold (cpu/kernels/fold_cpu.h).
 void fold_slots_cpu(const FoldPlan& plan, const at::Tensor& flat_slots, int64_t* out,
-                    const FoldTaskHooks& hooks = {});
+                    const FoldSideWork& side = {});
 
 }  // namespace kvcanary

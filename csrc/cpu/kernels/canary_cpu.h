@@ -5,9 +5,10 @@
 // instruction-set units never include it.
 //
 // The loops read the per-entry inputs as int64 arrays (int32 ones converted
-// first, see EntryColumns), without a test per value, and they wait on the
-// records of random slots more than they compute: each requests the lines of
-// the entries kRecordPrefetchDistance ahead.
+// first, see EntryColumns), without a test per value. They wait on the
+// records of random slots more than they compute, so those lines are
+// requested ahead: by the fold while it hashes the group before (see
+// entry_lines), and by record's loops kRecordPrefetchDistance entries ahead.
 #pragma once
 
 #include <algorithm>
@@ -401,59 +402,63 @@ inline void record_entries(const CpuRecordTables& t, const EntryColumns& columns
   t.counters[kSlotsRecorded] += written;
 }
 
-// kvcanary::verify's checks of entries [task.begin, task.end), folds[i] being
-// entry i's fold: flagged[i] is whether entry i failed a check; returns the
-// entries checked (all but padding). Tasks run on any thread, in any order.
-[[gnu::flatten]] inline int64_t verify_task(const CpuVerifyTables& t, const EntryColumns& columns,
-                                            const int64_t* folds, int64_t padding_slot,
-                                            SlotSpan task, bool* flagged) {
-  using namespace canary_cpu;
+// The lines the canary reads or writes for entries `span` beside the fold
+// (FoldSideWork::lines): each entry's slot's record and, when `owners`, owner
+// tag, and its previous slot's record; returns how many it wrote to `out`.
+template <typename Int>
+int entry_lines(const CpuCanaryTables<Int>& t, const EntryColumns& columns, bool owners,
+                SlotSpan span, const void** out) {
+  const int64_t* slots = columns.slots();
+  const int64_t* prev_slots = columns.prev_slots();
+  int count = 0;
+  for (int64_t i = span.begin; i < span.end; ++i) {
+    const int64_t s = slots[i];
+    if (s >= 0 && s < t.capacity) {
+      out[count++] = t.records + s * kRecordFields;
+      if (owners) out[count++] = t.owner_tags + s;
+    }
+    const int64_t p = prev_slots != nullptr ? prev_slots[i] : -1;
+    if (p >= 0 && p < t.capacity) out[count++] = t.records + p * kRecordFields;
+  }
+  return count;
+}
+
+// kvcanary::verify's checks of entries `span`, folds[i] being entry i's fold:
+// flagged[i] is whether entry i failed a check. Spans run on any thread, in
+// any order.
+[[gnu::flatten]] inline void verify_span(const CpuVerifyTables& t, const EntryColumns& columns,
+                                         const int64_t* folds, int64_t padding_slot, SlotSpan span,
+                                         bool* flagged) {
   const EntryInputs& in = columns.inputs();
   const int64_t* slots = columns.slots();
   const int64_t* prev_slots = columns.prev_slots();
-  int64_t checked = 0;
-  for (int64_t i = task.begin; i < task.end; ++i) {
-    const int64_t ahead = i + kRecordPrefetchDistance;
-    if (ahead < task.end) {
-      prefetch_entry(t, slots[ahead], prev_slots != nullptr ? prev_slots[ahead] : -1, false);
-    }
+  for (int64_t i = span.begin; i < span.end; ++i) {
     const int64_t s = slots[i];
     if (s < 0 || s == padding_slot) {
       flagged[i] = false;
-      continue;
-    }
-    ++checked;
-    if (s >= t.capacity || (prev_slots != nullptr && prev_slots[i] >= t.capacity)) {
+    } else if (s >= t.capacity || (prev_slots != nullptr && prev_slots[i] >= t.capacity)) {
       flagged[i] = true;
     } else {
       flagged[i] =
           verify_entry(t.records, t.owner_tags, in, i, s, folds[i], padding_slot).reasons != 0;
     }
   }
-  return checked;
 }
 
-// Requests the lines of the first entries of a verify task (ahead of its
-// fold, so that they are there when the task's checks start).
-inline void prefetch_verify_task(const CpuVerifyTables& t, const EntryColumns& columns,
-                                 SlotSpan task) {
-  const int64_t end = std::min(task.end, task.begin + canary_cpu::kRecordPrefetchDistance);
-  const int64_t* prev_slots = columns.prev_slots();
-  for (int64_t i = task.begin; i < end; ++i) {
-    canary_cpu::prefetch_entry(t, columns.slots()[i], prev_slots != nullptr ? prev_slots[i] : -1,
-                               false);
-  }
-}
-
-// kvcanary::verify's rows and counters, once every task is checked: a row for
-// each flagged entry, in entry order.
+// kvcanary::verify's rows and counters, once every entry is checked: a row
+// for each flagged entry, in entry order.
 inline void verify_rows(const CpuVerifyTables& t, const EntryColumns& columns, const int64_t* folds,
-                        int64_t padding_slot, const bool* flagged, int64_t checked) {
+                        int64_t padding_slot, const bool* flagged) {
   const EntryInputs& in = columns.inputs();
+  const int64_t* slots = columns.slots();
+  int64_t checked = 0;  // all but padding
+  for (int64_t i = 0; i < in.num_entries; ++i) {
+    checked += slots[i] >= 0 && slots[i] != padding_slot;
+  }
   for (int64_t i = 0; i < in.num_entries; ++i) {
     if (!flagged[i]) continue;
     int64_t row[kViolationFields];
-    const int64_t s = entry_slot(in, i);
+    const int64_t s = slots[i];
     if (s >= t.capacity || entry_prev_slot(in, i) >= t.capacity) {
       out_of_range_row(row, kKindVerify, in, i);
     } else {

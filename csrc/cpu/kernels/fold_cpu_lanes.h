@@ -20,14 +20,16 @@
 // The calls, from the top (each one calls those below it):
 //   fold_task          a task: its whole lane groups, then its tail
 //   fold_tail          the tail, in as few vectors as hold it
-//   fold_groups        consecutive lane groups of a span of slots
+//   fold_groups        consecutive lane groups of a span of slots, each with
+//                      its side work (fold_cpu.h: FoldSideWork)
 //   fold_by_pairs      a short span, its lanes taking (source, slot) pairs
 //   fold_group         one lane group over every source
 //   hash_tokens        one source's bytes of each lane's token
 //   hash_token_blocks  the same, in blocks of several chunks (AVX-512)
 //   hash_blocks        the software pipeline of the blocks
 // The prefetch plan (cpu/kernels/fold_cpu_prefetch.h) is made in fold_groups and
-// fold_group, and its requests are issued step by step in hash_tokens.
+// fold_group, and its requests (the tokens read next, and the side work's
+// lines of the group folded next) are issued step by step in hash_tokens.
 #pragma once
 
 #include "core/fold_math.h"
@@ -56,26 +58,44 @@ struct LaneFold {
   // pairs' bookkeeping costs.
   static constexpr int64_t kPairsMinBytes = 128;
 
-  // Folds `task` of `work`, then (through the prefetch plan) warms `next`.
+  // Folds `task` of `work`, then (through the prefetch plan) warms `next`;
+  // the work's side work (FoldSideWork), if any, goes along group by group.
   static void fold_task(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
-    if (work.slots_are_int32) {
-      fold_task_indexed<int32_t>(work, task, next);
+    if (work.side.lines == nullptr) {
+      NoSide side;
+      fold_task_with(work, task, next, side);
     } else {
-      fold_task_indexed<int64_t>(work, task, next);
+      SidePrefetcher side(work.side);
+      fold_task_with(work, task, next, side);
     }
   }
 
-  template <typename index_t>
-  static void fold_task_indexed(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  template <class Side>
+  static void fold_task_with(const CpuFoldWork& work, SlotSpan task, SlotSpan next, Side& side) {
+    side.request_now(first_group(task));
+    if (work.slots_are_int32) {
+      fold_task_indexed<int32_t>(work, task, next, side);
+    } else {
+      fold_task_indexed<int64_t>(work, task, next, side);
+    }
+  }
+
+  template <typename index_t, class Side>
+  static void fold_task_indexed(const CpuFoldWork& work, SlotSpan task, SlotSpan next, Side& side) {
     const SlotSpan whole{task.begin, task.begin + (task.end - task.begin) / kSlots * kSlots};
     const SlotSpan tail{whole.end, task.end};
     const bool has_tail = tail.begin < tail.end;
     if (whole.begin < whole.end) {
-      fold_groups<index_t>(work, whole, has_tail ? tail : next);
+      fold_groups<index_t>(work, whole, has_tail ? tail : next, side);
     }
     if (has_tail) {
-      fold_tail<index_t>(work, tail, next);
+      fold_tail<index_t>(work, tail, next, side);
     }
+  }
+
+  // The first group of kSlots slots of `span` (shorter when the span is).
+  static SlotSpan first_group(SlotSpan span) {
+    return {span.begin, span.begin + smaller(span.end - span.begin, kSlots)};
   }
 
   // The end of a task, or all of a small one (fewer slots than a group), in
@@ -83,26 +103,29 @@ struct LaneFold {
   // kSlots lanes, and up to four vectors hash in about the time of one (their
   // chains' latency bounds them, not the vector ports). When the sources share
   // a token layout, the lanes take (source, slot) pairs.
-  template <typename index_t>
-  static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next) {
+  template <typename index_t, class Side>
+  static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next, Side& side) {
     const bool by_pairs = takes_pairs(work);
     const int64_t lanes = (tail.end - tail.begin) * (by_pairs ? work.num_sources : 1);
     const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
     if (vectors <= 1)
-      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs);
+      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs, side);
     if (vectors <= 2)
-      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs);
+      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs, side);
     if (vectors <= 4)
-      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs);
-    fold_span<index_t>(work, tail, next, by_pairs);
+      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs, side);
+    fold_span<index_t>(work, tail, next, by_pairs, side);
   }
 
-  template <typename index_t>
-  static void fold_span(const CpuFoldWork& work, SlotSpan span, SlotSpan next, bool by_pairs) {
+  template <typename index_t, class Side>
+  static void fold_span(const CpuFoldWork& work, SlotSpan span, SlotSpan next, bool by_pairs,
+                        Side& side) {
     if (by_pairs) {
       fold_by_pairs<index_t>(work, span);
+      side.finish();
+      side.after(span);
     } else {
-      fold_groups<index_t>(work, span, next);
+      fold_groups<index_t>(work, span, next, side);
     }
   }
 
@@ -110,40 +133,56 @@ struct LaneFold {
   // short); `next` is what the thread folds after the span. A group's padding,
   // out-of-range and missing lanes fold a folded slot of the group instead
   // (every read stays inside the sources) and give 0; a group with nothing to
-  // fold reads nothing.
-  template <typename index_t>
-  static void fold_groups(const CpuFoldWork& work, SlotSpan span, SlotSpan next) {
+  // fold reads nothing. While a group is hashed, the side lines of the group
+  // after it are requested; its side work runs once its folds are out.
+  template <typename index_t, class Side>
+  static void fold_groups(const CpuFoldWork& work, SlotSpan span, SlotSpan next, Side& side) {
     const auto* slots = static_cast<const index_t*>(work.slots);
     const ReadOrder<index_t> order(work, span, next, kSlots);
+    int64_t steps = 0;  // a group's hashing steps, over which its side requests are paced
+    for (int s = 0; s < work.num_sources; ++s) steps += hash_steps(work.sources[s]);
     int64_t group[kSlots];
     int64_t folded[kSlots];
     for (int64_t first = span.begin; first < span.end; first += kSlots) {
       const int count = static_cast<int>(smaller(span.end - first, kSlots));
-      int64_t stand_in = -1;
-      bool all_folded = count == kSlots;
-      for (int i = 0; i < count; ++i) {
-        group[i] = slots[first + i];
-        if (!is_folded(work, group[i])) {
-          all_folded = false;
-        } else if (stand_in < 0) {
-          stand_in = group[i];
-        }
+      side.plan(first_group(first + kSlots < span.end ? SlotSpan{first + kSlots, span.end} : next),
+                steps);
+      fold_group_or_zeros(work, slots, order, first, count, group, folded, side);
+      side.finish();
+      side.after(SlotSpan{first, first + count});
+    }
+  }
+
+  // out[first..first + count) = the folds of the group of `count` slots at
+  // index `first` (see fold_groups).
+  template <typename index_t, class Side>
+  static void fold_group_or_zeros(const CpuFoldWork& work, const index_t* slots,
+                                  const ReadOrder<index_t>& order, int64_t first, int count,
+                                  int64_t* group, int64_t* folded, Side& side) {
+    int64_t stand_in = -1;
+    bool all_folded = count == kSlots;
+    for (int i = 0; i < count; ++i) {
+      group[i] = slots[first + i];
+      if (!is_folded(work, group[i])) {
+        all_folded = false;
+      } else if (stand_in < 0) {
+        stand_in = group[i];
       }
-      if (stand_in < 0 || work.num_sources == 0) {
-        for (int i = 0; i < count; ++i) work.out[first + i] = 0;
-        continue;
-      }
-      if (all_folded) {
-        fold_group(work, group, order, first, work.out + first);
-        continue;
-      }
-      for (int i = 0; i < kSlots; ++i) {
-        if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
-      }
-      fold_group(work, group, order, first, folded);
-      for (int i = 0; i < count; ++i) {
-        work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
-      }
+    }
+    if (stand_in < 0 || work.num_sources == 0) {
+      for (int i = 0; i < count; ++i) work.out[first + i] = 0;
+      return;
+    }
+    if (all_folded) {
+      fold_group(work, group, order, first, work.out + first, side);
+      return;
+    }
+    for (int i = 0; i < kSlots; ++i) {
+      if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
+    }
+    fold_group(work, group, order, first, folded, side);
+    for (int i = 0; i < count; ++i) {
+      work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
     }
   }
 
@@ -151,13 +190,14 @@ struct LaneFold {
   // group that starts at index `first`) over every source. While one source is
   // hashed, the tokens read after it (`order`) are prefetched, so that the
   // requests run one source's work ahead.
-  template <typename index_t>
+  template <typename index_t, class Side>
   static void fold_group(const CpuFoldWork& work, const int64_t* group,
-                         const ReadOrder<index_t>& order, int64_t first, int64_t* out) {
+                         const ReadOrder<index_t>& order, int64_t first, int64_t* out, Side& side) {
     Vec acc[kVectors];
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
     const unsigned char* tokens[kSlots];
     TokenPrefetcher prefetcher;
+    GroupPrefetcher<Side> requests{prefetcher, side};
     for (int s = 0; s < work.num_sources; ++s) {
       const SourceLayout& src = work.sources[s];
       for (int i = 0; i < kSlots; ++i) {
@@ -165,7 +205,7 @@ struct LaneFold {
       }
       prefetcher.start(work, order.after(first, s));
       Vec h[kVectors];
-      hash_tokens(src, tokens, h, prefetcher);
+      hash_tokens(src, tokens, h, requests);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
     }
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);

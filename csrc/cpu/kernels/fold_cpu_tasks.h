@@ -23,17 +23,6 @@ inline int64_t task_slots(int64_t read_bytes_per_slot) {
   return (groups > 1 ? groups : 1) * kLaneGroupMultiple;
 }
 
-// What a kernel built on the fold (kvcanary::verify) does with each task of
-// entries, on the thread that folds it: before(state, task) ahead of the
-// task's fold (its requests for memory then arrive during the fold), and
-// after(state, task) once out[task] holds the task's folds, while they and
-// the task's entries are in cache. A null function is skipped.
-struct FoldTaskHooks {
-  void (*before)(void* state, SlotSpan task) = nullptr;
-  void (*after)(void* state, SlotSpan task) = nullptr;
-  void* state = nullptr;
-};
-
 // Runs one thread's share of the tasks of `task` slots that cut [0, n): tasks
 // [first, end) to start with, then each one it claims from `next`, calling
 // fold(task, next_task) with the span it will fold after the current one
