@@ -219,7 +219,9 @@ def canary_cost(device: str, min_run_time: float) -> list[dict]:
             prev = torch.randint(0, rows, (n, 1), generator=gen)
         positions = torch.arange(n // requests).expand(requests, -1)
         tokens = torch.randint(0, 1 << 17, (requests, n // requests), generator=gen)
-        slots, prev, positions, tokens = (t.reshape(-1).to(device) for t in (slots, prev, positions, tokens))
+        # Contiguous, as an engine's inputs are: a strided one (the decode step's positions, an
+        # expanded view) would add its copy to record and verify, which the fold does not take.
+        slots, prev, positions, tokens = (t.reshape(-1).contiguous().to(device) for t in (slots, prev, positions, tokens))
         inputs = {"positions": positions, "tokens": tokens, "prev_slots": prev}
         canary.record(slots, **inputs)
         # The timed calls run within this iteration, so they see its slots and inputs.
@@ -434,11 +436,14 @@ _DIGEST_ROUNDS = 3
 
 def digest_cases(quick: bool) -> list[DigestCase]:
     """The issue's request (2048 tokens of a 32-layer, 8-KV-head, 128-dim bf16 cache: 64 K/V
-    views) and one view of 64 Ki random slots with bf16 and fp8 units."""
+    views) and one view of 64 Ki random slots for each unit size a head takes: bf16 heads of
+    128 and 64 dims, fp8 heads of 128 and 64 dims (units of 256, 128 and 64 bytes)."""
     n = 4096 if quick else 1 << 16
     return [
         DigestCase("request 2048 tok x 32 layers", 8 if quick else 64, 8, 128, "bfloat16", 256 if quick else 2048),
         DigestCase("bf16 units of 256 B", 1, 8, 128, "bfloat16", n),
+        DigestCase("bf16 units of 128 B", 1, 8, 64, "bfloat16", n),
+        DigestCase("fp8 units of 128 B", 1, 8, 128, "float8_e4m3fn", n),
         DigestCase("fp8 units of 64 B", 1, 8, 64, "float8_e4m3fn", n),
     ]
 

@@ -106,6 +106,55 @@ def test_random_calls_match_the_spec(seed, device):
     assert stats["record_calls"] == stats["verify_calls"] == 4 and stats["violations"] == len(expected_rows)
 
 
+def _requests(rng, capacity, written):
+    """(slots, prev_slots) of one call of many requests, each a run of entries that chain
+    through the slot the entry before wrote, with padding inside runs, slots repeated across
+    runs, and runs whose first entry chains through a slot of an earlier call or of an earlier
+    run of this call (which then must see that run's record)."""
+    slots, prev = [], []
+    for _ in range(rng.randint(1, 24)):
+        head = rng.choice([-1, -1] + written[-8:] + [s for s in slots if s >= 0][-8:])
+        for k in range(rng.choice([1, 1, 2, 3, 9, 33, 70])):
+            slots.append(-1 if rng.random() < 0.04 else rng.randrange(capacity))
+            prev.append(head if k == 0 else slots[-2])
+    return slots, prev
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_calls_of_many_requests_apply_in_entry_order(seed):
+    # The CPU kernel computes the chains of several requests side by side; the spec applies
+    # the entries one after the other, each seeing what the entries before it wrote.
+    sources, _, mode = random_case(seed, "cpu", max_sources=2)
+    rng = random.Random(seed)
+    capacity = min(min(s.capacity for s in sources), rng.choice([24, 4096]))
+    canary = kc.KvCanary(sources, mode=mode, capacity=capacity, on_violation=None, ring_capacity=4096)
+    oracle = Records(capacity)
+    written, expected_rows = [], []
+    for _ in range(3):
+        slots, prev = _requests(rng, capacity, written)
+        n = len(slots)
+        positions = [rng.randrange(1 << 20) for _ in range(n)]
+        tokens = [rng.randrange(-1, 1 << 17) for _ in range(n)]
+        dtype = rng.choice([torch.int32, torch.int64])
+        given = {"positions": positions, "tokens": tokens, "prev_slots": prev}
+        given = {name: values for name, values in given.items() if name == "prev_slots" or rng.random() < 0.8}
+        tensors = {name: _as(values, dtype, "cpu") for name, values in given.items()}
+        canary.record(_as(slots, dtype, "cpu"), **tensors)
+        oracle.record(slots, _folds(canary, slots, "cpu"), **given)
+        assert canary.records.tolist() == oracle.records
+        written += [s for s in slots if s >= 0]
+        assert canary.stats()["slots_recorded"] == len(written)
+        flags = canary.verify(_as(slots, dtype, "cpu"), **tensors)
+        want_flags, rows = oracle.verify(slots, _folds(canary, slots, "cpu"), **given)
+        assert flags.tolist() == want_flags
+        expected_rows += rows
+    got = [
+        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
+        for v in canary.poll()
+    ]
+    assert got == expected_rows
+
+
 def _pool(device, blocks=8, block_size=16):
     gen = torch.Generator().manual_seed(0)
     return torch.randn(2, blocks, block_size, 2, 32, generator=gen).to(torch.bfloat16).to(device)

@@ -31,7 +31,8 @@ Tensor fold_cpu(const std::vector<Tensor>& sources, const Tensor& slots,
 
 }  // namespace
 
-void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out) {
+void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out,
+                    const FoldSideWork& side) {
   const CpuPath& path = cpu_path();
   CpuFoldWork work{};
   work.sources = plan.sources.data();
@@ -40,6 +41,7 @@ void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out
   work.slots = flat_slots.const_data_ptr();
   work.slots_are_int32 = flat_slots.scalar_type() == ScalarType::Int;
   work.out = out;
+  work.side = side;
   parallel_tasks(flat_slots.numel(), task_size(plan), [&](const auto& run_my_tasks) {
     run_my_tasks([&](SlotSpan task, SlotSpan next) { path.fold_task(work, task, next); });
   });

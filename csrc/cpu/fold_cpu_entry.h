@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cpu/kernels/fold_cpu.h"
 #include "plan/fold_plan.h"
 #include "plan/tensors.h"
 
@@ -11,6 +12,8 @@ namespace kvcanary {
 
 // out[i] = the fold of flat_slots[i] (contiguous int32 or int64) over the
 // plan's sources, on torch's threads; slots outside [0, plan.capacity) give 0.
-void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out);
+// `side` is the caller's work beside the fold (cpu/kernels/fold_cpu.h).
+void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out,
+                    const FoldSideWork& side = {});
 
 }  // namespace kvcanary

@@ -23,6 +23,7 @@ struct U64x4 {
 
 inline U64x4 operator^(U64x4 a, U64x4 b) { return {_mm256_xor_si256(a.v, b.v)}; }
 inline U64x4 operator>>(U64x4 a, int bits) { return {_mm256_srli_epi64(a.v, bits)}; }
+inline U64x4 operator+(U64x4 a, U64x4 b) { return {_mm256_add_epi64(a.v, b.v)}; }
 
 // Low 64 bits of a * c in each lane:
 // lo(a) * lo(c) + ((hi(a) * lo(c) + lo(a) * hi(c)) << 32).
@@ -59,6 +60,7 @@ struct Avx2Lanes {
   static Vec load(const int64_t* in) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in))};
   }
+  static Vec splat(uint64_t value) { return {_mm256_set1_epi64x(static_cast<int64_t>(value))}; }
 };
 
 }  // namespace

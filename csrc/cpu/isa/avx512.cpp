@@ -25,6 +25,7 @@ struct U64x8 {
 
 inline U64x8 operator^(U64x8 a, U64x8 b) { return {_mm512_xor_si512(a.v, b.v)}; }
 inline U64x8 operator>>(U64x8 a, int bits) { return {_mm512_srli_epi64(a.v, bits)}; }
+inline U64x8 operator+(U64x8 a, U64x8 b) { return {_mm512_add_epi64(a.v, b.v)}; }
 inline U64x8 operator*(U64x8 a, uint64_t c) {
   return {_mm512_mullo_epi64(a.v, _mm512_set1_epi64(static_cast<int64_t>(c)))};
 }
@@ -79,6 +80,7 @@ struct Avx512Lanes {
   }
   static void store(int64_t* out, Vec v) { _mm512_storeu_si512(out, v.v); }
   static Vec load(const int64_t* in) { return {_mm512_loadu_si512(in)}; }
+  static Vec splat(uint64_t value) { return {_mm512_set1_epi64(static_cast<int64_t>(value))}; }
 };
 
 }  // namespace

@@ -20,6 +20,7 @@ struct ScalarLanes {
   }
   static void store(int64_t* out, Vec v) { *out = static_cast<int64_t>(v); }
   static Vec load(const int64_t* in) { return static_cast<uint64_t>(*in); }
+  static Vec splat(uint64_t value) { return value; }
 };
 
 }  // namespace

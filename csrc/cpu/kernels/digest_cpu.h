@@ -12,7 +12,8 @@
 
 namespace kvcanary {
 
-// Entries whose live ones a path collects and then hashes view by view.
+// Entries a task holds at least: a lane group's worth on every path (a path
+// hashes up to 64 entries side by side).
 constexpr int64_t kDigestBatchEntries = 64;
 
 // The terms of entries [begin, end): slots[i] >= 0 and < capacity (others add

@@ -16,6 +16,29 @@
 
 namespace kvcanary {
 
+// Indices [begin, end) into the work's slots.
+struct SlotSpan {
+  int64_t begin;
+  int64_t end;
+};
+
+// Lines a kernel built on the fold reads per entry besides the sources, at
+// most (verify: its slot's record and owner tag, its previous slot's record).
+constexpr int kSideLinesPerEntry = 3;
+
+// What a kernel built on the fold (kvcanary::record, kvcanary::verify) does
+// beside it, lane group by lane group, on the thread that folds the group:
+// lines(state, span, out) writes to out the addresses of the lines it will
+// read for entries `span` (at most kSideLinesPerEntry each) and returns how
+// many (they are requested while the group before is hashed); after(state,
+// span), when not null, runs once out[span] holds the span's folds, while
+// those lines are in cache. A work whose `lines` is null has no side work.
+struct FoldSideWork {
+  int (*lines)(const void* state, SlotSpan span, const void** out) = nullptr;
+  void (*after)(const void* state, SlotSpan span) = nullptr;
+  const void* state = nullptr;
+};
+
 // What a call folds: out[i] = the fold of slots[i] over the sources, for the
 // indices i it is given.
 struct CpuFoldWork {
@@ -25,12 +48,7 @@ struct CpuFoldWork {
   const void* slots;
   bool slots_are_int32;
   int64_t* out;
-};
-
-// Indices [begin, end) into the work's slots.
-struct SlotSpan {
-  int64_t begin;
-  int64_t end;
+  FoldSideWork side;
 };
 
 // Every path folds slots in lane groups whose size divides this; tasks handed

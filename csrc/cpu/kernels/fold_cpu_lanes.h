@@ -20,13 +20,16 @@
 // The calls, from the top (each one calls those below it):
 //   fold_task          a task: its whole lane groups, then its tail
 //   fold_tail          the tail, in as few vectors as hold it
-//   fold_groups        consecutive lane groups of a span of slots
+//   fold_groups        consecutive lane groups of a span of slots, each with
+//                      its side work (fold_cpu.h: FoldSideWork)
 //   fold_by_pairs      a short span, its lanes taking (source, slot) pairs
 //   fold_group         one lane group over every source
 //   hash_tokens        one source's bytes of each lane's token
 //   hash_token_blocks  the same, in blocks of several chunks (AVX-512)
+//   hash_blocks        the software pipeline of the blocks
 // The prefetch plan (cpu/kernels/fold_cpu_prefetch.h) is made in fold_groups and
-// fold_group, and its requests are issued step by step in hash_tokens.
+// fold_group, and its requests (the tokens read next, and the side work's
+// lines of the group folded next) are issued step by step in hash_tokens.
 #pragma once
 
 #include "core/fold_math.h"
@@ -55,26 +58,44 @@ struct LaneFold {
   // pairs' bookkeeping costs.
   static constexpr int64_t kPairsMinBytes = 128;
 
-  // Folds `task` of `work`, then (through the prefetch plan) warms `next`.
+  // Folds `task` of `work`, then (through the prefetch plan) warms `next`;
+  // the work's side work (FoldSideWork), if any, goes along group by group.
   static void fold_task(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
-    if (work.slots_are_int32) {
-      fold_task_indexed<int32_t>(work, task, next);
+    if (work.side.lines == nullptr) {
+      NoSide side;
+      fold_task_with(work, task, next, side);
     } else {
-      fold_task_indexed<int64_t>(work, task, next);
+      SidePrefetcher side(work.side);
+      fold_task_with(work, task, next, side);
     }
   }
 
-  template <typename index_t>
-  static void fold_task_indexed(const CpuFoldWork& work, SlotSpan task, SlotSpan next) {
+  template <class Side>
+  static void fold_task_with(const CpuFoldWork& work, SlotSpan task, SlotSpan next, Side& side) {
+    side.request_now(first_group(task));
+    if (work.slots_are_int32) {
+      fold_task_indexed<int32_t>(work, task, next, side);
+    } else {
+      fold_task_indexed<int64_t>(work, task, next, side);
+    }
+  }
+
+  template <typename index_t, class Side>
+  static void fold_task_indexed(const CpuFoldWork& work, SlotSpan task, SlotSpan next, Side& side) {
     const SlotSpan whole{task.begin, task.begin + (task.end - task.begin) / kSlots * kSlots};
     const SlotSpan tail{whole.end, task.end};
     const bool has_tail = tail.begin < tail.end;
     if (whole.begin < whole.end) {
-      fold_groups<index_t>(work, whole, has_tail ? tail : next);
+      fold_groups<index_t>(work, whole, has_tail ? tail : next, side);
     }
     if (has_tail) {
-      fold_tail<index_t>(work, tail, next);
+      fold_tail<index_t>(work, tail, next, side);
     }
+  }
+
+  // The first group of kSlots slots of `span` (shorter when the span is).
+  static SlotSpan first_group(SlotSpan span) {
+    return {span.begin, span.begin + smaller(span.end - span.begin, kSlots)};
   }
 
   // The end of a task, or all of a small one (fewer slots than a group), in
@@ -82,26 +103,29 @@ struct LaneFold {
   // kSlots lanes, and up to four vectors hash in about the time of one (their
   // chains' latency bounds them, not the vector ports). When the sources share
   // a token layout, the lanes take (source, slot) pairs.
-  template <typename index_t>
-  static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next) {
+  template <typename index_t, class Side>
+  static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next, Side& side) {
     const bool by_pairs = takes_pairs(work);
     const int64_t lanes = (tail.end - tail.begin) * (by_pairs ? work.num_sources : 1);
     const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
     if (vectors <= 1)
-      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs);
+      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs, side);
     if (vectors <= 2)
-      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs);
+      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs, side);
     if (vectors <= 4)
-      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs);
-    fold_span<index_t>(work, tail, next, by_pairs);
+      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs, side);
+    fold_span<index_t>(work, tail, next, by_pairs, side);
   }
 
-  template <typename index_t>
-  static void fold_span(const CpuFoldWork& work, SlotSpan span, SlotSpan next, bool by_pairs) {
+  template <typename index_t, class Side>
+  static void fold_span(const CpuFoldWork& work, SlotSpan span, SlotSpan next, bool by_pairs,
+                        Side& side) {
     if (by_pairs) {
       fold_by_pairs<index_t>(work, span);
+      side.finish();
+      side.after(span);
     } else {
-      fold_groups<index_t>(work, span, next);
+      fold_groups<index_t>(work, span, next, side);
     }
   }
 
@@ -109,40 +133,56 @@ struct LaneFold {
   // short); `next` is what the thread folds after the span. A group's padding,
   // out-of-range and missing lanes fold a folded slot of the group instead
   // (every read stays inside the sources) and give 0; a group with nothing to
-  // fold reads nothing.
-  template <typename index_t>
-  static void fold_groups(const CpuFoldWork& work, SlotSpan span, SlotSpan next) {
+  // fold reads nothing. While a group is hashed, the side lines of the group
+  // after it are requested; its side work runs once its folds are out.
+  template <typename index_t, class Side>
+  static void fold_groups(const CpuFoldWork& work, SlotSpan span, SlotSpan next, Side& side) {
     const auto* slots = static_cast<const index_t*>(work.slots);
     const ReadOrder<index_t> order(work, span, next, kSlots);
+    int64_t steps = 0;  // a group's hashing steps, over which its side requests are paced
+    for (int s = 0; s < work.num_sources; ++s) steps += hash_steps(work.sources[s]);
     int64_t group[kSlots];
     int64_t folded[kSlots];
     for (int64_t first = span.begin; first < span.end; first += kSlots) {
       const int count = static_cast<int>(smaller(span.end - first, kSlots));
-      int64_t stand_in = -1;
-      bool all_folded = count == kSlots;
-      for (int i = 0; i < count; ++i) {
-        group[i] = slots[first + i];
-        if (!is_folded(work, group[i])) {
-          all_folded = false;
-        } else if (stand_in < 0) {
-          stand_in = group[i];
-        }
+      side.plan(first_group(first + kSlots < span.end ? SlotSpan{first + kSlots, span.end} : next),
+                steps);
+      fold_group_or_zeros(work, slots, order, first, count, group, folded, side);
+      side.finish();
+      side.after(SlotSpan{first, first + count});
+    }
+  }
+
+  // out[first..first + count) = the folds of the group of `count` slots at
+  // index `first` (see fold_groups).
+  template <typename index_t, class Side>
+  static void fold_group_or_zeros(const CpuFoldWork& work, const index_t* slots,
+                                  const ReadOrder<index_t>& order, int64_t first, int count,
+                                  int64_t* group, int64_t* folded, Side& side) {
+    int64_t stand_in = -1;
+    bool all_folded = count == kSlots;
+    for (int i = 0; i < count; ++i) {
+      group[i] = slots[first + i];
+      if (!is_folded(work, group[i])) {
+        all_folded = false;
+      } else if (stand_in < 0) {
+        stand_in = group[i];
       }
-      if (stand_in < 0 || work.num_sources == 0) {
-        for (int i = 0; i < count; ++i) work.out[first + i] = 0;
-        continue;
-      }
-      if (all_folded) {
-        fold_group(work, group, order, first, work.out + first);
-        continue;
-      }
-      for (int i = 0; i < kSlots; ++i) {
-        if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
-      }
-      fold_group(work, group, order, first, folded);
-      for (int i = 0; i < count; ++i) {
-        work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
-      }
+    }
+    if (stand_in < 0 || work.num_sources == 0) {
+      for (int i = 0; i < count; ++i) work.out[first + i] = 0;
+      return;
+    }
+    if (all_folded) {
+      fold_group(work, group, order, first, work.out + first, side);
+      return;
+    }
+    for (int i = 0; i < kSlots; ++i) {
+      if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
+    }
+    fold_group(work, group, order, first, folded, side);
+    for (int i = 0; i < count; ++i) {
+      work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
     }
   }
 
@@ -150,13 +190,14 @@ struct LaneFold {
   // group that starts at index `first`) over every source. While one source is
   // hashed, the tokens read after it (`order`) are prefetched, so that the
   // requests run one source's work ahead.
-  template <typename index_t>
+  template <typename index_t, class Side>
   static void fold_group(const CpuFoldWork& work, const int64_t* group,
-                         const ReadOrder<index_t>& order, int64_t first, int64_t* out) {
+                         const ReadOrder<index_t>& order, int64_t first, int64_t* out, Side& side) {
     Vec acc[kVectors];
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = V::zero();
     const unsigned char* tokens[kSlots];
     TokenPrefetcher prefetcher;
+    GroupPrefetcher<Side> requests{prefetcher, side};
     for (int s = 0; s < work.num_sources; ++s) {
       const SourceLayout& src = work.sources[s];
       for (int i = 0; i < kSlots; ++i) {
@@ -164,7 +205,7 @@ struct LaneFold {
       }
       prefetcher.start(work, order.after(first, s));
       Vec h[kVectors];
-      hash_tokens(src, tokens, h, prefetcher);
+      hash_tokens(src, tokens, h, requests);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
     }
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) V::store(out + v * V::kLanes, acc[v]);
@@ -175,25 +216,27 @@ struct LaneFold {
     return V::kBlockChunks > 1 && (src.num_outer == 0 || src.run_bytes % kBlockBytes == 0);
   }
 
+  // The steps hash_tokens takes over `src` (a word of a block, or a chunk).
+  static int64_t hash_steps(const SourceLayout& src) {
+    const int64_t num_blocks = takes_blocks(src) ? src.read_bytes / kBlockBytes : 0;
+    return num_blocks * kBlockWords + (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
+  }
+
   // h[v] = the hash of the read_bytes of `src` of each lane of vector v, lane
-  // i reading tokens[i] (every token laid out as `src` says). The prefetcher
-  // is paced over the hashing's steps (a word of a block, or a chunk).
+  // i reading tokens[i] + base (every token laid out as `src` says). The
+  // prefetcher is paced over the hashing's steps.
   template <class Prefetcher>
   static void hash_tokens(const SourceLayout& src, const unsigned char* const* tokens, Vec* h,
-                          Prefetcher& prefetcher) {
+                          Prefetcher& prefetcher, int64_t base = 0) {
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) h[v] = V::zero();
-    const bool by_blocks = takes_blocks(src);
-    const int64_t num_blocks = by_blocks ? src.read_bytes / kBlockBytes : 0;
-    const int64_t num_chunks_after_blocks =
-        (src.read_bytes - num_blocks * kBlockBytes) / kReadAlign;
-    prefetcher.pace(num_blocks * kBlockWords + num_chunks_after_blocks);
+    prefetcher.pace(hash_steps(src));
     int64_t byte = 0;
     if constexpr (V::kBlockChunks > 1) {
-      if (by_blocks) byte = hash_token_blocks(src, tokens, h, prefetcher);
+      if (takes_blocks(src)) byte = hash_token_blocks(src, tokens, h, prefetcher, base);
     }
     for (; byte < src.read_bytes; byte += kReadAlign) {
       prefetcher.step();
-      const int64_t offset = chunk_offset(src, byte);
+      const int64_t offset = base + chunk_offset(src, byte);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
         Vec lo, hi;
         V::load_chunks(tokens + v * V::kLanes, offset, &lo, &hi);
@@ -204,19 +247,44 @@ struct LaneFold {
   }
 
   // The whole blocks of `src` for kSlots lanes; returns the bytes hashed.
-  // Software-pipelined: while the words of one block are hashed (word by word
-  // across the vectors, independent chains side by side), the next block is
-  // loaded and transposed into the other half of a small staging buffer, one
-  // vector per step, so loads overlap the hash instead of alternating with it.
   template <class Prefetcher>
   static int64_t hash_token_blocks(const SourceLayout& src, const unsigned char* const* tokens,
-                                   Vec* h, Prefetcher& prefetcher) {
+                                   Vec* h, Prefetcher& prefetcher, int64_t base) {
+    TokenBlocks blocks{src, base, src.read_bytes / kBlockBytes};
+    hash_blocks(tokens, h, prefetcher, blocks);
+    return blocks.count * kBlockBytes;
+  }
+
+  // The whole blocks of a token laid out as `src`, lane i's at tokens[i] +
+  // base: what hash_tokens reads in blocks. A sequence of blocks for
+  // hash_blocks gives, in order, the offset of each block to load
+  // (next_offset), and is told when each block's words are hashed into h
+  // (after_block).
+  struct TokenBlocks {
+    const SourceLayout& src;
+    int64_t base;
+    int64_t count;
+    int64_t loaded = 0;
+
+    int64_t next_offset() { return base + chunk_offset(src, kBlockBytes * loaded++); }
+    void after_block(Vec*) {}
+  };
+
+  // Hashes the blocks of `blocks` into h (kSlots lanes, lane i's block at
+  // tokens[i] + its offset). Software-pipelined: while the words of one block
+  // are hashed (word by word across the vectors, independent chains side by
+  // side), the next block is loaded and transposed into the other half of a
+  // small staging buffer, one vector per step, so loads overlap the hash
+  // instead of alternating with it.
+  template <class Prefetcher, class Blocks>
+  static void hash_blocks(const unsigned char* const* tokens, Vec* h, Prefetcher& prefetcher,
+                          Blocks& blocks) {
     static_assert(kBlockWords % kVectors == 0, "one vector is loaded per word step");
     constexpr int kWordsPerLoad = kBlockWords / kVectors;
-    const int64_t num_blocks = src.read_bytes / kBlockBytes;
-    if (num_blocks == 0) return 0;
+    const int64_t num_blocks = blocks.count;
+    if (num_blocks == 0) return;
     Vec stage[2][kVectors][kBlockWords];
-    const int64_t first = chunk_offset(src, 0);
+    const int64_t first = blocks.next_offset();
     KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
       V::load_block(tokens + v * V::kLanes, first, stage[0][v]);
     }
@@ -224,7 +292,7 @@ struct LaneFold {
       const int current = static_cast<int>(block % 2);
       const int other = 1 - current;
       const bool load_next = block + 1 < num_blocks;
-      const int64_t next = load_next ? chunk_offset(src, (block + 1) * kBlockBytes) : 0;
+      const int64_t next = load_next ? blocks.next_offset() : 0;
       KVC_UNROLL for (int w = 0; w < kBlockWords; ++w) {
         KVC_UNROLL for (int v = 0; v < kVectors; ++v) {
           h[v] = splitmix64(h[v] ^ stage[current][v][w]);
@@ -235,8 +303,8 @@ struct LaneFold {
           V::load_block(tokens + v * V::kLanes, next, stage[other][v]);
         }
       }
+      blocks.after_block(h);
     }
-    return num_blocks * kBlockBytes;
   }
 
   // Whether the sources all read the same bytes of their tokens (read_bytes

@@ -165,6 +165,80 @@ class TokenPrefetcher {
   int64_t credit_ = 0;
 };
 
+// The lines of the fold's side work (FoldSideWork) for the lane group hashed
+// next, requested while the current group is hashed, spread over its steps
+// as TokenPrefetcher spreads tokens.
+class SidePrefetcher {
+ public:
+  explicit SidePrefetcher(const FoldSideWork& side) : side_(side) {}
+
+  // Plans the lines of entries `span` (at most a lane group), to be requested
+  // over the next `steps` calls of step().
+  [[gnu::always_inline]] void plan(SlotSpan span, int64_t steps) {
+    count_ = span.begin < span.end ? side_.lines(side_.state, span, lines_) : 0;
+    next_ = 0;
+    steps_ = steps > 1 ? steps : 1;
+    credit_ = 0;
+  }
+
+  // Requests the lines of entries `span` at once (the first group of a task).
+  [[gnu::always_inline]] void request_now(SlotSpan span) {
+    plan(span, 1);
+    finish();
+  }
+
+  [[gnu::always_inline]] void step() {
+    credit_ += count_;
+    while (credit_ >= steps_ && next_ < count_) {
+      __builtin_prefetch(lines_[next_++], 0, kLocality);
+      credit_ -= steps_;
+    }
+  }
+
+  // Requests what the steps have left.
+  [[gnu::always_inline]] void finish() {
+    while (next_ < count_) __builtin_prefetch(lines_[next_++], 0, kLocality);
+  }
+
+  // The side work of entries `span`, once their folds are out.
+  void after(SlotSpan span) const {
+    if (side_.after != nullptr) side_.after(side_.state, span);
+  }
+
+ private:
+  static constexpr int kLocality = 3;
+
+  const FoldSideWork& side_;
+  const void* lines_[kSideLinesPerEntry * kLaneGroupMultiple];
+  int count_ = 0;
+  int next_ = 0;
+  int64_t steps_ = 1;
+  int64_t credit_ = 0;
+};
+
+// A fold without side work.
+struct NoSide {
+  void plan(SlotSpan, int64_t) {}
+  void request_now(SlotSpan) {}
+  void step() {}
+  void finish() {}
+  void after(SlotSpan) const {}
+};
+
+// A group's TokenPrefetcher and its side prefetcher, stepped together.
+template <class Side>
+struct GroupPrefetcher {
+  TokenPrefetcher& tokens;
+  Side& side;
+
+  void pace(int64_t steps) { tokens.pace(steps); }
+  [[gnu::always_inline]] void step() {
+    tokens.step();
+    side.step();
+  }
+  [[gnu::always_inline]] void finish() { tokens.finish(); }
+};
+
 // Hashing without prefetching: what is read next is not known (pairs).
 struct NoPrefetch {
   void pace(int64_t) {}
