@@ -155,6 +155,46 @@ def test_calls_of_many_requests_apply_in_entry_order(seed):
     assert got == expected_rows
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_calls_of_many_tasks_and_threads_match_the_spec(threads):
+    # Enough entries of 1 KiB for several of the fold's tasks, whose lane groups the CPU kernel
+    # checks as they are folded, on one thread or two; some slots changed after record. On this
+    # process's CPU path; test_cpu_paths.py reruns it on every other path.
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randint(0, 256, (4096, 1024), dtype=torch.uint8, generator=gen)
+    source = kc.view_source(pool.unsqueeze(1), read_bytes=1024)
+    canary = kc.KvCanary(source, on_violation=None, ring_capacity=4096)
+    oracle = Records(4096)
+    rng = random.Random(threads)
+    slots, prev = [], []
+    while len(slots) < 1500:
+        new, new_prev = _requests(rng, 4096, [s for s in slots if s >= 0])
+        slots += new
+        prev += new_prev
+    positions = [rng.randrange(1 << 20) for _ in slots]
+    tokens = [rng.randrange(1 << 17) for _ in slots]
+    tags = [rng.randrange(3) for _ in slots]
+    inputs = {name: torch.tensor(values) for name, values in (("positions", positions), ("tokens", tokens), ("prev_slots", prev))}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        canary.record(torch.tensor(slots), tag=torch.tensor(tags), **inputs)
+        oracle.record(slots, _folds(canary, slots, "cpu"), positions=positions, tokens=tokens, prev_slots=prev, tags=tags)
+        assert canary.records.tolist() == oracle.records
+        changed = rng.sample([s for s in slots if s >= 0], 40)
+        pool[changed] += 1
+        flags = canary.verify(torch.tensor(slots), **inputs)
+        want_flags, rows = oracle.verify(slots, _folds(canary, slots, "cpu"), positions=positions, tokens=tokens, prev_slots=prev)
+    finally:
+        torch.set_num_threads(before)
+    assert flags.tolist() == want_flags
+    got = [
+        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
+        for v in canary.poll()
+    ]
+    assert got == rows and len(rows) > 40
+
+
 def _pool(device, blocks=8, block_size=16):
     gen = torch.Generator().manual_seed(0)
     return torch.randn(2, blocks, block_size, 2, 32, generator=gen).to(torch.bfloat16).to(device)
