@@ -213,10 +213,11 @@ def canary_cost(device: str, min_run_time: float) -> list[dict]:
     canary = KvCanary(sources, on_violation=None)
     rows_out = []
     for n, requests in ((256, 256), (1 << 16, 64)):
-        slots = torch.randperm(rows, generator=gen)[:n].view(requests, -1)
+        order = torch.randperm(rows, generator=gen)
+        slots = order[:n].view(requests, -1)
         prev = torch.cat([torch.full((requests, 1), -1), slots[:, :-1]], dim=1)
-        if n == requests:  # decode: each entry chains through a slot of an earlier step
-            prev = torch.randint(0, rows, (n, 1), generator=gen)
+        if n == requests:  # decode: each entry chains through a slot of an earlier step, none this step writes
+            prev = order[n : 2 * n].view(n, 1)
         positions = torch.arange(n // requests).expand(requests, -1)
         tokens = torch.randint(0, 1 << 17, (requests, n // requests), generator=gen)
         # Contiguous, as an engine's inputs are: a strided one (the decode step's positions, an

@@ -122,8 +122,8 @@ def _requests(rng, capacity, written):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_calls_of_many_requests_apply_in_entry_order(seed):
-    # The CPU kernel computes the chains of several requests side by side; the spec applies
-    # the entries one after the other, each seeing what the entries before it wrote.
+    # The spec applies the entries one after the other, each seeing what the entries before it
+    # wrote: requests chaining through each other's slots within one call.
     sources, _, mode = random_case(seed, "cpu", max_sources=2)
     rng = random.Random(seed)
     capacity = min(min(s.capacity for s in sources), rng.choice([24, 4096]))
@@ -153,6 +153,50 @@ def test_calls_of_many_requests_apply_in_entry_order(seed):
         for v in canary.poll()
     ]
     assert got == expected_rows
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_steps_match_the_spec(threads):
+    # Calls whose entries each chain through a slot of an earlier call (folded in tasks of 64
+    # entries of 4 KiB, on one thread or two), and the same with one entry chaining through a
+    # slot an earlier or a later entry of the call writes, a slot written twice, or padding:
+    # every record as the spec's entry-order application leaves it.
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randint(0, 256, (4096, 4096), dtype=torch.uint8, generator=gen)
+    source = kc.view_source(pool.unsqueeze(1), read_bytes=4096)
+    canary = kc.KvCanary(source, on_violation=None)
+    oracle = Records(4096)
+    rng = random.Random(threads)
+    written = rng.sample(range(4096), 300)
+    canary.record(torch.tensor(written))
+    oracle.record(written, _folds(canary, written, "cpu"))
+    changes = ["none", "chain through an earlier entry", "chain through a later entry", "slot twice", "padding"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for change in changes * 4:
+            slots = rng.sample(range(4096), 200)
+            prev = [rng.choice(written + [-1]) for _ in slots]
+            prev = [p if p not in slots else -1 for p in prev]
+            i, j = rng.randrange(64), rng.randrange(64, 128)
+            if change == "chain through an earlier entry":
+                prev[j] = slots[i]
+            elif change == "chain through a later entry":
+                prev[i] = slots[j]
+            elif change == "slot twice":
+                slots[j] = slots[i]
+            elif change == "padding":
+                slots[i] = -1
+            positions = [rng.randrange(1 << 20) for _ in slots]
+            tokens = [rng.randrange(1 << 17) for _ in slots]
+            inputs = {"positions": positions, "tokens": tokens, "prev_slots": prev}
+            canary.record(torch.tensor(slots), **{name: torch.tensor(values) for name, values in inputs.items()})
+            oracle.record(slots, _folds(canary, slots, "cpu"), **inputs)
+            assert canary.records.tolist() == oracle.records, change
+            written += [s for s in slots if s >= 0]
+    finally:
+        torch.set_num_threads(before)
+    assert canary.stats()["slots_recorded"] == len(written)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

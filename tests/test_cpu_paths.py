@@ -1,7 +1,7 @@
 """Each instruction-set path of the CPU kernels is bit-exact with the reference on the golden
 vectors and on random layouts. A process takes one path, chosen when a kernel first runs: the
 best one its CPU has, or the lesser one KVCANARY_CPU_ISA names. So the tests of this module,
-and the digest's and the canary's tests that depend on the path, run on this process's path, and
+and the digest's and verify's tests that depend on the path, run on this process's path, and
 test_every_path reruns them in a child process for each other path."""
 
 import os
@@ -18,7 +18,6 @@ PER_PATH_TESTS = [
     "test_cpu_paths.py",
     "test_digest.py::test_cpu_path_matches_the_spec",
     "test_digest.py::test_last_unit_of_a_tight_view",
-    "test_canary_records.py::test_calls_of_many_requests_apply_in_entry_order",
     "test_canary_records.py::test_calls_of_many_tasks_and_threads_match_the_spec",
 ]
 

@@ -18,7 +18,7 @@ namespace kvcanary {
 namespace {
 
 // A checked call (a refused call has written nothing yet): its entries as
-// int64 columns and room for their folds, and for record their chains.
+// int64 columns and room for their folds.
 struct CpuCall {
   EntryPlan entries;
   FoldPlan fold;
@@ -26,32 +26,27 @@ struct CpuCall {
   std::unique_ptr<int64_t[]> scratch;
   EntryColumns columns;
   int64_t* folds;
-  int64_t* chains;
 };
 
-// record fills missing inputs with -1 and needs room for chains; verify
-// leaves them missing.
+// record fills missing inputs with -1; verify leaves them missing.
 CpuCall plan_call(const CanaryInputs& in, const CanaryTables& tables, bool check_bounds,
-                  bool for_record) {
+                  bool fill_missing) {
   CanaryPlan plan = make_canary_plan(in, tables);
   if (check_bounds) {
     check_entries_in_range(plan, kHostSearch);
   }
   const EntryInputs& inputs = plan.entries.inputs;
   const int64_t n = inputs.num_entries;
-  const int64_t values =
-      (for_record ? 2 : 1) * n + EntryColumns::scratch_values(inputs, for_record);
-  auto scratch = std::make_unique_for_overwrite<int64_t[]>(values);
+  auto scratch = std::make_unique_for_overwrite<int64_t[]>(
+      n + EntryColumns::scratch_values(inputs, fill_missing));
   int64_t* folds = scratch.get();
-  int64_t* chains = for_record ? folds + n : nullptr;
-  EntryColumns columns(inputs, for_record, folds + (for_record ? 2 : 1) * n);
+  EntryColumns columns(inputs, fill_missing, folds + n);
   return {std::move(plan.entries),
           std::move(plan.fold),
           plan.capacity,
           std::move(scratch),
           columns,
-          folds,
-          chains};
+          folds};
 }
 
 template <typename Int>
@@ -65,30 +60,12 @@ CpuCanaryTables<Int> cpu_tables(const CanaryTables& tables, int64_t capacity, In
           capacity};
 }
 
-// record's side of the fold: the lines of a small call's entries requested
-// as the fold goes (those of a big one would be gone by the time record
-// applies them).
-struct RecordSide {
-  static constexpr int64_t kMaxEntries = 2048;
-  CpuRecordTables tables;
-  const EntryColumns& columns;
-
-  static int lines(const void* self, SlotSpan span, const void** out) {
-    const auto& r = *static_cast<const RecordSide*>(self);
-    return entry_lines(r.tables, r.columns, true, span, out);
-  }
-};
-
 void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check_bounds) {
   const CpuCall call = plan_call(args, tables, check_bounds, true);
-  const RecordSide side{
-      cpu_tables(tables, call.capacity, tables.records.mutable_data_ptr<int64_t>(),
-                 tables.owner_tags.mutable_data_ptr<int64_t>()),
-      call.columns};
-  const bool small = call.columns.size() <= RecordSide::kMaxEntries;
-  fold_slots_cpu(call.fold, call.entries.slots, call.folds,
-                 small ? FoldSideWork{&RecordSide::lines, nullptr, &side} : FoldSideWork{});
-  record_entries(side.tables, call.columns, call.folds, call.chains);
+  fold_slots_cpu(call.fold, call.entries.slots, call.folds);
+  record_entries(cpu_tables(tables, call.capacity, tables.records.mutable_data_ptr<int64_t>(),
+                            tables.owner_tags.mutable_data_ptr<int64_t>()),
+                 call.columns, call.folds);
 }
 
 // verify's side of the fold: each lane group's entries checked once folded,
@@ -102,7 +79,7 @@ struct VerifySide {
 
   static int lines(const void* self, SlotSpan span, const void** out) {
     const auto& v = *static_cast<const VerifySide*>(self);
-    return entry_lines(v.tables, v.columns, v.columns.inputs().tags != nullptr, span, out);
+    return verify_lines(v.tables, v.columns, span, out);
   }
   static void after(const void* self, SlotSpan span) {
     const auto& v = *static_cast<const VerifySide*>(self);

@@ -55,9 +55,11 @@ Tensor digest_cpu(const std::vector<Tensor>& views, const Tensor& slots, const T
     std::vector<uint64_t> sums(static_cast<size_t>(num_groups), 0);
     CpuDigestRange mine = range;
     mine.sums = sums.data();
-    run_my_tasks([&](SlotSpan entries, SlotSpan) {
+    run_my_tasks([&](SlotSpan entries, SlotSpan next) {
       mine.begin = entries.begin;
       mine.end = entries.end;
+      mine.next_begin = next.begin;
+      mine.next_end = next.end;
       path.digest_range(mine);
     });
     const std::lock_guard<std::mutex> lock(merge);

@@ -29,6 +29,10 @@ struct CpuDigestRange {
   int64_t num_groups;
   int64_t begin;
   int64_t end;
+  // The entries the thread digests after these (empty when none): their
+  // first tokens are prefetched while the range's last ones are hashed.
+  int64_t next_begin;
+  int64_t next_end;
   uint64_t* sums;
 };
 

@@ -308,23 +308,34 @@ struct LaneDigest {
     return j;
   }
 
+  // The range's entries, lane group by lane group, view by view. What is read
+  // after a group's last view is the next group's first, and after the
+  // range's last group the first group of the entries the thread digests
+  // next (r.next_begin..r.next_end), which is only prefetched here.
   static void run(const CpuDigestRange& r) {
     const int first_view = next_view(r, -1);
     if (first_view == r.num_views) return;
     Group groups[2];
+    Group next_range;
     int64_t cursor = r.begin;
     groups[0].collect(r, cursor, r.end);
     for (int current = 0; groups[current].count > 0; current = 1 - current) {
       Group& group = groups[current];
       Group& after = groups[1 - current];
       after.collect(r, cursor, r.end);
+      const Group* read_next = &after;
+      if (after.count == 0) {
+        int64_t next_cursor = r.next_begin;
+        next_range.collect(r, next_cursor, r.next_end);
+        read_next = &next_range;
+      }
       for (int j = first_view; j < r.num_views; j = next_view(r, j)) {
         const int then = next_view(r, j);
         group.locate(r.views[j]);
         if (then < r.num_views) {
           add_terms(r, r.views[j], group, r.views[then], group);
         } else {
-          add_terms(r, r.views[j], group, r.views[first_view], after);
+          add_terms(r, r.views[j], group, r.views[first_view], *read_next);
         }
       }
     }

@@ -26,8 +26,8 @@ struct SlotSpan {
 // most (verify: its slot's record and owner tag, its previous slot's record).
 constexpr int kSideLinesPerEntry = 3;
 
-// What a kernel built on the fold (kvcanary::record, kvcanary::verify) does
-// beside it, lane group by lane group, on the thread that folds the group:
+// What a kernel built on the fold (kvcanary::verify) does beside it, lane
+// group by lane group, on the thread that folds the group:
 // lines(state, span, out) writes to out the addresses of the lines it will
 // read for entries `span` (at most kSideLinesPerEntry each) and returns how
 // many (they are requested while the group before is hashed); after(state,
