@@ -31,7 +31,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm soak-vllm bench-vllm
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm soak-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -129,6 +129,11 @@ soak-vllm: $(VLLM_VENV)/.built
 # Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
 bench-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python -m benchmarks.vllm_bench $(BENCH_ARGS)
+
+# Output tokens per second through `vllm serve` with the plugin off, PARTIAL and ALL
+# (benchmarks/vllm_serve_bench.py, `vllm bench serve` against three servers in turns).
+bench-vllm-serve: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python -m benchmarks.vllm_serve_bench $(BENCH_ARGS)
 
 $(VLLM_VENV)/.deps:
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
