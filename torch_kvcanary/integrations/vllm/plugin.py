@@ -490,7 +490,14 @@ class WorkerCanary:
 
     def _report(self, violations: list[Violation]) -> None:
         """The policy over one line per slot: under "log" only the slots detected for the
-        first time, the others counted into `reports`."""
+        first time, the others counted into `reports`. Called with no violation of its own
+        when another tensor-parallel rank found some (the ranks poll together): under "raise"
+        this rank stops too, with a line saying where to look."""
+        if not violations:
+            if self.policy == "raise":
+                line = f"kv_canary: launch_tag={LAUNCH_TAG} violations on another tensor-parallel rank (see its lines); this rank's checks passed"
+                raise KvCorruptionError([line], violations)
+            return
         lines = self.slot_lines(violations)
         if self.policy == "log":
             overflow = self.canary.stats()["ring_overflow"]
