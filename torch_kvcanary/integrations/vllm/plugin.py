@@ -325,6 +325,8 @@ class WorkerCanary:
         written_rows = np.repeat(rows, step.num_scheduled)
         order = _writers_first(step.num_computed[written_rows])
         batch = _Batch(step.request_ids, step.num_tokens, step.input_ids, step.positions, written_rows, order)
+        if len(step.block_copies):
+            self._follow_block_copies(step.block_copies)
         written = torch.cat(step.slot_mappings)
         for group, slot_mapping in zip(self.groups, step.slot_mappings):
             batch.groups.append(self._begin_group(group, step, rows, slot_mapping, written))
@@ -380,6 +382,15 @@ class WorkerCanary:
             tail_slots = entries.verified_slots[count:]
             entries.checks.append((tail_slots, tail_rows, self.canary.verify(tail_slots)))
         return entries
+
+    def _follow_block_copies(self, copies: np.ndarray) -> None:
+        """vLLM copied these whole blocks, every layer, before the forward (copy-on-write of a
+        partial prefix hit): their slots' records go with their bytes."""
+        offsets = np.arange(self.block_size, dtype=np.int64)
+        source, destination = ((copies[:, [i]] * self.block_size + offsets).reshape(-1) for i in (0, 1))
+        self.canary.copy_records(_to(source, self.canary.device), _to(destination, self.canary.device))
+        if self.reports.logged:
+            self.reports.rewritten(destination.tolist())
 
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
