@@ -83,8 +83,9 @@ def vllm_log():
 
 
 @contextlib.contextmanager
-def started_engine(model, *, kv_budget: int = KV_BUDGET, **options):
-    """An in-process engine on ``model`` with the plugin on under "log", and the plugin's
+def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", environ: dict[str, str] | None = None, **options):
+    """An in-process engine on ``model`` with the plugin on under ``policy`` (and the
+    plugin's other variables of ``environ`` set while it starts), and the plugin's
     WARNING and ERROR lines (`Lines`) and the requests vLLM preempts meanwhile: (llm, lines,
     preemptions). ``options`` override the engine's (prefix caching and chunked prefill of
     `PER_STEP` tokens a step in blocks of `BLOCK_SIZE`); ``llm.startup_log`` is what vLLM
@@ -98,10 +99,12 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, **options):
         preemptions.append(request.request_id)
         return preempt(self, request, *args, **kwargs)
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV)}
+    environ = environ or {}
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV, *environ)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ[plugin.POLICY_ENV] = "log"
+    os.environ[plugin.POLICY_ENV] = policy
     os.environ.pop(plugin.SUMMARY_ENV, None)
+    os.environ.update(environ)
     Scheduler._preempt_request = counting_preempt
     lines = Lines()
     llm = None

@@ -1,0 +1,342 @@
+"""The canary's KV connector (`KvCanaryConnector`) on the real engine (vLLM's CPU build),
+in-process and driven step by step: repair (vLLM recomputes the blocks the canary flagged)
+and quarantine (vLLM fails the requests that read them), the rule for violations of the
+mapping, the counters in vLLM's Prometheus metrics, and fault drills.
+
+The engines serve a tiny random Llama in float32 (vLLM's recompute of a request then
+reproduces the tokens of a clean run), with prefix caching and chunked prefill, under
+synchronous scheduling.
+"""
+
+import contextlib
+import random
+import re
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, KV_BYTES_PER_SLOT, NUM_BLOCKS, Driver, _parse, _tokens, started_engine  # noqa: E402
+
+import torch_kvcanary as kc  # noqa: E402
+from torch_kvcanary.integrations.vllm import connector, plugin  # noqa: E402
+
+# K and V of float32, twice bf16's bytes; the canary's records beside them.
+FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
+FAILURE_POLICY = {"repair": "recompute", "quarantine": "fail"}
+
+
+@contextlib.contextmanager
+def connector_engine(model, policy: str, *, failure_policy: str | None = None, environ: dict[str, str] | None = None, **options):
+    """An in-process float32 engine with the plugin under ``policy`` and `KvCanaryConnector`
+    configured with ``failure_policy`` (by default the one ``policy`` needs), vLLM's stats
+    on (its Prometheus metrics in ``prometheus_client.REGISTRY``)."""
+    transfer = {
+        "kv_connector": plugin.CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": failure_policy or FAILURE_POLICY.get(policy, "recompute"),
+    }
+    settings = dict(dtype="float32", async_scheduling=False, disable_log_stats=False, kv_transfer_config=transfer)
+    with started_engine(model, kv_budget=FLOAT32_BUDGET, policy=policy, environ=environ, **{**settings, **options}) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from random_models import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("tiny-llama-connector"))
+
+
+class Reported:
+    """What the worker's connector returned from get_block_ids_with_load_errors, step by step."""
+
+    def __init__(self, monkeypatch, worker_connector):
+        self.steps: list[set[int]] = []
+        original = worker_connector.get_block_ids_with_load_errors
+
+        def recording():
+            blocks = original()
+            self.steps.append(set(blocks))
+            return blocks
+
+        monkeypatch.setattr(worker_connector, "get_block_ids_with_load_errors", recording)
+
+    def take(self) -> set[int]:
+        blocks = set().union(*self.steps)
+        self.steps.clear()
+        return blocks
+
+
+def _greedy(max_tokens: int):
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = _tokens(rng, BLOCK_SIZE + 7)  # one block shared by every request
+    return [prefix + _tokens(rng, 40 + 17 * i) for i in range(3)]
+
+
+def _run_to_end(driver: Driver, max_steps: int = 400) -> dict[str, object]:
+    """Steps until every request of ``driver`` has finished: their final outputs by our id."""
+    done = {}
+    for _ in range(max_steps):
+        for output in driver.step():
+            if output.finished:
+                done[output.request_id] = output
+        if len(done) == len(driver.ids):
+            return done
+    raise AssertionError(f"requests {sorted(set(driver.ids) - set(done))} did not finish")
+
+
+def _worker_connector():
+    state = plugin.active()
+    assert isinstance(state.connector, connector.KvCanaryConnector)
+    return state.connector
+
+
+def _flip(driver: Driver, request_id: str, block_index: int) -> int:
+    """Flips one bit of the request's block ``block_index`` (layer 1, head 1): that block."""
+    block = driver.blocks(request_id)[block_index]
+    plugin.active().kv_caches[1].view(torch.int32)[block, 1, 5, 77] ^= 1 << 30  # the top exponent bit: the value is way off
+    return block
+
+
+def _metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        for sample in metric.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def repair_engine(tiny_llama):
+    with connector_engine(tiny_llama, "repair") as started:
+        yield started
+
+
+# Without a transfer -------------------------------------------------------------------
+
+
+def test_the_connector_is_registered_under_its_class_name(repair_engine):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert connector.KvCanaryConnector.__name__ == plugin.CONNECTOR
+    assert KVConnectorFactory.get_connector_class_by_name(plugin.CONNECTOR) is connector.KvCanaryConnector
+    plugin.register()  # again: nothing happens
+    assert KVConnectorFactory.get_connector_class_by_name(plugin.CONNECTOR) is connector.KvCanaryConnector
+
+
+def test_without_an_inner_connector_scheduling_is_unchanged(repair_engine):
+    llm, _, _ = repair_engine
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ours = scheduler.connector
+    assert isinstance(ours, connector.KvCanaryConnector) and ours.inner is None
+    assert ours.requires_kv_delivery is False and scheduler.defer_block_free is False
+    assert ours.has_pending_block_frees() is False and ours.has_pending_push_work() is False
+    seen = []
+    matched, finished = ours.get_num_new_matched_tokens, ours.request_finished
+
+    def matching(request, num_computed_tokens):
+        seen.append(("matched", matched(request, num_computed_tokens)))
+        return seen[-1][1]
+
+    def finishing(request, block_ids):
+        seen.append(("finished", finished(request, block_ids)))
+        return seen[-1][1]
+
+    ours.get_num_new_matched_tokens, ours.request_finished = matching, finishing
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(11)], _greedy(8), use_tqdm=False)
+    finally:
+        del ours.get_num_new_matched_tokens, ours.request_finished
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+    assert {answer for kind, answer in seen if kind == "matched"} == {(0, False)}
+    assert [answer for kind, answer in seen if kind == "finished"] == [(False, None)] * 3
+    llm.reset_prefix_cache()
+
+
+# Repair ---------------------------------------------------------------------------------
+
+
+def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repair_engine, monkeypatch):
+    llm, lines, preemptions = repair_engine
+    prompts = _prompts(12)
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(80), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    assert lines.take() == []
+    reported = Reported(monkeypatch, _worker_connector())
+    repaired_before = _metric("vllm:kv_canary_blocks_repaired_total")
+    driver = Driver(llm, "repair")
+    for prompt in prompts:
+        driver.add(prompt, _greedy(80))
+    driver.run_until_decoding()
+    assert reported.take() == set()
+    victim = driver.ids[1]
+    scheduled = llm.llm_engine.engine_core.engine_core.scheduler.requests[driver.internal_id(victim)]
+    assert scheduled.num_computed_tokens > 2 * BLOCK_SIZE
+    block = _flip(driver, victim, 1)  # the victim's own second block
+    driver.step()
+    assert reported.take() == {block}  # one block of 32 slots, reported to vLLM's scheduler
+    found = _parse(lines.take())
+    assert found and all(reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block for reasons, slot, _ in found)
+    # vLLM rolled the victim back to the start of the block and recomputes it from there.
+    assert scheduled.num_computed_tokens == BLOCK_SIZE
+    outputs = _run_to_end(driver)
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    assert lines.take() == [] and reported.take() == set()  # recomputed: the block verifies again
+    assert plugin.active().on
+    assert _metric("vllm:kv_canary_blocks_repaired_total") - repaired_before == 1
+    assert _metric("vllm:kv_canary_violations_total", reason="verify_real_kv_hash") >= len(found)
+    assert _metric("vllm:kv_canary_slots_verified_total") > 0 and _metric("vllm:kv_canary_slots_recorded_total") > 0
+    llm.reset_prefix_cache()
+
+
+def test_repair_recomputes_a_shared_prefix_block_for_every_reader(repair_engine, monkeypatch):
+    llm, lines, _ = repair_engine
+    prompts = _prompts(13)
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    reported = Reported(monkeypatch, _worker_connector())
+    driver = Driver(llm, "shared")
+    for prompt in prompts:
+        driver.add(prompt, _greedy(60))
+    driver.run_until_decoding()
+    shared = driver.blocks(driver.ids[0])[0]
+    assert all(driver.blocks(r)[0] == shared for r in driver.ids)  # the prefix cache's block
+    state = plugin.active()
+    readers = {b for r in driver.ids for b in driver.blocks(r)}
+    _flip(driver, driver.ids[0], 0)
+    driver.step()
+    assert reported.take() == {shared}
+    # Every record from each reader's first bad block on (here all their blocks) is
+    # invalidated until a forward writes it again: a block read before that is reported too.
+    outputs = _run_to_end(driver)
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    later = set().union(*reported.steps)
+    assert later <= readers and not any(reported.steps[-10:])
+    assert state.on
+    lines.take()
+    llm.reset_prefix_cache()
+
+
+def test_a_mapping_violation_under_repair_stops_the_step(repair_engine):
+    # A block-table entry pointing at another request's block: every byte intact, so vLLM's
+    # scheduler, which maps blocks by that same table, could not repair it.
+    llm, lines, _ = repair_engine
+    driver = Driver(llm, "mapping")
+    rng = random.Random(14)
+    for _ in range(2):
+        driver.add(_tokens(rng, 75), _greedy(200))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim, other = driver.ids
+    state = plugin.active()
+    row = driver.rows()[driver.internal_id(victim)]
+    own = state.block_table.block_table.np[row, 1]
+    state.block_table.block_table.np[row, 1] = driver.blocks(other)[1]
+    try:
+        with pytest.raises(Exception) as raised:
+            driver.step()
+    finally:
+        state.block_table.block_table.np[row, 1] = own
+    error = raised.value
+    while error is not None and not isinstance(error, kc.KvCorruptionError):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, kc.KvCorruptionError), f"{type(raised.value).__name__} did not come from a KvCorruptionError"
+    assert error.lines[0].startswith("kv-canary: KVCANARY_VLLM=repair hands vLLM the blocks whose bytes alone are wrong; a wrong position")
+    assert any("verify_token" in line and driver.internal_id(victim) in line for line in error.lines[1:])
+    assert state.on  # a violation, not a fault of the canary's own
+    lines.take()
+
+
+# Drills ---------------------------------------------------------------------------------
+
+
+def test_a_drill_is_caught_and_repaired(tiny_llama):
+    environ = {plugin.DRILL_ENV: "0.5"}
+    with connector_engine(tiny_llama, "repair", environ=environ) as (llm, lines, _):
+        assert "policy repair through KvCanaryConnector, drills with probability 0.5 per step;" in llm.startup_log
+        ours = _worker_connector()
+        drill = ours.drill
+        assert drill is not None and drill.probability == 0.5
+        prompts = _prompts(15)
+        drill.probability = 0.0
+        clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
+        llm.reset_prefix_cache()
+        injected, caught = _metric("vllm:kv_canary_drills_injected_total"), _metric("vllm:kv_canary_drills_caught_total")
+        driver = Driver(llm, "drill")
+        for prompt in prompts:
+            driver.add(prompt, _greedy(60))
+        driver.run_until_decoding()
+        drill.probability = 1.0  # one drill in the next step, then none
+        driver.step()
+        drill.probability = 0.0
+        outputs = _run_to_end(driver)
+        assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+        assert drill.pending == {}
+        assert _metric("vllm:kv_canary_drills_injected_total") - injected == 1
+        assert _metric("vllm:kv_canary_drills_caught_total") - caught == 1
+        assert _metric("vllm:kv_canary_drill_steps_to_catch_total") == 0  # caught in the step that flipped it
+        assert len(_parse(lines.take())) >= 1
+
+
+# Quarantine -----------------------------------------------------------------------------
+
+
+def test_quarantine_fails_only_the_affected_request(tiny_llama, monkeypatch):
+    with connector_engine(tiny_llama, "quarantine") as (llm, lines, _):
+        assert "policy quarantine through KvCanaryConnector;" in llm.startup_log
+        reported = Reported(monkeypatch, _worker_connector())
+        failed_before = _metric("vllm:kv_canary_requests_failed_total")
+        driver = Driver(llm, "quarantine")
+        for prompt in _prompts(16):
+            driver.add(prompt, _greedy(80))
+        driver.run_until_decoding()
+        victim = driver.ids[2]
+        block = _flip(driver, victim, 1)  # the victim's own block, after the shared one
+        outputs = _run_to_end(driver)
+        assert block in reported.take()
+        assert outputs[victim].outputs[0].finish_reason == "error"
+        for other in driver.ids[:2]:
+            assert outputs[other].outputs[0].finish_reason == "length" and len(outputs[other].outputs[0].token_ids) == 80
+        assert _metric("vllm:kv_canary_requests_failed_total") - failed_before == 1
+        assert _parse(lines.take())
+        # The engine keeps serving.
+        (after,) = llm.generate([{"prompt_token_ids": _prompts(17)[0]}], _greedy(8), use_tqdm=False)
+        assert len(after.outputs[0].token_ids) == 8
+
+
+# Preconditions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy, options, needs",
+    [
+        (
+            "repair",
+            dict(kv_transfer_config=None),
+            r'KVCANARY_VLLM=repair needs vLLM\'s KV connector to be KvCanaryConnector \(--kv-transfer-config \'\{"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"\}\'\)',
+        ),
+        (
+            "quarantine",
+            dict(failure_policy="recompute"),
+            r'KVCANARY_VLLM=quarantine needs "kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
+        ),
+    ],
+)
+def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy, options, needs):
+    with pytest.raises(Exception) as raised:
+        with connector_engine(tiny_llama, policy, **options):
+            pass
+    error = raised.value
+    while error is not None and not isinstance(error, ValueError):
+        error = error.__cause__ or error.__context__
+    assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
+    assert re.match(f"kv-canary: {needs}: change that, or unset KVCANARY_VLLM to serve without the canary$", str(error)), str(error)
