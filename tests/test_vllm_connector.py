@@ -340,3 +340,101 @@ def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy
         error = error.__cause__ or error.__context__
     assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
     assert re.match(f"kv-canary: {needs}: change that, or unset KVCANARY_VLLM to serve without the canary$", str(error)), str(error)
+
+
+class _FakeRunner:
+    """The `adapter.Runner` facts the preconditions read."""
+
+    def __init__(self, connector=None, failure_policy="recompute", async_scheduling=False, kinds=("FullAttentionSpec",)):
+        self._connector, self.kv_load_failure_policy, self.async_scheduling, self._kinds = (
+            connector,
+            failure_policy,
+            async_scheduling,
+            kinds,
+        )
+
+    def kv_connector(self):
+        return self._connector
+
+    def kv_cache_group_kinds(self):
+        return list(self._kinds)
+
+
+class KvCanaryConnector:  # what the plugin recognises the connector by: its class name
+    pass
+
+
+@pytest.mark.parametrize(
+    "policy, runner, needs",
+    [
+        (
+            "repair",
+            _FakeRunner(KvCanaryConnector(), async_scheduling=True),
+            r"synchronous scheduling \(--no-async-scheduling, or async_scheduling=False\)",
+        ),
+        (
+            "repair",
+            _FakeRunner(KvCanaryConnector(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
+            r"a model with one KV cache group, this one has 2 \(SlidingWindowSpec, FullAttentionSpec\)",
+        ),
+        (
+            "quarantine",
+            _FakeRunner(KvCanaryConnector(), failure_policy="recompute"),
+            r'"kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
+        ),
+        ("log", _FakeRunner(None), "vLLM's KV connector to be KvCanaryConnector"),  # with a drill
+    ],
+)
+def test_each_precondition_of_the_connector_policies(policy, runner, needs):
+    state = object.__new__(plugin.WorkerCanary)
+    state.policy, state.drill, state._vllm = policy, 0.01 if policy == "log" else 0.0, runner
+    with pytest.raises(ValueError, match=f"^kv-canary: KVCANARY_VLLM={policy}.* needs {needs}"):
+        state._connector()
+
+
+def test_without_a_connector_policy_the_connector_is_optional():
+    state = object.__new__(plugin.WorkerCanary)
+    state.policy, state.drill = "log", 0.0
+    state._vllm = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
+    assert state._connector() is None
+    ours = KvCanaryConnector()
+    state._vllm = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
+    assert state._connector() is ours  # its counters, whatever the policy
+
+
+def _stats(**counts) -> connector.CanaryStats:
+    stats = connector.CanaryStats()
+    for name, count in counts.items():
+        if name in connector.REASONS:
+            stats.data["violations"][name] += count
+        else:
+            stats.data[name] += count
+    return stats
+
+
+def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    monkeypatch.setenv(plugin.POLICY_ENV, "log")
+    plugin.register()  # the connector's name, as in every process vLLM starts with the plugin on
+
+    assert connector.CanaryStats().is_empty()
+    # Two tensor-parallel ranks' stats, as vLLM's output aggregator sums them.
+    first = _stats(verify_real_kv_hash=3, slots_verified=100, slots_recorded=7, blocks_repaired=1)
+    second = _stats(verify_real_kv_hash=2, verify_token=1, slots_verified=50, drills_injected=1, drills_caught=1)
+    total = first.aggregate(second)
+    assert total.data["violations"]["verify_real_kv_hash"] == 5 and total.data["violations"]["verify_token"] == 1
+    assert (total.data["slots_verified"], total.data["slots_recorded"], total.data["blocks_repaired"]) == (150, 7, 1)
+    # vLLM's periodic stats log: the payload rebuilt by the connector class, over two steps.
+    logging = KVConnectorLogging(KVTransferConfig(kv_connector=plugin.CONNECTOR, kv_role="kv_both"))
+    logging.observe(total.to_dict())
+    logging.observe(_stats(verify_real_kv_hash=1, requests_failed=2).to_dict())
+    said = []
+    logging.log(lambda text, line: said.append(text % line))
+    (line,) = said
+    assert line == (
+        "KV Transfer metrics: kv_canary_violations_verify_real_kv_hash=6, kv_canary_violations_verify_token=1, "
+        "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
+        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0"
+    )
