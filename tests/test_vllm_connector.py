@@ -8,15 +8,27 @@ reproduces the tokens of a clean run), with prefix caching and chunked prefill, 
 synchronous scheduling.
 """
 
+import concurrent.futures
 import contextlib
+import json
+import os
 import random
 import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
+from helpers import REPO  # noqa: E402
 from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, KV_BYTES_PER_SLOT, NUM_BLOCKS, Driver, _parse, _tokens, started_engine  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
@@ -438,3 +450,130 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
         "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
         "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0"
     )
+
+
+# Through `vllm serve` ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def served(model, policy: str, failure_policy: str, drill: float):
+    """vLLM's OpenAI server (`vllm serve`: the API server, the engine core and its worker,
+    each a process of its own) on 127.0.0.1 with the plugin under ``policy`` and fault
+    drills of probability ``drill``: its URL, and its log so far through ``.log()``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    transfer = json.dumps({"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both", "kv_load_failure_policy": failure_policy})
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE),
+        "--kv-cache-memory-bytes", str(8 << 20), "--enforce-eager", "--enable-prefix-caching", "--no-async-scheduling",
+        "--max-num-batched-tokens", "64", "--kv-transfer-config", transfer,
+    ]  # fmt: skip
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environment.update({plugin.POLICY_ENV: policy, plugin.DRILL_ENV: str(drill), "PYTHONPATH": str(REPO)})
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(command, env=environment, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+
+        def read_log() -> str:
+            log.seek(0)
+            return log.read()
+
+        try:
+            deadline = time.monotonic() + 300
+            while _status(f"{url}/health") != 200:
+                assert server.poll() is None and time.monotonic() < deadline, read_log()[-4000:]
+                time.sleep(1)
+            yield url, read_log
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def _complete(url: str, model, prompt: list[int], max_tokens: int) -> tuple[int, list[int] | None]:
+    """(HTTP status, the greedy completion's token ids) of one completion request."""
+    body = dict(model=str(model), prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, return_token_ids=True)
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.load(response)["choices"][0]["token_ids"]
+    except urllib.error.HTTPError as error:
+        return error.code, None
+
+
+def _concurrently(url: str, model, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[int, list[int] | None]]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda args: _complete(url, model, *args), zip(prompts, max_tokens)))
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The ``vllm:kv_canary_*`` samples of ``/metrics`` (violations by reason as ``..._total[reason]``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        match = re.match(r"^(vllm:kv_canary_\w+_total)\{([^}]*)\} (\S+)$", line)
+        if match:
+            reason = re.search(r'reason="(\w+)"', match[2])
+            counters[match[1] + (f"[{reason[1]}]" if reason else "")] = float(match[3])
+    return counters
+
+
+def test_vllm_serve_repairs_drilled_faults(tiny_llama):
+    prompts = _prompts(18)
+    with served(tiny_llama, "repair", "recompute", drill=0.0) as (url, _):
+        clean = [_complete(url, tiny_llama, prompt, 40) for prompt in prompts]
+    assert all(status == 200 and len(tokens) == 40 for status, tokens in clean)
+    with served(tiny_llama, "repair", "recompute", drill=0.25) as (url, log):
+        answers = _concurrently(url, tiny_llama, prompts, [40] * len(prompts))
+        assert answers == clean  # every drilled block recomputed: the clean run's greedy tokens
+        counters = _counters(url)
+        assert _status(f"{url}/health") == 200 and _complete(url, tiny_llama, prompts[0][:20], 4)[0] == 200
+        said = log()
+    assert "policy repair through KvCanaryConnector, drills with probability 0.25 per step;" in said
+    assert counters["vllm:kv_canary_drills_injected_total"] >= 1
+    assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"]
+    assert counters["vllm:kv_canary_blocks_repaired_total"] >= counters["vllm:kv_canary_drills_injected_total"]
+    assert counters["vllm:kv_canary_violations_total[verify_real_kv_hash]"] >= counters["vllm:kv_canary_drills_injected_total"]
+    assert counters["vllm:kv_canary_violations_total[verify_token]"] == 0 and counters["vllm:kv_canary_slots_verified_total"] > 0
+    assert "Recovered from KV load failure" in said
+
+
+def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
+    # A drill at every step that runs a forward, in a slot of a request with context: a
+    # request of several steps is drilled and fails; one answered by its first forward
+    # (a prompt of one chunk, one token) has no context to drill, and completes.
+    rng = random.Random(19)
+    long = [_tokens(rng, 50) for _ in range(2)]
+    short = [_tokens(rng, 20) for _ in range(3)]
+    with served(tiny_llama, "quarantine", "fail", drill=1.0) as (url, log):
+        answers = _concurrently(url, tiny_llama, long + short, [20] * len(long) + [1] * len(short))
+        assert [status for status, _ in answers] == [500] * len(long) + [200] * len(short)
+        assert all(len(tokens) == 1 for _, tokens in answers[len(long) :])
+        counters = _counters(url)
+        assert _status(f"{url}/health") == 200 and _complete(url, tiny_llama, short[0][:10], 1)[0] == 200  # still serving
+        said = log()
+    assert counters["vllm:kv_canary_requests_failed_total"] == len(long)
+    assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"] >= len(long)
+    assert "Failing 1 request(s) due to KV load failure" in said
+
+
+@pytest.mark.parametrize("size, dtype", [(1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64)])
+@pytest.mark.parametrize("bit", range(8))
+def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
+    value = torch.zeros((), dtype=dtype)
+    value.bitwise_xor_(connector._top_byte_bit(size, bit))
+    assert value.item() % (1 << 8 * size) == 1 << (8 * (size - 1) + bit)

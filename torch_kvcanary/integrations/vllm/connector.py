@@ -149,9 +149,9 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
 @dataclass
 class Drill:
-    """Fault drills: before a step's forward, with ``probability``, one byte of a slot that
-    a request of the step reads flips (the first byte of its first source, which every fold
-    covers). ``pending`` maps each flipped slot to the step it flipped in, until the canary
+    """Fault drills: before a step's forward, with ``probability``, one bit of a slot that
+    a request of the step reads flips (in the top byte of its first element in the first
+    source, which every fold covers). ``pending`` maps each flipped slot to the step it flipped in, until the canary
     flags it."""
 
     probability: float
@@ -446,8 +446,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         slot = int(canary.groups[0].slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
         view = canary.canary.sources[0].as_view()
         token = view[slot // view.shape[1], slot % view.shape[1]]
-        first = token[(0,) * token.dim()]  # the slot's first element, whose low byte every fold reads
-        first.view(_INTEGERS[first.element_size()]).bitwise_xor_(1 << drill.rng.randrange(8))
+        first = token[(0,) * token.dim()]  # the slot's first element, which every fold reads
+        first.view(_INTEGERS[first.element_size()]).bitwise_xor_(_top_byte_bit(first.element_size(), drill.rng.randrange(8)))
         drill.pending[slot] = self._steps
         self.stats.data["drills_injected"] += 1
 
@@ -457,6 +457,14 @@ class KvCanaryConnector(KVConnectorBase_V1):
         for slot in set(flagged.tolist()) & set(self.drill.pending):
             self.stats.data["drills_caught"] += 1
             self.stats.data["drill_steps_to_catch"] += self._steps - self.drill.pending.pop(slot)
+
+
+def _top_byte_bit(size: int, bit: int) -> int:
+    """Bit ``bit`` of the most significant byte of a ``size``-byte integer (for a float: its
+    sign or exponent bits, so that a drill changes the value a lot), as a value of the
+    signed integer type of that size (uint8 for one byte)."""
+    mask = 1 << (8 * (size - 1) + bit)
+    return mask - (1 << 8 * size) if size > 1 and mask >= 1 << (8 * size - 1) else mask
 
 
 def _inner_config(vllm_config):
