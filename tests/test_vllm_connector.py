@@ -577,3 +577,86 @@ def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
     value = torch.zeros((), dtype=dtype)
     value.bitwise_xor_(connector._top_byte_bit(size, bit))
     assert value.item() % (1 << 8 * size) == 1 << (8 * (size - 1) + bit)
+
+
+# Verified transfers -----------------------------------------------------------------------
+
+
+def _layer_files(folder) -> list:
+    return sorted(path for path in folder.iterdir() if path.name != connector.DiskTransfer.SIDECAR)
+
+
+def _rewrite(path, change) -> None:
+    """Rewrites a stored layer file (``{"kv_cache": [tokens, heads, C]}``) with ``change`` applied to its tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({"kv_cache": change(tensors["kv_cache"]).contiguous()}, str(path))
+
+
+def _flip_stored(kv: torch.Tensor) -> torch.Tensor:
+    kv = kv.clone()
+    kv.view(torch.int32)[40, 1, 77] ^= 1 << 30  # token 40, in the second block
+    return kv
+
+
+def _swap_blocks(kv: torch.Tensor) -> torch.Tensor:
+    return torch.cat([kv[BLOCK_SIZE : 2 * BLOCK_SIZE], kv[:BLOCK_SIZE], kv[2 * BLOCK_SIZE :]])
+
+
+@pytest.mark.parametrize("fault", ["none", "flipped byte", "swapped blocks", "another request's file", "truncated file", "no records"])
+def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, monkeypatch, fault):
+    # The producer saves a prompt's first two blocks to disk (vLLM's ExampleConnector), and
+    # the canary's records beside them; the consumer (the same engine, its prefix cache
+    # reset) loads them for the same prompt, and verifies what landed before the forward.
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    inner = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    transfer = {
+        "kv_connector": plugin.CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {connector.INNER: inner},
+    }
+    rng = random.Random(20)
+    prompt, other = _tokens(rng, 2 * BLOCK_SIZE + 10), _tokens(rng, 2 * BLOCK_SIZE + 10)
+    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer) as (llm, lines, _):
+        ours = _worker_connector()
+        assert type(ours.inner).__name__ == "ExampleConnector"
+        (clean,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        (folder,) = storage.iterdir()
+        llm.generate([{"prompt_token_ids": other}], _greedy(1), use_tqdm=False)
+        (other_folder,) = set(storage.iterdir()) - {folder}
+        assert len(_layer_files(folder)) == 2 and (folder / connector.DiskTransfer.SIDECAR).exists()
+        llm.reset_prefix_cache()
+        if fault == "flipped byte":
+            _rewrite(_layer_files(folder)[1], _flip_stored)
+        elif fault == "swapped blocks":
+            _rewrite(_layer_files(folder)[0], _swap_blocks)
+        elif fault == "another request's file":
+            for mine, theirs in zip(_layer_files(folder), _layer_files(other_folder)):
+                mine.write_bytes(theirs.read_bytes())
+        elif fault == "truncated file":
+            path = _layer_files(folder)[1]
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        elif fault == "no records":
+            (folder / connector.DiskTransfer.SIDECAR).unlink()
+        reported = Reported(monkeypatch, ours)
+        verified, failed = _metric("vllm:kv_canary_transfer_slots_verified_total"), _metric("vllm:kv_canary_transfer_slots_failed_total")
+        (loaded,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        assert loaded.num_cached_tokens == 2 * BLOCK_SIZE  # both blocks came from disk
+        assert loaded.outputs[0].token_ids == clean.outputs[0].token_ids
+        assert _metric("vllm:kv_canary_transfer_slots_verified_total") - verified == 2 * BLOCK_SIZE
+        failed = _metric("vllm:kv_canary_transfer_slots_failed_total") - failed
+        blocks = reported.take()
+        if fault == "none":
+            assert failed == 0 and blocks == set() and lines.take() == []
+        else:
+            assert failed > 0 and blocks, "the fault in what was stored was not reported as a load error"
+            # One slot's bytes (a row of its block), or every slot of both blocks.
+            assert failed == (1 if fault == "flipped byte" else 2 * BLOCK_SIZE)
+            said = lines.take()
+            if fault == "truncated file":  # the inner connector's load raised: logged, with its traceback
+                assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
+                said = said[1:]
+            assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in _parse(said))

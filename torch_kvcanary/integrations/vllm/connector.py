@@ -31,11 +31,14 @@ when a ``kv_transfer_config`` names the connector, never the plugin's entry poin
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -45,6 +48,8 @@ from vllm.v1.request import RequestStatus
 
 from ...canary import RECORD_FIELDS, FailReason, Violation
 from . import adapter, plugin
+
+logger = logging.getLogger(adapter.LOGGER)
 
 INNER = "inner"
 """The key of ``kv_connector_extra_config`` that holds the inner connector's ``kv_transfer_config``."""
@@ -61,9 +66,12 @@ COUNTS = (
     "drills_injected",
     "drills_caught",
     "drill_steps_to_catch",
+    "transfer_slots_verified",
+    "transfer_slots_failed",
 )
 """The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
-from each caught drill's flip to its detection, summed)."""
+from each caught drill's flip to its detection, summed; ``transfer_slots_*``: slots an inner
+connector loaded, verified against the records stored with them, and those that failed)."""
 
 
 @dataclass
@@ -122,6 +130,8 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             "drills_injected": "Fault drills: bytes of live cached blocks flipped (KVCANARY_VLLM_DRILL).",
             "drills_caught": "Fault drills the canary caught.",
             "drill_steps_to_catch": "Engine steps from each caught drill's flip to its detection, summed.",
+            "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
+            "transfer_slots_failed": "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors).",
         }
         self._counts = {}
         for name in COUNTS:
@@ -166,6 +176,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
+        self._transfer = DiskTransfer(self.inner) if type(self.inner).__name__ in DiskTransfer.CONNECTORS else None
         self.canary: plugin.WorkerCanary | None = None
         self.stats = CanaryStats()
         self.drill: Drill | None = None
@@ -213,8 +224,26 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self.inner.clear_connector_metadata()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        if self.inner is not None:
+        """The inner connector's loads; with verified transfers (`DiskTransfer`) the
+        canary then adopts the records stored with the landed blocks, breaking those the
+        landed bytes or the request do not match, so that the step reports their blocks."""
+        if self.inner is None:
+            return
+        if self._transfer is None or self.canary is None or not self.canary.on:
             self.inner.start_load_kv(forward_context, **kwargs)
+            return
+        try:
+            self.inner.start_load_kv(forward_context, **kwargs)
+        except Exception:  # a load that raised: every block it was loading is a load error
+            logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
+            self._count_landed(self._transfer.land(self.canary.canary, failed=True))
+            return
+        self._count_landed(self._transfer.land(self.canary.canary))
+
+    def _count_landed(self, landed: tuple[int, int]) -> None:
+        verified, failed = landed
+        self.stats.data["transfer_slots_verified"] += verified
+        self.stats.data["transfer_slots_failed"] += failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.inner is not None:
@@ -225,8 +254,12 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self):
+        """The inner connector's saves; with verified transfers the canary's records of the
+        saved slots are stored beside them (the forward's slots are recorded by now)."""
         if self.inner is not None:
             self.inner.wait_for_save()
+        if self._transfer is not None and self.canary is not None and self.canary.on:
+            self._transfer.store(self.canary.canary)
 
     def get_finished(self, finished_req_ids: set[str]):
         return self.inner.get_finished(finished_req_ids) if self.inner is not None else (None, None)
@@ -457,6 +490,76 @@ class KvCanaryConnector(KVConnectorBase_V1):
         for slot in set(flagged.tolist()) & set(self.drill.pending):
             self.stats.data["drills_caught"] += 1
             self.stats.data["drill_steps_to_catch"] += self._steps - self.drill.pending.pop(slot)
+
+
+class DiskTransfer:
+    """Verified transfers through a connector that stores a request's blocks in a folder of
+    its own (vLLM's ``ExampleConnector``: one file per layer, in a folder named by the hash
+    of the request's tokens). The canary's records are relocation-invariant (token,
+    position, chain and fold do not depend on the slot), so the producer stores the records
+    of the saved slots beside them (`SIDECAR`), and the consumer, once the inner connector
+    has loaded a request's blocks, records the landed slots with the request's tokens and
+    positions and compares them with what was stored: a slot whose fold, token, position or
+    chain differs (a changed byte, blocks swapped, another request's file), or whose stored
+    records are missing or unreadable, has its record's fold broken, so that the canary
+    flags it before the forward reads it and the connector reports its block as a load error
+    (recomputed under repair, failed under quarantine)."""
+
+    CONNECTORS = ("ExampleConnector",)
+    SIDECAR = "kv_canary.safetensors"
+
+    def __init__(self, inner: KVConnectorBase_V1):
+        self.inner = inner
+
+    def _requests(self) -> list:
+        """The inner connector's requests of this step (``is_store``, ``token_ids``, ``slot_mapping``)."""
+        if not self.inner.has_connector_metadata():
+            return []
+        return list(self.inner._get_connector_metadata().requests)
+
+    def _path(self, request) -> str:
+        folder = self.inner._generate_foldername_debug(request.token_ids, request.mm_hashes, create_folder=True)
+        return os.path.join(folder, self.SIDECAR)
+
+    def store(self, canary) -> None:
+        """Stores the records of the slots each saved request's files hold."""
+        for request in self._requests():
+            if request.is_store:
+                records = canary.records[request.slot_mapping.to(canary.device, torch.int64)]
+                safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
+
+    def land(self, canary, *, failed: bool = False) -> tuple[int, int]:
+        """Adopts the records of every slot the inner connector loaded in this step,
+        breaking those that do not match (all of them when the load ``failed``): (slots
+        verified, slots that failed)."""
+        verified = bad_count = 0
+        for request in self._requests():
+            if request.is_store:
+                continue
+            slots = request.slot_mapping.to(canary.device, torch.int64)
+            count = len(slots)
+            positions = torch.arange(count, device=canary.device)
+            tokens = request.token_ids[:count].to(canary.device, torch.int64)
+            prev_slots = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=canary.device), slots[:-1]])
+            canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
+            stored = None if failed else self._stored(request, count)
+            landed = canary.records[slots]
+            if stored is None:
+                bad = torch.ones(count, dtype=torch.bool, device=canary.device)
+            else:
+                bad = (landed != stored.to(landed.device)).any(dim=1)
+            canary.records[slots[bad], _FOLD] ^= 1
+            verified += count
+            bad_count += int(bad.sum())
+        return verified, bad_count
+
+    def _stored(self, request, count: int) -> torch.Tensor | None:
+        """The records stored with the request's blocks; None when missing, unreadable or of another length."""
+        try:
+            stored = safetensors.torch.load_file(self._path(request))["records"]
+        except Exception:
+            return None
+        return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None
 
 
 def _top_byte_bit(size: int, bit: int) -> int:
