@@ -660,3 +660,17 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
                 assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
                 said = said[1:]
             assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in _parse(said))
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
+    from vllm.config import KVTransferConfig
+
+    connector.check_inner(KVTransferConfig(kv_connector="ExampleConnector", kv_role=role))  # verified
+    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"))  # saves only
+    message = (
+        rf'^kv-canary: KvCanaryConnector verifies the KV an inner connector loads for ExampleConnector only; NixlConnector with "kv_role": "{role}" '
+        r'would load KV the canary has no records of: give it "kv_role": "kv_producer", or unset KVCANARY_VLLM to serve it without the canary$'
+    )
+    with pytest.raises(ValueError, match=message):
+        connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))

@@ -593,9 +593,22 @@ def _inner_config(vllm_config):
     return config
 
 
+def check_inner(inner: KVTransferConfig) -> None:
+    """Refuses an inner connector that would load KV the canary cannot verify: the slots it
+    loads would hold no records of the canary's (or an earlier request's), and be reported
+    at their first read. A producer (it saves, never loads) is delegated to whatever it is."""
+    if inner.is_kv_consumer and inner.kv_connector not in DiskTransfer.CONNECTORS:
+        raise ValueError(
+            f"kv-canary: {plugin.CONNECTOR} verifies the KV an inner connector loads for {', '.join(DiskTransfer.CONNECTORS)} only; "
+            f'{inner.kv_connector} with "kv_role": "{inner.kv_role}" would load KV the canary has no records of: give it '
+            f'"kv_role": "kv_producer", or unset {plugin.POLICY_ENV} to serve it without the canary'
+        )
+
+
 def _inner_connector(vllm_config, role: KVConnectorRole, kv_cache_config) -> KVConnectorBase_V1 | None:
     config = _inner_config(vllm_config)
     if config is None:
         return None
+    check_inner(config.kv_transfer_config)
     connector_cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
     return connector_cls(config, role, kv_cache_config)
