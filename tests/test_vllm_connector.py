@@ -29,7 +29,17 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import REPO  # noqa: E402
-from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, KV_BYTES_PER_SLOT, NUM_BLOCKS, Driver, _parse, _tokens, started_engine  # noqa: E402
+from test_vllm_engine import (  # noqa: E402
+    BLOCK_SIZE,
+    CANARY_BYTES_PER_SLOT,
+    KV_BYTES_PER_SLOT,
+    NUM_BLOCKS,
+    Driver,
+    _parse,
+    _tokens,
+    mixed_workload,
+    started_engine,
+)
 
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import connector, plugin  # noqa: E402
@@ -175,6 +185,14 @@ def test_without_an_inner_connector_scheduling_is_unchanged(repair_engine):
 
 
 # Repair ---------------------------------------------------------------------------------
+
+
+def test_a_mixed_workload_under_repair_reports_nothing(repair_engine, monkeypatch):
+    # Shared prefixes, chunked prefill and preemption: no violation, so no block for vLLM.
+    reported = Reported(monkeypatch, _worker_connector())
+    mixed_workload(*repair_engine)
+    assert reported.steps and reported.take() == set()
+    repair_engine[0].reset_prefix_cache()
 
 
 def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repair_engine, monkeypatch):
@@ -448,7 +466,8 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
     assert line == (
         "KV Transfer metrics: kv_canary_violations_verify_real_kv_hash=6, kv_canary_violations_verify_token=1, "
         "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
-        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0"
+        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, "
+        "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0"
     )
 
 
@@ -456,10 +475,11 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
 
 
 @contextlib.contextmanager
-def served(model, policy: str, failure_policy: str, drill: float):
+def served(model, policy: str, failure_policy: str, drill: float, tokens_per_step: int = 64):
     """vLLM's OpenAI server (`vllm serve`: the API server, the engine core and its worker,
-    each a process of its own) on 127.0.0.1 with the plugin under ``policy`` and fault
-    drills of probability ``drill``: its URL, and its log so far through ``.log()``."""
+    each a process of its own) on 127.0.0.1 with the plugin under ``policy``, fault drills
+    of probability ``drill`` and at most ``tokens_per_step`` tokens a step: its URL, and a
+    function that reads its log so far."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -468,7 +488,7 @@ def served(model, policy: str, failure_policy: str, drill: float):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE),
         "--kv-cache-memory-bytes", str(8 << 20), "--enforce-eager", "--enable-prefix-caching", "--no-async-scheduling",
-        "--max-num-batched-tokens", "64", "--kv-transfer-config", transfer,
+        "--max-num-batched-tokens", str(tokens_per_step), "--kv-transfer-config", transfer,
     ]  # fmt: skip
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     environment.update({plugin.POLICY_ENV: policy, plugin.DRILL_ENV: str(drill), "PYTHONPATH": str(REPO)})
@@ -555,11 +575,11 @@ def test_vllm_serve_repairs_drilled_faults(tiny_llama):
 def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
     # A drill at every step that runs a forward, in a slot of a request with context: a
     # request of several steps is drilled and fails; one answered by its first forward
-    # (a prompt of one chunk, one token) has no context to drill, and completes.
+    # (its whole prompt in one step, one token) has no context to drill, and completes.
     rng = random.Random(19)
     long = [_tokens(rng, 50) for _ in range(2)]
     short = [_tokens(rng, 20) for _ in range(3)]
-    with served(tiny_llama, "quarantine", "fail", drill=1.0) as (url, log):
+    with served(tiny_llama, "quarantine", "fail", drill=1.0, tokens_per_step=512) as (url, log):
         answers = _concurrently(url, tiny_llama, long + short, [20] * len(long) + [1] * len(short))
         assert [status for status, _ in answers] == [500] * len(long) + [200] * len(short)
         assert all(len(tokens) == 1 for _, tokens in answers[len(long) :])

@@ -70,9 +70,11 @@ def tiny_llama(tmp_path_factory):
 @contextlib.contextmanager
 def vllm_log():
     """What vLLM's own log handler writes meanwhile. vLLM configures its logging when an
-    engine starts, with a handler on ``sys.stdout``, or has done so already."""
+    engine starts, with a handler named "vllm" on ``sys.stdout``, or has done so already
+    (pytest's capture handlers, which it attaches to the non-propagating ``vllm`` logger
+    too, keep their streams)."""
     log = io.StringIO()
-    streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers}
+    streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers if handler.name == "vllm"}
     try:
         with contextlib.redirect_stdout(log):
             yield log
@@ -135,12 +137,15 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", en
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        if llm is not None:  # another engine may start in this process
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        # Another engine may start in this process: this one's state goes, also after a start that failed.
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+        if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del llm
-            cleanup_dist_env_and_memory()
+        ensure_kv_transfer_shutdown()  # vLLM builds a worker's KV connector once per process
+        cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="module")

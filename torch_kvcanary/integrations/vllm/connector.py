@@ -303,6 +303,14 @@ class KvCanaryConnector(KVConnectorBase_V1):
         if self.inner is not None:
             self.inner.handle_preemptions(kv_connector_metadata.inner)
 
+    def unregister_kv_caches(self) -> None:  # vLLM 0.33: before sleep mode frees the KV cache
+        if self.inner is not None:
+            self.inner.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:  # vLLM 0.33: after wake-up
+        if self.inner is not None:
+            self.inner.restore_kv_caches()
+
     def get_mem_pool_context(self):
         return self.inner.get_mem_pool_context() if self.inner is not None else None
 
@@ -417,6 +425,12 @@ class KvCanaryConnector(KVConnectorBase_V1):
         return self.inner.reset_cache() if self.inner is not None else None
 
     # Class side ------------------------------------------------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM 0.33: no. The canary watches views of the KV cache tensors taken when they
+        were allocated, which a sleep-mode remap would leave behind."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
