@@ -694,3 +694,35 @@ def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
     )
     with pytest.raises(ValueError, match=message):
         connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
+
+
+def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_path, monkeypatch):
+    # Two engines one after the other over one storage folder: the producer only saves, the
+    # consumer only loads, and a byte of the stored blocks is flipped in between.
+    storage = tmp_path / "kv"
+    storage.mkdir()
+
+    def transfer(role: str) -> dict:
+        inner = {"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        return {
+            "kv_connector": plugin.CONNECTOR,
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"inner": inner},
+        }
+
+    prompt = _tokens(random.Random(21), 2 * BLOCK_SIZE + 10)
+    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_producer")) as (llm, lines, _):
+        (produced,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        assert lines.take() == []
+    (folder,) = storage.iterdir()
+    _rewrite(_layer_files(folder)[0], _flip_stored)
+    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_consumer")) as (llm, lines, _):
+        reported = Reported(monkeypatch, _worker_connector())
+        failed = _metric("vllm:kv_canary_transfer_slots_failed_total")
+        (consumed,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        assert consumed.num_cached_tokens == 2 * BLOCK_SIZE
+        assert _metric("vllm:kv_canary_transfer_slots_failed_total") - failed == 1
+        assert len(reported.take()) == 1  # the block of the flipped token, recomputed
+        assert consumed.outputs[0].token_ids == produced.outputs[0].token_ids
+        assert [reasons for reasons, _, _ in _parse(lines.take())] == [["verify_real_kv_hash"]]
