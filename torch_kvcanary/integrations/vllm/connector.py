@@ -17,8 +17,10 @@ It is configured the vLLM way, and the plugin registers it with vLLM's connector
                            "kv_connector_extra_config": {"inner": {...}}}'
 
 ``inner``, optional, is the ``kv_transfer_config`` of a connector every call is delegated
-to (e.g. ``ExampleConnector``, ``NixlConnector``); without one, it transfers nothing and
-changes no scheduling: it matches no external tokens, holds no request and defers no free.
+to; without one, it transfers nothing and changes no scheduling: it matches no external
+tokens, holds no request and defers no free. The KV an inner connector loads is verified
+against the canary's records stored with it for ``ExampleConnector`` (`DiskTransfer`); any
+other inner connector is accepted as a producer only (`check_inner`).
 
 Its counters (`CanaryStats`) reach vLLM's stats log line and ``/metrics``
 (``vllm:kv_canary_*``, `CanaryPromMetrics`), summed over the workers as vLLM sums connector
@@ -56,7 +58,7 @@ INNER = "inner"
 
 _FOLD = RECORD_FIELDS.index("fold")
 _INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-REASONS = tuple(reason.name.lower().removesuffix("_mismatch") for reason in FailReason)
+REASONS = tuple(label for reason in FailReason for label in reason.labels)
 """The violation reasons the counters are kept by (SGLang's labels)."""
 COUNTS = (
     "slots_verified",
