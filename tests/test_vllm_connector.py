@@ -1,7 +1,8 @@
 """The canary's KV connector (`KvCanaryConnector`) on the real engine (vLLM's CPU build),
 in-process and driven step by step: repair (vLLM recomputes the blocks the canary flagged)
 and quarantine (vLLM fails the requests that read them), the rule for violations of the
-mapping, the counters in vLLM's Prometheus metrics, and fault drills.
+mapping, the counters in vLLM's Prometheus metrics, fault drills and verified transfers;
+and through `vllm serve` (`tools/vllm_serve.py`), repaired drills and quarantine.
 
 The engines serve a tiny random Llama in float32 (vLLM's recompute of a request then
 reproduces the tokens of a clean run), with prefix caching and chunked prefill, under
@@ -11,17 +12,9 @@ synchronous scheduling.
 import concurrent.futures
 import contextlib
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -43,6 +36,10 @@ from test_vllm_engine import (  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import connector, plugin  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_models import make_llama  # noqa: E402
+from vllm_serve import Server  # noqa: E402
 
 # K and V of float32, twice bf16's bytes; the canary's records beside them.
 FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
@@ -66,8 +63,6 @@ def connector_engine(model, policy: str, *, failure_policy: str | None = None, e
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from random_models import make_llama
-
     return make_llama(tmp_path_factory.mktemp("tiny-llama-connector"))
 
 
@@ -474,77 +469,34 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
 # Through `vllm serve` ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def served(model, policy: str, failure_policy: str, drill: float, tokens_per_step: int = 64):
-    """vLLM's OpenAI server (`vllm serve`: the API server, the engine core and its worker,
-    each a process of its own) on 127.0.0.1 with the plugin under ``policy``, fault drills
-    of probability ``drill`` and at most ``tokens_per_step`` tokens a step: its URL, and a
-    function that reads its log so far."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def _server(model, policy: str, failure_policy: str, drill: float, tokens_per_step: int = 64):
+    """`vllm serve` (`tools/vllm_serve.py`: the API server, the engine core and its worker,
+    each a process of its own, on 127.0.0.1) on the float32 model with the plugin under
+    ``policy`` and `KvCanaryConnector`, fault drills of probability ``drill``, and at most
+    ``tokens_per_step`` tokens a step."""
     transfer = json.dumps({"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both", "kv_load_failure_policy": failure_policy})
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE),
-        "--kv-cache-memory-bytes", str(8 << 20), "--enforce-eager", "--enable-prefix-caching", "--no-async-scheduling",
-        "--max-num-batched-tokens", str(tokens_per_step), "--kv-transfer-config", transfer,
-    ]  # fmt: skip
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    environment.update({plugin.POLICY_ENV: policy, plugin.DRILL_ENV: str(drill), "PYTHONPATH": str(REPO)})
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command, env=environment, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-
-        def read_log() -> str:
-            log.seek(0)
-            return log.read()
-
-        try:
-            deadline = time.monotonic() + 300
-            while _status(f"{url}/health") != 200:
-                assert server.poll() is None and time.monotonic() < deadline, read_log()[-4000:]
-                time.sleep(1)
-            yield url, read_log
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+    options = (
+        "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(8 << 20),
+        "--enforce-eager", "--enable-prefix-caching", "--no-async-scheduling", "--max-num-batched-tokens", str(tokens_per_step),
+        "--kv-transfer-config", transfer,
+    )  # fmt: skip
+    return Server(model, {plugin.POLICY_ENV: policy, plugin.DRILL_ENV: str(drill)}, options)
 
 
-def _status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except (urllib.error.URLError, ConnectionError):
-        return None
+def _tokens_of(answer: dict) -> list[int] | None:
+    """The completion's token ids, or None for an HTTP error."""
+    return None if "error" in answer else answer["choices"][0]["token_ids"]
 
 
-def _complete(url: str, model, prompt: list[int], max_tokens: int) -> tuple[int, list[int] | None]:
-    """(HTTP status, the greedy completion's token ids) of one completion request."""
-    body = dict(model=str(model), prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, return_token_ids=True)
-    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            return response.status, json.load(response)["choices"][0]["token_ids"]
-    except urllib.error.HTTPError as error:
-        return error.code, None
-
-
-def _concurrently(url: str, model, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[int, list[int] | None]]:
+def _concurrently(server, prompts: list[list[int]], max_tokens: list[int]) -> list[dict]:
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda args: _complete(url, model, *args), zip(prompts, max_tokens)))
+        return list(pool.map(lambda args: server.complete(*args, return_token_ids=True), zip(prompts, max_tokens)))
 
 
-def _counters(url: str) -> dict[str, float]:
-    """The ``vllm:kv_canary_*`` samples of ``/metrics`` (violations by reason as ``..._total[reason]``)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
+def _counters(server) -> dict[str, float]:
+    """The ``vllm:kv_canary_*`` counters of ``/metrics`` (violations by reason as ``..._total[reason]``)."""
     counters = {}
-    for line in text.splitlines():
+    for line in server.metrics().splitlines():
         match = re.match(r"^(vllm:kv_canary_\w+_total)\{([^}]*)\} (\S+)$", line)
         if match:
             reason = re.search(r'reason="(\w+)"', match[2])
@@ -554,15 +506,15 @@ def _counters(url: str) -> dict[str, float]:
 
 def test_vllm_serve_repairs_drilled_faults(tiny_llama):
     prompts = _prompts(18)
-    with served(tiny_llama, "repair", "recompute", drill=0.0) as (url, _):
-        clean = [_complete(url, tiny_llama, prompt, 40) for prompt in prompts]
-    assert all(status == 200 and len(tokens) == 40 for status, tokens in clean)
-    with served(tiny_llama, "repair", "recompute", drill=0.25) as (url, log):
-        answers = _concurrently(url, tiny_llama, prompts, [40] * len(prompts))
+    with _server(tiny_llama, "repair", "recompute", drill=0.0) as server:
+        clean = [_tokens_of(server.complete(prompt, 40, return_token_ids=True)) for prompt in prompts]
+    assert all(len(tokens) == 40 for tokens in clean)
+    with _server(tiny_llama, "repair", "recompute", drill=0.25) as server:
+        answers = [_tokens_of(answer) for answer in _concurrently(server, prompts, [40] * len(prompts))]
         assert answers == clean  # every drilled block recomputed: the clean run's greedy tokens
-        counters = _counters(url)
-        assert _status(f"{url}/health") == 200 and _complete(url, tiny_llama, prompts[0][:20], 4)[0] == 200
-        said = log()
+        counters = _counters(server)
+        assert server.alive() and _tokens_of(server.complete(prompts[0][:20], 4, return_token_ids=True)) is not None
+        said = server.log()
     assert "policy repair through KvCanaryConnector, drills with probability 0.25 per step;" in said
     assert counters["vllm:kv_canary_drills_injected_total"] >= 1
     assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"]
@@ -579,13 +531,13 @@ def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
     rng = random.Random(19)
     long = [_tokens(rng, 50) for _ in range(2)]
     short = [_tokens(rng, 20) for _ in range(3)]
-    with served(tiny_llama, "quarantine", "fail", drill=1.0, tokens_per_step=512) as (url, log):
-        answers = _concurrently(url, tiny_llama, long + short, [20] * len(long) + [1] * len(short))
-        assert [status for status, _ in answers] == [500] * len(long) + [200] * len(short)
-        assert all(len(tokens) == 1 for _, tokens in answers[len(long) :])
-        counters = _counters(url)
-        assert _status(f"{url}/health") == 200 and _complete(url, tiny_llama, short[0][:10], 1)[0] == 200  # still serving
-        said = log()
+    with _server(tiny_llama, "quarantine", "fail", drill=1.0, tokens_per_step=512) as server:
+        answers = _concurrently(server, long + short, [20] * len(long) + [1] * len(short))
+        assert [answer.get("error", 200) for answer in answers] == [500] * len(long) + [200] * len(short)
+        assert all(len(_tokens_of(answer)) == 1 for answer in answers[len(long) :])
+        counters = _counters(server)
+        assert server.alive() and _tokens_of(server.complete(short[0][:10], 1, return_token_ids=True)) is not None  # still serving
+        said = server.log()
     assert counters["vllm:kv_canary_requests_failed_total"] == len(long)
     assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"] >= len(long)
     assert "Failing 1 request(s) due to KV load failure" in said

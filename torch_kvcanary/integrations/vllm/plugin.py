@@ -213,6 +213,9 @@ class _Batch:
     input_ids: torch.Tensor | None
     positions: torch.Tensor
     written_rows: np.ndarray
+    # The order in which the written entries are recorded: requests by their first written
+    # position (`_writers_first`).
+    record_order: np.ndarray
     groups: list[_GroupBatch] = field(default_factory=list)
 
 
@@ -397,7 +400,9 @@ class WorkerCanary:
 
     def _begin_step(self, step: adapter.Step) -> _Batch:
         rows = np.arange(len(step.request_ids), dtype=np.int64)
-        batch = _Batch(step.request_ids, step.num_tokens, step.input_ids, step.positions, np.repeat(rows, step.num_scheduled))
+        written_rows = np.repeat(rows, step.num_scheduled)
+        order = _writers_first(step.num_computed[written_rows])
+        batch = _Batch(step.request_ids, step.num_tokens, step.input_ids, step.positions, written_rows, order)
         written = torch.cat(step.slot_mappings)
         for group, slot_mapping in zip(self.groups, step.slot_mappings):
             batch.groups.append(self._begin_group(group, step, rows, slot_mapping, written))
@@ -457,19 +462,24 @@ class WorkerCanary:
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
             positions = batch.positions[: batch.num_tokens]
-            row_index = _to(batch.written_rows, positions.device)
+            order = _to(batch.record_order, positions.device)
+            row_index = _to(batch.written_rows[batch.record_order], positions.device)
             tokens = batch.input_ids[: batch.num_tokens].to(torch.int64) if batch.input_ids is not None else torch.full_like(positions, -1)
+            positions, tokens = positions[order], tokens[order]
             for entries in batch.groups:
-                self._record(entries, row_index, positions, tokens)
+                self._record(entries, order, row_index, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _record(self, entries: _GroupBatch, row_index: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Records the slots the forward wrote in one group, then verifies its deferred context."""
-        written = (entries.written_slots, positions, tokens, entries.group.slots(row_index, positions - 1))
+    def _record(
+        self, entries: _GroupBatch, order: torch.Tensor, row_index: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
+        """Records the slots the forward wrote in one group (its entries taken in ``order``),
+        then verifies its deferred context."""
+        written = (entries.written_slots[order], positions, tokens, entries.group.slots(row_index, positions - 1))
         if self._blocks_packed:
             written = self._with_block_neighbours(entries, written)
         slots, positions, tokens, prev_slots = written
@@ -563,7 +573,14 @@ class WorkerCanary:
         under "log", unless one is not byte-only (or the ring dropped some, which might
         be): vLLM's scheduler cannot see a wrong position, token, chain or owner (its own
         block table, slot mapping or token history disagree with what was written), so
-        they stop the step as under "raise"."""
+        they stop the step as under "raise". Called with no violation of its own when
+        another tensor-parallel rank found some (the ranks poll together): under "raise"
+        this rank stops too, with a line saying where to look."""
+        if not violations:
+            if self.policy == "raise":
+                line = f"kv_canary: launch_tag={LAUNCH_TAG} violations on another tensor-parallel rank (see its lines); this rank's checks passed"
+                raise KvCorruptionError([line], violations)
+            return
         lines = self.slot_lines(violations)
         overflow = self.canary.stats()["ring_overflow"]
         dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
@@ -652,6 +669,17 @@ def _flagged_slots(batch: _Batch) -> torch.Tensor:
     if not flagged:
         return torch.zeros(0, dtype=torch.int64)
     return torch.unique(torch.cat(flagged))
+
+
+def _writers_first(first_written: np.ndarray) -> np.ndarray:
+    """The order in which a step's written entries are recorded, given each entry's request's
+    first written position: requests by that position, each request's entries kept together
+    and in order. A request may read, as context, a block another request of the same step
+    writes (the scheduler caches a block's hash when it schedules its tokens), and then its
+    first entry chains through a slot that other request writes in the same call; the other
+    request's first written position is lower, so it is recorded first. (Runs of a CUDA
+    record call are applied concurrently, so there the two still race: `docs/vllm.md`.)"""
+    return np.argsort(first_written, kind="stable")
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
