@@ -223,6 +223,25 @@ def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repa
     llm.reset_prefix_cache()
 
 
+def test_without_the_repair_the_flipped_bit_changes_the_answer(repair_engine, monkeypatch):
+    # What makes the comparison with a clean run above mean something: the same flip, with
+    # the connector reporting nothing, changes the victim's greedy answer.
+    llm, lines, _ = repair_engine
+    prompts = _prompts(12)
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(80), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    monkeypatch.setattr(connector.KvCanaryConnector, "_reports_blocks", lambda self: False)
+    driver = Driver(llm, "unrepaired")
+    for prompt in prompts:
+        driver.add(prompt, _greedy(80))
+    driver.run_until_decoding()
+    _flip(driver, driver.ids[1], 1)
+    outputs = _run_to_end(driver)
+    answers = [outputs[r].outputs[0].token_ids for r in driver.ids]
+    assert answers[1] != clean[1] and _parse(lines.take())
+    llm.reset_prefix_cache()  # the flipped block's bytes stay wrong
+
+
 def test_repair_recomputes_a_shared_prefix_block_for_every_reader(repair_engine, monkeypatch):
     llm, lines, _ = repair_engine
     prompts = _prompts(13)
