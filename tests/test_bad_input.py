@@ -822,8 +822,8 @@ def test_verify_transfer_refuses_bad_arguments():
 @pytest.mark.parametrize(
     "policy, mode, message",
     [
-        ("warn", "all", "KVCANARY_VLLM must be one of log, raise (or unset to turn the plugin off), got 'warn'"),
-        ("LOG", "all", "KVCANARY_VLLM must be one of log, raise"),
+        ("warn", "all", "KVCANARY_VLLM must be one of log, raise, repair, quarantine (or unset to turn the plugin off), got 'warn'"),
+        ("LOG", "all", "KVCANARY_VLLM must be one of log, raise, repair, quarantine"),
         ("log", "full", "KVCANARY_VLLM_MODE must be one of partial, all, got 'full'"),
     ],
 )
@@ -841,6 +841,17 @@ def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
     monkeypatch.setenv("KVCANARY_VLLM", "log")
     monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
     message = f"^kv-canary: KVCANARY_VLLM_SUMMARY_S must be a number of seconds >= 0 \\(0: after every step\\), got '{value}'$"
+    with pytest.raises(ValueError, match=message):
+        plugin.settings()
+    with pytest.raises(ValueError, match=message):
+        plugin.register()
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.5", "nan", "often"])
+def test_vllm_plugin_refuses_a_drill_probability_out_of_range(monkeypatch, value):
+    monkeypatch.setenv("KVCANARY_VLLM", "repair")
+    monkeypatch.setenv("KVCANARY_VLLM_DRILL", value)
+    message = rf"^kv-canary: KVCANARY_VLLM_DRILL must be a probability per step in \[0, 1\] \(0 or unset: no drills\), got '{value}'$"
     with pytest.raises(ValueError, match=message):
         plugin.settings()
     with pytest.raises(ValueError, match=message):

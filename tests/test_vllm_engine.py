@@ -70,9 +70,11 @@ def tiny_llama(tmp_path_factory):
 @contextlib.contextmanager
 def vllm_log():
     """What vLLM's own log handler writes meanwhile. vLLM configures its logging when an
-    engine starts, with a handler on ``sys.stdout``, or has done so already."""
+    engine starts, with a handler named "vllm" on ``sys.stdout``, or has done so already
+    (pytest's capture handlers, which it attaches to the non-propagating ``vllm`` logger
+    too, keep their streams)."""
     log = io.StringIO()
-    streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers}
+    streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers if handler.name == "vllm"}
     try:
         with contextlib.redirect_stdout(log):
             yield log
@@ -83,8 +85,9 @@ def vllm_log():
 
 
 @contextlib.contextmanager
-def started_engine(model, *, kv_budget: int = KV_BUDGET, **options):
-    """An in-process engine on ``model`` with the plugin on under "log", and the plugin's
+def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", environ: dict[str, str] | None = None, **options):
+    """An in-process engine on ``model`` with the plugin on under ``policy`` (and the
+    plugin's other variables of ``environ`` set while it starts), and the plugin's
     WARNING and ERROR lines (`Lines`) and the requests vLLM preempts meanwhile: (llm, lines,
     preemptions). ``options`` override the engine's (prefix caching and chunked prefill of
     `PER_STEP` tokens a step in blocks of `BLOCK_SIZE`); ``llm.startup_log`` is what vLLM
@@ -98,10 +101,12 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, **options):
         preemptions.append(request.request_id)
         return preempt(self, request, *args, **kwargs)
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV)}
+    environ = environ or {}
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV, *environ)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ[plugin.POLICY_ENV] = "log"
+    os.environ[plugin.POLICY_ENV] = policy
     os.environ.pop(plugin.SUMMARY_ENV, None)
+    os.environ.update(environ)
     Scheduler._preempt_request = counting_preempt
     lines = Lines()
     llm = None
@@ -132,12 +137,15 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, **options):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        if llm is not None:  # another engine may start in this process
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        # Another engine may start in this process: this one's state goes, also after a start that failed.
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+        if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del llm
-            cleanup_dist_env_and_memory()
+        ensure_kv_transfer_shutdown()  # vLLM builds a worker's KV connector once per process
+        cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="module")

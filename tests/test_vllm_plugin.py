@@ -44,6 +44,25 @@ def test_settings(monkeypatch, policy, mode, expected):
     assert plugin.settings() == plugin.Settings(policy, expected)
 
 
+@pytest.mark.parametrize("policy, failure_policy", [("repair", "recompute"), ("quarantine", "fail")])
+def test_the_connector_policies(monkeypatch, policy, failure_policy):
+    monkeypatch.setenv("KVCANARY_VLLM", policy)
+    monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
+    monkeypatch.delenv("KVCANARY_VLLM_DRILL", raising=False)
+    assert plugin.settings() == plugin.Settings(policy, HashMode.ALL)
+    assert plugin.CONNECTOR_POLICIES[policy] == failure_policy
+
+
+@pytest.mark.parametrize("value, probability", [(None, 0.0), ("", 0.0), ("0", 0.0), ("0.001", 0.001), ("1", 1.0)])
+def test_drill_probability(monkeypatch, value, probability):
+    monkeypatch.setenv("KVCANARY_VLLM", "repair")
+    if value is None:
+        monkeypatch.delenv("KVCANARY_VLLM_DRILL", raising=False)
+    else:
+        monkeypatch.setenv("KVCANARY_VLLM_DRILL", value)
+    assert plugin.settings().drill == probability
+
+
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.33.0", "0.33.2+cpu", "0.33.0rc1", "0.33.1.dev5+g1234abc"])
 def test_supported_vllm_versions(version):
     assert adapter.is_supported(version)
@@ -72,14 +91,16 @@ def _imports_vllm(node: ast.AST) -> bool:
     return isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module == "vllm" or node.module.startswith("vllm."))
 
 
-def test_only_the_adapter_imports_vllm():
+def test_only_the_adapter_and_the_connector_import_vllm():
     package = REPO / "torch_kvcanary"
     importers = {
         path.relative_to(package).as_posix()
         for path in package.rglob("*.py")
         if any(_imports_vllm(node) for node in ast.walk(ast.parse(path.read_text())))
     }
-    assert importers == {"integrations/vllm/adapter.py"}
+    # The connector subclasses vLLM's public KV connector base; vLLM imports it when a
+    # kv_transfer_config names it, never the plugin's entry point.
+    assert importers == {"integrations/vllm/adapter.py", "integrations/vllm/connector.py"}
 
 
 @pytest.mark.parametrize("value, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])

@@ -137,6 +137,11 @@ class KvCacheGroup:
             return num_computed // self.attention_chunk_size * self.attention_chunk_size
         return np.zeros_like(num_computed)
 
+    def row_blocks(self, row: int) -> np.ndarray:
+        """The blocks of input-batch row ``row`` in the group's block table, in order."""
+        table = self.block_table
+        return table.block_table.np[row, : table.num_blocks_per_row[row]]
+
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The slot (block * block_size + offset) of each (input-batch row, position) in the
         group's device block table; -1 where the position is negative (before a request's first token)."""
@@ -321,6 +326,15 @@ def _kv_bytes_per_slot(worker) -> Fraction:
     return max((per_slot(group.layer_names) for group in groups), default=Fraction(0))
 
 
+def register_connector(name: str, module: str, class_name: str) -> None:
+    """Makes ``name`` a KV connector vLLM's ``kv_transfer_config`` can name (class
+    ``class_name`` of ``module``, imported when vLLM builds it); nothing when registered already."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, class_name)
+
+
 def watch(model_runner, watcher: Watcher | None) -> None:
     """Makes ``watcher`` the one the hooks call for ``model_runner`` (None: none)."""
     setattr(model_runner, _WATCHER, watcher)
@@ -371,6 +385,24 @@ class Runner:
     @property
     def async_scheduling(self) -> bool:
         return self.model_runner.use_async_scheduling
+
+    @property
+    def kv_load_failure_policy(self) -> str | None:
+        """vLLM's ``kv_transfer_config.kv_load_failure_policy`` ("recompute" or "fail"), None without a KV connector."""
+        config = self.model_runner.vllm_config.kv_transfer_config
+        return None if config is None or config.kv_connector is None else config.kv_load_failure_policy
+
+    def kv_connector(self):
+        """This worker's KV connector (vLLM builds it before the KV cache), or None."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+    def context(self) -> tuple[list[str], np.ndarray]:
+        """The request ids of the input batch's rows and, per row, its tokens in the KV cache."""
+        batch = self.model_runner.input_batch
+        request_ids = list(batch.req_ids)
+        return request_ids, batch.num_computed_tokens_cpu[: len(request_ids)].astype(np.int64)
 
     @property
     def kv_cache_layout(self) -> str:

@@ -6,6 +6,12 @@ nothing unless ``KVCANARY_VLLM`` is set:
 * ``KVCANARY_VLLM=log``: each corrupted slot is a WARNING line in vLLM's log at its first
   detection; later detections of it are counted into a summary line;
 * ``KVCANARY_VLLM=raise``: the step raises `KvCorruptionError`;
+* ``KVCANARY_VLLM=repair`` / ``quarantine``: with vLLM's KV connector `CONNECTOR`
+  (`connector`), the blocks of byte-only violations are reported to vLLM's scheduler as
+  load errors, which it recomputes (``kv_load_failure_policy="recompute"``) or fails the
+  requests that read them with (``"fail"``); violations of the mapping stop the step;
+* ``KVCANARY_VLLM_DRILL`` (default 0): the probability per step of a fault drill (one byte
+  of a live cached block flipped, through the connector);
 * ``KVCANARY_VLLM_MODE=partial|all`` (default ``all``): how much of each slot is folded;
 * ``KVCANARY_VLLM_SUMMARY_S`` (default 60): at most how often the summary line comes.
 
@@ -58,7 +64,7 @@ import numpy as np
 import torch
 
 from ... import layouts
-from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...canary import SLOT_BYTES, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...policy import apply_policy
 from ...sources import HashMode
 from . import adapter
@@ -68,7 +74,13 @@ logger = logging.getLogger(adapter.LOGGER)
 POLICY_ENV = "KVCANARY_VLLM"
 MODE_ENV = "KVCANARY_VLLM_MODE"
 SUMMARY_ENV = "KVCANARY_VLLM_SUMMARY_S"
-POLICIES = ("log", "raise")
+DRILL_ENV = "KVCANARY_VLLM_DRILL"
+# The policies that report violations to vLLM's scheduler through the KV connector, and
+# the kv_load_failure_policy each needs there.
+CONNECTOR_POLICIES = {"repair": "recompute", "quarantine": "fail"}
+POLICIES = ("log", "raise", *CONNECTOR_POLICIES)
+CONNECTOR = "KvCanaryConnector"
+"""The KV connector's name in vLLM's ``kv_transfer_config``, and its class in `connector`."""
 MODES = {"partial": HashMode.PARTIAL, "all": HashMode.ALL}
 SUMMARY_SECONDS = 60.0
 LAUNCH_TAG = "vllm"
@@ -81,6 +93,7 @@ class Settings:
     policy: str
     mode: HashMode
     summary_seconds: float = SUMMARY_SECONDS
+    drill: float = 0.0  # the probability per step of a fault drill
 
 
 def settings() -> Settings | None:
@@ -93,7 +106,7 @@ def settings() -> Settings | None:
     mode = os.environ.get(MODE_ENV, "all") or "all"
     if mode not in MODES:
         raise ValueError(f"kv-canary: {MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    return Settings(policy, MODES[mode], _summary_seconds())
+    return Settings(policy, MODES[mode], _summary_seconds(), _drill())
 
 
 def _summary_seconds() -> float:
@@ -109,6 +122,19 @@ def _summary_seconds() -> float:
     return seconds
 
 
+def _drill() -> float:
+    value = os.environ.get(DRILL_ENV, "")
+    if not value:
+        return 0.0
+    try:
+        probability = float(value)
+    except ValueError:
+        probability = math.nan
+    if not 0 <= probability <= 1:
+        raise ValueError(f"kv-canary: {DRILL_ENV} must be a probability per step in [0, 1] (0 or unset: no drills), got {value!r}")
+    return probability
+
+
 def active() -> WorkerCanary | None:
     """The canary of the model runner this process built last (in-process engines:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``)."""
@@ -116,9 +142,9 @@ def active() -> WorkerCanary | None:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: hooks vLLM's model runner when
-    ``KVCANARY_VLLM`` is set, after checking that `adapter` supports this vLLM.
-    vLLM may call it more than once in a process."""
+    """The ``vllm.general_plugins`` entry point: hooks vLLM's model runner and registers
+    the KV connector `CONNECTOR` when ``KVCANARY_VLLM`` is set, after checking that
+    `adapter` supports this vLLM. vLLM may call it more than once in a process."""
     chosen = settings()
     if chosen is None:
         return
@@ -128,7 +154,11 @@ def register() -> None:
             f"kv-canary: the vLLM plugin supports vLLM {adapter.SUPPORTED}, this is vLLM {version}: "
             f"install a supported vLLM, or unset {POLICY_ENV} to serve without the canary"
         )
-    hooks = adapter.Plugin(start=lambda model_runner: _start(model_runner, chosen), kv_cache_budget=kv_cache_budget, refusal=_refusal)
+    adapter.register_connector(CONNECTOR, f"{__package__}.connector", CONNECTOR)
+    # A runner starts under the settings of its start (a process may start engines one after another).
+    hooks = adapter.Plugin(
+        start=lambda model_runner: _start(model_runner, settings() or chosen), kv_cache_budget=kv_cache_budget, refusal=_refusal
+    )
     if adapter.hook(hooks):
         logger.debug("kv-canary: vLLM plugin hooked (policy %s, mode %s)", chosen.policy, chosen.mode.name)
 
@@ -194,9 +224,10 @@ class WorkerCanary:
     bytes of every attention layer: K and V, or MLA's latent), `kv_caches` (the distinct
     layer tensors it watches, in group and layer order), `groups` (the watched KV cache
     groups, `adapter.KvCacheGroup`), `runner` and `block_table` (vLLM's, of the first
-    watched group), `policy` ("log" or "raise", read by each step), `reports` (what the log
-    has said about violations), `faults` (exceptions of the plugin's own code in a step) and
-    `on` (False once such a fault turned it off).
+    watched group), `policy` (one of `POLICIES`, read by each step), `connector` (this
+    worker's `CONNECTOR`, or None), `drill` (the fault drills' probability per step),
+    `reports` (what the log has said about violations), `faults` (exceptions of the plugin's
+    own code in a step) and `on` (False once such a fault turned it off).
 
     The KV cache groups of a model share one pool of blocks (vLLM's hybrid allocator
     overlays their layers on the same tensors, and gives each block to one group at a
@@ -206,10 +237,12 @@ class WorkerCanary:
     def __init__(self, runner, chosen: Settings):
         self.runner = runner
         self.policy = chosen.policy
+        self.drill = chosen.drill
         self.reports = Reports(chosen.summary_seconds)
         self.faults = 0
         self.on = True
         self._vllm = adapter.Runner(runner)
+        self.connector = self._connector()
         unwatched = self._vllm.unwatched_group_kinds()
         if unwatched:
             raise ValueError(
@@ -248,7 +281,44 @@ class WorkerCanary:
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         self._batch: _Batch | None = None
         self._ring_overflow = 0
+        self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
+        self._flagged = self._no_slots
+        if self.connector is not None:
+            self.connector.watch(self)
         logger.info("%s", self._start_line(layout))
+
+    def _connector(self):
+        """This worker's `CONNECTOR`, or None; refuses a policy or a drill it cannot serve:
+        repair and quarantine report blocks to vLLM's scheduler, which maps them back to
+        requests only with synchronous scheduling and one KV cache group, and acts on them
+        by the connector's kv_load_failure_policy."""
+        connector = self._vllm.kv_connector()
+        ours = connector if type(connector).__name__ == CONNECTOR else None
+        needs = []
+        if self.policy in CONNECTOR_POLICIES or self.drill:
+            failure_policy = CONNECTOR_POLICIES.get(self.policy, "recompute")
+            if ours is None:
+                needs.append(
+                    f"vLLM's KV connector to be {CONNECTOR} (--kv-transfer-config "
+                    f'\'{{"kv_connector": "{CONNECTOR}", "kv_role": "kv_both", "kv_load_failure_policy": "{failure_policy}"}}\')'
+                )
+        if self.policy in CONNECTOR_POLICIES:
+            failure_policy = CONNECTOR_POLICIES[self.policy]
+            if ours is not None and self._vllm.kv_load_failure_policy != failure_policy:
+                needs.append(
+                    f'"kv_load_failure_policy": "{failure_policy}" in the kv_transfer_config, not "{self._vllm.kv_load_failure_policy}"'
+                )
+            if self._vllm.async_scheduling:
+                needs.append("synchronous scheduling (--no-async-scheduling, or async_scheduling=False)")
+            kinds = self._vllm.kv_cache_group_kinds()
+            if len(kinds) != 1:
+                needs.append(f"a model with one KV cache group, this one has {len(kinds)} ({', '.join(kinds)})")
+        if needs:
+            wanted = f"{POLICY_ENV}={self.policy}" + (f" with {DRILL_ENV}={self.drill}" if self.drill else "")
+            raise ValueError(
+                f"kv-canary: {wanted} needs {'; '.join(needs)}: change that, or unset {POLICY_ENV} to serve without the canary"
+            )
+        return ours
 
     def _sources(self, layer: adapter.AttentionLayer, layout: str) -> tuple:
         """The fold sources of one layer's cache: MLA's latent rows, or K and V."""
@@ -278,7 +348,8 @@ class WorkerCanary:
         return (
             f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
             f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}), "
-            f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}; "
+            f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
+            f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
             f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot), {source}"
         )
 
@@ -288,6 +359,7 @@ class WorkerCanary:
         """Before the forward: verify every scheduled request's context. ``read_step``
         returns the forward's `adapter.Step`. None when the canary is off (or has just
         turned off)."""
+        self._flagged = self._no_slots
         if not self.on:
             return None
         with self._guarded():
@@ -300,6 +372,12 @@ class WorkerCanary:
             return
         with self._guarded():
             self._end_step(batch)
+            self._flagged = _flagged_slots(batch)
+
+    def step_flagged_slots(self) -> torch.Tensor:
+        """The distinct slots verify flagged in the current step's forward (int64, on the
+        canary's device; empty before its forward has ended)."""
+        return self._flagged
 
     @contextlib.contextmanager
     def _guarded(self):
@@ -308,8 +386,8 @@ class WorkerCanary:
         turns the canary off, so that it never takes the engine down."""
         try:
             yield
-        except Exception:
-            if self.policy == "raise":
+        except Exception as error:
+            if self.policy == "raise" or isinstance(error, KvCorruptionError):
                 raise
             self.faults += 1
             self.on = False
@@ -501,8 +579,13 @@ class WorkerCanary:
 
     def _report(self, violations: list[Violation]) -> None:
         """The policy over one line per slot: under "log" only the slots detected for the
-        first time, the others counted into `reports`. Called with no violation of its own
-        when another tensor-parallel rank found some (the ranks poll together): under "raise"
+        first time, the others counted into `reports`. Under repair and quarantine the
+        connector reports the flagged blocks to vLLM, and the violations are logged as
+        under "log", unless one is not byte-only (or the ring dropped some, which might
+        be): vLLM's scheduler cannot see a wrong position, token, chain or owner (its own
+        block table, slot mapping or token history disagree with what was written), so
+        they stop the step as under "raise". Called with no violation of its own when
+        another tensor-parallel rank found some (the ranks poll together): under "raise"
         this rank stops too, with a line saying where to look."""
         if not violations:
             if self.policy == "raise":
@@ -510,13 +593,21 @@ class WorkerCanary:
                 raise KvCorruptionError([line], violations)
             return
         lines = self.slot_lines(violations)
-        if self.policy == "log":
-            overflow = self.canary.stats()["ring_overflow"]
-            self.reports.dropped(overflow - self._ring_overflow)
-            self._ring_overflow = overflow
+        overflow = self.canary.stats()["ring_overflow"]
+        dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
+        if self.connector is not None:
+            self.connector.count(violations)
+        policy = self.policy
+        if policy in CONNECTOR_POLICIES:
+            unrepairable = dropped or not all(_byte_only(v) for v in violations)
+            policy = "raise" if unrepairable else "log"
+            if unrepairable:
+                lines = {-1: _UNREPAIRABLE.format(setting=f"{POLICY_ENV}={self.policy}"), **lines}
+        if policy == "log":
+            self.reports.dropped(dropped)
             lines = {slot: line for slot, line in lines.items() if self.reports.first_detection(slot)}
         apply_policy(
-            self.policy,
+            policy,
             violations,
             lines=lambda: list(lines.values()),
             error=lambda text: KvCorruptionError(text, violations),
@@ -569,6 +660,26 @@ class Reports:
         self.repeats, self.ring_dropped, self._since = 0, 0, now
         self.repeated_slots.clear()
         return line
+
+
+_UNREPAIRABLE = (
+    "kv-canary: {setting} hands vLLM the blocks whose bytes alone are wrong; a wrong position, token, chain or owner "
+    "(vLLM's block table, slot mapping or token history disagree with what was written), or a violation the ring "
+    "dropped, is not one vLLM's scheduler can see or fix, so the step stops"
+)
+
+
+def _byte_only(violation: Violation) -> bool:
+    """Whether only the slot's bytes failed (its fold), with its token, position and chain intact."""
+    return violation.kind == ViolationKind.VERIFY and violation.reasons == FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+
+
+def _flagged_slots(batch: _Batch) -> torch.Tensor:
+    """The distinct slots the verify calls of ``batch`` flagged."""
+    flagged = [slots[answer] for entries in batch.groups for slots, _, answer in entries.checks]
+    if not flagged:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.unique(torch.cat(flagged))
 
 
 def _writers_first(first_written: np.ndarray) -> np.ndarray:

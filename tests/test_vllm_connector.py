@@ -1,0 +1,699 @@
+"""The canary's KV connector (`KvCanaryConnector`) on the real engine (vLLM's CPU build),
+in-process and driven step by step: repair (vLLM recomputes the blocks the canary flagged)
+and quarantine (vLLM fails the requests that read them), the rule for violations of the
+mapping, the counters in vLLM's Prometheus metrics, fault drills and verified transfers;
+and through `vllm serve` (`tools/vllm_serve.py`), repaired drills and quarantine.
+
+The engines serve a tiny random Llama in float32 (vLLM's recompute of a request then
+reproduces the tokens of a clean run), with prefix caching and chunked prefill, under
+synchronous scheduling.
+"""
+
+import concurrent.futures
+import contextlib
+import json
+import random
+import re
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+from test_vllm_engine import (  # noqa: E402
+    BLOCK_SIZE,
+    CANARY_BYTES_PER_SLOT,
+    KV_BYTES_PER_SLOT,
+    NUM_BLOCKS,
+    Driver,
+    _parse,
+    _tokens,
+    mixed_workload,
+    started_engine,
+)
+
+import torch_kvcanary as kc  # noqa: E402
+from torch_kvcanary.integrations.vllm import connector, plugin  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_models import make_llama  # noqa: E402
+from vllm_serve import Server  # noqa: E402
+
+# K and V of float32, twice bf16's bytes; the canary's records beside them.
+FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
+FAILURE_POLICY = {"repair": "recompute", "quarantine": "fail"}
+
+
+@contextlib.contextmanager
+def connector_engine(model, policy: str, *, failure_policy: str | None = None, environ: dict[str, str] | None = None, **options):
+    """An in-process float32 engine with the plugin under ``policy`` and `KvCanaryConnector`
+    configured with ``failure_policy`` (by default the one ``policy`` needs), vLLM's stats
+    on (its Prometheus metrics in ``prometheus_client.REGISTRY``)."""
+    transfer = {
+        "kv_connector": plugin.CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": failure_policy or FAILURE_POLICY.get(policy, "recompute"),
+    }
+    settings = dict(dtype="float32", async_scheduling=False, disable_log_stats=False, kv_transfer_config=transfer)
+    with started_engine(model, kv_budget=FLOAT32_BUDGET, policy=policy, environ=environ, **{**settings, **options}) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny-llama-connector"))
+
+
+class Reported:
+    """What the worker's connector returned from get_block_ids_with_load_errors, step by step."""
+
+    def __init__(self, monkeypatch, worker_connector):
+        self.steps: list[set[int]] = []
+        original = worker_connector.get_block_ids_with_load_errors
+
+        def recording():
+            blocks = original()
+            self.steps.append(set(blocks))
+            return blocks
+
+        monkeypatch.setattr(worker_connector, "get_block_ids_with_load_errors", recording)
+
+    def take(self) -> set[int]:
+        blocks = set().union(*self.steps)
+        self.steps.clear()
+        return blocks
+
+
+def _greedy(max_tokens: int):
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = _tokens(rng, BLOCK_SIZE + 7)  # one block shared by every request
+    return [prefix + _tokens(rng, 40 + 17 * i) for i in range(3)]
+
+
+def _run_to_end(driver: Driver, max_steps: int = 400) -> dict[str, object]:
+    """Steps until every request of ``driver`` has finished: their final outputs by our id."""
+    done = {}
+    for _ in range(max_steps):
+        for output in driver.step():
+            if output.finished:
+                done[output.request_id] = output
+        if len(done) == len(driver.ids):
+            return done
+    raise AssertionError(f"requests {sorted(set(driver.ids) - set(done))} did not finish")
+
+
+def _worker_connector():
+    state = plugin.active()
+    assert isinstance(state.connector, connector.KvCanaryConnector)
+    return state.connector
+
+
+def _flip(driver: Driver, request_id: str, block_index: int) -> int:
+    """Flips one bit of the request's block ``block_index`` (layer 1, head 1): that block."""
+    block = driver.blocks(request_id)[block_index]
+    plugin.active().kv_caches[1].view(torch.int32)[block, 1, 5, 77] ^= 1 << 30  # the top exponent bit: the value is way off
+    return block
+
+
+def _metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        for sample in metric.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def repair_engine(tiny_llama):
+    with connector_engine(tiny_llama, "repair") as started:
+        yield started
+
+
+# Without a transfer -------------------------------------------------------------------
+
+
+def test_the_connector_is_registered_under_its_class_name(repair_engine):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert connector.KvCanaryConnector.__name__ == plugin.CONNECTOR
+    assert KVConnectorFactory.get_connector_class_by_name(plugin.CONNECTOR) is connector.KvCanaryConnector
+    plugin.register()  # again: nothing happens
+    assert KVConnectorFactory.get_connector_class_by_name(plugin.CONNECTOR) is connector.KvCanaryConnector
+
+
+def test_without_an_inner_connector_scheduling_is_unchanged(repair_engine):
+    llm, _, _ = repair_engine
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ours = scheduler.connector
+    assert isinstance(ours, connector.KvCanaryConnector) and ours.inner is None
+    assert ours.requires_kv_delivery is False and scheduler.defer_block_free is False
+    assert ours.has_pending_block_frees() is False and ours.has_pending_push_work() is False
+    seen = []
+    matched, finished = ours.get_num_new_matched_tokens, ours.request_finished
+
+    def matching(request, num_computed_tokens):
+        seen.append(("matched", matched(request, num_computed_tokens)))
+        return seen[-1][1]
+
+    def finishing(request, block_ids):
+        seen.append(("finished", finished(request, block_ids)))
+        return seen[-1][1]
+
+    ours.get_num_new_matched_tokens, ours.request_finished = matching, finishing
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(11)], _greedy(8), use_tqdm=False)
+    finally:
+        del ours.get_num_new_matched_tokens, ours.request_finished
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+    assert {answer for kind, answer in seen if kind == "matched"} == {(0, False)}
+    assert [answer for kind, answer in seen if kind == "finished"] == [(False, None)] * 3
+    llm.reset_prefix_cache()
+
+
+# Repair ---------------------------------------------------------------------------------
+
+
+def test_a_mixed_workload_under_repair_reports_nothing(repair_engine, monkeypatch):
+    # Shared prefixes, chunked prefill and preemption: no violation, so no block for vLLM.
+    reported = Reported(monkeypatch, _worker_connector())
+    mixed_workload(*repair_engine)
+    assert reported.steps and reported.take() == set()
+    repair_engine[0].reset_prefix_cache()
+
+
+def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repair_engine, monkeypatch):
+    llm, lines, preemptions = repair_engine
+    prompts = _prompts(12)
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(80), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    assert lines.take() == []
+    reported = Reported(monkeypatch, _worker_connector())
+    repaired_before = _metric("vllm:kv_canary_blocks_repaired_total")
+    driver = Driver(llm, "repair")
+    for prompt in prompts:
+        driver.add(prompt, _greedy(80))
+    driver.run_until_decoding()
+    assert reported.take() == set()
+    victim = driver.ids[1]
+    scheduled = llm.llm_engine.engine_core.engine_core.scheduler.requests[driver.internal_id(victim)]
+    assert scheduled.num_computed_tokens > 2 * BLOCK_SIZE
+    block = _flip(driver, victim, 1)  # the victim's own second block
+    driver.step()
+    assert reported.take() == {block}  # one block of 32 slots, reported to vLLM's scheduler
+    found = _parse(lines.take())
+    assert found and all(reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block for reasons, slot, _ in found)
+    # vLLM rolled the victim back to the start of the block and recomputes it from there.
+    assert scheduled.num_computed_tokens == BLOCK_SIZE
+    outputs = _run_to_end(driver)
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    assert lines.take() == [] and reported.take() == set()  # recomputed: the block verifies again
+    assert plugin.active().on
+    assert _metric("vllm:kv_canary_blocks_repaired_total") - repaired_before == 1
+    assert _metric("vllm:kv_canary_violations_total", reason="verify_real_kv_hash") >= len(found)
+    assert _metric("vllm:kv_canary_slots_verified_total") > 0 and _metric("vllm:kv_canary_slots_recorded_total") > 0
+    llm.reset_prefix_cache()
+
+
+def test_without_the_repair_the_flipped_bit_changes_the_answer(repair_engine, monkeypatch):
+    # What makes the comparison with a clean run above mean something: the same flip, with
+    # the connector reporting nothing, changes the victim's greedy answer.
+    llm, lines, _ = repair_engine
+    prompts = _prompts(12)
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(80), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    monkeypatch.setattr(connector.KvCanaryConnector, "_reports_blocks", lambda self: False)
+    driver = Driver(llm, "unrepaired")
+    for prompt in prompts:
+        driver.add(prompt, _greedy(80))
+    driver.run_until_decoding()
+    _flip(driver, driver.ids[1], 1)
+    outputs = _run_to_end(driver)
+    answers = [outputs[r].outputs[0].token_ids for r in driver.ids]
+    assert answers[1] != clean[1] and _parse(lines.take())
+    llm.reset_prefix_cache()  # the flipped block's bytes stay wrong
+
+
+def test_repair_recomputes_a_shared_prefix_block_for_every_reader(repair_engine, monkeypatch):
+    llm, lines, _ = repair_engine
+    prompts = _prompts(13)
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    reported = Reported(monkeypatch, _worker_connector())
+    driver = Driver(llm, "shared")
+    for prompt in prompts:
+        driver.add(prompt, _greedy(60))
+    driver.run_until_decoding()
+    shared = driver.blocks(driver.ids[0])[0]
+    assert all(driver.blocks(r)[0] == shared for r in driver.ids)  # the prefix cache's block
+    state = plugin.active()
+    readers = {b for r in driver.ids for b in driver.blocks(r)}
+    _flip(driver, driver.ids[0], 0)
+    driver.step()
+    assert reported.take() == {shared}
+    # Every record from each reader's first bad block on (here all their blocks) is
+    # invalidated until a forward writes it again: a block read before that is reported too.
+    outputs = _run_to_end(driver)
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    later = set().union(*reported.steps)
+    assert later <= readers and not any(reported.steps[-10:])
+    assert state.on
+    lines.take()
+    llm.reset_prefix_cache()
+
+
+def test_a_mapping_violation_under_repair_stops_the_step(repair_engine):
+    # A block-table entry pointing at another request's block: every byte intact, so vLLM's
+    # scheduler, which maps blocks by that same table, could not repair it.
+    llm, lines, _ = repair_engine
+    driver = Driver(llm, "mapping")
+    rng = random.Random(14)
+    for _ in range(2):
+        driver.add(_tokens(rng, 75), _greedy(200))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim, other = driver.ids
+    state = plugin.active()
+    row = driver.rows()[driver.internal_id(victim)]
+    own = state.block_table.block_table.np[row, 1]
+    state.block_table.block_table.np[row, 1] = driver.blocks(other)[1]
+    try:
+        with pytest.raises(Exception) as raised:
+            driver.step()
+    finally:
+        state.block_table.block_table.np[row, 1] = own
+    error = raised.value
+    while error is not None and not isinstance(error, kc.KvCorruptionError):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, kc.KvCorruptionError), f"{type(raised.value).__name__} did not come from a KvCorruptionError"
+    assert error.lines[0].startswith("kv-canary: KVCANARY_VLLM=repair hands vLLM the blocks whose bytes alone are wrong; a wrong position")
+    assert any("verify_token" in line and driver.internal_id(victim) in line for line in error.lines[1:])
+    assert state.on  # a violation, not a fault of the canary's own
+    lines.take()
+
+
+# Drills ---------------------------------------------------------------------------------
+
+
+def test_a_drill_is_caught_and_repaired(tiny_llama):
+    environ = {plugin.DRILL_ENV: "0.5"}
+    with connector_engine(tiny_llama, "repair", environ=environ) as (llm, lines, _):
+        assert "policy repair through KvCanaryConnector, drills with probability 0.5 per step;" in llm.startup_log
+        ours = _worker_connector()
+        drill = ours.drill
+        assert drill is not None and drill.probability == 0.5
+        prompts = _prompts(15)
+        drill.probability = 0.0
+        clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
+        llm.reset_prefix_cache()
+        injected, caught = _metric("vllm:kv_canary_drills_injected_total"), _metric("vllm:kv_canary_drills_caught_total")
+        driver = Driver(llm, "drill")
+        for prompt in prompts:
+            driver.add(prompt, _greedy(60))
+        driver.run_until_decoding()
+        drill.probability = 1.0  # one drill in the next step, then none
+        driver.step()
+        drill.probability = 0.0
+        outputs = _run_to_end(driver)
+        assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+        assert drill.pending == {}
+        assert _metric("vllm:kv_canary_drills_injected_total") - injected == 1
+        assert _metric("vllm:kv_canary_drills_caught_total") - caught == 1
+        assert _metric("vllm:kv_canary_drill_steps_to_catch_total") == 0  # caught in the step that flipped it
+        assert len(_parse(lines.take())) >= 1
+
+
+# Quarantine -----------------------------------------------------------------------------
+
+
+def test_quarantine_fails_only_the_affected_request(tiny_llama, monkeypatch):
+    with connector_engine(tiny_llama, "quarantine") as (llm, lines, _):
+        assert "policy quarantine through KvCanaryConnector;" in llm.startup_log
+        reported = Reported(monkeypatch, _worker_connector())
+        failed_before = _metric("vllm:kv_canary_requests_failed_total")
+        driver = Driver(llm, "quarantine")
+        for prompt in _prompts(16):
+            driver.add(prompt, _greedy(80))
+        driver.run_until_decoding()
+        victim = driver.ids[2]
+        block = _flip(driver, victim, 1)  # the victim's own block, after the shared one
+        outputs = _run_to_end(driver)
+        assert block in reported.take()
+        assert outputs[victim].outputs[0].finish_reason == "error"
+        for other in driver.ids[:2]:
+            assert outputs[other].outputs[0].finish_reason == "length" and len(outputs[other].outputs[0].token_ids) == 80
+        assert _metric("vllm:kv_canary_requests_failed_total") - failed_before == 1
+        assert _parse(lines.take())
+        # The engine keeps serving.
+        (after,) = llm.generate([{"prompt_token_ids": _prompts(17)[0]}], _greedy(8), use_tqdm=False)
+        assert len(after.outputs[0].token_ids) == 8
+
+
+# Preconditions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy, options, needs",
+    [
+        (
+            "repair",
+            dict(kv_transfer_config=None),
+            r'KVCANARY_VLLM=repair needs vLLM\'s KV connector to be KvCanaryConnector \(--kv-transfer-config \'\{"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"\}\'\)',
+        ),
+        (
+            "quarantine",
+            dict(failure_policy="recompute"),
+            r'KVCANARY_VLLM=quarantine needs "kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
+        ),
+    ],
+)
+def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy, options, needs):
+    with pytest.raises(Exception) as raised:
+        with connector_engine(tiny_llama, policy, **options):
+            pass
+    error = raised.value
+    while error is not None and not isinstance(error, ValueError):
+        error = error.__cause__ or error.__context__
+    assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
+    assert re.match(f"kv-canary: {needs}: change that, or unset KVCANARY_VLLM to serve without the canary$", str(error)), str(error)
+
+
+class _FakeRunner:
+    """The `adapter.Runner` facts the preconditions read."""
+
+    def __init__(self, connector=None, failure_policy="recompute", async_scheduling=False, kinds=("FullAttentionSpec",)):
+        self._connector, self.kv_load_failure_policy, self.async_scheduling, self._kinds = (
+            connector,
+            failure_policy,
+            async_scheduling,
+            kinds,
+        )
+
+    def kv_connector(self):
+        return self._connector
+
+    def kv_cache_group_kinds(self):
+        return list(self._kinds)
+
+
+class KvCanaryConnector:  # what the plugin recognises the connector by: its class name
+    pass
+
+
+@pytest.mark.parametrize(
+    "policy, runner, needs",
+    [
+        (
+            "repair",
+            _FakeRunner(KvCanaryConnector(), async_scheduling=True),
+            r"synchronous scheduling \(--no-async-scheduling, or async_scheduling=False\)",
+        ),
+        (
+            "repair",
+            _FakeRunner(KvCanaryConnector(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
+            r"a model with one KV cache group, this one has 2 \(SlidingWindowSpec, FullAttentionSpec\)",
+        ),
+        (
+            "quarantine",
+            _FakeRunner(KvCanaryConnector(), failure_policy="recompute"),
+            r'"kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
+        ),
+        ("log", _FakeRunner(None), "vLLM's KV connector to be KvCanaryConnector"),  # with a drill
+    ],
+)
+def test_each_precondition_of_the_connector_policies(policy, runner, needs):
+    state = object.__new__(plugin.WorkerCanary)
+    state.policy, state.drill, state._vllm = policy, 0.01 if policy == "log" else 0.0, runner
+    with pytest.raises(ValueError, match=f"^kv-canary: KVCANARY_VLLM={policy}.* needs {needs}"):
+        state._connector()
+
+
+def test_without_a_connector_policy_the_connector_is_optional():
+    state = object.__new__(plugin.WorkerCanary)
+    state.policy, state.drill = "log", 0.0
+    state._vllm = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
+    assert state._connector() is None
+    ours = KvCanaryConnector()
+    state._vllm = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
+    assert state._connector() is ours  # its counters, whatever the policy
+
+
+def _stats(**counts) -> connector.CanaryStats:
+    stats = connector.CanaryStats()
+    for name, count in counts.items():
+        if name in connector.REASONS:
+            stats.data["violations"][name] += count
+        else:
+            stats.data[name] += count
+    return stats
+
+
+def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    monkeypatch.setenv(plugin.POLICY_ENV, "log")
+    plugin.register()  # the connector's name, as in every process vLLM starts with the plugin on
+
+    assert connector.CanaryStats().is_empty()
+    # Two tensor-parallel ranks' stats, as vLLM's output aggregator sums them.
+    first = _stats(verify_real_kv_hash=3, slots_verified=100, slots_recorded=7, blocks_repaired=1)
+    second = _stats(verify_real_kv_hash=2, verify_token=1, slots_verified=50, drills_injected=1, drills_caught=1)
+    total = first.aggregate(second)
+    assert total.data["violations"]["verify_real_kv_hash"] == 5 and total.data["violations"]["verify_token"] == 1
+    assert (total.data["slots_verified"], total.data["slots_recorded"], total.data["blocks_repaired"]) == (150, 7, 1)
+    # vLLM's periodic stats log: the payload rebuilt by the connector class, over two steps.
+    logging = KVConnectorLogging(KVTransferConfig(kv_connector=plugin.CONNECTOR, kv_role="kv_both"))
+    logging.observe(total.to_dict())
+    logging.observe(_stats(verify_real_kv_hash=1, requests_failed=2).to_dict())
+    said = []
+    logging.log(lambda text, line: said.append(text % line))
+    (line,) = said
+    assert line == (
+        "KV Transfer metrics: kv_canary_violations_verify_real_kv_hash=6, kv_canary_violations_verify_token=1, "
+        "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
+        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, "
+        "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0"
+    )
+
+
+# Through `vllm serve` ---------------------------------------------------------------------
+
+
+def _server(model, policy: str, failure_policy: str, drill: float, tokens_per_step: int = 64):
+    """`vllm serve` (`tools/vllm_serve.py`: the API server, the engine core and its worker,
+    each a process of its own, on 127.0.0.1) on the float32 model with the plugin under
+    ``policy`` and `KvCanaryConnector`, fault drills of probability ``drill``, and at most
+    ``tokens_per_step`` tokens a step."""
+    transfer = json.dumps({"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both", "kv_load_failure_policy": failure_policy})
+    options = (
+        "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(8 << 20),
+        "--enforce-eager", "--enable-prefix-caching", "--no-async-scheduling", "--max-num-batched-tokens", str(tokens_per_step),
+        "--kv-transfer-config", transfer,
+    )  # fmt: skip
+    return Server(model, {plugin.POLICY_ENV: policy, plugin.DRILL_ENV: str(drill)}, options)
+
+
+def _tokens_of(answer: dict) -> list[int] | None:
+    """The completion's token ids, or None for an HTTP error."""
+    return None if "error" in answer else answer["choices"][0]["token_ids"]
+
+
+def _concurrently(server, prompts: list[list[int]], max_tokens: list[int]) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda args: server.complete(*args, return_token_ids=True), zip(prompts, max_tokens)))
+
+
+def _counters(server) -> dict[str, float]:
+    """The ``vllm:kv_canary_*`` counters of ``/metrics`` (violations by reason as ``..._total[reason]``)."""
+    counters = {}
+    for line in server.metrics().splitlines():
+        match = re.match(r"^(vllm:kv_canary_\w+_total)\{([^}]*)\} (\S+)$", line)
+        if match:
+            reason = re.search(r'reason="(\w+)"', match[2])
+            counters[match[1] + (f"[{reason[1]}]" if reason else "")] = float(match[3])
+    return counters
+
+
+def test_vllm_serve_repairs_drilled_faults(tiny_llama):
+    prompts = _prompts(18)
+    with _server(tiny_llama, "repair", "recompute", drill=0.0) as server:
+        clean = [_tokens_of(server.complete(prompt, 40, return_token_ids=True)) for prompt in prompts]
+    assert all(len(tokens) == 40 for tokens in clean)
+    with _server(tiny_llama, "repair", "recompute", drill=0.25) as server:
+        answers = [_tokens_of(answer) for answer in _concurrently(server, prompts, [40] * len(prompts))]
+        assert answers == clean  # every drilled block recomputed: the clean run's greedy tokens
+        counters = _counters(server)
+        assert server.alive() and _tokens_of(server.complete(prompts[0][:20], 4, return_token_ids=True)) is not None
+        said = server.log()
+    assert "policy repair through KvCanaryConnector, drills with probability 0.25 per step;" in said
+    assert counters["vllm:kv_canary_drills_injected_total"] >= 1
+    assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"]
+    assert counters["vllm:kv_canary_blocks_repaired_total"] >= counters["vllm:kv_canary_drills_injected_total"]
+    assert counters["vllm:kv_canary_violations_total[verify_real_kv_hash]"] >= counters["vllm:kv_canary_drills_injected_total"]
+    assert counters["vllm:kv_canary_violations_total[verify_token]"] == 0 and counters["vllm:kv_canary_slots_verified_total"] > 0
+    assert "Recovered from KV load failure" in said
+
+
+def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
+    # A drill at every step that runs a forward, in a slot of a request with context: a
+    # request of several steps is drilled and fails; one answered by its first forward
+    # (its whole prompt in one step, one token) has no context to drill, and completes.
+    rng = random.Random(19)
+    long = [_tokens(rng, 50) for _ in range(2)]
+    short = [_tokens(rng, 20) for _ in range(3)]
+    with _server(tiny_llama, "quarantine", "fail", drill=1.0, tokens_per_step=512) as server:
+        answers = _concurrently(server, long + short, [20] * len(long) + [1] * len(short))
+        assert [answer.get("error", 200) for answer in answers] == [500] * len(long) + [200] * len(short)
+        assert all(len(_tokens_of(answer)) == 1 for answer in answers[len(long) :])
+        counters = _counters(server)
+        assert server.alive() and _tokens_of(server.complete(short[0][:10], 1, return_token_ids=True)) is not None  # still serving
+        said = server.log()
+    assert counters["vllm:kv_canary_requests_failed_total"] == len(long)
+    assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"] >= len(long)
+    assert "Failing 1 request(s) due to KV load failure" in said
+
+
+@pytest.mark.parametrize("size, dtype", [(1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64)])
+@pytest.mark.parametrize("bit", range(8))
+def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
+    value = torch.zeros((), dtype=dtype)
+    value.bitwise_xor_(connector._top_byte_bit(size, bit))
+    assert value.item() % (1 << 8 * size) == 1 << (8 * (size - 1) + bit)
+
+
+# Verified transfers -----------------------------------------------------------------------
+
+
+def _layer_files(folder) -> list:
+    return sorted(path for path in folder.iterdir() if path.name != connector.DiskTransfer.SIDECAR)
+
+
+def _rewrite(path, change) -> None:
+    """Rewrites a stored layer file (``{"kv_cache": [tokens, heads, C]}``) with ``change`` applied to its tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({"kv_cache": change(tensors["kv_cache"]).contiguous()}, str(path))
+
+
+def _flip_stored(kv: torch.Tensor) -> torch.Tensor:
+    kv = kv.clone()
+    kv.view(torch.int32)[40, 1, 77] ^= 1 << 30  # token 40, in the second block
+    return kv
+
+
+def _swap_blocks(kv: torch.Tensor) -> torch.Tensor:
+    return torch.cat([kv[BLOCK_SIZE : 2 * BLOCK_SIZE], kv[:BLOCK_SIZE], kv[2 * BLOCK_SIZE :]])
+
+
+@pytest.mark.parametrize("fault", ["none", "flipped byte", "swapped blocks", "another request's file", "truncated file", "no records"])
+def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, monkeypatch, fault):
+    # The producer saves a prompt's first two blocks to disk (vLLM's ExampleConnector), and
+    # the canary's records beside them; the consumer (the same engine, its prefix cache
+    # reset) loads them for the same prompt, and verifies what landed before the forward.
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    inner = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    transfer = {
+        "kv_connector": plugin.CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {connector.INNER: inner},
+    }
+    rng = random.Random(20)
+    prompt, other = _tokens(rng, 2 * BLOCK_SIZE + 10), _tokens(rng, 2 * BLOCK_SIZE + 10)
+    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer) as (llm, lines, _):
+        ours = _worker_connector()
+        assert type(ours.inner).__name__ == "ExampleConnector"
+        (clean,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        (folder,) = storage.iterdir()
+        llm.generate([{"prompt_token_ids": other}], _greedy(1), use_tqdm=False)
+        (other_folder,) = set(storage.iterdir()) - {folder}
+        assert len(_layer_files(folder)) == 2 and (folder / connector.DiskTransfer.SIDECAR).exists()
+        llm.reset_prefix_cache()
+        if fault == "flipped byte":
+            _rewrite(_layer_files(folder)[1], _flip_stored)
+        elif fault == "swapped blocks":
+            _rewrite(_layer_files(folder)[0], _swap_blocks)
+        elif fault == "another request's file":
+            for mine, theirs in zip(_layer_files(folder), _layer_files(other_folder)):
+                mine.write_bytes(theirs.read_bytes())
+        elif fault == "truncated file":
+            path = _layer_files(folder)[1]
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        elif fault == "no records":
+            (folder / connector.DiskTransfer.SIDECAR).unlink()
+        reported = Reported(monkeypatch, ours)
+        verified, failed = _metric("vllm:kv_canary_transfer_slots_verified_total"), _metric("vllm:kv_canary_transfer_slots_failed_total")
+        (loaded,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        assert loaded.num_cached_tokens == 2 * BLOCK_SIZE  # both blocks came from disk
+        assert loaded.outputs[0].token_ids == clean.outputs[0].token_ids
+        assert _metric("vllm:kv_canary_transfer_slots_verified_total") - verified == 2 * BLOCK_SIZE
+        failed = _metric("vllm:kv_canary_transfer_slots_failed_total") - failed
+        blocks = reported.take()
+        if fault == "none":
+            assert failed == 0 and blocks == set() and lines.take() == []
+        else:
+            assert failed > 0 and blocks, "the fault in what was stored was not reported as a load error"
+            # One slot's bytes (a row of its block), or every slot of both blocks.
+            assert failed == (1 if fault == "flipped byte" else 2 * BLOCK_SIZE)
+            said = lines.take()
+            if fault == "truncated file":  # the inner connector's load raised: logged, with its traceback
+                assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
+                said = said[1:]
+            assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in _parse(said))
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
+    from vllm.config import KVTransferConfig
+
+    connector.check_inner(KVTransferConfig(kv_connector="ExampleConnector", kv_role=role))  # verified
+    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"))  # saves only
+    message = (
+        rf'^kv-canary: KvCanaryConnector verifies the KV an inner connector loads for ExampleConnector only; NixlConnector with "kv_role": "{role}" '
+        r'would load KV the canary has no records of: give it "kv_role": "kv_producer", or unset KVCANARY_VLLM to serve it without the canary$'
+    )
+    with pytest.raises(ValueError, match=message):
+        connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
+
+
+def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_path, monkeypatch):
+    # Two engines one after the other over one storage folder: the producer only saves, the
+    # consumer only loads, and a byte of the stored blocks is flipped in between.
+    storage = tmp_path / "kv"
+    storage.mkdir()
+
+    def transfer(role: str) -> dict:
+        inner = {"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        return {
+            "kv_connector": plugin.CONNECTOR,
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"inner": inner},
+        }
+
+    prompt = _tokens(random.Random(21), 2 * BLOCK_SIZE + 10)
+    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_producer")) as (llm, lines, _):
+        (produced,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        assert lines.take() == []
+    (folder,) = storage.iterdir()
+    _rewrite(_layer_files(folder)[0], _flip_stored)
+    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_consumer")) as (llm, lines, _):
+        reported = Reported(monkeypatch, _worker_connector())
+        failed = _metric("vllm:kv_canary_transfer_slots_failed_total")
+        (consumed,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+        assert consumed.num_cached_tokens == 2 * BLOCK_SIZE
+        assert _metric("vllm:kv_canary_transfer_slots_failed_total") - failed == 1
+        assert len(reported.take()) == 1  # the block of the flipped token, recomputed
+        assert consumed.outputs[0].token_ids == produced.outputs[0].token_ids
+        assert [reasons for reasons, _, _ in _parse(lines.take())] == [["verify_real_kv_hash"]]
