@@ -154,14 +154,18 @@ def _verify_fake(
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
+def _check_offsets_dtype(offsets: torch.Tensor) -> None:
+    if offsets.dtype != torch.int64:
+        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
+
+
 @torch.library.register_fake("kvcanary::context_slots")
 def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot=-1, check_bounds=True):
     # The checks of make_context_slots_plan (csrc/plan/context_slots_plan.cpp) that need no
     # data nor guards on symbolic sizes, with its messages.
     check_index_dtype(block_table, "block_table")
     check_index_dtype(starts, "starts")
-    if offsets.dtype != torch.int64:
-        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
+    _check_offsets_dtype(offsets)
     if block_table.dim() != 2:
         raise ValueError(f"kv-canary: block_table must be [num_table_rows, max_blocks], got shape {list(block_table.shape)}")
     if offsets.dim() != 1:
@@ -216,6 +220,7 @@ def context_slots(
     """
     for name, value in (("block_table", block_table), ("starts", starts)):
         check_index_dtype(value, name)
+    _check_offsets_dtype(offsets)
     check_bounds = check_bounds and may_check_bounds(block_table)
     try:
         found = torch.ops.kvcanary.context_slots(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
