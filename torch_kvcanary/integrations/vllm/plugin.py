@@ -27,13 +27,20 @@ what is watched. In every engine step, around the model forward, in each watched
    positions (the 1-D sequence positions, also for M-RoPE models), tokens and previous slots;
 3. the canary is polled once; a violation line names the vLLM request(s) that read the slot.
 
+The step is planned on the canary's device: the host builds a few values per request (where
+each request's verified context, its block-packed tail and its written tokens start, and how
+many there are), copies them over once, and `kvcanary::context_slots` expands them through
+the group's block table into slots, positions, previous slots and input-batch rows; the
+host's work per step grows with the number of requests, not with their context.
+
 Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
 block holds the same records for every request that reads it, and a recomputed slot is
 recorded again when it is rewritten. Under a backend that packs a block's tokens together
 (CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
 the unwritten rows of each request's last block are verified too, and every slot of a
-block the forward wrote is recorded again. Under async scheduling the token check is skipped
-(the runner's token history may lag the device by a step); the other checks stay.
+block the forward wrote is recorded again. The context's tokens are checked against the
+runner's token history where it lives on the canary's device (vLLM's CPU build), and not
+under async scheduling (the history may lag the device by a step); the other checks stay.
 
 An exception of the plugin's own code in a step (not a violation) stops the engine under
 ``raise``; under ``log`` it is logged once at ERROR with its traceback and the canary turns
@@ -155,35 +162,62 @@ def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
 
 
 @dataclass
+class _Verified:
+    """Entries of one group verified before the forward, as `kvcanary::context_slots` planned
+    them: ``slots`` (-1 where this forward writes the slot), ``rows`` (input-batch rows),
+    ``positions`` and ``prev_slots`` (None for the block-packed tail: only its bytes are
+    verified), and verify's answer."""
+
+    slots: torch.Tensor
+    rows: torch.Tensor
+    flagged: torch.Tensor
+    positions: torch.Tensor | None = None
+    prev_slots: torch.Tensor | None = None
+
+
+@dataclass
 class _GroupBatch:
     """One watched KV cache group's entries of a step: the verified ones (each request's
     context still attended to, then under a block-packed backend the unwritten tail of its
-    last block) and the written ones. ``verified_rows`` are input-batch rows, on the host."""
+    last block) and the written ones (``written_rows``: their input-batch rows, once recorded)."""
 
     group: adapter.KvCacheGroup
     written_slots: torch.Tensor
-    verified_rows: np.ndarray | None = None
-    verified_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
-    verified_positions: torch.Tensor | None = None  # -1 for a tail slot
-    verified_prev_slots: torch.Tensor | None = None
-    # The context slots this forward writes (verified after it), and their expected tokens.
+    written_rows: torch.Tensor | None = None
+    context: _Verified | None = None
+    tail: _Verified | None = None
+    # The context slots this forward writes (verified after it, -1 elsewhere), and the
+    # context's expected tokens (None: not checked).
     deferred_slots: torch.Tensor | None = None
     context_tokens: torch.Tensor | None = None
     # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
-    checks: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = field(default_factory=list)
+    checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class _Batch:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
-    saw for them. ``written_rows`` are the input-batch rows of the forward's tokens."""
+    saw for them. ``plan`` holds the step's ranges on the canary's device (`_ranges`): those
+    the forward writes, then the block-packed tails, then each group's context, each as
+    offsets and starts; ``counts`` their numbers of entries."""
 
     req_ids: list[str]
     num_tokens: int
     input_ids: torch.Tensor | None
     positions: torch.Tensor
-    written_rows: np.ndarray
+    plan: torch.Tensor
+    counts: list[int]
     groups: list[_GroupBatch] = field(default_factory=list)
+
+    def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Range set ``index``'s (offsets, starts, number of entries), views of `plan`."""
+        rows = len(self.req_ids)
+        base = index * (2 * rows + 1)
+        return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
+
+
+# The range sets of a step's plan, in order; each group's context follows them.
+_WRITTEN, _TAIL, _CONTEXT = 0, 1, 2
 
 
 class WorkerCanary:
@@ -244,6 +278,7 @@ class WorkerCanary:
         self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         self._batch: _Batch | None = None
+        self._last_batch: _Batch | None = None
         self._ring_overflow = 0
         logger.info("%s", self._start_line(layout))
 
@@ -318,122 +353,134 @@ class WorkerCanary:
             )
 
     def _begin_step(self, step: adapter.Step) -> _Batch:
-        rows = np.arange(len(step.request_ids), dtype=np.int64)
-        batch = _Batch(step.request_ids, step.num_tokens, step.input_ids, step.positions, np.repeat(rows, step.num_scheduled))
-        written = torch.cat(step.slot_mappings)
-        for group, slot_mapping in zip(self.groups, step.slot_mappings):
-            batch.groups.append(self._begin_group(group, step, rows, slot_mapping, written))
-        self._batch = batch
+        """Plans the step on the device from one copy of its ranges, O(requests) host values,
+        then verifies each group's context."""
+        computed = step.num_computed
+        tail_end = -(-computed // self.block_size) * self.block_size if self._blocks_packed else computed
+        starts = [computed, computed] + [group.first_attended(computed) for group in self.groups]
+        ends = [computed + step.num_scheduled, tail_end] + [computed] * len(self.groups)
+        plan, counts = _ranges(starts, ends)
+        device = step.positions.device
+        batch = _Batch(
+            step.request_ids, step.num_tokens, step.input_ids, step.positions, torch.from_numpy(plan).to(device, non_blocking=True), counts
+        )
+        self._batch = self._last_batch = batch
+        written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
+        for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
+            batch.groups.append(self._begin_group(group, batch, _CONTEXT + index, slot_mapping, written))
         return batch
 
+    def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, cut_slot: int = -1):
+        """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
+        (slots, positions, prev_slots, rows). The range check reads offsets on the host, so it
+        runs only where they are (the CPU)."""
+        offsets, starts, count = batch.ranges(ranges)
+        table = group.device_block_table
+        return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, cut_slot, table.device.type == "cpu")
+
     def _begin_group(
-        self, group: adapter.KvCacheGroup, step: adapter.Step, rows: np.ndarray, slot_mapping: torch.Tensor, written: torch.Tensor
+        self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, slot_mapping: torch.Tensor, written: torch.Tensor
     ) -> _GroupBatch:
         """Verifies one group's context of every scheduled request: the positions its tokens
-        still attend to (a sliding window's or a local chunk's blocks below them may be free)."""
+        still attend to (a sliding window's or a local chunk's blocks below them may be free),
+        then under a block-packed backend the unwritten tail of each request's last block.
+        A request may read, as context, a block another request of this batch writes in this
+        very forward (the scheduler caches a block's hash when it schedules its tokens, so a
+        later request of the same step hits it): such slots are verified after the forward,
+        once recorded."""
         entries = _GroupBatch(group, slot_mapping)
-        context = step.num_computed
-        first = group.first_attended(context)
-        context_rows, context_positions = _ranges(rows, first, context)
-        tail_rows = tail_positions = np.zeros(0, dtype=np.int64)
-        if self._blocks_packed:
-            tail_end = -(-context // self.block_size) * self.block_size
-            tail_rows, tail_positions = _ranges(rows, context, tail_end)
-        if len(context_rows) + len(tail_rows) == 0:
-            return entries
-        device = step.positions.device
-        entries.verified_rows = np.concatenate([context_rows, tail_rows])
-        row_index = _to(entries.verified_rows, device)
-        at = _to(np.concatenate([context_positions, tail_positions]), device)
-        # The chain of a request's first attended position leads into blocks the window may
-        # have freed: it is not checked there (the null slot is the canary's padding slot).
-        cut = _to(
-            np.concatenate(
-                [(context_positions == first[context_rows]) & (context_positions > 0), np.zeros(len(tail_positions), dtype=bool)]
-            ),
-            device,
-        )
-        is_tail = _to(np.arange(len(entries.verified_rows)) >= len(context_rows), device)
-        # A request may read, as context, a block another request of this batch writes in
-        # this very forward (the scheduler caches a block's hash when it schedules its
-        # tokens, so a later request of the same step hits it): such slots are verified
-        # after the forward, once recorded.
-        slots = group.slots(row_index, at)
-        written_now = torch.isin(slots, written)
-        entries.verified_slots = torch.where(written_now, -1, slots)
-        entries.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
-        entries.verified_positions = torch.where(is_tail, -1, at)
-        prev_slots = torch.where(cut, adapter.NULL_SLOT, group.slots(row_index, at - 1))
-        entries.verified_prev_slots = torch.where(is_tail, -1, prev_slots)
-        tokens = np.full(len(context_rows), -1, dtype=np.int64)
-        if self._check_tokens:
-            tokens = self._vllm.tokens(context_rows, context_positions)
-        count = len(context_rows)
-        entries.context_tokens = _to(tokens, device)
-        self._verify_context(entries, entries.verified_slots[:count])
-        if len(tail_rows):  # only their bytes: a tail slot may hold a rejected draft token's record
-            tail_slots = entries.verified_slots[count:]
-            entries.checks.append((tail_slots, tail_rows, self.canary.verify(tail_slots)))
+        if batch.counts[ranges]:
+            # The chain of a request's first attended position leads into blocks the window may
+            # have freed: it is not checked there (the null slot is the canary's padding slot).
+            slots, positions, prev_slots, rows = self._slots(group, batch, ranges, cut_slot=adapter.NULL_SLOT)
+            written_now = torch.isin(slots, written)
+            entries.deferred_slots = torch.where(written_now, slots, -1)
+            entries.context_tokens = self._vllm.tokens(rows, positions) if self._check_tokens else None
+            verified = torch.where(written_now, -1, slots)
+            flagged = self._verify_context(entries, verified, rows, positions, prev_slots)
+            entries.context = _Verified(verified, rows, flagged, positions, prev_slots)
+        if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
+            slots, _, _, rows = self._slots(group, batch, _TAIL)
+            verified = torch.where(torch.isin(slots, written), -1, slots)
+            flagged = self.canary.verify(verified)
+            entries.checks.append((verified, rows, flagged))
+            entries.tail = _Verified(verified, rows, flagged)
         return entries
 
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
             positions = batch.positions[: batch.num_tokens]
-            row_index = _to(batch.written_rows, positions.device)
-            tokens = batch.input_ids[: batch.num_tokens].to(torch.int64) if batch.input_ids is not None else torch.full_like(positions, -1)
+            tokens = batch.input_ids[: batch.num_tokens] if batch.input_ids is not None else None
             for entries in batch.groups:
-                self._record(entries, row_index, positions, tokens)
+                self._record(entries, batch, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _record(self, entries: _GroupBatch, row_index: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Records the slots the forward wrote in one group, then verifies its deferred context."""
-        written = (entries.written_slots, positions, tokens, entries.group.slots(row_index, positions - 1))
+    def _record(self, entries: _GroupBatch, batch: _Batch, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """Records the slots the forward wrote in one group, chained through the slot of each
+        one's previous position, then verifies its deferred context."""
+        _, _, prev_slots, entries.written_rows = self._slots(entries.group, batch, _WRITTEN)
+        written = (entries.written_slots, positions, tokens, prev_slots)
         if self._blocks_packed:
             written = self._with_block_neighbours(entries, written)
         slots, positions, tokens, prev_slots = written
         self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
-        if entries.deferred_slots is not None:
-            self._verify_context(entries, entries.deferred_slots[: len(entries.context_tokens)])
+        if entries.context is not None:
+            context = entries.context
+            self._verify_context(entries, entries.deferred_slots, context.rows, context.positions, context.prev_slots)
         if self.reports.logged:
             self.reports.rewritten(entries.written_slots.tolist())
 
-    def _verify_context(self, entries: _GroupBatch, slots: torch.Tensor) -> None:
+    def _verify_context(self, entries: _GroupBatch, slots, rows, positions, prev_slots) -> torch.Tensor:
         """Every check of a group's context entries at ``slots`` (-1: skipped)."""
-        count = len(entries.context_tokens)
-        flagged = self.canary.verify(
-            slots,
-            positions=entries.verified_positions[:count],
-            tokens=entries.context_tokens,
-            prev_slots=entries.verified_prev_slots[:count],
-        )
-        entries.checks.append((slots, entries.verified_rows[:count], flagged))
+        flagged = self.canary.verify(slots, positions=positions, tokens=entries.context_tokens, prev_slots=prev_slots)
+        entries.checks.append((slots, rows, flagged))
+        return flagged
 
     def _with_block_neighbours(self, entries: _GroupBatch, written: tuple) -> tuple:
         """Under a block-packed backend writing a slot changes the fold of its block's other
         slots, so every slot of a block the forward wrote is recorded again, ahead of the
         written entries: those verified before the forward (and not flagged) with the records
-        they hold (an unwritten tail slot holds -1s), the others (a new block's tail) with -1s."""
+        they hold (an unwritten tail slot holds -1s), the others (a new block's tail) with -1s.
+        A written entry without its token (a model run on embeddings) records -1."""
         written_slots = written[0]
+        if written[2] is None:
+            written = (*written[:2], torch.full_like(written_slots, -1), written[3])
         touched = torch.unique(written_slots[written_slots >= 0] // self.block_size)
-        if entries.verified_slots is None:
+        verified_parts = [part for part in (entries.context, entries.tail) if part is not None]
+        if not verified_parts:
             verified = torch.full((0,), -1, dtype=torch.int64, device=written_slots.device)
             again = (verified, verified, verified, verified)
         else:
-            verified = entries.verified_slots
+            verified = torch.cat([part.slots for part in verified_parts])
+            unknown = [torch.full_like(part.slots, -1) for part in verified_parts]
+            positions = torch.cat([part.positions if part.positions is not None else none for part, none in zip(verified_parts, unknown)])
+            prev_slots = torch.cat(
+                [part.prev_slots if part.prev_slots is not None else none for part, none in zip(verified_parts, unknown)]
+            )
             # A flagged slot keeps its record, so that it is reported again while it is read.
-            passed = ~torch.cat([answer for _, _, answer in entries.checks])
+            passed = ~torch.cat([part.flagged for part in verified_parts])
             in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0) & passed
             slots = torch.where(in_touched, verified, -1)
             held_tokens = self.canary.records[slots.clamp(min=0), 0]
-            again = (slots, entries.verified_positions, held_tokens, entries.verified_prev_slots)
+            again = (slots, positions, held_tokens, prev_slots)
         block_slots = (touched[:, None] * self.block_size + torch.arange(self.block_size, device=touched.device)).reshape(-1)
         new_tail = block_slots[~torch.isin(block_slots, torch.cat([verified, written_slots]))]
         unknown = torch.full_like(new_tail, -1)
         return tuple(torch.cat(parts) for parts in zip((new_tail, unknown, unknown, unknown), again, written))
+
+    def step_flagged_slots(self) -> torch.Tensor:
+        """The distinct slots verify flagged in the engine step running now, or else in the
+        last one (before its forward, and after it once it has ended), int64 on the canary's
+        device; empty when none. Reads the flags' count on the host (a sync on a GPU)."""
+        batch = self._last_batch
+        checks = [slots[answer] for entries in batch.groups for slots, _, answer in entries.checks] if batch is not None else []
+        if not checks:
+            return torch.zeros(0, dtype=torch.int64, device=self.canary.device)
+        return torch.unique(torch.cat(checks))
 
     # Reports ------------------------------------------------------------------------
 
@@ -447,10 +494,11 @@ class WorkerCanary:
         holding: set[int] = set()
         for entries in batch.groups:
             for slots, rows, answer in entries.checks:
-                at_slot = (slots == violation.slot).cpu().numpy()
+                at_slot = slots == violation.slot
                 holding.update(rows[at_slot].tolist())
-                flagged.update(rows[at_slot & answer.cpu().numpy()].tolist())
-            holding.update(batch.written_rows[(entries.written_slots == violation.slot).cpu().numpy()].tolist())
+                flagged.update(rows[at_slot & answer].tolist())
+            if entries.written_rows is not None:
+                holding.update(entries.written_rows[entries.written_slots == violation.slot].tolist())
         rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
         return [batch.req_ids[row] for row in sorted(rows)]
 
@@ -548,12 +596,20 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row, position) for every position in ``[starts[i], ends[i])`` of each row, row by row."""
-    counts = ends - starts
-    total = int(counts.sum())
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.repeat(rows, counts), np.repeat(starts, counts) + offsets
+def _ranges(starts: list[np.ndarray], ends: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """A step's range sets, each the ranges ``[starts[k][i], ends[k][i])`` of positions of
+    every row ``i``, as one int64 array of their `kvcanary::context_slots` arguments (set by
+    set: its offsets, ``R + 1``, then its starts, ``R``), and each set's number of entries."""
+    rows = len(starts[0])
+    plan = np.empty(len(starts) * (2 * rows + 1), dtype=np.int64)
+    counts = []
+    for index, (first, end) in enumerate(zip(starts, ends)):
+        base = index * (2 * rows + 1)
+        plan[base] = 0
+        np.cumsum(end - first, out=plan[base + 1 : base + rows + 1])
+        plan[base + rows + 1 : base + 2 * rows + 1] = first
+        counts.append(int(plan[base + rows]))
+    return plan, counts
 
 
 def _size(num_bytes: int) -> str:
@@ -562,7 +618,3 @@ def _size(num_bytes: int) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     return f"{num_bytes:.2f} GiB"
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64) if array.dtype != bool else array).to(device, non_blocking=True)
