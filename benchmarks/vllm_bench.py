@@ -9,6 +9,15 @@ check that none is attached), with a PARTIAL canary and with an ALL canary, each
 the engine's KV cache as the plugin builds it. The prefix cache is reset before each run, so
 every run starts from an empty cache. Printed: the median tokens/s of each setting over
 ``--rounds`` turns, the median of its per-round ratio to off, and the range of its runs.
+
+    .venv-vllm/bin/python -m benchmarks.vllm_bench --models tiny --step-time [--prompt-lens 200 2000]
+
+``--step-time`` measures instead what the plugin costs per engine step as the context grows:
+for each prompt length, ``--requests`` prompts of that length generate ``--output-len``
+tokens under an ALL canary (``KVCANARY_VLLM_MODE`` to change it), and the plugin's time per
+step (its work before and after the forward, kernels included) is printed as the median over
+the steps, beside its share outside the canary's verify, record and poll calls: the step's
+planning, which is the host's work on a device that runs the kernels asynchronously.
 """
 
 from __future__ import annotations
@@ -87,6 +96,80 @@ def child(args) -> None:
     print(json.dumps({"rates": rates, "violations": violations}))
 
 
+def step_time_child(args) -> None:
+    """One model: per prompt length, the plugin's time per step and its share outside the
+    canary's calls, in microseconds (medians over the steps); one JSON line on stdout."""
+    from vllm import LLM
+
+    from torch_kvcanary.integrations.vllm import plugin
+
+    longest = max(args.prompt_lens) + args.output_len
+    llm = LLM(
+        model=args.model_dir, dtype="bfloat16", max_model_len=longest, block_size=32, enforce_eager=True,
+        distributed_executor_backend="uni", enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
+        gpu_memory_utilization=0.05, max_num_seqs=args.requests, max_num_batched_tokens=max(2048, longest),
+    )  # fmt: skip
+    watcher = plugin.active()
+    kernel_seconds = [0.0]
+
+    def timed(method):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                kernel_seconds[0] += time.perf_counter() - start
+
+        return call
+
+    for name in ("verify", "record", "poll"):
+        setattr(watcher.canary, name, timed(getattr(watcher.canary, name)))
+    samples: list[tuple[float, float]] = []
+    begin_step, end_step = watcher.begin_step, watcher.end_step
+    pending: dict[str, float] = {}
+
+    def timed_begin(read_step):
+        kernel_seconds[0] = 0.0
+        start = time.perf_counter()
+        batch = begin_step(read_step)
+        pending["seconds"] = time.perf_counter() - start
+        return batch
+
+    def timed_end(batch):
+        start = time.perf_counter()
+        end_step(batch)
+        total = pending.pop("seconds", 0.0) + time.perf_counter() - start
+        samples.append((total, total - kernel_seconds[0]))
+
+    watcher.begin_step, watcher.end_step = timed_begin, timed_end
+    result = {}
+    for prompt_len in [args.prompt_lens[0], *args.prompt_lens]:  # the first run warms up
+        llm.reset_prefix_cache()
+        prompts, params = workload(args.requests, prompt_len, args.output_len)
+        samples.clear()
+        llm.generate(prompts, params, use_tqdm=False)
+        result[prompt_len] = [statistics.median(s[i] for s in samples) * 1e6 for i in (0, 1)] + [len(samples)]
+    print(json.dumps({"steps": result, "violations": watcher.canary.stats()["violations"]}))
+
+
+def run_step_time(model_dir: Path, args) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    env.update(KVCANARY_VLLM="log", KVCANARY_VLLM_MODE=os.environ.get("KVCANARY_VLLM_MODE", "all"))
+    # The random models hold 1,024 positions; RoPE runs past them (the tokens are random anyway).
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
+    command = [sys.executable, __file__, "--child", "--step-time", "--model-dir", str(model_dir), "--requests", str(args.requests),
+               "--output-len", str(args.output_len), "--prompt-lens", *map(str, args.prompt_lens)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{model_dir.name} failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["violations"]:
+        sys.exit(f"{model_dir.name}: violations on a clean run: {result['violations']}")
+    for prompt_len, (total, planning, steps) in result["steps"].items():
+        print(f"{model_dir.name:6s} prompts of {prompt_len:>5s} tokens: plugin {total:8.1f} us/step, "
+              f"of which outside the canary's calls {planning:7.1f} us (median of {steps} steps)")  # fmt: skip
+
+
 def run_model(model_dir: Path, args) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     env.update(KVCANARY_VLLM="log", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus)
@@ -110,11 +193,21 @@ def main() -> None:
         help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM's OpenMP threads run on (default one, so that load on "
         "the other cores of a shared machine slows a run in proportion instead of stalling every barrier)",
     )  # fmt: skip
+    parser.add_argument("--step-time", action="store_true", help="the plugin's time per step as the context grows (see above)")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[200, 2000], help="--step-time's prompt lengths")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args)
+        step_time_child(args) if args.step_time else child(args)
+        return
+    if args.step_time:
+        print(
+            f"{args.requests} requests generating {args.output_len} tokens after prompts of {args.prompt_lens} tokens; vLLM on cores {args.cpus}"
+        )
+        with tempfile.TemporaryDirectory() as scratch:
+            for name in args.models:
+                run_step_time(make_llama(Path(scratch) / name, **MODELS[name]), args)
         return
     print(f"{args.requests} requests of {args.prompt_len} prompt + {args.output_len} generated tokens, "
           f"{args.rounds} rounds of off/partial/all; vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip

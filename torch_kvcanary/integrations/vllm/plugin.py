@@ -198,8 +198,8 @@ class _GroupBatch:
 class _Batch:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
     saw for them. ``plan`` holds the step's ranges on the canary's device (`_ranges`): those
-    the forward writes, then the block-packed tails, then each group's context, each as
-    offsets and starts; ``counts`` their numbers of entries."""
+    the forward writes, the block-packed tails before and after it, then each group's
+    context, each as offsets and starts; ``counts`` their numbers of entries."""
 
     req_ids: list[str]
     num_tokens: int
@@ -216,8 +216,10 @@ class _Batch:
         return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
 
 
-# The range sets of a step's plan, in order; each group's context follows them.
-_WRITTEN, _TAIL, _CONTEXT = 0, 1, 2
+# The range sets of a step's plan, in order; each group's context follows them. Under a
+# block-packed backend a request's tail is the unwritten rest of its last block before the
+# forward, its new tail that of the blocks the forward writes (empty elsewhere).
+_WRITTEN, _TAIL, _NEW_TAIL, _CONTEXT = 0, 1, 2, 3
 
 
 class WorkerCanary:
@@ -356,9 +358,13 @@ class WorkerCanary:
         """Plans the step on the device from one copy of its ranges, O(requests) host values,
         then verifies each group's context."""
         computed = step.num_computed
-        tail_end = -(-computed // self.block_size) * self.block_size if self._blocks_packed else computed
-        starts = [computed, computed] + [group.first_attended(computed) for group in self.groups]
-        ends = [computed + step.num_scheduled, tail_end] + [computed] * len(self.groups)
+        written_end = computed + step.num_scheduled
+        tail_end, new_tail_end = computed, written_end
+        if self._blocks_packed:
+            tail_end, new_tail_end = (-(-end // self.block_size) * self.block_size for end in (computed, written_end))
+        new_tail_start = np.maximum(written_end, tail_end)
+        starts = [computed, computed, new_tail_start] + [group.first_attended(computed) for group in self.groups]
+        ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start)] + [computed] * len(self.groups)
         plan, counts = _ranges(starts, ends)
         device = step.positions.device
         batch = _Batch(
@@ -425,7 +431,7 @@ class WorkerCanary:
         _, _, prev_slots, entries.written_rows = self._slots(entries.group, batch, _WRITTEN)
         written = (entries.written_slots, positions, tokens, prev_slots)
         if self._blocks_packed:
-            written = self._with_block_neighbours(entries, written)
+            written = self._with_block_neighbours(entries, batch, written)
         slots, positions, tokens, prev_slots = written
         self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
         if entries.context is not None:
@@ -440,12 +446,13 @@ class WorkerCanary:
         entries.checks.append((slots, rows, flagged))
         return flagged
 
-    def _with_block_neighbours(self, entries: _GroupBatch, written: tuple) -> tuple:
+    def _with_block_neighbours(self, entries: _GroupBatch, batch: _Batch, written: tuple) -> tuple:
         """Under a block-packed backend writing a slot changes the fold of its block's other
         slots, so every slot of a block the forward wrote is recorded again, ahead of the
         written entries: those verified before the forward (and not flagged) with the records
-        they hold (an unwritten tail slot holds -1s), the others (a new block's tail) with -1s.
-        A written entry without its token (a model run on embeddings) records -1."""
+        they hold (an unwritten tail slot holds -1s), the others (each request's new tail: the
+        rest of the last block it writes) with -1s. A written entry without its token (a model
+        run on embeddings) records -1."""
         written_slots = written[0]
         if written[2] is None:
             written = (*written[:2], torch.full_like(written_slots, -1), written[3])
@@ -467,8 +474,7 @@ class WorkerCanary:
             slots = torch.where(in_touched, verified, -1)
             held_tokens = self.canary.records[slots.clamp(min=0), 0]
             again = (slots, positions, held_tokens, prev_slots)
-        block_slots = (touched[:, None] * self.block_size + torch.arange(self.block_size, device=touched.device)).reshape(-1)
-        new_tail = block_slots[~torch.isin(block_slots, torch.cat([verified, written_slots]))]
+        new_tail = self._slots(entries.group, batch, _NEW_TAIL)[0] if batch.counts[_NEW_TAIL] else verified[:0]
         unknown = torch.full_like(new_tail, -1)
         return tuple(torch.cat(parts) for parts in zip((new_tail, unknown, unknown, unknown), again, written))
 
