@@ -14,10 +14,13 @@ every run starts from an empty cache. Printed: the median tokens/s of each setti
 
 ``--step-time`` measures instead what the plugin costs per engine step as the context grows:
 for each prompt length, ``--requests`` prompts of that length generate ``--output-len``
-tokens under an ALL canary (``KVCANARY_VLLM_MODE`` to change it), and the plugin's time per
-step (its work before and after the forward, kernels included) is printed as the median over
-the steps, beside its share outside the canary's verify, record and poll calls: the step's
-planning, which is the host's work on a device that runs the kernels asynchronously.
+tokens under an ALL canary (``KVCANARY_VLLM_MODE`` to change it). Printed, as medians over
+the steps: the plugin's time per step (its work before and after the forward, the canary's
+kernels and its torch ops included: on vLLM's CPU build the device is the CPU), and its host
+work per step, measured in a second run under torch's profiler: the time the plugin spends
+outside torch's ops, in Python and numpy, which is what the host does per step where a GPU
+runs the ops asynchronously. Each length runs ``--rounds`` times in turns, and the least of
+the runs' medians is printed (on a shared machine other work inflates some runs).
 """
 
 from __future__ import annotations
@@ -97,8 +100,10 @@ def child(args) -> None:
 
 
 def step_time_child(args) -> None:
-    """One model: per prompt length, the plugin's time per step and its share outside the
-    canary's calls, in microseconds (medians over the steps); one JSON line on stdout."""
+    """One model: per prompt length, the plugin's time per step (median over the steps) and
+    its host work per step (median over the steps of a profiled run), in microseconds; one
+    JSON line on stdout."""
+    import torch
     from vllm import LLM
 
     from torch_kvcanary.integrations.vllm import plugin
@@ -110,46 +115,57 @@ def step_time_child(args) -> None:
         gpu_memory_utilization=0.05, max_num_seqs=args.requests, max_num_batched_tokens=max(2048, longest),
     )  # fmt: skip
     watcher = plugin.active()
-    kernel_seconds = [0.0]
+    begin_step, end_step = watcher.begin_step, watcher.end_step
+    seconds: list[float] = []
 
-    def timed(method):
-        def call(*a, **k):
+    def timed(method, first: bool):
+        def call(arg):
             start = time.perf_counter()
             try:
-                return method(*a, **k)
+                with torch.profiler.record_function(PLUGIN_RANGE):
+                    return method(arg)
             finally:
-                kernel_seconds[0] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                seconds.append(elapsed) if first else seconds.__setitem__(-1, seconds[-1] + elapsed)
 
         return call
 
-    for name in ("verify", "record", "poll"):
-        setattr(watcher.canary, name, timed(getattr(watcher.canary, name)))
-    samples: list[tuple[float, float]] = []
-    begin_step, end_step = watcher.begin_step, watcher.end_step
-    pending: dict[str, float] = {}
+    watcher.begin_step, watcher.end_step = timed(begin_step, True), timed(end_step, False)
 
-    def timed_begin(read_step):
-        kernel_seconds[0] = 0.0
-        start = time.perf_counter()
-        batch = begin_step(read_step)
-        pending["seconds"] = time.perf_counter() - start
-        return batch
-
-    def timed_end(batch):
-        start = time.perf_counter()
-        end_step(batch)
-        total = pending.pop("seconds", 0.0) + time.perf_counter() - start
-        samples.append((total, total - kernel_seconds[0]))
-
-    watcher.begin_step, watcher.end_step = timed_begin, timed_end
-    result = {}
-    for prompt_len in [args.prompt_lens[0], *args.prompt_lens]:  # the first run warms up
+    def run(prompt_len: int) -> None:
         llm.reset_prefix_cache()
-        prompts, params = workload(args.requests, prompt_len, args.output_len)
-        samples.clear()
-        llm.generate(prompts, params, use_tqdm=False)
-        result[prompt_len] = [statistics.median(s[i] for s in samples) * 1e6 for i in (0, 1)] + [len(samples)]
+        seconds.clear()
+        llm.generate(*workload(args.requests, prompt_len, args.output_len), use_tqdm=False)
+
+    # Each run's medians; a shared machine disturbs some runs, so the least of them is kept.
+    runs: dict[int, list[tuple[float, float]]] = {prompt_len: [] for prompt_len in args.prompt_lens}
+    run(args.prompt_lens[0])  # warms up
+    for _ in range(args.rounds):
+        for prompt_len in args.prompt_lens:
+            run(prompt_len)
+            wall = statistics.median(seconds) * 1e6
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                run(prompt_len)
+            runs[prompt_len].append((wall, statistics.median(host_work(profile.events()))))
+    result = {n: [min(w for w, _ in found), min(h for _, h in found), len(seconds)] for n, found in runs.items()}
     print(json.dumps({"steps": result, "violations": watcher.canary.stats()["violations"]}))
+
+
+PLUGIN_RANGE = "kvcanary_vllm_plugin"
+
+
+def host_work(events) -> list[float]:
+    """Per engine step, the microseconds the plugin's ranges (`PLUGIN_RANGE`, its work before
+    and after the forward) spend outside torch's ops: its Python and numpy work, what the
+    host does per step where a GPU runs the ops asynchronously."""
+    ranges = [event for event in events if event.name == PLUGIN_RANGE]
+    inside = {id(event): 0.0 for event in ranges}
+    for event in events:
+        parent = event.cpu_parent
+        if parent is not None and id(parent) in inside:
+            inside[id(parent)] += event.cpu_time_total
+    host = [event.cpu_time_total - inside[id(event)] for event in ranges]
+    return [before + after for before, after in zip(host[::2], host[1::2])]
 
 
 def run_step_time(model_dir: Path, args) -> None:
@@ -157,7 +173,7 @@ def run_step_time(model_dir: Path, args) -> None:
     env.update(KVCANARY_VLLM="log", KVCANARY_VLLM_MODE=os.environ.get("KVCANARY_VLLM_MODE", "all"))
     # The random models hold 1,024 positions; RoPE runs past them (the tokens are random anyway).
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
-    command = [sys.executable, __file__, "--child", "--step-time", "--model-dir", str(model_dir), "--requests", str(args.requests),
+    command = [sys.executable, __file__, "--child", "--step-time", "--model-dir", str(model_dir), "--requests", str(args.requests), "--rounds", str(args.rounds),
                "--output-len", str(args.output_len), "--prompt-lens", *map(str, args.prompt_lens)]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -165,9 +181,9 @@ def run_step_time(model_dir: Path, args) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["violations"]:
         sys.exit(f"{model_dir.name}: violations on a clean run: {result['violations']}")
-    for prompt_len, (total, planning, steps) in result["steps"].items():
+    for prompt_len, (total, host, steps) in result["steps"].items():
         print(f"{model_dir.name:6s} prompts of {prompt_len:>5s} tokens: plugin {total:8.1f} us/step, "
-              f"of which outside the canary's calls {planning:7.1f} us (median of {steps} steps)")  # fmt: skip
+              f"host work {host:7.1f} us/step (medians over {steps} steps, least of {args.rounds} runs)")  # fmt: skip
 
 
 def run_model(model_dir: Path, args) -> dict:

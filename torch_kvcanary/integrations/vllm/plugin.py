@@ -183,6 +183,7 @@ class _GroupBatch:
 
     group: adapter.KvCacheGroup
     written_slots: torch.Tensor
+    context_ranges: int  # the group's first range set in the step's plan
     written_rows: torch.Tensor | None = None
     context: _Verified | None = None
     tail: _Verified | None = None
@@ -197,9 +198,8 @@ class _GroupBatch:
 @dataclass
 class _Batch:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
-    saw for them. ``plan`` holds the step's ranges on the canary's device (`_ranges`): those
-    the forward writes, the block-packed tails before and after it, then each group's
-    context, each as offsets and starts; ``counts`` their numbers of entries."""
+    saw for them. ``plan`` holds the step's range sets (`_step_ranges`) on the canary's
+    device, each as offsets and starts (`_ranges`); ``counts`` their numbers of entries."""
 
     req_ids: list[str]
     num_tokens: int
@@ -216,10 +216,9 @@ class _Batch:
         return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
 
 
-# The range sets of a step's plan, in order; each group's context follows them. Under a
-# block-packed backend a request's tail is the unwritten rest of its last block before the
-# forward, its new tail that of the blocks the forward writes (empty elsewhere).
-_WRITTEN, _TAIL, _NEW_TAIL, _CONTEXT = 0, 1, 2, 3
+# The range sets of a step's plan (`_step_ranges`), in order; each group's two follow them.
+_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _CONTEXT, _CONTEXT_AGAIN = 0, 1, 2, 3, 4, 5
+_PER_GROUP = 2
 
 
 class WorkerCanary:
@@ -357,15 +356,8 @@ class WorkerCanary:
     def _begin_step(self, step: adapter.Step) -> _Batch:
         """Plans the step on the device from one copy of its ranges, O(requests) host values,
         then verifies each group's context."""
-        computed = step.num_computed
-        written_end = computed + step.num_scheduled
-        tail_end, new_tail_end = computed, written_end
-        if self._blocks_packed:
-            tail_end, new_tail_end = (-(-end // self.block_size) * self.block_size for end in (computed, written_end))
-        new_tail_start = np.maximum(written_end, tail_end)
-        starts = [computed, computed, new_tail_start] + [group.first_attended(computed) for group in self.groups]
-        ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start)] + [computed] * len(self.groups)
-        plan, counts = _ranges(starts, ends)
+        firsts = [group.first_attended(step.num_computed) for group in self.groups]
+        plan, counts = _ranges(*_step_ranges(step.num_computed, step.num_scheduled, firsts, self.block_size, self._blocks_packed))
         device = step.positions.device
         batch = _Batch(
             step.request_ids, step.num_tokens, step.input_ids, step.positions, torch.from_numpy(plan).to(device, non_blocking=True), counts
@@ -373,7 +365,7 @@ class WorkerCanary:
         self._batch = self._last_batch = batch
         written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
         for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
-            batch.groups.append(self._begin_group(group, batch, _CONTEXT + index, slot_mapping, written))
+            batch.groups.append(self._begin_group(group, batch, _CONTEXT + _PER_GROUP * index, slot_mapping, written))
         return batch
 
     def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, cut_slot: int = -1):
@@ -394,7 +386,7 @@ class WorkerCanary:
         very forward (the scheduler caches a block's hash when it schedules its tokens, so a
         later request of the same step hits it): such slots are verified after the forward,
         once recorded."""
-        entries = _GroupBatch(group, slot_mapping)
+        entries = _GroupBatch(group, slot_mapping, context_ranges=ranges)
         if batch.counts[ranges]:
             # The chain of a request's first attended position leads into blocks the window may
             # have freed: it is not checked there (the null slot is the canary's padding slot).
@@ -449,34 +441,29 @@ class WorkerCanary:
     def _with_block_neighbours(self, entries: _GroupBatch, batch: _Batch, written: tuple) -> tuple:
         """Under a block-packed backend writing a slot changes the fold of its block's other
         slots, so every slot of a block the forward wrote is recorded again, ahead of the
-        written entries: those verified before the forward (and not flagged) with the records
-        they hold (an unwritten tail slot holds -1s), the others (each request's new tail: the
-        rest of the last block it writes) with -1s. A written entry without its token (a model
-        run on embeddings) records -1."""
+        written entries: those of the request's last block verified before the forward (and
+        not flagged) with the records they hold (an unwritten tail slot holds -1s), the
+        others (its new tail: the rest of the last block it writes) with -1s. A written entry
+        without its token (a model run on embeddings) records -1."""
         written_slots = written[0]
         if written[2] is None:
             written = (*written[:2], torch.full_like(written_slots, -1), written[3])
-        touched = torch.unique(written_slots[written_slots >= 0] // self.block_size)
-        verified_parts = [part for part in (entries.context, entries.tail) if part is not None]
-        if not verified_parts:
-            verified = torch.full((0,), -1, dtype=torch.int64, device=written_slots.device)
-            again = (verified, verified, verified, verified)
-        else:
-            verified = torch.cat([part.slots for part in verified_parts])
-            unknown = [torch.full_like(part.slots, -1) for part in verified_parts]
-            positions = torch.cat([part.positions if part.positions is not None else none for part, none in zip(verified_parts, unknown)])
-            prev_slots = torch.cat(
-                [part.prev_slots if part.prev_slots is not None else none for part, none in zip(verified_parts, unknown)]
-            )
+        again = []
+        for part, ranges in ((entries.context, entries.context_ranges + 1), (entries.tail, _TAIL_AGAIN)):
+            if part is None or not batch.counts[ranges]:
+                continue
+            at = _indices(*batch.ranges(ranges))
             # A flagged slot keeps its record, so that it is reported again while it is read.
-            passed = ~torch.cat([part.flagged for part in verified_parts])
-            in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0) & passed
-            slots = torch.where(in_touched, verified, -1)
-            held_tokens = self.canary.records[slots.clamp(min=0), 0]
-            again = (slots, positions, held_tokens, prev_slots)
-        new_tail = self._slots(entries.group, batch, _NEW_TAIL)[0] if batch.counts[_NEW_TAIL] else verified[:0]
-        unknown = torch.full_like(new_tail, -1)
-        return tuple(torch.cat(parts) for parts in zip((new_tail, unknown, unknown, unknown), again, written))
+            slots = torch.where(part.flagged[at], -1, part.slots[at])
+            unknown = torch.full_like(slots, -1)
+            positions = part.positions[at] if part.positions is not None else unknown
+            prev_slots = part.prev_slots[at] if part.prev_slots is not None else unknown
+            again.append((slots, positions, self.canary.records[slots.clamp(min=0), 0], prev_slots))
+        if batch.counts[_NEW_TAIL]:
+            new_tail = self._slots(entries.group, batch, _NEW_TAIL)[0]
+            unknown = torch.full_like(new_tail, -1)
+            again.insert(0, (new_tail, unknown, unknown, unknown))
+        return tuple(torch.cat(parts) for parts in zip(*again, written))
 
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the engine step running now, or else in the
@@ -616,6 +603,43 @@ def _ranges(starts: list[np.ndarray], ends: list[np.ndarray]) -> tuple[np.ndarra
         plan[base + rows + 1 : base + 2 * rows + 1] = first
         counts.append(int(plan[base + rows]))
     return plan, counts
+
+
+def _step_ranges(
+    computed: np.ndarray, scheduled: np.ndarray, firsts: list[np.ndarray], block_size: int, blocks_packed: bool
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A step's range sets as (starts, ends), per request (row) of the step: ``computed``
+    tokens in the cache, ``scheduled`` run by the forward, ``firsts[g]`` the first position
+    group ``g`` attends to. In order: the positions the forward writes; under a block-packed
+    backend the tail (the unwritten rest of the last block before the forward), the new tail
+    (that of the last block the forward writes) and, for the re-record of a block the
+    forward writes (`WorkerCanary._with_block_neighbours`), the indices of the verified tail
+    entries still unwritten after it (empty sets elsewhere); then per group its context, and
+    the indices of the context entries in the block the forward writes into."""
+    written_end = computed + scheduled
+    writes = scheduled > 0
+    tail_end, new_tail_end = computed, written_end
+    if blocks_packed:
+        tail_end, new_tail_end = (-(-end // block_size) * block_size for end in (computed, written_end))
+    new_tail_start = np.maximum(written_end, tail_end)
+    tail_offsets = np.cumsum(tail_end - computed) - (tail_end - computed)
+    tail_again = np.where(writes & blocks_packed, np.maximum(tail_end - written_end, 0), 0)
+    starts = [computed, computed, new_tail_start, tail_offsets + scheduled]
+    ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start), tail_offsets + scheduled + tail_again]
+    for first in firsts:
+        context_offsets = np.cumsum(computed - first) - (computed - first)
+        block_start = np.maximum(first, computed // block_size * block_size)
+        again = np.where(writes & blocks_packed, computed - block_start, 0)
+        starts += [first, context_offsets + block_start - first]
+        ends += [computed, context_offsets + block_start - first + again]
+    return starts, ends
+
+
+def _indices(offsets: torch.Tensor, starts: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` values of a range set of indices: row ``r``'s ``starts[r]``,
+    ``starts[r] + 1``, ... for ``offsets[r + 1] - offsets[r]`` values."""
+    steps = torch.arange(count, device=offsets.device)
+    return torch.repeat_interleave(starts - offsets[:-1], offsets.diff(), output_size=count) + steps
 
 
 def _size(num_bytes: int) -> str:
