@@ -932,3 +932,12 @@ def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
         plugin.settings()
     with pytest.raises(ValueError, match=message):
         plugin.register()
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_vllm_plugin_refuses_bad_every(monkeypatch, value):
+    monkeypatch.setenv("KVCANARY_VLLM", "log")
+    monkeypatch.setenv("KVCANARY_VLLM_EVERY", value)
+    message = f"^kv-canary: KVCANARY_VLLM_EVERY must be an int >= 1 \\(1: every context slot at every step\\), got '{value}'$"
+    with pytest.raises(ValueError, match=message):
+        plugin.settings()

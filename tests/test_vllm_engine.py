@@ -352,6 +352,39 @@ def test_a_flipped_bit_names_its_request(engine):
     driver.finish()
 
 
+def test_sampled_verification_finds_a_flipped_bit_within_every_steps(engine):
+    # KVCANARY_VLLM_EVERY=4: bits flipped at once in 4 older blocks of a decoding request are
+    # each found within 4 steps, one block in its turn at each step.
+    llm, lines, _ = engine
+    state = plugin.active()
+    driver = Driver(llm, "sampled")
+    driver.add(_tokens(random.Random(11), 5 * BLOCK_SIZE + 3), _params(200))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    every = 4
+    blocks = driver.blocks(driver.ids[0])[:every]  # not the newest block, which every step verifies
+    cells = [state.kv_caches[0].view(torch.int16)[block, 0, 3] for block in blocks]
+    latencies: dict[int, int] = {}
+    state.every = every
+    try:
+        for cell in cells:
+            cell[3] ^= 1
+        for step in range(1, 2 * every + 1):
+            driver.step()
+            for _, slot, requests in _parse(lines.take()):
+                assert slot // BLOCK_SIZE in blocks and requests == [driver.internal_id(driver.ids[0])]
+                latencies.setdefault(slot // BLOCK_SIZE, step)
+    finally:
+        state.every = 1
+        for cell in cells:
+            cell[3] ^= 1  # restored: the slots read clean again
+    assert sorted(latencies) == sorted(blocks), f"reported blocks {sorted(latencies)} of {blocks}"
+    assert sorted(latencies.values()) == list(range(1, every + 1)), latencies
+    driver.step()
+    assert lines.take() == []
+    driver.finish()
+
+
 def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     # CPU_ATTN packs a block's tokens across its rows: the rows of slots not yet written
     # already hold bytes of the written ones, and are watched too.

@@ -7,7 +7,10 @@ nothing unless ``KVCANARY_VLLM`` is set:
   detection; later detections of it are counted into a summary line;
 * ``KVCANARY_VLLM=raise``: the step raises `KvCorruptionError`;
 * ``KVCANARY_VLLM_MODE=partial|all`` (default ``all``): how much of each slot is folded;
-* ``KVCANARY_VLLM_SUMMARY_S`` (default 60): at most how often the summary line comes.
+* ``KVCANARY_VLLM_SUMMARY_S`` (default 60): at most how often the summary line comes;
+* ``KVCANARY_VLLM_EVERY=N`` (default 1): sampled verification: each step verifies each
+  request's newest block and one block in N of the rest of its context, in turns, so every
+  context slot a request keeps reading is verified at least once every N steps.
 
 In each worker the model runner is checked before vLLM sizes the KV cache: one the plugin
 cannot watch stops the worker with a ``kv-canary:`` error (a canary that is silently off is
@@ -75,6 +78,7 @@ logger = logging.getLogger(adapter.LOGGER)
 POLICY_ENV = "KVCANARY_VLLM"
 MODE_ENV = "KVCANARY_VLLM_MODE"
 SUMMARY_ENV = "KVCANARY_VLLM_SUMMARY_S"
+EVERY_ENV = "KVCANARY_VLLM_EVERY"
 POLICIES = ("log", "raise")
 MODES = {"partial": HashMode.PARTIAL, "all": HashMode.ALL}
 SUMMARY_SECONDS = 60.0
@@ -88,6 +92,7 @@ class Settings:
     policy: str
     mode: HashMode
     summary_seconds: float = SUMMARY_SECONDS
+    every: int = 1  # each context slot is verified at least once every `every` steps
 
 
 def settings() -> Settings | None:
@@ -100,7 +105,16 @@ def settings() -> Settings | None:
     mode = os.environ.get(MODE_ENV, "all") or "all"
     if mode not in MODES:
         raise ValueError(f"kv-canary: {MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    return Settings(policy, MODES[mode], _summary_seconds())
+    return Settings(policy, MODES[mode], _summary_seconds(), _every())
+
+
+def _every() -> int:
+    value = os.environ.get(EVERY_ENV, "")
+    if not value:
+        return 1
+    if not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"kv-canary: {EVERY_ENV} must be an int >= 1 (1: every context slot at every step), got {value!r}")
+    return int(value)
 
 
 def _summary_seconds() -> float:
@@ -239,6 +253,8 @@ class WorkerCanary:
         self.runner = runner
         self.policy = chosen.policy
         self.reports = Reports(chosen.summary_seconds)
+        self.every = chosen.every
+        self._steps = 0
         self.faults = 0
         self.on = True
         self._vllm = adapter.Runner(runner)
@@ -395,6 +411,8 @@ class WorkerCanary:
             entries.deferred_slots = torch.where(written_now, slots, -1)
             entries.context_tokens = self._vllm.tokens(rows, positions) if self._check_tokens else None
             verified = torch.where(written_now, -1, slots)
+            if self.every > 1:
+                verified = self._sampled(batch, verified, positions, rows)
             flagged = self._verify_context(entries, verified, rows, positions, prev_slots)
             entries.context = _Verified(verified, rows, flagged, positions, prev_slots)
         if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
@@ -405,6 +423,17 @@ class WorkerCanary:
             entries.tail = _Verified(verified, rows, flagged)
         return entries
 
+    def _sampled(self, batch: _Batch, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``slots`` of the context entries this step verifies under ``every`` > 1, -1
+        elsewhere: each request's newest block, and the blocks whose index is the step's
+        turn (block % every == step % every), so that every block a request keeps reading is
+        verified at least once every ``every`` steps."""
+        computed = batch.ranges(_TAIL)[1]  # the tail set starts where each request's context ends
+        blocks = positions // self.block_size
+        newest = (computed[rows] - 1) // self.block_size
+        turn = (blocks % self.every == self._steps % self.every) | (blocks == newest)
+        return torch.where(turn, slots, -1)
+
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
             positions = batch.positions[: batch.num_tokens]
@@ -413,6 +442,7 @@ class WorkerCanary:
                 self._record(entries, batch, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
+        self._steps += 1
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
