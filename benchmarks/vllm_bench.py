@@ -81,8 +81,8 @@ def child(args) -> None:
     runner = plugin.active().runner
     canaries = {
         "off": None,
-        "partial": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.PARTIAL)),
-        "all": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.ALL)),
+        "partial": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.PARTIAL, every=args.every)),
+        "all": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.ALL, every=args.every)),
     }
     prompts, params = workload(args.requests, args.prompt_len, args.output_len)
     rates = {setting: [] for setting in SETTINGS}
@@ -190,7 +190,8 @@ def run_model(model_dir: Path, args) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     env.update(KVCANARY_VLLM="log", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus)
     command = [sys.executable, __file__, "--child", "--model-dir", str(model_dir), "--rounds", str(args.rounds),
-               "--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
+               "--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+               "--every", str(args.every)]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{model_dir.name} failed:\n{done.stderr[-4000:]}")
@@ -209,6 +210,7 @@ def main() -> None:
         help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM's OpenMP threads run on (default one, so that load on "
         "the other cores of a shared machine slows a run in proportion instead of stalling every barrier)",
     )  # fmt: skip
+    parser.add_argument("--every", type=int, default=1, help="the canaries' KVCANARY_VLLM_EVERY (sampled verification)")
     parser.add_argument("--step-time", action="store_true", help="the plugin's time per step as the context grows (see above)")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[200, 2000], help="--step-time's prompt lengths")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -226,7 +228,7 @@ def main() -> None:
                 run_step_time(make_llama(Path(scratch) / name, **MODELS[name]), args)
         return
     print(f"{args.requests} requests of {args.prompt_len} prompt + {args.output_len} generated tokens, "
-          f"{args.rounds} rounds of off/partial/all; vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
+          f"{args.rounds} rounds of off/partial/all (every {args.every}); vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
             result = run_model(make_llama(Path(scratch) / name, **MODELS[name]), args)
