@@ -31,7 +31,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm bench-vllm
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm soak-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -119,9 +119,21 @@ test-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
 	$(VLLM_BIN)/python -c "import sys, xml.etree.ElementTree as T; n = sum(int(s.get('skipped')) for s in T.parse(sys.argv[1]).iter('testsuite')); sys.exit(f'{n} vLLM tests skipped in the vLLM venv' if n else 0)" $(VLLM_REPORT)
 
+# A soak through `vllm serve` (tools/vllm_serve.py): 1,000 requests of mixed lengths sharing
+# prefixes with the canary on; fails on an error, a violation or a canary warning, and
+# prints the engine worker's resident memory at start and at end.
+SOAK_ARGS ?= --requests 1000
+soak-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python tools/vllm_serve.py soak $(SOAK_ARGS)
+
 # Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
 bench-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python -m benchmarks.vllm_bench $(BENCH_ARGS)
+
+# Output tokens per second through `vllm serve` with the plugin off, PARTIAL and ALL
+# (benchmarks/vllm_serve_bench.py, `vllm bench serve` against three servers in turns).
+bench-vllm-serve: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python -m benchmarks.vllm_serve_bench $(BENCH_ARGS)
 
 $(VLLM_VENV)/.deps:
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)

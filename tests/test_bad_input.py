@@ -248,6 +248,30 @@ CASES = [
         ValueError,
         "KvCanary sources must share one device",
     ),
+    (
+        "canary: copy_records dtype",
+        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0.0]), torch.tensor([1])),
+        TypeError,
+        "src_slots must be an int32 or int64 tensor",
+    ),
+    (
+        "canary: copy_records shapes",
+        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0, 1]), torch.tensor([2])),
+        ValueError,
+        "src_slots and dst_slots must have one shape",
+    ),
+    (
+        "canary: copy_records range",
+        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0]), torch.tensor([8])),
+        IndexError,
+        "dst_slots must lie in [0, 8), got values in [8, 8]",
+    ),
+    (
+        "canary: copy_records destinations",
+        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0, 1]), torch.tensor([2, 2])),
+        ValueError,
+        "dst_slots must be distinct",
+    ),
 ]
 
 

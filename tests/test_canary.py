@@ -67,3 +67,29 @@ def test_tags_catch_a_slot_recorded_by_another_owner(device):
     assert canary.owners(torch.tensor([20, 16, -1], device=device)).tolist() == [9, 7, -1]
     tags = torch.full((16,), 7, device=device)
     assert canary.verify(mine, tags).nonzero().flatten().tolist() == [4]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copied_records_follow_copied_bytes(device):
+    """A block copied whole (vLLM's copy-on-write) verifies once its records are copied too,
+    and swapped blocks (sources read before any destination is written) verify swapped."""
+    kv = _paged_pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    block = torch.arange(16, device=device)
+    positions, tokens = torch.arange(32, 48, device=device), torch.arange(100, 116, device=device)
+    prev = torch.cat([torch.tensor([-1], device=device), 32 + block[:-1]])
+    canary.record(32 + block, positions=positions, tokens=tokens, prev_slots=prev)  # block 2
+    canary.record(48 + block)  # block 3, bytes only
+    kv[:, 5] = kv[:, 2]  # the engine copies block 2 to block 5
+    copied_prev = torch.cat([torch.tensor([-1], device=device), 80 + block[:-1]])
+    checks = dict(positions=positions, tokens=tokens, prev_slots=copied_prev)
+    assert canary.verify(80 + block, **checks).all()  # block 5 holds stale records
+    canary.poll()
+    canary.copy_records(32 + block, 80 + block)
+    assert not canary.verify(80 + block, **checks).any()
+    assert (canary.owners(80 + block) == canary.owners(32 + block)).all()
+    kv[:, [2, 3]] = kv[:, [3, 2]]  # the engine swaps blocks 2 and 3
+    canary.copy_records(torch.cat([32 + block, 48 + block]), torch.cat([48 + block, 32 + block]).int())
+    assert not canary.verify(48 + block, positions=positions, tokens=tokens).any()
+    assert not canary.verify(32 + block).any()
+    assert canary.poll() == []

@@ -556,3 +556,41 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
         error = error.__cause__ or error.__context__
     assert isinstance(error, ZeroDivisionError), f"{type(raised.value).__name__} did not come from the injected fault"
     assert state.on and state.faults == 0 and lines.take() == []
+
+
+def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
+    """vLLM's copy-on-write of a partially hit block (`scheduler_output.kv_cache_block_copies`,
+    copied by the runner before the forward) moves the block's records with its bytes. No
+    model here gets a partial hit from vLLM's scheduler (with one KV cache group vLLM
+    refuses a `prefix_match_unit` below the block size), so the scheduler is made to
+    schedule one copy, into a block taken from vLLM's own pool; the copy itself is vLLM's."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    llm, lines, _ = engine
+    state = plugin.active()
+    prompt = _tokens(random.Random(11), 100)
+    llm.generate([{"prompt_token_ids": prompt}], _params(2), use_tqdm=False)
+    records = state.canary.records
+    (first,) = ((records[:, 0] == prompt[32]) & (records[:, 1] == 32)).nonzero().flatten().tolist()
+    source = first // BLOCK_SIZE
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    (block,) = manager.block_pool.get_new_blocks(1)
+    take = manager.take_kv_cache_block_copies
+    copies = [[KVCacheBlockCopy(src_block_id=source, dst_block_id=block.block_id)]]
+    monkeypatch.setattr(manager, "take_kv_cache_block_copies", lambda: (copies.pop(), []) if copies else take())
+    try:
+        llm.generate([{"prompt_token_ids": _tokens(random.Random(12), 20)}], _params(2), use_tqdm=False)
+        assert copies == []  # the scheduler took the copy
+        src = torch.arange(BLOCK_SIZE) + source * BLOCK_SIZE
+        dst = torch.arange(BLOCK_SIZE) + block.block_id * BLOCK_SIZE
+        for kv_cache in state.kv_caches:
+            assert torch.equal(kv_cache[block.block_id], kv_cache[source])  # vLLM copied the bytes
+        assert torch.equal(state.canary.records[dst], state.canary.records[src])
+        positions = torch.arange(32, 32 + BLOCK_SIZE)
+        tokens = torch.tensor(prompt[32:64])
+        (before,) = ((records[:, 0] == prompt[31]) & (records[:, 1] == 31)).nonzero().flatten().tolist()
+        prev = torch.cat([torch.tensor([before]), dst[:-1]])  # position 31 stays in the prompt's first block
+        assert not state.canary.verify(dst, positions=positions, tokens=tokens, prev_slots=prev).any()
+        assert state.canary.poll() == [] and lines.take() == []
+    finally:
+        manager.block_pool.free_blocks([block])

@@ -145,3 +145,56 @@ def test_the_engine_process_logs_through_vllm(tiny_llama):
     counts = [dict(field.split("=") for field in summary[1].split()) for summary in summaries]
     assert sum(int(c["repeated_detections"]) for c in counts) == 3 * 12 - 1
     assert all(c["repeated_slots"] == "1" and c["slots_logged"] == "1" and c["ring_dropped"] == "0" for c in counts)
+
+
+# Tensor parallelism on vLLM's CPU build: two ranks, one core each (vLLM binds each rank's
+# threads to a NUMA node, and this machine has one, so the binding is given), each rank
+# holding one of the model's two KV heads. A bit is flipped on rank 0 only.
+TENSOR_PARALLEL = """
+from torch_kvcanary.integrations.vllm import plugin
+
+def flip(worker):
+    state = plugin.active()
+    heads = state.kv_caches[0].shape[1]
+    if worker.rank != 0:
+        return [worker.rank, -1, heads]
+    records = state.canary.records
+    (slot,) = ((records[:, 0] == 50) & (records[:, 1] == 40)).nonzero().flatten().tolist()
+    state.kv_caches[0].view(torch.int16)[slot // 32, 0, slot % 32, 3] ^= 1 << 9
+    return [worker.rank, slot, heads]
+
+if __name__ == "__main__":
+    llm = engine(tensor_parallel_size=2)
+    prompt = list(range(10, 110))
+    llm.generate([{"prompt_token_ids": prompt}], vllm.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    print("FLIPPED", *[value for answer in llm.collective_rpc(flip) for value in answer])
+    try:
+        llm.generate([{"prompt_token_ids": prompt + [200]}], vllm.SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        print("GENERATED")
+    except Exception as error:
+        print("RAISED", type(error).__name__)
+"""
+
+
+@pytest.mark.parametrize("policy", ["log", "raise"])
+def test_tensor_parallel_ranks_watch_their_heads_and_stop_together(tiny_llama, policy):
+    env = dict(KVCANARY_VLLM=policy, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    done = _run("import torch\n" + TENSOR_PARALLEL, tiny_llama, **env)
+    (flipped,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("FLIPPED")]
+    rank0, slot, heads0, rank1, _, heads1 = map(int, flipped)
+    assert (rank0, rank1, heads0, heads1) == (0, 1, 1, 1), flipped  # each rank watches its own KV head
+    lines = _canary_lines(done.stdout)
+    starts = {process for process, _, level, message in lines if level == "INFO" and message.startswith("kv-canary: watching")}
+    assert starts == {"Worker_TP0", "Worker_TP1"}
+    if policy == "log":
+        assert "GENERATED" in done.stdout, done.stdout[-3000:]
+        violations = [(process, m) for process, _, level, m in lines if level == "WARNING" and m.startswith("kv_canary violation")]
+        ((process, violation),) = violations
+        match = re.search(r" slot_idx=(\d+) .* request_id=1(-\w+)?$", violation)
+        assert process == "Worker_TP0" and match and int(match[1]) // 32 == slot // 32, violation
+    else:
+        # Both ranks stop in the same step: rank 0 with its violation, rank 1 pointing at it.
+        assert "RAISED EngineDeadError" in done.stdout, done.stdout[-3000:]
+        errors = [line for line in done.stdout.splitlines() if "KvCorruptionError: " in line]
+        assert any("Worker_TP0" in line and "kv_canary violation:" in line for line in errors), errors
+        assert any("Worker_TP1" in line and "violations on another tensor-parallel rank" in line for line in errors), errors

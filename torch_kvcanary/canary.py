@@ -326,6 +326,36 @@ class KvCanary:
 
         return CanaryCollector(self)
 
+    def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Give ``dst_slots`` the records and owner tags of ``src_slots``, after the engine
+        copied those slots' bytes (vLLM's copy-on-write of a partially hit block, a block
+        moved between pools): a record holds the slot's token, position, chain and fold,
+        none of which depends on where the bytes are. ``src_slots`` and ``dst_slots`` are
+        int32 or int64 tensors of one shape on the canary's device, every slot in
+        ``[0, capacity)``, the destinations distinct; the sources are read before any
+        destination is written. Eager (the range check syncs); nothing is changed when an
+        argument is refused."""
+        for value, name in ((src_slots, "src_slots"), (dst_slots, "dst_slots")):
+            if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+            if value.device != self.device:
+                raise ValueError(f"kv-canary: {name} must be on the canary's device {self.device}, got {value.device}")
+        if src_slots.shape != dst_slots.shape:
+            raise ValueError(
+                f"kv-canary: src_slots and dst_slots must have one shape, got {tuple(src_slots.shape)} and {tuple(dst_slots.shape)}"
+            )
+        src, dst = src_slots.reshape(-1).long(), dst_slots.reshape(-1).long()
+        if src.numel() == 0:
+            return
+        for value, name in ((src, "src_slots"), (dst, "dst_slots")):
+            low, high = int(value.min()), int(value.max())
+            if low < 0 or high >= self.capacity:
+                raise IndexError(f"kv-canary: {name} must lie in [0, {self.capacity}), got values in [{low}, {high}]")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ValueError("kv-canary: dst_slots must be distinct (each destination gets one source's record)")
+        self._records[dst] = self._records[src]
+        self._owner_tags[dst] = self._owner_tags[src]
+
     def owners(self, slots: torch.Tensor) -> torch.Tensor:
         """The tags ``slots`` were last recorded under (-1: never, or padding)."""
         in_range = (slots >= 0) & (slots < self.capacity)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
@@ -71,6 +71,9 @@ class Step:
     input_ids: torch.Tensor | None  # None when the model runs on input embeddings
     positions: torch.Tensor  # 1-D, also for M-RoPE models
     slot_mappings: list[torch.Tensor]  # on the runner's device
+    # int64 [copies, 2]: (source, destination) of each whole block vLLM copied before this
+    # forward (copy-on-write of a partial prefix hit), in every layer of the pool.
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -342,7 +345,8 @@ def _step(model_runner, scheduler_output, input_ids: torch.Tensor | None, positi
         input_ids = model_runner.input_ids.gpu[:num_tokens]
     tables = batch.block_table.block_tables
     slot_mappings = [tables[i].slot_mapping.gpu[:num_tokens] for i in _watched_group_indices(model_runner)]
-    return Step(request_ids, num_scheduled, num_computed, input_ids, positions, slot_mappings)
+    copies = np.array(scheduler_output.kv_cache_block_copies or [], dtype=np.int64).reshape(-1, 2)
+    return Step(request_ids, num_scheduled, num_computed, input_ids, positions, slot_mappings, copies)
 
 
 class Runner:

@@ -230,8 +230,9 @@ class _Batch:
         return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
 
 
-# The range sets of a step's plan (`_step_ranges`), in order; each group's two follow them.
-_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _CONTEXT, _CONTEXT_AGAIN = 0, 1, 2, 3, 4, 5
+# The range sets of a step's plan (`_step_ranges`), in order; each group's two (its context,
+# then its re-record indices) follow them.
+_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, 5
 _PER_GROUP = 2
 
 
@@ -379,6 +380,8 @@ class WorkerCanary:
             step.request_ids, step.num_tokens, step.input_ids, step.positions, torch.from_numpy(plan).to(device, non_blocking=True), counts
         )
         self._batch = self._last_batch = batch
+        if len(step.block_copies):
+            self._follow_block_copies(step.block_copies)
         written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
         for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
             batch.groups.append(self._begin_group(group, batch, _CONTEXT + _PER_GROUP * index, slot_mapping, written))
@@ -434,12 +437,22 @@ class WorkerCanary:
         turn = (blocks % self.every == self._steps % self.every) | (blocks == newest)
         return torch.where(turn, slots, -1)
 
+    def _follow_block_copies(self, copies: np.ndarray) -> None:
+        """vLLM copied these whole blocks, every layer, before the forward (copy-on-write of a
+        partial prefix hit): their slots' records go with their bytes."""
+        offsets = np.arange(self.block_size, dtype=np.int64)
+        source, destination = ((copies[:, [i]] * self.block_size + offsets).reshape(-1) for i in (0, 1))
+        self.canary.copy_records(*(torch.from_numpy(slots).to(self.canary.device) for slots in (source, destination)))
+        if self.reports.logged:
+            self.reports.rewritten(destination.tolist())
+
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
-            positions = batch.positions[: batch.num_tokens]
-            tokens = batch.input_ids[: batch.num_tokens] if batch.input_ids is not None else None
+            order = _indices(*batch.ranges(_RECORD_ORDER))
+            positions = batch.positions[: batch.num_tokens][order]
+            tokens = batch.input_ids[: batch.num_tokens][order] if batch.input_ids is not None else None
             for entries in batch.groups:
-                self._record(entries, batch, positions, tokens)
+                self._record(entries, batch, order, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
         self._steps += 1
@@ -447,11 +460,15 @@ class WorkerCanary:
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _record(self, entries: _GroupBatch, batch: _Batch, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        """Records the slots the forward wrote in one group, chained through the slot of each
-        one's previous position, then verifies its deferred context."""
-        _, _, prev_slots, entries.written_rows = self._slots(entries.group, batch, _WRITTEN)
-        written = (entries.written_slots, positions, tokens, prev_slots)
+    def _record(
+        self, entries: _GroupBatch, batch: _Batch, order: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None
+    ) -> None:
+        """Records the slots the forward wrote in one group (its entries taken in ``order``),
+        chained through the slot of each one's previous position, then verifies its deferred
+        context."""
+        _, _, prev_slots, rows = self._slots(entries.group, batch, _WRITTEN)
+        entries.written_slots, entries.written_rows = entries.written_slots[order], rows[order]
+        written = (entries.written_slots, positions, tokens, prev_slots[order])
         if self._blocks_packed:
             written = self._with_block_neighbours(entries, batch, written)
         slots, positions, tokens, prev_slots = written
@@ -551,7 +568,14 @@ class WorkerCanary:
 
     def _report(self, violations: list[Violation]) -> None:
         """The policy over one line per slot: under "log" only the slots detected for the
-        first time, the others counted into `reports`."""
+        first time, the others counted into `reports`. Called with no violation of its own
+        when another tensor-parallel rank found some (the ranks poll together): under "raise"
+        this rank stops too, with a line saying where to look."""
+        if not violations:
+            if self.policy == "raise":
+                line = f"kv_canary: launch_tag={LAUNCH_TAG} violations on another tensor-parallel rank (see its lines); this rank's checks passed"
+                raise KvCorruptionError([line], violations)
+            return
         lines = self.slot_lines(violations)
         if self.policy == "log":
             overflow = self.canary.stats()["ring_overflow"]
@@ -614,6 +638,18 @@ class Reports:
         return line
 
 
+def _writers_first(first_written: np.ndarray) -> np.ndarray:
+    """The order in which a step's requests' written entries are recorded, given each
+    request's first written position: requests by that position, each request's entries
+    kept together and in order. A request may read, as context, a block another request of
+    the same step writes (the scheduler caches a block's hash when it schedules its tokens),
+    and then its first entry chains through a slot that other request writes in the same
+    call; the other request's first written position is lower, so it is recorded first.
+    (Runs of a CUDA record call are applied concurrently, so there the two still race:
+    `docs/vllm.md`.)"""
+    return np.argsort(first_written, kind="stable")
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two layer tensors are the same view of the same bytes."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
@@ -644,8 +680,9 @@ def _step_ranges(
     backend the tail (the unwritten rest of the last block before the forward), the new tail
     (that of the last block the forward writes) and, for the re-record of a block the
     forward writes (`WorkerCanary._with_block_neighbours`), the indices of the verified tail
-    entries still unwritten after it (empty sets elsewhere); then per group its context, and
-    the indices of the context entries in the block the forward writes into."""
+    entries still unwritten after it (empty sets elsewhere); the indices of the forward's
+    tokens in the order they are recorded; then per group its context, and the indices of
+    the context entries in the block the forward writes into."""
     written_end = computed + scheduled
     writes = scheduled > 0
     tail_end, new_tail_end = computed, written_end
@@ -656,6 +693,12 @@ def _step_ranges(
     tail_again = np.where(writes & blocks_packed, np.maximum(tail_end - written_end, 0), 0)
     starts = [computed, computed, new_tail_start, tail_offsets + scheduled]
     ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start), tail_offsets + scheduled + tail_again]
+    # The written entries are recorded request by request in the order of their first
+    # written position (`_writers_first`): the token indices of each request, in that order.
+    order = _writers_first(computed)
+    token_offsets = np.cumsum(scheduled) - scheduled
+    starts.append(token_offsets[order])
+    ends.append(token_offsets[order] + scheduled[order])
     for first in firsts:
         context_offsets = np.cumsum(computed - first) - (computed - first)
         block_start = np.maximum(first, computed // block_size * block_size)

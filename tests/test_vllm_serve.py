@@ -1,0 +1,107 @@
+"""The vLLM plugin through `vllm serve` (vLLM's CPU build, its default multiprocess engine,
+the OpenAI API on 127.0.0.1): a soak of mixed requests that share prefixes is clean and the
+engine worker's memory stays flat; a byte flipped in a cached block, by a vLLM plugin of the
+test's own, is reported once, naming the request that read it, and the server keeps serving.
+`make soak-vllm` runs the long soak (1,000 requests) through the same code.
+"""
+
+import json
+import re
+import sys
+import textwrap
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_models import VOCAB_SIZE, make_llama  # noqa: E402
+from vllm_serve import Server, mixed_prompts, soak  # noqa: E402
+
+# The soak (about 15 s of requests here): 1,000, enough for a request to read, in one step,
+# a block another request of the step writes (recorded in the right order, `_writers_first`).
+SOAK_REQUESTS = 1000
+# What the worker's resident memory may grow by over the soak: the allocator's and vLLM's
+# own caches settle within the first requests; a leak per request or per step would not.
+RSS_GROWTH_BYTES = 48 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_a_soak_through_vllm_serve_is_clean_and_flat(tiny_llama):
+    with Server(tiny_llama, dict(KVCANARY_VLLM="log", KVCANARY_VLLM_SUMMARY_S="0")) as server:
+        result = soak(server, mixed_prompts(SOAK_REQUESTS, VOCAB_SIZE))
+        print(result.summary())
+        assert server.alive()
+    assert not result.errors, result.errors[:3]
+    assert result.generated_tokens > SOAK_REQUESTS
+    # The workload did what it is meant to: reused cached prefixes and preempted requests.
+    assert result.prefix_cache_hits > 0 and result.preemptions > 0, result.summary()
+    assert result.violation_lines == [] and result.canary_warnings == []
+    assert result.worker_rss_end - result.worker_rss_start < RSS_GROWTH_BYTES, result.summary()
+
+
+# A vLLM general plugin of the test's own, installed for the server's processes through
+# PYTHONPATH (a distribution's metadata beside its module): it gives each worker a method
+# that flips one bit of the slot holding a given token at a given position, which the test
+# calls through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1).
+FAULT_PLUGIN = """
+def register():
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    def kvcanary_test_flip(self, token, position):
+        import torch
+        from torch_kvcanary.integrations.vllm import plugin
+
+        state = plugin.active()
+        records = state.canary.records
+        (slot,) = ((records[:, 0] == int(token)) & (records[:, 1] == int(position))).nonzero().flatten().tolist()
+        block_size = state.block_size
+        state.kv_caches[0].view(torch.int16)[slot // block_size, 0, slot % block_size, 3] ^= 1 << 9
+        return slot
+
+    WorkerBase.kvcanary_test_flip = kvcanary_test_flip
+"""
+
+
+def _fault_plugin(directory):
+    (directory / "kvcanary_test_faults.py").write_text(textwrap.dedent(FAULT_PLUGIN))
+    info = directory / "kvcanary_test_faults-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-test-faults\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nkvcanary_test_faults = kvcanary_test_faults:register\n")
+    return directory
+
+
+def _rpc(server, method: str, *args: str) -> list:
+    body = json.dumps({"method": method, "args": list(args)}).encode()
+    request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())["results"]
+
+
+def test_a_flipped_byte_is_reported_once_naming_the_request(tiny_llama, tmp_path):
+    site = _fault_plugin(tmp_path)
+    env = dict(KVCANARY_VLLM="log", KVCANARY_VLLM_SUMMARY_S="0", VLLM_SERVER_DEV_MODE="1", PYTHONPATH=str(site))
+    prompt = list(range(10, 110))
+    with Server(tiny_llama, env) as server:
+        assert "error" not in server.complete(prompt, 4)  # its blocks stay in the prefix cache
+        (slot,) = _rpc(server, "kvcanary_test_flip", str(prompt[40]), "40")
+        readers = [server.complete(prompt + [200 + i], 8) for i in range(2)]
+        other = server.complete(list(range(300, 340)), 8)
+        assert all("error" not in answer for answer in [*readers, other]) and server.alive()
+        canary = server.canary_lines()
+    violations = [message for _, _, level, message in canary if message.startswith("kv_canary violation")]
+    (violation,) = violations  # once, at its first detection; its later ones go to the summary
+    match = re.search(r" slot_idx=(\d+) .* request_id=(\S+)$", violation)
+    assert match and int(match[1]) // 32 == int(slot) // 32, violation  # CPU_ATTN packs a block's rows
+    assert match[2].startswith(readers[0]["id"]), (violation, readers[0]["id"])
+    summaries = [m for _, _, _, m in canary if m.startswith("kv_canary summary")]
+    repeated = sum(int(re.search(r"repeated_detections=(\d+)", m)[1]) for m in summaries)
+    assert repeated > 0  # the second reader, and each later step of both, read it again

