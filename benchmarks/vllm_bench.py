@@ -9,6 +9,18 @@ check that none is attached), with a PARTIAL canary and with an ALL canary, each
 the engine's KV cache as the plugin builds it. The prefix cache is reset before each run, so
 every run starts from an empty cache. Printed: the median tokens/s of each setting over
 ``--rounds`` turns, the median of its per-round ratio to off, and the range of its runs.
+
+    .venv-vllm/bin/python -m benchmarks.vllm_bench --models tiny --step-time [--prompt-lens 200 2000]
+
+``--step-time`` measures instead what the plugin costs per engine step as the context grows:
+for each prompt length, ``--requests`` prompts of that length generate ``--output-len``
+tokens under an ALL canary (``KVCANARY_VLLM_MODE`` to change it). Printed, as medians over
+the steps: the plugin's time per step (its work before and after the forward, the canary's
+kernels and its torch ops included: on vLLM's CPU build the device is the CPU), and its host
+work per step, measured in a second run under torch's profiler: the time the plugin spends
+outside torch's ops, in Python and numpy, which is what the host does per step where a GPU
+runs the ops asynchronously. Each length runs ``--rounds`` times in turns, and the least of
+the runs' medians is printed (on a shared machine other work inflates some runs).
 """
 
 from __future__ import annotations
@@ -69,8 +81,8 @@ def child(args) -> None:
     runner = plugin.active().runner
     canaries = {
         "off": None,
-        "partial": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.PARTIAL)),
-        "all": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.ALL)),
+        "partial": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.PARTIAL, every=args.every)),
+        "all": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.ALL, every=args.every)),
     }
     prompts, params = workload(args.requests, args.prompt_len, args.output_len)
     rates = {setting: [] for setting in SETTINGS}
@@ -87,11 +99,99 @@ def child(args) -> None:
     print(json.dumps({"rates": rates, "violations": violations}))
 
 
+def step_time_child(args) -> None:
+    """One model: per prompt length, the plugin's time per step (median over the steps) and
+    its host work per step (median over the steps of a profiled run), in microseconds; one
+    JSON line on stdout."""
+    import torch
+    from vllm import LLM
+
+    from torch_kvcanary.integrations.vllm import plugin
+
+    longest = max(args.prompt_lens) + args.output_len
+    llm = LLM(
+        model=args.model_dir, dtype="bfloat16", max_model_len=longest, block_size=32, enforce_eager=True,
+        distributed_executor_backend="uni", enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
+        gpu_memory_utilization=0.05, max_num_seqs=args.requests, max_num_batched_tokens=max(2048, longest),
+    )  # fmt: skip
+    watcher = plugin.active()
+    begin_step, end_step = watcher.begin_step, watcher.end_step
+    seconds: list[float] = []
+
+    def timed(method, first: bool):
+        def call(arg):
+            start = time.perf_counter()
+            try:
+                with torch.profiler.record_function(PLUGIN_RANGE):
+                    return method(arg)
+            finally:
+                elapsed = time.perf_counter() - start
+                seconds.append(elapsed) if first else seconds.__setitem__(-1, seconds[-1] + elapsed)
+
+        return call
+
+    watcher.begin_step, watcher.end_step = timed(begin_step, True), timed(end_step, False)
+
+    def run(prompt_len: int) -> None:
+        llm.reset_prefix_cache()
+        seconds.clear()
+        llm.generate(*workload(args.requests, prompt_len, args.output_len), use_tqdm=False)
+
+    # Each run's medians; a shared machine disturbs some runs, so the least of them is kept.
+    runs: dict[int, list[tuple[float, float]]] = {prompt_len: [] for prompt_len in args.prompt_lens}
+    run(args.prompt_lens[0])  # warms up
+    for _ in range(args.rounds):
+        for prompt_len in args.prompt_lens:
+            run(prompt_len)
+            wall = statistics.median(seconds) * 1e6
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                run(prompt_len)
+            runs[prompt_len].append((wall, statistics.median(host_work(profile.events()))))
+    result = {n: [min(w for w, _ in found), min(h for _, h in found), len(seconds)] for n, found in runs.items()}
+    print(json.dumps({"steps": result, "violations": watcher.canary.stats()["violations"]}))
+
+
+PLUGIN_RANGE = "kvcanary_vllm_plugin"
+
+
+def host_work(events) -> list[float]:
+    """Per engine step, the microseconds the plugin's ranges (`PLUGIN_RANGE`, its work before
+    and after the forward) spend outside torch's ops: its Python and numpy work, what the
+    host does per step where a GPU runs the ops asynchronously."""
+    ranges = [event for event in events if event.name == PLUGIN_RANGE]
+    inside = {id(event): 0.0 for event in ranges}
+    for event in events:
+        parent = event.cpu_parent
+        if parent is not None and id(parent) in inside:
+            inside[id(parent)] += event.cpu_time_total
+    host = [event.cpu_time_total - inside[id(event)] for event in ranges]
+    return [before + after for before, after in zip(host[::2], host[1::2])]
+
+
+def run_step_time(model_dir: Path, args) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    env.update(KVCANARY_VLLM="log", KVCANARY_VLLM_MODE=os.environ.get("KVCANARY_VLLM_MODE", "all"))
+    # The random models hold 1,024 positions; RoPE runs past them (the tokens are random anyway).
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
+    command = [sys.executable, __file__, "--child", "--step-time", "--model-dir", str(model_dir), "--requests", str(args.requests), "--rounds", str(args.rounds),
+               "--output-len", str(args.output_len), "--prompt-lens", *map(str, args.prompt_lens)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{model_dir.name} failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["violations"]:
+        sys.exit(f"{model_dir.name}: violations on a clean run: {result['violations']}")
+    for prompt_len, (total, host, steps) in result["steps"].items():
+        print(f"{model_dir.name:6s} prompts of {prompt_len:>5s} tokens: plugin {total:8.1f} us/step, "
+              f"host work {host:7.1f} us/step (medians over {steps} steps, least of {args.rounds} runs)")  # fmt: skip
+
+
 def run_model(model_dir: Path, args) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     env.update(KVCANARY_VLLM="log", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus)
     command = [sys.executable, __file__, "--child", "--model-dir", str(model_dir), "--rounds", str(args.rounds),
-               "--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
+               "--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+               "--every", str(args.every)]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{model_dir.name} failed:\n{done.stderr[-4000:]}")
@@ -110,14 +210,25 @@ def main() -> None:
         help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM's OpenMP threads run on (default one, so that load on "
         "the other cores of a shared machine slows a run in proportion instead of stalling every barrier)",
     )  # fmt: skip
+    parser.add_argument("--every", type=int, default=1, help="the canaries' KVCANARY_VLLM_EVERY (sampled verification)")
+    parser.add_argument("--step-time", action="store_true", help="the plugin's time per step as the context grows (see above)")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[200, 2000], help="--step-time's prompt lengths")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args)
+        step_time_child(args) if args.step_time else child(args)
+        return
+    if args.step_time:
+        print(
+            f"{args.requests} requests generating {args.output_len} tokens after prompts of {args.prompt_lens} tokens; vLLM on cores {args.cpus}"
+        )
+        with tempfile.TemporaryDirectory() as scratch:
+            for name in args.models:
+                run_step_time(make_llama(Path(scratch) / name, **MODELS[name]), args)
         return
     print(f"{args.requests} requests of {args.prompt_len} prompt + {args.output_len} generated tokens, "
-          f"{args.rounds} rounds of off/partial/all; vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
+          f"{args.rounds} rounds of off/partial/all (every {args.every}); vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
             result = run_model(make_llama(Path(scratch) / name, **MODELS[name]), args)

@@ -65,6 +65,27 @@ constexpr const char* kSchemas[] = {
     // eager CUDA) and add nothing otherwise.
     "digest(Tensor[] views, Tensor slots, Tensor positions, Tensor? groups, "
     "int[] unit_offsets, SymInt num_groups, bool check_bounds=True) -> Tensor",
+    // context_slots -> (slots, positions, prev_slots, rows), int64
+    // [num_entries] each on block_table's device: the slots a step reads or
+    // writes, planned on the device from O(rows) host values. Row r's entries
+    // are [offsets[r], offsets[r + 1]) (offsets int64 [R + 1]: 0, nondecreasing,
+    // num_entries), its positions starts[r], starts[r] + 1, ... (starts int32
+    // or int64 [R]), read through row r of block_table (int32 or int64
+    // [>= R, max_blocks], any strides): entry i at position p of row r has
+    // slot = block_table[r, p / block_size] * block_size + p % block_size,
+    // positions[i] = p, rows[i] = r, and prev_slots[i] = -1 where p == 0,
+    // cut_slot where cut_slot >= 0 and p == starts[r] > 0 (the first
+    // position of a window whose predecessor may be freed), else the slot of
+    // p - 1. A negative block gives slot -1 and prev_slot -1. When
+    // check_bounds (CPU, or eager CUDA, which syncs to read offsets and
+    // starts) offsets that do not run from 0 to num_entries without
+    // decreasing raise ValueError, and a negative start or a block index
+    // past max_blocks raises IndexError; otherwise such an entry gets slot
+    // -1 and prev_slot -1 (entries of offsets out of order: -1 everywhere or
+    // some row's values), and nothing is read out of bounds.
+    "context_slots(Tensor block_table, Tensor offsets, Tensor starts, SymInt block_size, "
+    "SymInt num_entries, int cut_slot=-1, bool check_bounds=True) -> "
+    "(Tensor slots, Tensor positions, Tensor prev_slots, Tensor rows)",
     // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
     // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
     "cpu_isa() -> str",

@@ -1,5 +1,6 @@
 """docs/spec.md transcribed in plain Python ints: the oracle of the fold, the canary records
-and the digest, for the tests and for tools/make_golden.py.
+and the digest, for the tests and for tools/make_golden.py; and the slots of a step's ranges
+(`context_slots`), from the op's contract.
 
 It shares nothing with the package: bytes are taken from tensors by ordinary indexing in
 logical order (`tensor_bytes`), words are read with int.from_bytes, and splitmix64 is
@@ -184,3 +185,28 @@ def digest(views, slots, positions, unit_offsets, groups=None, num_groups: int =
             for k in range(view.shape[2]):
                 out[g] = (out[g] + mix3(offset + k, p, unit_fold(unit_bytes(view, s, k)))) & MASK
     return [signed(x) for x in out]
+
+
+# --- the slots of a step's ranges ------------------------------------------------------------
+
+
+def context_slots(table: list[list[int]], lengths: list[int], starts: list[int], block_size: int, cut_slot: int = -1) -> list[list[int]]:
+    """[slots, positions, prev_slots, rows] of kvcanary::context_slots (its contract is in
+    csrc/ops.cpp, not in docs/spec.md), entry by entry: ``lengths[r]`` positions of row ``r``
+    from ``starts[r]``, each read through ``table[r]``."""
+
+    def slot(row: int, p: int) -> int:
+        return table[row][p // block_size] * block_size + p % block_size
+
+    out: list[list[int]] = [[], [], [], []]
+    for row, (length, start) in enumerate(zip(lengths, starts)):
+        for p in range(start, start + length):
+            if p == 0:
+                prev = -1
+            elif p == start and cut_slot >= 0:
+                prev = cut_slot
+            else:
+                prev = slot(row, p - 1)
+            for column, value in zip(out, (slot(row, p), p, prev, row)):
+                column.append(value)
+    return out

@@ -279,11 +279,54 @@ def _digest_program(device: str) -> Program:
     return Program(_request_digest, batches, replays, expect)
 
 
+# context_slots ------------------------------------------------------------------------------
+
+
+def _ranges(lengths: list[int], starts: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    return offsets.to(device), torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def _context_slots_samples(device: str) -> list[tuple]:
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 40, (5, 6), dtype=torch.int32, generator=gen).to(device)
+    samples = []
+    for lengths, starts, cut in (([3, 0, 7, 1], [0, 5, 2, 23], 0), ([], [], -1), ([24, 24], [0, 0], -1)):
+        offsets, begin = _ranges(lengths, starts, device)
+        samples.append((table, offsets, begin, 4, sum(lengths), cut, True))
+    offsets, begin = _ranges([2, 5], [20, 0], device)
+    samples.append((table.long()[:, ::2], offsets, begin.long(), 2, 7, -1, False))  # strided int64 table
+    return samples
+
+
+def _step_slots(table, offsets, starts, num_entries):
+    found = kc.context_slots(table, offsets, starts, block_size=4, num_entries=num_entries, cut_slot=0)
+    return torch.stack(found)
+
+
+def _context_slots_program(device: str) -> Program:
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(1, 60, (6, 8), dtype=torch.int32, generator=gen).to(device)
+
+    def batch(lengths: list[int], starts: list[int]) -> tuple:
+        return (table, *_ranges(lengths, starts, device), sum(lengths))
+
+    batches = [batch([3, 0, 7], [0, 5, 2]), batch([1] * 6, [31, 0, 4, 9, 17, 30]), batch([32, 12], [0, 20]), batch([], [])]
+    replays = [batch([4, 4, 4], [0, 8, 28]), batch([1, 10, 1], [0, 3, 31]), batch([12, 0, 0], [20, 0, 0])]
+
+    def expect(table, offsets, starts, num_entries):
+        lengths = offsets.diff().tolist()
+        return spec_oracle.context_slots(table.tolist(), lengths, starts.tolist(), 4, cut_slot=0)
+
+    return Program(_step_slots, batches, replays, expect)
+
+
 OPS = [
     OpCase("fold", _fold_samples, _fold_program),
     OpCase("record", _record_samples, _record_program),
     OpCase("verify", _verify_samples, _verify_program),
     OpCase("digest", _digest_samples, _digest_program),
+    OpCase("context_slots", _context_slots_samples, _context_slots_program),
 ]
 
 # Ops without tensors, and the values each may return. They describe the library to the
@@ -398,7 +441,7 @@ def test_the_library_names_the_module_of_its_fake_kernels():
     # torch imports (or asks for) this module when a fake kernel is needed before it was
     # loaded. The stable ABI can name it from torch 2.13 on; before, the package registers the
     # fake kernels when it loads the library, and torch knows no module.
-    stubs = {op: torch._C._dispatch_pystub(f"kvcanary::{op}", "") for op in ("fold", "record", "verify", "digest")}
+    stubs = {op: torch._C._dispatch_pystub(f"kvcanary::{op}", "") for op in ("fold", "record", "verify", "digest", "context_slots")}
     if TorchVersion(torch.__version__) >= (2, 13):
         assert {op: stub[0] for op, stub in stubs.items()} == dict.fromkeys(stubs, "torch_kvcanary.ops")
     else:

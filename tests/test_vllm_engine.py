@@ -362,6 +362,39 @@ def test_a_flipped_bit_names_its_request(engine):
     driver.finish()
 
 
+def test_sampled_verification_finds_a_flipped_bit_within_every_steps(engine):
+    # KVCANARY_VLLM_EVERY=4: bits flipped at once in 4 older blocks of a decoding request are
+    # each found within 4 steps, one block in its turn at each step.
+    llm, lines, _ = engine
+    state = plugin.active()
+    driver = Driver(llm, "sampled")
+    driver.add(_tokens(random.Random(11), 5 * BLOCK_SIZE + 3), _params(200))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    every = 4
+    blocks = driver.blocks(driver.ids[0])[:every]  # not the newest block, which every step verifies
+    cells = [state.kv_caches[0].view(torch.int16)[block, 0, 3] for block in blocks]
+    latencies: dict[int, int] = {}
+    state.every = every
+    try:
+        for cell in cells:
+            cell[3] ^= 1
+        for step in range(1, 2 * every + 1):
+            driver.step()
+            for _, slot, requests in _parse(lines.take()):
+                assert slot // BLOCK_SIZE in blocks and requests == [driver.internal_id(driver.ids[0])]
+                latencies.setdefault(slot // BLOCK_SIZE, step)
+    finally:
+        state.every = 1
+        for cell in cells:
+            cell[3] ^= 1  # restored: the slots read clean again
+    assert sorted(latencies) == sorted(blocks), f"reported blocks {sorted(latencies)} of {blocks}"
+    assert sorted(latencies.values()) == list(range(1, every + 1)), latencies
+    driver.step()
+    assert lines.take() == []
+    driver.finish()
+
+
 def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     # CPU_ATTN packs a block's tokens across its rows: the rows of slots not yet written
     # already hold bytes of the written ones, and are watched too.
@@ -491,6 +524,44 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         adapter.watch(state.runner, state)
 
 
+def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
+    """vLLM's copy-on-write of a partially hit block (`scheduler_output.kv_cache_block_copies`,
+    copied by the runner before the forward) moves the block's records with its bytes. No
+    model here gets a partial hit from vLLM's scheduler (with one KV cache group vLLM
+    refuses a `prefix_match_unit` below the block size), so the scheduler is made to
+    schedule one copy, into a block taken from vLLM's own pool; the copy itself is vLLM's."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    llm, lines, _ = engine
+    state = plugin.active()
+    prompt = _tokens(random.Random(11), 100)
+    llm.generate([{"prompt_token_ids": prompt}], _params(2), use_tqdm=False)
+    records = state.canary.records
+    (first,) = ((records[:, 0] == prompt[32]) & (records[:, 1] == 32)).nonzero().flatten().tolist()
+    source = first // BLOCK_SIZE
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    (block,) = manager.block_pool.get_new_blocks(1)
+    take = manager.take_kv_cache_block_copies
+    copies = [[KVCacheBlockCopy(src_block_id=source, dst_block_id=block.block_id)]]
+    monkeypatch.setattr(manager, "take_kv_cache_block_copies", lambda: (copies.pop(), []) if copies else take())
+    try:
+        llm.generate([{"prompt_token_ids": _tokens(random.Random(12), 20)}], _params(2), use_tqdm=False)
+        assert copies == []  # the scheduler took the copy
+        src = torch.arange(BLOCK_SIZE) + source * BLOCK_SIZE
+        dst = torch.arange(BLOCK_SIZE) + block.block_id * BLOCK_SIZE
+        for kv_cache in state.kv_caches:
+            assert torch.equal(kv_cache[block.block_id], kv_cache[source])  # vLLM copied the bytes
+        assert torch.equal(state.canary.records[dst], state.canary.records[src])
+        positions = torch.arange(32, 32 + BLOCK_SIZE)
+        tokens = torch.tensor(prompt[32:64])
+        (before,) = ((records[:, 0] == prompt[31]) & (records[:, 1] == 31)).nonzero().flatten().tolist()
+        prev = torch.cat([torch.tensor([before]), dst[:-1]])  # position 31 stays in the prompt's first block
+        assert not state.canary.verify(dst, positions=positions, tokens=tokens, prev_slots=prev).any()
+        assert state.canary.poll() == [] and lines.take() == []
+    finally:
+        manager.block_pool.free_blocks([block])
+
+
 def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()
@@ -533,41 +604,3 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
         error = error.__cause__ or error.__context__
     assert isinstance(error, ZeroDivisionError), f"{type(raised.value).__name__} did not come from the injected fault"
     assert state.on and state.faults == 0 and lines.take() == []
-
-
-def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
-    """vLLM's copy-on-write of a partially hit block (`scheduler_output.kv_cache_block_copies`,
-    copied by the runner before the forward) moves the block's records with its bytes. No
-    model here gets a partial hit from vLLM's scheduler (with one KV cache group vLLM
-    refuses a `prefix_match_unit` below the block size), so the scheduler is made to
-    schedule one copy, into a block taken from vLLM's own pool; the copy itself is vLLM's."""
-    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
-
-    llm, lines, _ = engine
-    state = plugin.active()
-    prompt = _tokens(random.Random(11), 100)
-    llm.generate([{"prompt_token_ids": prompt}], _params(2), use_tqdm=False)
-    records = state.canary.records
-    (first,) = ((records[:, 0] == prompt[32]) & (records[:, 1] == 32)).nonzero().flatten().tolist()
-    source = first // BLOCK_SIZE
-    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-    (block,) = manager.block_pool.get_new_blocks(1)
-    take = manager.take_kv_cache_block_copies
-    copies = [[KVCacheBlockCopy(src_block_id=source, dst_block_id=block.block_id)]]
-    monkeypatch.setattr(manager, "take_kv_cache_block_copies", lambda: (copies.pop(), []) if copies else take())
-    try:
-        llm.generate([{"prompt_token_ids": _tokens(random.Random(12), 20)}], _params(2), use_tqdm=False)
-        assert copies == []  # the scheduler took the copy
-        src = torch.arange(BLOCK_SIZE) + source * BLOCK_SIZE
-        dst = torch.arange(BLOCK_SIZE) + block.block_id * BLOCK_SIZE
-        for kv_cache in state.kv_caches:
-            assert torch.equal(kv_cache[block.block_id], kv_cache[source])  # vLLM copied the bytes
-        assert torch.equal(state.canary.records[dst], state.canary.records[src])
-        positions = torch.arange(32, 32 + BLOCK_SIZE)
-        tokens = torch.tensor(prompt[32:64])
-        (before,) = ((records[:, 0] == prompt[31]) & (records[:, 1] == 31)).nonzero().flatten().tolist()
-        prev = torch.cat([torch.tensor([before]), dst[:-1]])  # position 31 stays in the prompt's first block
-        assert not state.canary.verify(dst, positions=positions, tokens=tokens, prev_slots=prev).any()
-        assert state.canary.poll() == [] and lines.take() == []
-    finally:
-        manager.block_pool.free_blocks([block])

@@ -193,7 +193,7 @@ def _fake_runner(*, multimodal: bool, prompt_embeds: bool = False):
 
 def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids():
     runner = _fake_runner(multimodal=True)
-    scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2})
+    scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, kv_cache_block_copies=None)
     mrope_positions = torch.zeros(3, 7, dtype=torch.int64)  # [3, tokens]: what the model gets
     step = adapter._step(runner, scheduled, None, mrope_positions)
     assert step.positions.tolist() == [7, 8, 9, 4, 5]

@@ -113,6 +113,16 @@ def test_summary_seconds(monkeypatch, value, seconds):
     assert plugin.settings().summary_seconds == seconds
 
 
+@pytest.mark.parametrize("value, every", [(None, 1), ("", 1), ("1", 1), ("8", 8)])
+def test_every(monkeypatch, value, every):
+    monkeypatch.setenv("KVCANARY_VLLM", "log")
+    if value is None:
+        monkeypatch.delenv("KVCANARY_VLLM_EVERY", raising=False)
+    else:
+        monkeypatch.setenv("KVCANARY_VLLM_EVERY", value)
+    assert plugin.settings().every == every
+
+
 @pytest.mark.parametrize("capacity", [1, 7, 4096])
 @pytest.mark.parametrize("ring_capacity", [1, 1024])
 def test_the_canary_memory(capacity, ring_capacity):

@@ -12,7 +12,7 @@ from importlib.metadata import version as _version
 from . import digest, layouts
 from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
-from .ops import fold
+from .ops import ContextSlots, context_slots, fold
 from .reference import reference_fold
 from .sources import (
     READ_ALIGN,
@@ -32,6 +32,7 @@ __version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
+    "ContextSlots",
     "FailReason",
     "HashMode",
     "KvCanary",
@@ -44,6 +45,7 @@ __all__ = [
     "Violation",
     "ViolationKind",
     "clip_read_bytes",
+    "context_slots",
     "digest",
     "fold",
     "kv_digest",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -151,6 +152,81 @@ def _verify_fake(
         sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
     )
     return slots.new_empty(slots.shape, dtype=torch.bool)
+
+
+def _check_offsets_dtype(offsets: torch.Tensor) -> None:
+    if offsets.dtype != torch.int64:
+        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
+
+
+@torch.library.register_fake("kvcanary::context_slots")
+def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot=-1, check_bounds=True):
+    # The checks of make_context_slots_plan (csrc/plan/context_slots_plan.cpp) that need no
+    # data nor guards on symbolic sizes, with its messages.
+    check_index_dtype(block_table, "block_table")
+    check_index_dtype(starts, "starts")
+    _check_offsets_dtype(offsets)
+    if block_table.dim() != 2:
+        raise ValueError(f"kv-canary: block_table must be [num_table_rows, max_blocks], got shape {list(block_table.shape)}")
+    if offsets.dim() != 1:
+        raise ValueError(f"kv-canary: offsets must be 1-D with num_rows + 1 entries, got shape {list(offsets.shape)}")
+    for name, value in (("offsets", offsets), ("starts", starts)):
+        if value.device != block_table.device:
+            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
+    return tuple(block_table.new_empty((num_entries,), dtype=torch.int64) for _ in range(4))
+
+
+class ContextSlots(NamedTuple):
+    """`context_slots`' entries, int64 ``[num_entries]`` each."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    prev_slots: torch.Tensor
+    rows: torch.Tensor
+
+
+def context_slots(
+    block_table: torch.Tensor,
+    offsets: torch.Tensor,
+    starts: torch.Tensor,
+    *,
+    block_size: int,
+    num_entries: int,
+    cut_slot: int = -1,
+    check_bounds: bool = True,
+) -> ContextSlots:
+    """The slots of one range of positions per row of a paged block table, planned on the
+    table's device from a few values per row: what a serving step verifies and records.
+
+    Args:
+        block_table: int32 or int64 ``[num_table_rows, max_blocks]``, any strides; row ``r``
+            of the ranges reads its row ``r``.
+        offsets: int64 ``[R + 1]``: row ``r``'s entries are ``offsets[r]`` to
+            ``offsets[r + 1]``; 0 first, nondecreasing, ``num_entries`` last.
+        starts: int32 or int64 ``[R]``: the position of each row's first entry.
+        block_size: tokens per block.
+        num_entries: ``offsets[R]``, known to the caller (the outputs' size).
+        cut_slot: when >= 0, the previous slot of each row's first entry at a position
+            > 0 (a window whose earlier blocks may be freed: the canary's padding slot).
+        check_bounds: raise for offsets out of order (ValueError), a negative start or a
+            position past the table (IndexError). With False such entries get slot and
+            previous slot -1; nothing is read out of bounds. On CUDA the check costs a
+            host sync, so it is skipped under torch.compile and CUDA-graph capture.
+
+    Returns:
+        `ContextSlots`: per entry at position ``p`` of row ``r``, the slot
+        ``block_table[r, p // block_size] * block_size + p % block_size``, ``p``, the slot
+        of ``p - 1`` (-1 at position 0, ``cut_slot`` as above) and ``r``.
+    """
+    for name, value in (("block_table", block_table), ("starts", starts)):
+        check_index_dtype(value, name)
+    _check_offsets_dtype(offsets)
+    check_bounds = check_bounds and may_check_bounds(block_table)
+    try:
+        found = torch.ops.kvcanary.context_slots(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
+    except (ValueError, RuntimeError) as error:
+        raise refusal(error, {"block_table": block_table, "starts": starts}) from None
+    return ContextSlots(*found)
 
 
 def may_check_bounds(slots: torch.Tensor) -> bool:

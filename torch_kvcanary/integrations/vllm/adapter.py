@@ -149,6 +149,12 @@ class KvCacheGroup:
         blocks = self.block_table.block_table.gpu[rows, at // self.block_size].to(torch.int64)
         return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
 
+    @property
+    def device_block_table(self) -> torch.Tensor:
+        """vLLM's block table of the group on the runner's device: int32 ``[max_num_reqs,
+        max_blocks]``, row ``i`` for input-batch row ``i``."""
+        return self.block_table.block_table.gpu
+
 
 @dataclass(frozen=True)
 class Plugin:
@@ -454,9 +460,13 @@ class Runner:
             )
         return watched
 
-    def tokens(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The token id at each (input-batch row, position) of the runner's token history
-        (int64); -1 where the runner does not hold it."""
+    def tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The token id at each (input-batch row, position) of the runner's token history,
+        gathered where the history lives (-1 where the runner does not hold it); None when it
+        does not live on the device of ``rows`` (V1 keeps it on the host)."""
         batch = self.model_runner.input_batch
-        known = batch.is_token_ids[rows, positions]
-        return np.where(known, batch.token_ids_cpu[rows, positions], -1).astype(np.int64)
+        token_ids, known = batch.token_ids_cpu_tensor, batch.is_token_ids_tensor
+        if token_ids.device != rows.device:
+            return None
+        at = rows * token_ids.stride(0) + positions
+        return torch.where(torch.take(known, at), torch.take(token_ids, at), -1)

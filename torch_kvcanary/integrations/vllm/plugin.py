@@ -13,7 +13,10 @@ nothing unless ``KVCANARY_VLLM`` is set:
 * ``KVCANARY_VLLM_DRILL`` (default 0): the probability per step of a fault drill (one byte
   of a live cached block flipped, through the connector);
 * ``KVCANARY_VLLM_MODE=partial|all`` (default ``all``): how much of each slot is folded;
-* ``KVCANARY_VLLM_SUMMARY_S`` (default 60): at most how often the summary line comes.
+* ``KVCANARY_VLLM_SUMMARY_S`` (default 60): at most how often the summary line comes;
+* ``KVCANARY_VLLM_EVERY=N`` (default 1): sampled verification: each step verifies each
+  request's newest block and one block in N of the rest of its context, in turns, so every
+  context slot a request keeps reading is verified at least once every N steps.
 
 In each worker the model runner is checked before vLLM sizes the KV cache: one the plugin
 cannot watch stops the worker with a ``kv-canary:`` error (a canary that is silently off is
@@ -33,13 +36,20 @@ what is watched. In every engine step, around the model forward, in each watched
    positions (the 1-D sequence positions, also for M-RoPE models), tokens and previous slots;
 3. the canary is polled once; a violation line names the vLLM request(s) that read the slot.
 
+The step is planned on the canary's device: the host builds a few values per request (where
+each request's verified context, its block-packed tail and its written tokens start, and how
+many there are), copies them over once, and `kvcanary::context_slots` expands them through
+the group's block table into slots, positions, previous slots and input-batch rows; the
+host's work per step grows with the number of requests, not with their context.
+
 Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
 block holds the same records for every request that reads it, and a recomputed slot is
 recorded again when it is rewritten. Under a backend that packs a block's tokens together
 (CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
 the unwritten rows of each request's last block are verified too, and every slot of a
-block the forward wrote is recorded again. Under async scheduling the token check is skipped
-(the runner's token history may lag the device by a step); the other checks stay.
+block the forward wrote is recorded again. The context's tokens are checked against the
+runner's token history where it lives on the canary's device (vLLM's CPU build), and not
+under async scheduling (the history may lag the device by a step); the other checks stay.
 
 An exception of the plugin's own code in a step (not a violation) stops the engine under
 ``raise``; under ``log`` it is logged once at ERROR with its traceback and the canary turns
@@ -75,6 +85,7 @@ POLICY_ENV = "KVCANARY_VLLM"
 MODE_ENV = "KVCANARY_VLLM_MODE"
 SUMMARY_ENV = "KVCANARY_VLLM_SUMMARY_S"
 DRILL_ENV = "KVCANARY_VLLM_DRILL"
+EVERY_ENV = "KVCANARY_VLLM_EVERY"
 # The policies that report violations to vLLM's scheduler through the KV connector, and
 # the kv_load_failure_policy each needs there.
 CONNECTOR_POLICIES = {"repair": "recompute", "quarantine": "fail"}
@@ -94,6 +105,7 @@ class Settings:
     mode: HashMode
     summary_seconds: float = SUMMARY_SECONDS
     drill: float = 0.0  # the probability per step of a fault drill
+    every: int = 1  # each context slot is verified at least once every `every` steps
 
 
 def settings() -> Settings | None:
@@ -106,7 +118,16 @@ def settings() -> Settings | None:
     mode = os.environ.get(MODE_ENV, "all") or "all"
     if mode not in MODES:
         raise ValueError(f"kv-canary: {MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    return Settings(policy, MODES[mode], _summary_seconds(), _drill())
+    return Settings(policy, MODES[mode], _summary_seconds(), _drill(), _every())
+
+
+def _every() -> int:
+    value = os.environ.get(EVERY_ENV, "")
+    if not value:
+        return 1
+    if not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"kv-canary: {EVERY_ENV} must be an int >= 1 (1: every context slot at every step), got {value!r}")
+    return int(value)
 
 
 def _summary_seconds() -> float:
@@ -185,38 +206,64 @@ def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
 
 
 @dataclass
+class _Verified:
+    """Entries of one group verified before the forward, as `kvcanary::context_slots` planned
+    them: ``slots`` (-1 where this forward writes the slot), ``rows`` (input-batch rows),
+    ``positions`` and ``prev_slots`` (None for the block-packed tail: only its bytes are
+    verified), and verify's answer."""
+
+    slots: torch.Tensor
+    rows: torch.Tensor
+    flagged: torch.Tensor
+    positions: torch.Tensor | None = None
+    prev_slots: torch.Tensor | None = None
+
+
+@dataclass
 class _GroupBatch:
     """One watched KV cache group's entries of a step: the verified ones (each request's
     context still attended to, then under a block-packed backend the unwritten tail of its
-    last block) and the written ones. ``verified_rows`` are input-batch rows, on the host."""
+    last block) and the written ones (``written_rows``: their input-batch rows, once recorded)."""
 
     group: adapter.KvCacheGroup
     written_slots: torch.Tensor
-    verified_rows: np.ndarray | None = None
-    verified_slots: torch.Tensor | None = None  # -1 where this forward writes the slot
-    verified_positions: torch.Tensor | None = None  # -1 for a tail slot
-    verified_prev_slots: torch.Tensor | None = None
-    # The context slots this forward writes (verified after it), and their expected tokens.
+    context_ranges: int  # the group's first range set in the step's plan
+    written_rows: torch.Tensor | None = None
+    context: _Verified | None = None
+    tail: _Verified | None = None
+    # The context slots this forward writes (verified after it, -1 elsewhere), and the
+    # context's expected tokens (None: not checked).
     deferred_slots: torch.Tensor | None = None
     context_tokens: torch.Tensor | None = None
     # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
-    checks: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = field(default_factory=list)
+    checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class _Batch:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
-    saw for them. ``written_rows`` are the input-batch rows of the forward's tokens."""
+    saw for them. ``plan`` holds the step's range sets (`_step_ranges`) on the canary's
+    device, each as offsets and starts (`_ranges`); ``counts`` their numbers of entries."""
 
     req_ids: list[str]
     num_tokens: int
     input_ids: torch.Tensor | None
     positions: torch.Tensor
-    written_rows: np.ndarray
-    # The order in which the written entries are recorded: requests by their first written
-    # position (`_writers_first`).
-    record_order: np.ndarray
+    plan: torch.Tensor
+    counts: list[int]
     groups: list[_GroupBatch] = field(default_factory=list)
+
+    def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Range set ``index``'s (offsets, starts, number of entries), views of `plan`."""
+        rows = len(self.req_ids)
+        base = index * (2 * rows + 1)
+        return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
+
+
+# The range sets of a step's plan (`_step_ranges`), in order; each group's two (its context,
+# then its re-record indices) follow them.
+_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, 5
+_PER_GROUP = 2
 
 
 class WorkerCanary:
@@ -239,6 +286,8 @@ class WorkerCanary:
         self.policy = chosen.policy
         self.drill = chosen.drill
         self.reports = Reports(chosen.summary_seconds)
+        self.every = chosen.every
+        self._steps = 0
         self.faults = 0
         self.on = True
         self._vllm = adapter.Runner(runner)
@@ -399,140 +448,146 @@ class WorkerCanary:
             )
 
     def _begin_step(self, step: adapter.Step) -> _Batch:
-        rows = np.arange(len(step.request_ids), dtype=np.int64)
-        written_rows = np.repeat(rows, step.num_scheduled)
-        order = _writers_first(step.num_computed[written_rows])
-        batch = _Batch(step.request_ids, step.num_tokens, step.input_ids, step.positions, written_rows, order)
+        """Plans the step on the device from one copy of its ranges, O(requests) host values,
+        then verifies each group's context."""
+        firsts = [group.first_attended(step.num_computed) for group in self.groups]
+        plan, counts = _ranges(*_step_ranges(step.num_computed, step.num_scheduled, firsts, self.block_size, self._blocks_packed))
+        device = step.positions.device
+        batch = _Batch(
+            step.request_ids, step.num_tokens, step.input_ids, step.positions, torch.from_numpy(plan).to(device, non_blocking=True), counts
+        )
+        self._batch = batch
         if len(step.block_copies):
             self._follow_block_copies(step.block_copies)
-        written = torch.cat(step.slot_mappings)
-        for group, slot_mapping in zip(self.groups, step.slot_mappings):
-            batch.groups.append(self._begin_group(group, step, rows, slot_mapping, written))
-        self._batch = batch
+        written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
+        for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
+            batch.groups.append(self._begin_group(group, batch, _CONTEXT + _PER_GROUP * index, slot_mapping, written))
         return batch
 
+    def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, cut_slot: int = -1):
+        """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
+        (slots, positions, prev_slots, rows). The range check reads offsets on the host, so it
+        runs only where they are (the CPU)."""
+        offsets, starts, count = batch.ranges(ranges)
+        table = group.device_block_table
+        return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, cut_slot, table.device.type == "cpu")
+
     def _begin_group(
-        self, group: adapter.KvCacheGroup, step: adapter.Step, rows: np.ndarray, slot_mapping: torch.Tensor, written: torch.Tensor
+        self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, slot_mapping: torch.Tensor, written: torch.Tensor
     ) -> _GroupBatch:
         """Verifies one group's context of every scheduled request: the positions its tokens
-        still attend to (a sliding window's or a local chunk's blocks below them may be free)."""
-        entries = _GroupBatch(group, slot_mapping)
-        context = step.num_computed
-        first = group.first_attended(context)
-        context_rows, context_positions = _ranges(rows, first, context)
-        tail_rows = tail_positions = np.zeros(0, dtype=np.int64)
-        if self._blocks_packed:
-            tail_end = -(-context // self.block_size) * self.block_size
-            tail_rows, tail_positions = _ranges(rows, context, tail_end)
-        if len(context_rows) + len(tail_rows) == 0:
-            return entries
-        device = step.positions.device
-        entries.verified_rows = np.concatenate([context_rows, tail_rows])
-        row_index = _to(entries.verified_rows, device)
-        at = _to(np.concatenate([context_positions, tail_positions]), device)
-        # The chain of a request's first attended position leads into blocks the window may
-        # have freed: it is not checked there (the null slot is the canary's padding slot).
-        cut = _to(
-            np.concatenate(
-                [(context_positions == first[context_rows]) & (context_positions > 0), np.zeros(len(tail_positions), dtype=bool)]
-            ),
-            device,
-        )
-        is_tail = _to(np.arange(len(entries.verified_rows)) >= len(context_rows), device)
-        # A request may read, as context, a block another request of this batch writes in
-        # this very forward (the scheduler caches a block's hash when it schedules its
-        # tokens, so a later request of the same step hits it): such slots are verified
-        # after the forward, once recorded.
-        slots = group.slots(row_index, at)
-        written_now = torch.isin(slots, written)
-        entries.verified_slots = torch.where(written_now, -1, slots)
-        entries.deferred_slots = torch.where(written_now & ~is_tail, slots, -1)
-        entries.verified_positions = torch.where(is_tail, -1, at)
-        prev_slots = torch.where(cut, adapter.NULL_SLOT, group.slots(row_index, at - 1))
-        entries.verified_prev_slots = torch.where(is_tail, -1, prev_slots)
-        tokens = np.full(len(context_rows), -1, dtype=np.int64)
-        if self._check_tokens:
-            tokens = self._vllm.tokens(context_rows, context_positions)
-        count = len(context_rows)
-        entries.context_tokens = _to(tokens, device)
-        self._verify_context(entries, entries.verified_slots[:count])
-        if len(tail_rows):  # only their bytes: a tail slot may hold a rejected draft token's record
-            tail_slots = entries.verified_slots[count:]
-            entries.checks.append((tail_slots, tail_rows, self.canary.verify(tail_slots)))
+        still attend to (a sliding window's or a local chunk's blocks below them may be free),
+        then under a block-packed backend the unwritten tail of each request's last block.
+        A request may read, as context, a block another request of this batch writes in this
+        very forward (the scheduler caches a block's hash when it schedules its tokens, so a
+        later request of the same step hits it): such slots are verified after the forward,
+        once recorded."""
+        entries = _GroupBatch(group, slot_mapping, context_ranges=ranges)
+        if batch.counts[ranges]:
+            # The chain of a request's first attended position leads into blocks the window may
+            # have freed: it is not checked there (the null slot is the canary's padding slot).
+            slots, positions, prev_slots, rows = self._slots(group, batch, ranges, cut_slot=adapter.NULL_SLOT)
+            written_now = torch.isin(slots, written)
+            entries.deferred_slots = torch.where(written_now, slots, -1)
+            entries.context_tokens = self._vllm.tokens(rows, positions) if self._check_tokens else None
+            verified = torch.where(written_now, -1, slots)
+            if self.every > 1:
+                verified = self._sampled(batch, verified, positions, rows)
+            flagged = self._verify_context(entries, verified, rows, positions, prev_slots)
+            entries.context = _Verified(verified, rows, flagged, positions, prev_slots)
+        if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
+            slots, _, _, rows = self._slots(group, batch, _TAIL)
+            verified = torch.where(torch.isin(slots, written), -1, slots)
+            flagged = self.canary.verify(verified)
+            entries.checks.append((verified, rows, flagged))
+            entries.tail = _Verified(verified, rows, flagged)
         return entries
+
+    def _sampled(self, batch: _Batch, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``slots`` of the context entries this step verifies under ``every`` > 1, -1
+        elsewhere: each request's newest block, and the blocks whose index is the step's
+        turn (block % every == step % every), so that every block a request keeps reading is
+        verified at least once every ``every`` steps."""
+        computed = batch.ranges(_TAIL)[1]  # the tail set starts where each request's context ends
+        blocks = positions // self.block_size
+        newest = (computed[rows] - 1) // self.block_size
+        turn = (blocks % self.every == self._steps % self.every) | (blocks == newest)
+        return torch.where(turn, slots, -1)
 
     def _follow_block_copies(self, copies: np.ndarray) -> None:
         """vLLM copied these whole blocks, every layer, before the forward (copy-on-write of a
         partial prefix hit): their slots' records go with their bytes."""
         offsets = np.arange(self.block_size, dtype=np.int64)
         source, destination = ((copies[:, [i]] * self.block_size + offsets).reshape(-1) for i in (0, 1))
-        self.canary.copy_records(_to(source, self.canary.device), _to(destination, self.canary.device))
+        self.canary.copy_records(*(torch.from_numpy(slots).to(self.canary.device) for slots in (source, destination)))
         if self.reports.logged:
             self.reports.rewritten(destination.tolist())
 
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
-            positions = batch.positions[: batch.num_tokens]
-            order = _to(batch.record_order, positions.device)
-            row_index = _to(batch.written_rows[batch.record_order], positions.device)
-            tokens = batch.input_ids[: batch.num_tokens].to(torch.int64) if batch.input_ids is not None else torch.full_like(positions, -1)
-            positions, tokens = positions[order], tokens[order]
+            order = _indices(*batch.ranges(_RECORD_ORDER))
+            positions = batch.positions[: batch.num_tokens][order]
+            tokens = batch.input_ids[: batch.num_tokens][order] if batch.input_ids is not None else None
             for entries in batch.groups:
-                self._record(entries, order, row_index, positions, tokens)
+                self._record(entries, batch, order, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
+        self._steps += 1
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
 
     def _record(
-        self, entries: _GroupBatch, order: torch.Tensor, row_index: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+        self, entries: _GroupBatch, batch: _Batch, order: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None
     ) -> None:
         """Records the slots the forward wrote in one group (its entries taken in ``order``),
-        then verifies its deferred context."""
-        written = (entries.written_slots[order], positions, tokens, entries.group.slots(row_index, positions - 1))
+        chained through the slot of each one's previous position, then verifies its deferred
+        context."""
+        _, _, prev_slots, rows = self._slots(entries.group, batch, _WRITTEN)
+        entries.written_slots, entries.written_rows = entries.written_slots[order], rows[order]
+        written = (entries.written_slots, positions, tokens, prev_slots[order])
         if self._blocks_packed:
-            written = self._with_block_neighbours(entries, written)
+            written = self._with_block_neighbours(entries, batch, written)
         slots, positions, tokens, prev_slots = written
         self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
-        if entries.deferred_slots is not None:
-            self._verify_context(entries, entries.deferred_slots[: len(entries.context_tokens)])
+        if entries.context is not None:
+            context = entries.context
+            self._verify_context(entries, entries.deferred_slots, context.rows, context.positions, context.prev_slots)
         if self.reports.logged:
             self.reports.rewritten(entries.written_slots.tolist())
 
-    def _verify_context(self, entries: _GroupBatch, slots: torch.Tensor) -> None:
+    def _verify_context(self, entries: _GroupBatch, slots, rows, positions, prev_slots) -> torch.Tensor:
         """Every check of a group's context entries at ``slots`` (-1: skipped)."""
-        count = len(entries.context_tokens)
-        flagged = self.canary.verify(
-            slots,
-            positions=entries.verified_positions[:count],
-            tokens=entries.context_tokens,
-            prev_slots=entries.verified_prev_slots[:count],
-        )
-        entries.checks.append((slots, entries.verified_rows[:count], flagged))
+        flagged = self.canary.verify(slots, positions=positions, tokens=entries.context_tokens, prev_slots=prev_slots)
+        entries.checks.append((slots, rows, flagged))
+        return flagged
 
-    def _with_block_neighbours(self, entries: _GroupBatch, written: tuple) -> tuple:
+    def _with_block_neighbours(self, entries: _GroupBatch, batch: _Batch, written: tuple) -> tuple:
         """Under a block-packed backend writing a slot changes the fold of its block's other
         slots, so every slot of a block the forward wrote is recorded again, ahead of the
-        written entries: those verified before the forward (and not flagged) with the records
-        they hold (an unwritten tail slot holds -1s), the others (a new block's tail) with -1s."""
+        written entries: those of the request's last block verified before the forward (and
+        not flagged) with the records they hold (an unwritten tail slot holds -1s), the
+        others (its new tail: the rest of the last block it writes) with -1s. A written entry
+        without its token (a model run on embeddings) records -1."""
         written_slots = written[0]
-        touched = torch.unique(written_slots[written_slots >= 0] // self.block_size)
-        if entries.verified_slots is None:
-            verified = torch.full((0,), -1, dtype=torch.int64, device=written_slots.device)
-            again = (verified, verified, verified, verified)
-        else:
-            verified = entries.verified_slots
+        if written[2] is None:
+            written = (*written[:2], torch.full_like(written_slots, -1), written[3])
+        again = []
+        for part, ranges in ((entries.context, entries.context_ranges + 1), (entries.tail, _TAIL_AGAIN)):
+            if part is None or not batch.counts[ranges]:
+                continue
+            at = _indices(*batch.ranges(ranges))
             # A flagged slot keeps its record, so that it is reported again while it is read.
-            passed = ~torch.cat([answer for _, _, answer in entries.checks])
-            in_touched = torch.isin(verified // self.block_size, touched) & (verified >= 0) & passed
-            slots = torch.where(in_touched, verified, -1)
-            held_tokens = self.canary.records[slots.clamp(min=0), 0]
-            again = (slots, entries.verified_positions, held_tokens, entries.verified_prev_slots)
-        block_slots = (touched[:, None] * self.block_size + torch.arange(self.block_size, device=touched.device)).reshape(-1)
-        new_tail = block_slots[~torch.isin(block_slots, torch.cat([verified, written_slots]))]
-        unknown = torch.full_like(new_tail, -1)
-        return tuple(torch.cat(parts) for parts in zip((new_tail, unknown, unknown, unknown), again, written))
+            slots = torch.where(part.flagged[at], -1, part.slots[at])
+            unknown = torch.full_like(slots, -1)
+            positions = part.positions[at] if part.positions is not None else unknown
+            prev_slots = part.prev_slots[at] if part.prev_slots is not None else unknown
+            again.append((slots, positions, self.canary.records[slots.clamp(min=0), 0], prev_slots))
+        if batch.counts[_NEW_TAIL]:
+            new_tail = self._slots(entries.group, batch, _NEW_TAIL)[0]
+            unknown = torch.full_like(new_tail, -1)
+            again.insert(0, (new_tail, unknown, unknown, unknown))
+        return tuple(torch.cat(parts) for parts in zip(*again, written))
 
     # Reports ------------------------------------------------------------------------
 
@@ -546,10 +601,11 @@ class WorkerCanary:
         holding: set[int] = set()
         for entries in batch.groups:
             for slots, rows, answer in entries.checks:
-                at_slot = (slots == violation.slot).cpu().numpy()
+                at_slot = slots == violation.slot
                 holding.update(rows[at_slot].tolist())
-                flagged.update(rows[at_slot & answer.cpu().numpy()].tolist())
-            holding.update(batch.written_rows[(entries.written_slots == violation.slot).cpu().numpy()].tolist())
+                flagged.update(rows[at_slot & answer].tolist())
+            if entries.written_rows is not None:
+                holding.update(entries.written_rows[entries.written_slots == violation.slot].tolist())
         rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
         return [batch.req_ids[row] for row in sorted(rows)]
 
@@ -683,13 +739,14 @@ def _flagged_slots(batch: _Batch) -> torch.Tensor:
 
 
 def _writers_first(first_written: np.ndarray) -> np.ndarray:
-    """The order in which a step's written entries are recorded, given each entry's request's
-    first written position: requests by that position, each request's entries kept together
-    and in order. A request may read, as context, a block another request of the same step
-    writes (the scheduler caches a block's hash when it schedules its tokens), and then its
-    first entry chains through a slot that other request writes in the same call; the other
-    request's first written position is lower, so it is recorded first. (Runs of a CUDA
-    record call are applied concurrently, so there the two still race: `docs/vllm.md`.)"""
+    """The order in which a step's requests' written entries are recorded, given each
+    request's first written position: requests by that position, each request's entries
+    kept together and in order. A request may read, as context, a block another request of
+    the same step writes (the scheduler caches a block's hash when it schedules its tokens),
+    and then its first entry chains through a slot that other request writes in the same
+    call; the other request's first written position is lower, so it is recorded first.
+    (Runs of a CUDA record call are applied concurrently, so there the two still race:
+    `docs/vllm.md`.)"""
     return np.argsort(first_written, kind="stable")
 
 
@@ -698,12 +755,64 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row, position) for every position in ``[starts[i], ends[i])`` of each row, row by row."""
-    counts = ends - starts
-    total = int(counts.sum())
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.repeat(rows, counts), np.repeat(starts, counts) + offsets
+def _ranges(starts: list[np.ndarray], ends: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """A step's range sets, each the ranges ``[starts[k][i], ends[k][i])`` of positions of
+    every row ``i``, as one int64 array of their `kvcanary::context_slots` arguments (set by
+    set: its offsets, ``R + 1``, then its starts, ``R``), and each set's number of entries."""
+    rows = len(starts[0])
+    plan = np.empty(len(starts) * (2 * rows + 1), dtype=np.int64)
+    counts = []
+    for index, (first, end) in enumerate(zip(starts, ends)):
+        base = index * (2 * rows + 1)
+        plan[base] = 0
+        np.cumsum(end - first, out=plan[base + 1 : base + rows + 1])
+        plan[base + rows + 1 : base + 2 * rows + 1] = first
+        counts.append(int(plan[base + rows]))
+    return plan, counts
+
+
+def _step_ranges(
+    computed: np.ndarray, scheduled: np.ndarray, firsts: list[np.ndarray], block_size: int, blocks_packed: bool
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A step's range sets as (starts, ends), per request (row) of the step: ``computed``
+    tokens in the cache, ``scheduled`` run by the forward, ``firsts[g]`` the first position
+    group ``g`` attends to. In order: the positions the forward writes; under a block-packed
+    backend the tail (the unwritten rest of the last block before the forward), the new tail
+    (that of the last block the forward writes) and, for the re-record of a block the
+    forward writes (`WorkerCanary._with_block_neighbours`), the indices of the verified tail
+    entries still unwritten after it (empty sets elsewhere); the indices of the forward's
+    tokens in the order they are recorded; then per group its context, and the indices of
+    the context entries in the block the forward writes into."""
+    written_end = computed + scheduled
+    writes = scheduled > 0
+    tail_end, new_tail_end = computed, written_end
+    if blocks_packed:
+        tail_end, new_tail_end = (-(-end // block_size) * block_size for end in (computed, written_end))
+    new_tail_start = np.maximum(written_end, tail_end)
+    tail_offsets = np.cumsum(tail_end - computed) - (tail_end - computed)
+    tail_again = np.where(writes & blocks_packed, np.maximum(tail_end - written_end, 0), 0)
+    starts = [computed, computed, new_tail_start, tail_offsets + scheduled]
+    ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start), tail_offsets + scheduled + tail_again]
+    # The written entries are recorded request by request in the order of their first
+    # written position (`_writers_first`): the token indices of each request, in that order.
+    order = _writers_first(computed)
+    token_offsets = np.cumsum(scheduled) - scheduled
+    starts.append(token_offsets[order])
+    ends.append(token_offsets[order] + scheduled[order])
+    for first in firsts:
+        context_offsets = np.cumsum(computed - first) - (computed - first)
+        block_start = np.maximum(first, computed // block_size * block_size)
+        again = np.where(writes & blocks_packed, computed - block_start, 0)
+        starts += [first, context_offsets + block_start - first]
+        ends += [computed, context_offsets + block_start - first + again]
+    return starts, ends
+
+
+def _indices(offsets: torch.Tensor, starts: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` values of a range set of indices: row ``r``'s ``starts[r]``,
+    ``starts[r] + 1``, ... for ``offsets[r + 1] - offsets[r]`` values."""
+    steps = torch.arange(count, device=offsets.device)
+    return torch.repeat_interleave(starts - offsets[:-1], offsets.diff(), output_size=count) + steps
 
 
 def _size(num_bytes: int) -> str:
@@ -712,7 +821,3 @@ def _size(num_bytes: int) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     return f"{num_bytes:.2f} GiB"
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64) if array.dtype != bool else array).to(device, non_blocking=True)

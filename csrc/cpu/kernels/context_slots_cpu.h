@@ -1,0 +1,24 @@
+// The CPU kernel of kvcanary::context_slots: entries [begin, end) written in
+// order, the row found once by a search and then walked forward.
+#pragma once
+
+#include <cstdint>
+
+#include "core/context_slots.h"
+
+namespace kvcanary {
+
+// Entries a thread takes at least: each costs a few loads.
+constexpr int64_t kContextSlotsGrain = 16384;
+
+inline void context_slots_range(const ContextRanges& c, int64_t begin, int64_t end) {
+  int64_t r = row_of(c, begin);
+  for (int64_t i = begin; i < end; ++i) {
+    while (r + 1 < c.num_rows && c.offsets[r + 1] <= i) {
+      ++r;
+    }
+    write_entry(c, i, r);
+  }
+}
+
+}  // namespace kvcanary

@@ -1,0 +1,66 @@
+// CUDA backend of kvcanary::context_slots: argument checks and the launch (the
+// kernel is in cuda/context_slots_cuda_kernel.cu).
+#include "cuda/context_slots_cuda.h"
+
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "cuda/stream.h"
+#include "plan/checks.h"
+#include "plan/context_slots_plan.h"
+#include "plan/tensors.h"
+
+namespace kvcanary {
+namespace {
+
+// The n int64 values at device address `source`, on the host, ordered after
+// the work on `stream` (one host sync).
+std::vector<int64_t> to_host(const int64_t* source, int64_t n, cudaStream_t stream) {
+  std::vector<int64_t> values(static_cast<size_t>(n));
+  if (n > 0) {
+    check_cuda(cudaMemcpyAsync(values.data(), source, n * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                               stream));
+    check_cuda(cudaStreamSynchronize(stream));
+  }
+  return values;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> context_slots_cuda(
+    const Tensor& block_table, const Tensor& offsets, const Tensor& starts, int64_t block_size,
+    int64_t num_entries, int64_t cut_slot, bool check_bounds) {
+  ContextSlotsPlan plan =
+      make_context_slots_plan(block_table, offsets, starts, block_size, num_entries, cut_slot);
+  // The plan found every tensor on block_table's device, a CUDA one.
+  const torch::stable::accelerator::DeviceGuard guard(block_table.get_device_index());
+  const cudaStream_t stream = current_stream(block_table.get_device_index());
+  ContextRanges& c = plan.ranges;
+  // The checks read offsets and starts on the host, which a CUDA graph cannot
+  // capture: while one is captured the kernel's safe results stand instead.
+  if (check_bounds && !capturing(stream)) {
+    const std::vector<int64_t> host_offsets = to_host(c.offsets, c.num_rows + 1, stream);
+    const std::vector<int64_t> host_starts = to_host(c.starts, c.num_rows, stream);
+    check_context_ranges(c, host_offsets.data(), host_starts.data());
+  }
+  const Device device = block_table.device();
+  Tensor slots = new_tensor({num_entries}, ScalarType::Long, device);
+  Tensor positions = new_tensor({num_entries}, ScalarType::Long, device);
+  Tensor prev_slots = new_tensor({num_entries}, ScalarType::Long, device);
+  Tensor rows = new_tensor({num_entries}, ScalarType::Long, device);
+  c.slots = slots.mutable_data_ptr<int64_t>();
+  c.positions = positions.mutable_data_ptr<int64_t>();
+  c.prev_slots = prev_slots.mutable_data_ptr<int64_t>();
+  c.rows = rows.mutable_data_ptr<int64_t>();
+  check_cuda(launch_context_slots(c, stream));
+  return {slots, positions, prev_slots, rows};
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
+  m.impl("context_slots", TORCH_BOX(&context_slots_cuda));
+}
+
+}  // namespace kvcanary
