@@ -667,6 +667,49 @@ def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
         connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
 
 
+def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny_llama, tmp_path):
+    # ExampleConnector configured on its own: as a producer it only saves, and serves beside
+    # the canary; as a consumer it would write loaded slots the canary holds no records of.
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    extra = {"shared_storage_path": str(storage)}
+    producer = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+    prompt = _tokens(random.Random(22), 2 * BLOCK_SIZE + 10)
+    with connector_engine(tiny_llama, "log", kv_transfer_config=producer) as (llm, lines, _):
+        llm.generate([{"prompt_token_ids": prompt}], _greedy(8), use_tqdm=False)
+        assert lines.take() == []
+    assert any(storage.iterdir())  # it saved
+    both = {**producer, "kv_role": "kv_both"}
+    with pytest.raises(Exception) as raised:
+        with connector_engine(tiny_llama, "log", kv_transfer_config=both):
+            pass
+    error = raised.value
+    while error is not None and not isinstance(error, ValueError):
+        error = error.__cause__ or error.__context__
+    assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
+    wrapped = {"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {connector.INNER: both}}
+    assert str(error) == (
+        'kv-canary: vLLM\'s KV connector ExampleConnector with "kv_role": "kv_both" loads KV into the cache outside the '
+        "model's forward, into slots the canary holds no records of, which it would report as corrupt: serve it as "
+        f"KvCanaryConnector's inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}'), "
+        "or unset KVCANARY_VLLM to serve it without the canary"
+    )
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_a_connector_in_the_canarys_place_whose_loads_it_cannot_verify_is_refused(role):
+    from vllm.config import KVTransferConfig
+
+    connector.check_unwrapped(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"))  # saves only
+    message = (
+        rf'^kv-canary: vLLM\'s KV connector NixlConnector with "kv_role": "{role}" loads KV into the cache outside the model\'s forward, '
+        r'into slots the canary holds no records of, which it would report as corrupt: give it "kv_role": "kv_producer" '
+        r"\(KvCanaryConnector verifies the loads of ExampleConnector only\), or unset KVCANARY_VLLM to serve it without the canary$"
+    )
+    with pytest.raises(ValueError, match=message):
+        connector.check_unwrapped(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
+
+
 def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_path, monkeypatch):
     # Two engines one after the other over one storage folder: the producer only saves, the
     # consumer only loads, and a byte of the stored blocks is flipped in between.

@@ -393,6 +393,11 @@ class Runner:
         return self.model_runner.use_async_scheduling
 
     @property
+    def kv_transfer_config(self):
+        """vLLM's ``kv_transfer_config`` (a ``KVTransferConfig``), None when none is set."""
+        return self.model_runner.vllm_config.kv_transfer_config
+
+    @property
     def kv_load_failure_policy(self) -> str | None:
         """vLLM's ``kv_transfer_config.kv_load_failure_policy`` ("recompute" or "fail"), None without a KV connector."""
         config = self.model_runner.vllm_config.kv_transfer_config

@@ -33,6 +33,7 @@ when a ``kv_transfer_config`` names the connector, never the plugin's entry poin
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import random
@@ -619,6 +620,30 @@ def check_inner(inner: KVTransferConfig) -> None:
             f'{inner.kv_connector} with "kv_role": "{inner.kv_role}" would load KV the canary has no records of: give it '
             f'"kv_role": "kv_producer", or unset {plugin.POLICY_ENV} to serve it without the canary'
         )
+
+
+def check_unwrapped(config: KVTransferConfig) -> None:
+    """Refuses a KV connector configured in the canary's place (not as its inner connector)
+    that loads KV: it writes slots outside the model's forward, which then hold no records
+    of the canary's (or an earlier request's), and would be reported at their first read. A
+    producer (it saves, never loads) serves beside the canary as it is."""
+    if not config.is_kv_consumer:
+        return
+    if config.kv_connector in DiskTransfer.CONNECTORS:
+        inner = {"kv_connector": config.kv_connector, "kv_role": config.kv_role}
+        if config.kv_connector_extra_config:
+            inner["kv_connector_extra_config"] = config.kv_connector_extra_config
+        wrapped = {"kv_connector": plugin.CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
+        change = (
+            f"serve it as {plugin.CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
+        )
+    else:
+        change = f'give it "kv_role": "kv_producer" ({plugin.CONNECTOR} verifies the loads of {", ".join(DiskTransfer.CONNECTORS)} only)'
+    raise ValueError(
+        f'kv-canary: vLLM\'s KV connector {config.kv_connector} with "kv_role": "{config.kv_role}" loads KV into the cache outside '
+        f"the model's forward, into slots the canary holds no records of, which it would report as corrupt: {change}, "
+        f"or unset {plugin.POLICY_ENV} to serve it without the canary"
+    )
 
 
 def _inner_connector(vllm_config, role: KVConnectorRole, kv_cache_config) -> KVConnectorBase_V1 | None:

@@ -337,12 +337,17 @@ class WorkerCanary:
         logger.info("%s", self._start_line(layout))
 
     def _connector(self):
-        """This worker's `CONNECTOR`, or None; refuses a policy or a drill it cannot serve:
+        """This worker's `CONNECTOR`, or None; refuses another KV connector that loads KV
+        (`connector.check_unwrapped`), and a policy or a drill it cannot serve:
         repair and quarantine report blocks to vLLM's scheduler, which maps them back to
         requests only with synchronous scheduling and one KV cache group, and acts on them
         by the connector's kv_load_failure_policy."""
         connector = self._vllm.kv_connector()
         ours = connector if type(connector).__name__ == CONNECTOR else None
+        if connector is not None and ours is None:
+            from .connector import check_unwrapped  # imports vLLM's connector classes, which a configured connector has loaded
+
+            check_unwrapped(self._vllm.kv_transfer_config)
         needs = []
         if self.policy in CONNECTOR_POLICIES or self.drill:
             failure_policy = CONNECTOR_POLICIES.get(self.policy, "recompute")
