@@ -243,27 +243,36 @@ class _GroupBatch:
 class _Batch:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
     saw for them. ``plan`` holds the step's range sets (`_step_ranges`) on the canary's
-    device, each as offsets and starts (`_ranges`); ``counts`` their numbers of entries."""
+    device, as `_ranges` packs them (``bases``: where each set starts; ``counts``: its
+    number of entries)."""
 
     req_ids: list[str]
     num_tokens: int
     input_ids: torch.Tensor | None
     positions: torch.Tensor
     plan: torch.Tensor
+    bases: list[int]
     counts: list[int]
     groups: list[_GroupBatch] = field(default_factory=list)
 
     def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Range set ``index``'s (offsets, starts, number of entries), views of `plan`."""
-        rows = len(self.req_ids)
-        base = index * (2 * rows + 1)
+        """Range set ``index``'s `kvcanary::context_slots` arguments (offsets, starts, number
+        of entries), views of `plan`."""
+        rows, base = len(self.req_ids), self.bases[index]
         return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
 
+    def indices(self, index: int) -> torch.Tensor:
+        """Index set ``index``'s values, a view of `plan`."""
+        base = self.bases[index]
+        return self.plan[base : base + self.counts[index]]
 
-# The range sets of a step's plan (`_step_ranges`), in order; each group's two (its context,
-# then its re-record indices) follow them.
+
+# The sets of a step's plan (`_step_ranges`), in order; each group's two (its context, then
+# its re-record indices) follow them. Range sets are expanded on the device through a block
+# table; index sets (`_INDEX_SETS`, and each group's second) are expanded on the host.
 _WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, 5
 _PER_GROUP = 2
+_INDEX_SETS = (_TAIL_AGAIN, _RECORD_ORDER)
 
 
 class WorkerCanary:
@@ -331,7 +340,8 @@ class WorkerCanary:
         self._batch: _Batch | None = None
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
-        self._flagged = self._no_slots
+        # The step's flagged slots, or the batch they are gathered from when first asked for.
+        self._flagged: torch.Tensor | _Batch = self._no_slots
         if self.connector is not None:
             self.connector.watch(self)
         logger.info("%s", self._start_line(layout))
@@ -426,11 +436,13 @@ class WorkerCanary:
             return
         with self._guarded():
             self._end_step(batch)
-            self._flagged = _flagged_slots(batch)
+            self._flagged = batch
 
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step's forward (int64, on the
-        canary's device; empty before its forward has ended)."""
+        canary's device; empty before its forward has ended), gathered when asked for."""
+        if isinstance(self._flagged, _Batch):
+            self._flagged = _flagged_slots(self._flagged)
         return self._flagged
 
     @contextlib.contextmanager
@@ -456,11 +468,14 @@ class WorkerCanary:
         """Plans the step on the device from one copy of its ranges, O(requests) host values,
         then verifies each group's context."""
         firsts = [group.first_attended(step.num_computed) for group in self.groups]
-        plan, counts = _ranges(*_step_ranges(step.num_computed, step.num_scheduled, firsts, self.block_size, self._blocks_packed))
+        starts, ends = _step_ranges(step.num_computed, step.num_scheduled, firsts, self.block_size, self._blocks_packed)
+        index_sets = {*_INDEX_SETS, *range(_CONTEXT + 1, len(starts), _PER_GROUP)}
+        plan, bases, counts = _ranges(starts, ends, index_sets)
         device = step.positions.device
         batch = _Batch(
-            step.request_ids, step.num_tokens, step.input_ids, step.positions, torch.from_numpy(plan).to(device, non_blocking=True), counts
-        )
+            step.request_ids, step.num_tokens, step.input_ids, step.positions,
+            torch.from_numpy(plan).to(device, non_blocking=True), bases, counts,
+        )  # fmt: skip
         self._batch = batch
         if len(step.block_copies):
             self._follow_block_copies(step.block_copies)
@@ -502,10 +517,9 @@ class WorkerCanary:
             entries.context = _Verified(verified, rows, flagged, positions, prev_slots)
         if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
             slots, _, _, rows = self._slots(group, batch, _TAIL)
-            verified = torch.where(torch.isin(slots, written), -1, slots)
-            flagged = self.canary.verify(verified)
-            entries.checks.append((verified, rows, flagged))
-            entries.tail = _Verified(verified, rows, flagged)
+            flagged = self.canary.verify(slots)
+            entries.checks.append((slots, rows, flagged))
+            entries.tail = _Verified(slots, rows, flagged)
         return entries
 
     def _sampled(self, batch: _Batch, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -513,7 +527,7 @@ class WorkerCanary:
         elsewhere: each request's newest block, and the blocks whose index is the step's
         turn (block % every == step % every), so that every block a request keeps reading is
         verified at least once every ``every`` steps."""
-        computed = batch.ranges(_TAIL)[1]  # the tail set starts where each request's context ends
+        computed = batch.ranges(_WRITTEN)[1]  # the written set starts where each request's context ends
         blocks = positions // self.block_size
         newest = (computed[rows] - 1) // self.block_size
         turn = (blocks % self.every == self._steps % self.every) | (blocks == newest)
@@ -530,7 +544,7 @@ class WorkerCanary:
 
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
-            order = _indices(*batch.ranges(_RECORD_ORDER))
+            order = batch.indices(_RECORD_ORDER)
             positions = batch.positions[: batch.num_tokens][order]
             tokens = batch.input_ids[: batch.num_tokens][order] if batch.input_ids is not None else None
             for entries in batch.groups:
@@ -555,11 +569,16 @@ class WorkerCanary:
             written = self._with_block_neighbours(entries, batch, written)
         slots, positions, tokens, prev_slots = written
         self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
-        if entries.context is not None:
+        if entries.context is not None and self._may_defer(entries.deferred_slots):
             context = entries.context
             self._verify_context(entries, entries.deferred_slots, context.rows, context.positions, context.prev_slots)
         if self.reports.logged:
             self.reports.rewritten(entries.written_slots.tolist())
+
+    def _may_defer(self, deferred_slots: torch.Tensor) -> bool:
+        """Whether a group's deferred context entries may hold a slot: always on a device
+        (reading it would sync), and only if one does where the device is the host."""
+        return deferred_slots.device.type != "cpu" or bool(deferred_slots.ge(0).any())
 
     def _verify_context(self, entries: _GroupBatch, slots, rows, positions, prev_slots) -> torch.Tensor:
         """Every check of a group's context entries at ``slots`` (-1: skipped)."""
@@ -581,7 +600,7 @@ class WorkerCanary:
         for part, ranges in ((entries.context, entries.context_ranges + 1), (entries.tail, _TAIL_AGAIN)):
             if part is None or not batch.counts[ranges]:
                 continue
-            at = _indices(*batch.ranges(ranges))
+            at = batch.indices(ranges)
             # A flagged slot keeps its record, so that it is reported again while it is read.
             slots = torch.where(part.flagged[at], -1, part.slots[at])
             unknown = torch.full_like(slots, -1)
@@ -760,44 +779,51 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def _ranges(starts: list[np.ndarray], ends: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """A step's range sets, each the ranges ``[starts[k][i], ends[k][i])`` of positions of
-    every row ``i``, as one int64 array of their `kvcanary::context_slots` arguments (set by
-    set: its offsets, ``R + 1``, then its starts, ``R``), and each set's number of entries."""
+def _ranges(starts: list[np.ndarray], ends: list[np.ndarray], index_sets=frozenset()) -> tuple[np.ndarray, list[int], list[int]]:
+    """A step's sets, each the ranges ``[starts[k][i], ends[k][i])`` of every row ``i``,
+    packed into one int64 array: a range set as its `kvcanary::context_slots` arguments (its
+    offsets, ``R + 1``, then its starts, ``R``), a set of ``index_sets`` as its values (row
+    by row, each range in order); and each set's base in the array and number of entries."""
     rows = len(starts[0])
-    plan = np.empty(len(starts) * (2 * rows + 1), dtype=np.int64)
-    counts = []
-    for index, (first, end) in enumerate(zip(starts, ends)):
-        base = index * (2 * rows + 1)
-        plan[base] = 0
-        np.cumsum(end - first, out=plan[base + 1 : base + rows + 1])
-        plan[base + rows + 1 : base + 2 * rows + 1] = first
-        counts.append(int(plan[base + rows]))
-    return plan, counts
+    lengths = [end - first for first, end in zip(starts, ends)]
+    counts = [int(length.sum()) for length in lengths]
+    sizes = [counts[k] if k in index_sets else 2 * rows + 1 for k in range(len(starts))]
+    bases = np.cumsum([0, *sizes[:-1]]).tolist()
+    plan = np.empty(sum(sizes), dtype=np.int64)
+    for k, (first, length, base) in enumerate(zip(starts, lengths, bases)):
+        if k in index_sets:
+            plan[base : base + counts[k]] = np.repeat(first - (np.cumsum(length) - length), length) + np.arange(counts[k])
+        else:
+            plan[base] = 0
+            np.cumsum(length, out=plan[base + 1 : base + rows + 1])
+            plan[base + rows + 1 : base + 2 * rows + 1] = first
+    return plan, bases, counts
 
 
 def _step_ranges(
     computed: np.ndarray, scheduled: np.ndarray, firsts: list[np.ndarray], block_size: int, blocks_packed: bool
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """A step's range sets as (starts, ends), per request (row) of the step: ``computed``
-    tokens in the cache, ``scheduled`` run by the forward, ``firsts[g]`` the first position
-    group ``g`` attends to. In order: the positions the forward writes; under a block-packed
-    backend the tail (the unwritten rest of the last block before the forward), the new tail
-    (that of the last block the forward writes) and, for the re-record of a block the
-    forward writes (`WorkerCanary._with_block_neighbours`), the indices of the verified tail
-    entries still unwritten after it (empty sets elsewhere); the indices of the forward's
-    tokens in the order they are recorded; then per group its context, and the indices of
-    the context entries in the block the forward writes into."""
+    """A step's sets as (starts, ends), per request (row) of the step: ``computed`` tokens in
+    the cache, ``scheduled`` run by the forward, ``firsts[g]`` the first position group
+    ``g`` attends to. In order: the positions the forward writes; under a block-packed
+    backend the tail (the rest of the last block before the forward that the forward does
+    not write: a partial block is a request's own), the new tail (the rest of the last block
+    the forward writes) and, for the re-record of a block the forward writes
+    (`WorkerCanary._with_block_neighbours`), the indices of the tail entries of the requests
+    that write (empty sets elsewhere); the indices of the forward's tokens in the order they
+    are recorded; then per group its context, and the indices of the context entries in the
+    block the forward writes into."""
     written_end = computed + scheduled
     writes = scheduled > 0
     tail_end, new_tail_end = computed, written_end
     if blocks_packed:
         tail_end, new_tail_end = (-(-end // block_size) * block_size for end in (computed, written_end))
+    tail_start = np.minimum(written_end, tail_end)
     new_tail_start = np.maximum(written_end, tail_end)
-    tail_offsets = np.cumsum(tail_end - computed) - (tail_end - computed)
-    tail_again = np.where(writes & blocks_packed, np.maximum(tail_end - written_end, 0), 0)
-    starts = [computed, computed, new_tail_start, tail_offsets + scheduled]
-    ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start), tail_offsets + scheduled + tail_again]
+    tail_offsets = np.cumsum(tail_end - tail_start) - (tail_end - tail_start)
+    tail_again = np.where(writes & blocks_packed, tail_end - tail_start, 0)
+    starts = [computed, tail_start, new_tail_start, tail_offsets]
+    ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start), tail_offsets + tail_again]
     # The written entries are recorded request by request in the order of their first
     # written position (`_writers_first`): the token indices of each request, in that order.
     order = _writers_first(computed)
@@ -811,13 +837,6 @@ def _step_ranges(
         starts += [first, context_offsets + block_start - first]
         ends += [computed, context_offsets + block_start - first + again]
     return starts, ends
-
-
-def _indices(offsets: torch.Tensor, starts: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` values of a range set of indices: row ``r``'s ``starts[r]``,
-    ``starts[r] + 1``, ... for ``offsets[r + 1] - offsets[r]`` values."""
-    steps = torch.arange(count, device=offsets.device)
-    return torch.repeat_interleave(starts - offsets[:-1], offsets.diff(), output_size=count) + steps
 
 
 def _size(num_bytes: int) -> str:
