@@ -389,6 +389,8 @@ def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy
 class _FakeRunner:
     """The `adapter.Runner` facts the preconditions read."""
 
+    is_v2 = False
+
     def __init__(self, connector=None, failure_policy="recompute", async_scheduling=False, kinds=("FullAttentionSpec",)):
         self._connector, self.kv_load_failure_policy, self.async_scheduling, self._kinds = (
             connector,

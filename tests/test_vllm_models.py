@@ -169,7 +169,7 @@ def test_a_block_table_pointing_at_another_requests_block(model_engine):
     ],
 )
 def test_the_positions_a_windowed_group_still_attends_to(window, chunk, computed, first):
-    group = adapter.KvCacheGroup(0, "any", [], None, sliding_window=window, attention_chunk_size=chunk)
+    group = adapter.KvCacheGroup(0, "any", [], 32, torch.zeros(1, 1, dtype=torch.int32), sliding_window=window, attention_chunk_size=chunk)
     assert group.first_attended(np.array(computed)).tolist() == first
 
 

@@ -30,8 +30,9 @@ LOGGER = "vllm.torch_kvcanary"
 children only (its format: process name, pid, level, time, file and line), so a child of it
 reaches vLLM's log wherever vLLM configures it, and follows ``VLLM_LOGGING_LEVEL``."""
 
-# The model runner the hooks wrap (Model Runner V1; vLLM's CPU runner subclasses it), and
-# Model Runner V2, which it is not: "module.qualname".
+# The model runners the hooks wrap, "module.qualname": Model Runner V1 (vLLM's V1 CPU runner
+# subclasses it) and Model Runner V2 (vLLM 0.33's default where Triton runs; V2's CPU
+# runner subclasses it).
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 
@@ -74,6 +75,9 @@ class Step:
     # int64 [copies, 2]: (source, destination) of each whole block vLLM copied before this
     # forward (copy-on-write of a partial prefix hit), in every layer of the pool.
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    # Each row's row in the runner's token history, on the runner's device (V2 keeps a
+    # request's state by request-state index); None where they are the input batch's rows.
+    history_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,20 +114,20 @@ SKIPPED_SPECS = ("MambaSpec",)
 @dataclass(frozen=True)
 class KvCacheGroup:
     """One watched KV cache group of a runner: its index in vLLM's ``kv_cache_groups``, its
-    kind (spec class name), its attention layers in layer order, vLLM's block table of the
-    group (kernel blocks: slot = block * block_size + offset in the layers' tensors), and the
-    window of a sliding-window or chunked-local group."""
+    kind (spec class name), its attention layers in layer order, its block size (kernel
+    blocks: slot = block * block_size + offset in the layers' tensors), the block table
+    attention reads on the runner's device (int32 ``[>= rows, max_blocks]``, row ``i`` for
+    input-batch row ``i``), Model Runner V1's block table object of the group (None under
+    V2), and the window of a sliding-window or chunked-local group."""
 
     index: int
     kind: str
     layers: list[AttentionLayer]
-    block_table: object
+    block_size: int
+    device_block_table: torch.Tensor
+    block_table: object = None
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
-
-    @property
-    def block_size(self) -> int:
-        return self.block_table.block_size
 
     def first_attended(self, num_computed: np.ndarray) -> np.ndarray:
         """Per row, the first position the forward's tokens attend to, with ``num_computed``
@@ -138,7 +142,7 @@ class KvCacheGroup:
         return np.zeros_like(num_computed)
 
     def row_blocks(self, row: int) -> np.ndarray:
-        """The blocks of input-batch row ``row`` in the group's block table, in order."""
+        """The blocks of input-batch row ``row`` in the group's block table, in order (V1)."""
         table = self.block_table
         return table.block_table.np[row, : table.num_blocks_per_row[row]]
 
@@ -146,14 +150,8 @@ class KvCacheGroup:
         """The slot (block * block_size + offset) of each (input-batch row, position) in the
         group's device block table; -1 where the position is negative (before a request's first token)."""
         at = positions.clamp(min=0)
-        blocks = self.block_table.block_table.gpu[rows, at // self.block_size].to(torch.int64)
+        blocks = self.device_block_table[rows, at // self.block_size].to(torch.int64)
         return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
-
-    @property
-    def device_block_table(self) -> torch.Tensor:
-        """vLLM's block table of the group on the runner's device: int32 ``[max_num_reqs,
-        max_blocks]``, row ``i`` for input-batch row ``i``."""
-        return self.block_table.block_table.gpu
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,8 @@ def hook(plugin: Plugin) -> bool:
     profiling run), ``plugin.start(runner)`` returns its watcher, and every model forward of
     an engine step runs between the watcher's ``begin_step`` and ``end_step`` (`Watcher`);
     a worker whose runner has no watcher after allocating its KV cache is stopped too.
-    False, and nothing done, when vLLM is hooked already."""
+    Model Runner V1's class is hooked here, V2's when a worker first checks a V2 runner
+    (`_hook_model_runner_v2`). False, and nothing done, when vLLM is hooked already."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner, _HOOKED, False):
@@ -233,8 +232,65 @@ def _hook_model_runner(GPUModelRunner, on_kv_cache: Callable[[object], Watcher])
 
 # The runner methods a subclass must inherit from the hooked class for every forward to be
 # seen (initialize_kv_cache may be overridden: a runner that never reaches the hooked one is
-# caught once it has allocated its KV cache, without a watcher).
+# caught once it has allocated its KV cache, without a watcher). V2's execute_model brackets
+# every forward (eager, piecewise and full CUDA graphs) with its KV connector's pre_forward
+# and finish_forward, which the hooks wrap per runner (`_ForwardBracket`).
 _STEP_METHODS = ("execute_model", "_model_forward")
+_STEP_METHODS_V2 = ("execute_model",)
+
+
+def _hook_model_runner_v2(GPUModelRunner, on_kv_cache: Callable[[object], Watcher]) -> None:
+    """Model Runner V2: once a runner has allocated its KV cache (not in a profiling run),
+    its watcher is started and its KV connector wrapped so that every forward of an engine
+    step runs between the watcher's ``begin_step`` and ``end_step``. Hooked when the first
+    V2 runner is checked (`_checked_runner`), before it allocates its KV cache."""
+    if getattr(GPUModelRunner, _HOOKED, False):
+        return
+    initialize_kv_cache = GPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache_with_canary(self, kv_cache_config, is_profiling=False, *args, **kwargs):
+        initialize_kv_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
+        if not is_profiling:
+            self.kv_connector = _ForwardBracket(self.kv_connector, self)
+            watch(self, on_kv_cache(self))
+
+    setattr(initialize_kv_cache_with_canary, _WRAPS, "initialize_kv_cache")
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache_with_canary
+    setattr(GPUModelRunner, _HOOKED, True)
+
+
+class _ForwardBracket:
+    """A Model Runner V2's KV connector (vLLM's no-op one when none is configured), with the
+    runner's watcher called around each model forward of an engine step: after the
+    connector's ``pre_forward`` (whose synchronous loads land before the forward reads them)
+    and after its ``finish_forward``. Dummy runs (profiling, warm-up, CUDA-graph capture,
+    data-parallel padding) schedule no token and are not watched. Everything else is the
+    connector's."""
+
+    def __init__(self, connector, model_runner):
+        self._connector = connector
+        self._model_runner = model_runner
+        self._watched: tuple[Watcher, object] | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._connector, name)
+
+    def pre_forward(self, scheduler_output, input_batch, *args, **kwargs):
+        result = self._connector.pre_forward(scheduler_output, input_batch, *args, **kwargs)
+        self._watched = None
+        watcher = getattr(self._model_runner, _WATCHER, None)
+        if watcher is not None and scheduler_output.total_num_scheduled_tokens:
+            batch = watcher.begin_step(lambda: step_v2(self._model_runner, scheduler_output, input_batch))
+            self._watched = (watcher, batch)
+        return result
+
+    def finish_forward(self):
+        result = self._connector.finish_forward()
+        watched, self._watched = self._watched, None
+        if watched is not None:
+            watcher, batch = watched
+            watcher.end_step(batch)
+        return result
 
 
 def _hook_workers(plugin: Plugin) -> None:
@@ -268,9 +324,10 @@ def _wrap_worker(worker, plugin: Plugin) -> None:
         runner = _checked_runner(worker, plugin)
         initialize_from_config(*args, **kwargs)
         if getattr(runner, _WATCHER, None) is None:
+            base = V2_RUNNER if _is_v2(runner) else V1_RUNNER
             raise plugin.refusal(
                 f"the vLLM plugin did not attach to {_qualified_name(type(runner))}: it allocated its KV cache "
-                f"without reaching {V1_RUNNER}.initialize_kv_cache"
+                f"without reaching {base}.initialize_kv_cache"
             )
 
     worker.determine_available_memory = determine_available_memory_with_canary
@@ -283,34 +340,41 @@ def _qualified_name(cls: type) -> str:
 
 def unwatchable(model_runner) -> str | None:
     """Why the hooks cannot watch ``model_runner`` (naming it and what to do), or None when
-    they can: it must be vLLM's V1 model runner, or a subclass that inherits its hooked
-    step methods."""
+    they can: it must be vLLM's Model Runner V1 or V2, or a subclass that inherits the
+    step methods through which the hooks see every forward."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     cls = type(model_runner)
     name = _qualified_name(cls)
-    if not isinstance(model_runner, GPUModelRunner):
-        if any(_qualified_name(base) == V2_RUNNER for base in cls.__mro__):
-            return (
-                f"the vLLM plugin cannot watch {name}, vLLM's Model Runner V2: it watches Model Runner V1 ({V1_RUNNER}); "
-                "set VLLM_USE_V2_MODEL_RUNNER=0 to serve with the canary"
-            )
-        return f"the vLLM plugin cannot watch {name}: it watches vLLM's Model Runner V1 ({V1_RUNNER}) and its subclasses"
-    overridden = [method for method in _STEP_METHODS if getattr(getattr(cls, method), _WRAPS, None) != method]
+    if _is_v2(model_runner):
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+        base, overridden = V2_RUNNER, [m for m in _STEP_METHODS_V2 if getattr(cls, m) is not getattr(ModelRunnerV2, m)]
+    elif isinstance(model_runner, GPUModelRunner):
+        base, overridden = V1_RUNNER, [m for m in _STEP_METHODS if getattr(getattr(cls, m), _WRAPS, None) != m]
+    else:
+        return (
+            f"the vLLM plugin cannot watch {name}: it watches vLLM's Model Runner V1 ({V1_RUNNER}), V2 ({V2_RUNNER}) and their subclasses"
+        )
     if overridden:
         return (
-            f"the vLLM plugin cannot watch {name}: it overrides {', '.join(overridden)} of {V1_RUNNER}, "
-            "which the plugin wraps to see every model forward"
+            f"the vLLM plugin cannot watch {name}: it overrides {', '.join(overridden)} of {base}, "
+            "through which the plugin sees every model forward"
         )
     return None
 
 
 def _checked_runner(worker, plugin: Plugin):
-    """The worker's model runner, once `unwatchable` has nothing against it."""
+    """The worker's model runner, once `unwatchable` has nothing against it (and, for a
+    Model Runner V2, once V2's runner class is hooked)."""
     model_runner = getattr(worker, "model_runner", None)
     reason = unwatchable(model_runner)
     if reason is not None:
         raise plugin.refusal(reason)
+    if _is_v2(model_runner):
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+        _hook_model_runner_v2(ModelRunnerV2, plugin.start)
     return model_runner
 
 
@@ -372,7 +436,9 @@ def _step(model_runner, scheduler_output, input_ids: torch.Tensor | None, positi
 
 class Runner:
     """One vLLM model runner whose KV cache is allocated, as the plugin reads it:
-    ``model_runner`` (vLLM's)."""
+    ``model_runner`` (vLLM's Model Runner V1; `runner` gives the right view of any)."""
+
+    is_v2 = False
 
     def __init__(self, model_runner):
         self.model_runner = model_runner
@@ -446,32 +512,98 @@ class Runner:
         if not indices:
             return []
         groups = self.model_runner.kv_cache_config.kv_cache_groups
-        tables = self.model_runner.input_batch.block_table.block_tables
         context = self.model_runner.compilation_config.static_forward_context
         watched = []
         for index in indices:
             spec = groups[index].kv_cache_spec
             names = sorted(groups[index].layer_names, key=extract_layer_index)
             layers = [AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name()) for name in names]
+            block_size, device_block_table, block_table = self._block_table(index)
             watched.append(
                 KvCacheGroup(
                     index,
                     type(spec).__name__,
                     layers,
-                    tables[index],
+                    block_size,
+                    device_block_table,
+                    block_table,
                     sliding_window=getattr(spec, "sliding_window", None),
                     attention_chunk_size=getattr(spec, "attention_chunk_size", None),
                 )
             )
         return watched
 
-    def tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
+        """KV cache group ``group``'s block size, device block table and block table object
+        (`KvCacheGroup`): V1's input batch keeps one per group, rows in input-batch order."""
+        table = self.model_runner.input_batch.block_table.block_tables[group]
+        return table.block_size, table.block_table.gpu, table
+
+    def tokens(self, rows: torch.Tensor, positions: torch.Tensor, history_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The token id at each (input-batch row, position) of the runner's token history,
         gathered where the history lives (-1 where the runner does not hold it); None when it
-        does not live on the device of ``rows`` (V1 keeps it on the host)."""
+        does not live on the device of ``rows`` (V1 keeps it on the host). ``history_rows``:
+        `Step.history_rows`."""
         batch = self.model_runner.input_batch
         token_ids, known = batch.token_ids_cpu_tensor, batch.is_token_ids_tensor
         if token_ids.device != rows.device:
             return None
         at = rows * token_ids.stride(0) + positions
         return torch.where(torch.take(known, at), torch.take(token_ids, at), -1)
+
+
+class RunnerV2(Runner):
+    """A Model Runner V2 (`V2_RUNNER`), as the plugin reads it. V2 keeps a request's state by
+    request-state index and gathers, before each forward, the block tables attention reads
+    into persistent buffers in input-batch order; the forward's `Step` comes from V2's
+    input batch (`step_v2`), and its token history from V2's request states."""
+
+    is_v2 = True
+
+    def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
+        tables = self.model_runner.block_tables
+        return tables.block_sizes[group], tables.input_block_tables[group], None
+
+    @property
+    def async_scheduling(self) -> bool:
+        return bool(self.model_runner.vllm_config.scheduler_config.async_scheduling)
+
+    def tokens(self, rows: torch.Tensor, positions: torch.Tensor, history_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """V2 keeps every request's tokens (its prompt and what it sampled, written on the
+        device in stream order before the next forward) by request-state index, on the
+        runner's device."""
+        history = self.model_runner.req_states.all_token_ids.gpu
+        if history.device != rows.device or history_rows is None:
+            return None
+        return torch.take(history, history_rows[rows].to(torch.int64) * history.stride(0) + positions)
+
+    def context(self) -> tuple[list[str], np.ndarray]:
+        raise NotImplementedError("kv-canary: the KV connector reads Model Runner V1's input batch")
+
+
+def runner(model_runner) -> Runner:
+    """The plugin's view of ``model_runner``: `RunnerV2` for a Model Runner V2, else `Runner`."""
+    return RunnerV2(model_runner) if _is_v2(model_runner) else Runner(model_runner)
+
+
+def _is_v2(model_runner) -> bool:
+    return any(_qualified_name(base) == V2_RUNNER for base in type(model_runner).__mro__)
+
+
+def step_v2(model_runner, scheduler_output, input_batch) -> Step:
+    """The `Step` of one Model Runner V2 forward, from its input batch: rows in input-batch
+    order, each row's tokens laid out by ``query_start_loc`` (the batch may run fewer
+    tokens than were scheduled, under adaptive verification of draft tokens), slots from
+    the group's row of V2's slot mappings, positions 1-D (V2 keeps M-RoPE's apart), and
+    each row's request-state index for its token history."""
+    num_reqs = input_batch.num_reqs
+    starts = input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
+    num_scheduled = np.diff(starts)
+    num_computed = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
+    num_tokens = int(starts[-1])
+    slot_mappings = [model_runner.block_tables.slot_mappings[g, :num_tokens] for g in _watched_group_indices(model_runner)]
+    copies = np.array(scheduler_output.kv_cache_block_copies or [], dtype=np.int64).reshape(-1, 2)
+    return Step(
+        list(input_batch.req_ids[:num_reqs]), num_scheduled, num_computed, input_batch.input_ids[:num_tokens],
+        input_batch.positions[:num_tokens], slot_mappings, copies, input_batch.idx_mapping[:num_reqs],
+    )  # fmt: skip

@@ -18,9 +18,9 @@ nothing unless ``KVCANARY_VLLM`` is set:
   request's newest block and one block in N of the rest of its context, in turns, so every
   context slot a request keeps reading is verified at least once every N steps.
 
-In each worker the model runner is checked before vLLM sizes the KV cache: one the plugin
-cannot watch stops the worker with a ``kv-canary:`` error (a canary that is silently off is
-worse than none). The KV cache is sized with the canary's memory taken from its budget.
+In each worker the model runner (vLLM's Model Runner V1 or V2) is checked before vLLM sizes
+the KV cache: one the plugin cannot watch stops the worker with a ``kv-canary:`` error (a
+canary that is silently off is worse than none). The KV cache is sized with the canary's memory taken from its budget.
 Once vLLM has allocated the KV caches, one `KvCanary` watches every attention layer of the
 watched KV cache groups (full, sliding-window, chunked-local and MLA attention; Mamba groups
 are skipped, any other kind refused): K and V of a packed layer (`layouts.vllm`) or MLA's
@@ -253,6 +253,7 @@ class _Batch:
     plan: torch.Tensor
     bases: list[int]
     counts: list[int]
+    history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
     groups: list[_GroupBatch] = field(default_factory=list)
 
     def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -299,7 +300,7 @@ class WorkerCanary:
         self._steps = 0
         self.faults = 0
         self.on = True
-        self._vllm = adapter.Runner(runner)
+        self._vllm = adapter.runner(runner)
         self.connector = self._connector()
         unwatched = self._vllm.unwatched_group_kinds()
         if unwatched:
@@ -366,6 +367,8 @@ class WorkerCanary:
                     f"vLLM's KV connector to be {CONNECTOR} (--kv-transfer-config "
                     f'\'{{"kv_connector": "{CONNECTOR}", "kv_role": "kv_both", "kv_load_failure_policy": "{failure_policy}"}}\')'
                 )
+        if self._vllm.is_v2 and (ours is not None or self.policy in CONNECTOR_POLICIES or self.drill):
+            needs.append("Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)")
         if self.policy in CONNECTOR_POLICIES:
             failure_policy = CONNECTOR_POLICIES[self.policy]
             if ours is not None and self._vllm.kv_load_failure_policy != failure_policy:
@@ -474,7 +477,7 @@ class WorkerCanary:
         device = step.positions.device
         batch = _Batch(
             step.request_ids, step.num_tokens, step.input_ids, step.positions,
-            torch.from_numpy(plan).to(device, non_blocking=True), bases, counts,
+            torch.from_numpy(plan).to(device, non_blocking=True), bases, counts, step.history_rows,
         )  # fmt: skip
         self._batch = batch
         if len(step.block_copies):
@@ -509,7 +512,7 @@ class WorkerCanary:
             slots, positions, prev_slots, rows = self._slots(group, batch, ranges, cut_slot=adapter.NULL_SLOT)
             written_now = torch.isin(slots, written)
             entries.deferred_slots = torch.where(written_now, slots, -1)
-            entries.context_tokens = self._vllm.tokens(rows, positions) if self._check_tokens else None
+            entries.context_tokens = self._vllm.tokens(rows, positions, batch.history_rows) if self._check_tokens else None
             verified = torch.where(written_now, -1, slots)
             if self.every > 1:
                 verified = self._sampled(batch, verified, positions, rows)

@@ -1,0 +1,226 @@
+"""The vLLM plugin on Model Runner V2 (vLLM's CPU build, V2's CPU runner), each engine in a
+Python process of its own.
+
+V2 runs its bookkeeping kernels in Triton, and vLLM's CPU build here has Triton without a CPU
+backend, so vLLM turns Triton off and V2 cannot run. Triton's interpreter (``TRITON_INTERPRET=1``)
+runs Triton kernels on CPU tensors in Python: with it, and vLLM's Triton gates satisfied in
+the test's process only (`TRITON_ON_CPU`), V2's CPU runner serves, and the plugin watches it
+through V2's own forward bracket (`adapter._ForwardBracket`).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_models import make_llama  # noqa: E402
+
+# vLLM's CPU build finds Triton but no "cpu" backend in it, and turns Triton off; a "cpu"
+# entry whose driver is never active satisfies that check, and the two gates of Model Runner
+# V2 are set as Triton's presence would set them. The kernels then run in Triton's interpreter.
+TRITON_ON_CPU = """
+import types
+import triton.backends
+
+class _InactiveDriver:
+    @staticmethod
+    def is_active():
+        return False
+
+triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=_InactiveDriver, compiler=None))
+import vllm.config.vllm, vllm.v1.worker.gpu_worker
+vllm.config.vllm.HAS_TRITON = vllm.v1.worker.gpu_worker.HAS_TRITON = True
+"""
+
+ENGINE = """
+import json, random, sys
+import torch, vllm
+from vllm.v1.core.sched.scheduler import Scheduler
+from torch_kvcanary.integrations.vllm import plugin
+
+preemptions = []
+preempt = Scheduler._preempt_request
+
+def counting_preempt(self, request, *args, **kwargs):
+    preemptions.append(request.request_id)
+    return preempt(self, request, *args, **kwargs)
+
+Scheduler._preempt_request = counting_preempt
+BLOCK = 32
+llm = vllm.LLM(
+    model=sys.argv[1], dtype="bfloat16", max_model_len=512, block_size=BLOCK, kv_cache_memory_bytes=900 << 10,
+    enforce_eager=True, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
+    max_num_seqs=8, distributed_executor_backend="uni",
+)
+state = plugin.active()
+runner = state.runner
+print("RUNNER", type(runner).__module__, type(state._vllm).__name__, flush=True)
+greedy = lambda n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+tokens = lambda rng, n: [rng.randrange(2, 512) for _ in range(n)]
+
+def request_index(request_id):
+    return next(i for rid, i in runner.req_states.req_id_to_index.items() if rid.rsplit("-", 1)[0] == request_id)
+
+def blocks(request_id):
+    index = request_index(request_id)
+    return runner.block_tables.block_tables[0].gpu[index, : runner.block_tables.num_blocks.np[0, index]].tolist()
+
+def internal_id(request_id):
+    return next(rid for rid in runner.req_states.req_id_to_index if rid.rsplit("-", 1)[0] == request_id)
+
+def decoding(ids, engine):
+    for _ in range(60):
+        engine.step()
+        if all(any(r.rsplit("-", 1)[0] == i for r in runner.req_states.req_id_to_index) for i in ids) and all(
+            runner.req_states.num_computed_tokens_np[request_index(i)] >= 2 * BLOCK + 4 for i in ids
+        ):
+            return
+    raise AssertionError("the requests did not all reach decoding")
+"""
+
+MIXED_WORKLOAD = """
+rng = random.Random(1)
+prefix = tokens(rng, 2 * BLOCK + 5)
+prompts = [prefix + tokens(rng, 10 + 23 * i) for i in range(10)]
+outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy(60 + 25 * (i % 4)) for i in range(10)], use_tqdm=False)
+print("MIXED", json.dumps(dict(
+    lengths=[len(o.outputs[0].token_ids) for o in outputs], cached=max(o.num_cached_tokens for o in outputs),
+    preempted=len(preemptions), longest_prompt=max(map(len, prompts)), stats=state.canary.stats(),
+)), flush=True)
+"""
+
+FAULT = """
+engine = llm.llm_engine
+ids = [f"fault-{i}" for i in range(3)]
+rng = random.Random(2)
+for i, request_id in enumerate(ids):
+    engine.add_request(request_id, {"prompt_token_ids": tokens(rng, 70 + 9 * i)}, greedy(200))
+decoding(ids, engine)
+victim, other = ids[1], ids[2]
+if sys.argv[2] == "flip":
+    block = blocks(victim)[1]
+    state.kv_caches[1].view(torch.int16)[block, 1, 5, 77] ^= 1 << 9
+else:  # the victim's second block-table entry points at another request's second block
+    block = blocks(other)[1]
+    runner.block_tables.block_tables[0].gpu[request_index(victim), 1] = block
+print("FAULT", json.dumps(dict(block=block, victim=internal_id(victim), block_size=BLOCK)), flush=True)
+try:
+    engine.step()
+    engine.step()
+except Exception as error:
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    print("RAISED", type(error).__name__, flush=True)
+"""
+
+LINE = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny-llama-v2"))
+
+
+def _run(model, script: str, *args: str, **env) -> str:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", **env)
+    command = [sys.executable, "-c", TRITON_ON_CPU + ENGINE + textwrap.dedent(script), str(model), *args]
+    done = subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert "RUNNER vllm.v1.worker.cpu.model_runner RunnerV2\n" in done.stdout, done.stdout[-4000:]
+    return done.stdout
+
+
+def _result(output: str, key: str):
+    (line,) = [line for line in output.splitlines() if line.startswith(key + " ")]
+    return json.loads(line[len(key) + 1 :])
+
+
+def test_model_runner_v2_is_watched_and_a_mixed_workload_raises_no_false_alarm(tiny_llama):
+    output = _run(tiny_llama, MIXED_WORKLOAD, KVCANARY_VLLM="log")
+    assert re.search(r"kv-canary: watching vllm\.v1\.worker\.cpu\.model_runner\.CPUModelRunner: 1 KV cache group", output)
+    mixed = _result(output, "MIXED")
+    assert mixed["lengths"] == [60 + 25 * (i % 4) for i in range(10)]
+    assert mixed["stats"]["violations"] == 0 and "kv_canary violation" not in output
+    assert mixed["stats"]["slots_verified"] > 10_000 and mixed["stats"]["slots_recorded"] > 1_000
+    assert mixed["cached"] >= 64, "the shared prefix was meant to hit the prefix cache"
+    assert mixed["preempted"], "the KV space was meant to be small enough to preempt"
+    assert mixed["longest_prompt"] > 64  # chunked prefill
+
+
+@pytest.mark.parametrize("fault", ["flip", "table"])
+def test_model_runner_v2_a_fault_names_its_request(tiny_llama, fault):
+    output = _run(tiny_llama, FAULT, fault, KVCANARY_VLLM="log")
+    injected = _result(output, "FAULT")
+    found = [LINE.search(line).groups() for line in output.splitlines() if LINE.search(line)]
+    assert found, f"the {fault} was not reported:\n{output[-3000:]}"
+    assert "RAISED" not in output
+    for reasons, slot, requests in found:
+        assert requests.split(",") == [injected["victim"]]
+        if fault == "flip":
+            assert reasons == "verify_real_kv_hash" and int(slot) // injected["block_size"] == injected["block"]
+    if fault == "table":  # another request's tokens, read from V2's token history; every byte intact
+        reasons = {reason for found_reasons, _, _ in found for reason in found_reasons.split("+")}
+        assert "verify_token" in reasons and "verify_chain_hash" in reasons and "verify_real_kv_hash" not in reasons
+
+
+def test_model_runner_v2_under_raise_stops_the_step(tiny_llama):
+    output = _run(tiny_llama, FAULT, "flip", KVCANARY_VLLM="raise")
+    assert "RAISED KvCorruptionError" in output, output[-3000:]
+
+
+def test_a_model_runner_v2_that_overrides_its_step_is_refused(tiny_llama):
+    # In a process of its own: importing V2's runner leaves vLLM unable to start a V1 engine
+    # in the same process (vLLM's Triton dispatcher then trips over one of V2's imports).
+    script = TRITON_ON_CPU + textwrap.dedent("""
+        from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+        from torch_kvcanary.integrations.vllm import adapter
+
+        class OwnStep(CPUModelRunner):  # a V2 runner whose forwards might skip V2's forward bracket
+            def execute_model(self, *args, **kwargs):
+                return super().execute_model(*args, **kwargs)
+
+        print("V2", adapter.unwatchable(object.__new__(CPUModelRunner)))
+        print("OWN", adapter.unwatchable(object.__new__(OwnStep)))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("V2 ", "OWN ")))
+    assert lines["V2"] == "None", done.stdout[-3000:]
+    assert lines["OWN"] == (
+        "the vLLM plugin cannot watch __main__.OwnStep: it overrides execute_model of vllm.v1.worker.gpu.model_runner.GPUModelRunner, "
+        "through which the plugin sees every model forward"
+    )
+
+
+def test_model_runner_v2_refuses_the_kv_connector(tiny_llama):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", KVCANARY_VLLM="repair")
+    start = TRITON_ON_CPU + textwrap.dedent("""
+        import sys, vllm
+        try:
+            vllm.LLM(
+                model=sys.argv[1], dtype="bfloat16", max_model_len=512, block_size=32, kv_cache_memory_bytes=900 << 10,
+                enforce_eager=True, distributed_executor_backend="uni", async_scheduling=False,
+                kv_transfer_config={"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"},
+            )
+        except Exception as error:
+            while error.__cause__ is not None or error.__context__ is not None:
+                error = error.__cause__ or error.__context__
+            print("REFUSED", error)
+    """)
+    done = subprocess.run([sys.executable, "-c", start, str(tiny_llama)], env=environment, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+    (refused,) = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert refused.startswith(
+        "REFUSED kv-canary: KVCANARY_VLLM=repair needs Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)"
+    )
