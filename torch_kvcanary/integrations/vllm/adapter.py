@@ -505,7 +505,9 @@ class Runner:
         return [kind for kind in self.kv_cache_group_kinds() if kind not in WATCHED_SPECS and kind not in SKIPPED_SPECS]
 
     def kv_cache_groups(self) -> list[KvCacheGroup]:
-        """The watched KV cache groups (`WATCHED_SPECS`), each with its attention layers in layer order."""
+        """The watched KV cache groups (`WATCHED_SPECS`), each with the attention layers of the
+        served model in layer order (`drafter_layer_names` are left out; a group of none of
+        the served model's layers is not watched)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         indices = _watched_group_indices(self.model_runner)
@@ -513,10 +515,13 @@ class Runner:
             return []
         groups = self.model_runner.kv_cache_config.kv_cache_groups
         context = self.model_runner.compilation_config.static_forward_context
+        served = self._served_layer_names()
         watched = []
         for index in indices:
             spec = groups[index].kv_cache_spec
-            names = sorted(groups[index].layer_names, key=extract_layer_index)
+            names = sorted((name for name in groups[index].layer_names if name in served), key=extract_layer_index)
+            if not names:
+                continue
             layers = [AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name()) for name in names]
             block_size, device_block_table, block_table = self._block_table(index)
             watched.append(
@@ -532,6 +537,22 @@ class Runner:
                 )
             )
         return watched
+
+    def drafter_layer_names(self) -> list[str]:
+        """The layers of the watched KV cache groups that are not the served model's: a
+        speculative drafter's (a draft model, EAGLE, MTP), which write the pool outside the
+        model's forward, when the drafter proposes."""
+        served = self._served_layer_names()
+        groups = self.model_runner.kv_cache_config.kv_cache_groups
+        return sorted(
+            name for index in _watched_group_indices(self.model_runner) for name in groups[index].layer_names if name not in served
+        )
+
+    def _served_layer_names(self) -> set[str]:
+        """The attention layers of the model the runner serves (its ``get_model()``)."""
+        return {
+            module.layer_name for module in self.model_runner.get_model().modules() if isinstance(getattr(module, "layer_name", None), str)
+        }
 
     def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
         """KV cache group ``group``'s block size, device block table and block table object

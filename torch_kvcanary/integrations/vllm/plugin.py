@@ -412,9 +412,11 @@ class WorkerCanary:
             source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
         else:
             source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
+        drafter_layers = len(self._vllm.drafter_layer_names())
+        drafter = f"; {drafter_layers} layers of the speculative drafter not watched" if drafter_layers else ""
         return (
             f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
-            f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}), "
+            f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
             f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
             f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
             f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot), {source}"
