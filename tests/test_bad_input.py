@@ -267,6 +267,24 @@ CASES = [
         "dst_slots must lie in [0, 8), got values in [8, 8]",
     ),
     (
+        "canary: refold without a padding slot",
+        lambda: kc.KvCanary(GOOD).refold(torch.tensor([0])),
+        ValueError,
+        "refold needs a KvCanary with a padding_slot",
+    ),
+    (
+        "canary: refold dtype",
+        lambda: kc.KvCanary(GOOD, padding_slot=0).refold(torch.tensor([1.0])),
+        TypeError,
+        "slots must be an int32 or int64 tensor",
+    ),
+    (
+        "canary: refold range",
+        lambda: kc.KvCanary(GOOD, padding_slot=0).refold(torch.tensor([3, 8])),
+        IndexError,
+        "refold's slots must lie in [0, 8) or be negative, got 8",
+    ),
+    (
         "canary: copy_records destinations",
         lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0, 1]), torch.tensor([2, 2])),
         ValueError,

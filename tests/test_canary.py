@@ -93,3 +93,29 @@ def test_copied_records_follow_copied_bytes(device):
     assert not canary.verify(48 + block, positions=positions, tokens=tokens).any()
     assert not canary.verify(32 + block).any()
     assert canary.poll() == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refold_takes_new_bytes_and_keeps_the_rest_of_each_record(device):
+    """After a legitimate write to other slots' bytes (a block-packed backend), refold gives
+    the slots the fold a fresh record of their bytes has, and keeps token, position, chain
+    and owner; negative slots are skipped."""
+    kv = _paged_pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), padding_slot=0)
+    block = torch.arange(16, 32, device=device)
+    positions, tokens = torch.arange(16, device=device), torch.arange(200, 216, device=device)
+    prev = torch.cat([torch.tensor([-1], device=device), block[:-1]])
+    canary.record(block, positions=positions, tokens=tokens, prev_slots=prev, tag=3)
+    before = canary.records.clone()
+    kv[:, 1, 2:9] += 1.0  # slots 18 .. 24
+    checks = dict(positions=positions, tokens=tokens, prev_slots=prev)
+    assert canary.verify(block, **checks).nonzero().flatten().tolist() == list(range(2, 9))
+    canary.poll()
+    canary.refold(torch.tensor([-1, 18, 19, 20, 21, 22, 23, 24, -5], device=device))
+    assert not canary.verify(block, 3, **checks).any()
+    fresh = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    fresh.record(block)
+    assert torch.equal(canary.records[16:32, 3], fresh.records[16:32, 3])  # the fold of a fresh record
+    assert torch.equal(canary.records[16:32, :3], before[16:32, :3])  # token, position, chain kept
+    assert torch.equal(canary.records[32:], before[32:]) and (canary.owners(block) == 3).all()
+    assert canary.poll() == []

@@ -24,6 +24,7 @@ from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, fo
 
 _MASK64 = (1 << 64) - 1
 RECORD_FIELDS = ("token", "position", "chain", "fold")
+_FOLD = RECORD_FIELDS.index("fold")
 """The columns of `KvCanary.records`, SGLang's canary-buffer order."""
 
 _VIOLATION_FIELDS = 8
@@ -336,10 +337,7 @@ class KvCanary:
         destination is written. Eager (the range check syncs); nothing is changed when an
         argument is refused."""
         for value, name in ((src_slots, "src_slots"), (dst_slots, "dst_slots")):
-            if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {getattr(value, 'dtype', type(value).__name__)}")
-            if value.device != self.device:
-                raise ValueError(f"kv-canary: {name} must be on the canary's device {self.device}, got {value.device}")
+            self._check_slot_tensor(value, name)
         if src_slots.shape != dst_slots.shape:
             raise ValueError(
                 f"kv-canary: src_slots and dst_slots must have one shape, got {tuple(src_slots.shape)} and {tuple(dst_slots.shape)}"
@@ -355,6 +353,29 @@ class KvCanary:
             raise ValueError("kv-canary: dst_slots must be distinct (each destination gets one source's record)")
         self._records[dst] = self._records[src]
         self._owner_tags[dst] = self._owner_tags[src]
+
+    def refold(self, slots: torch.Tensor) -> None:
+        """Recompute the fold of ``slots`` after the engine changed their bytes on purpose,
+        keeping each slot's token, position, chain and owner: a backend that packs a block's
+        tokens together changes the bytes of the block's other slots when it writes one
+        (`layouts.VLLM_BLOCK_PACKED_BACKENDS`). Negative slots are skipped; the others must
+        lie in ``[0, capacity)`` (checked where the canary's device is the host; elsewhere
+        the check would sync, and a slot out of range is skipped). The canary needs a
+        ``padding_slot``: the skipped entries fold it, whose record no check reads."""
+        self._check_slot_tensor(slots, "slots")
+        if self.padding_slot is None:
+            raise ValueError("kv-canary: refold needs a KvCanary with a padding_slot (its skipped entries fold it)")
+        flat = slots.reshape(-1)
+        if self.device.type == "cpu" and flat.numel() and int(flat.max()) >= self.capacity:
+            raise IndexError(f"kv-canary: refold's slots must lie in [0, {self.capacity}) or be negative, got {int(flat.max())}")
+        at = torch.where((flat >= 0) & (flat < self.capacity), flat, self.padding_slot).long()
+        self._records[at, _FOLD] = torch.ops.kvcanary.fold(self._views, at, self._read_bytes, may_check_bounds(at))
+
+    def _check_slot_tensor(self, value, name: str) -> None:
+        if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+        if value.device != self.device:
+            raise ValueError(f"kv-canary: {name} must be on the canary's device {self.device}, got {value.device}")
 
     def owners(self, slots: torch.Tensor) -> torch.Tensor:
         """The tags ``slots`` were last recorded under (-1: never, or padding)."""

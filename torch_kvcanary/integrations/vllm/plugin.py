@@ -46,8 +46,8 @@ Prefix caching, chunked prefill, preemption and recompute need nothing special: 
 block holds the same records for every request that reads it, and a recomputed slot is
 recorded again when it is rewritten. Under a backend that packs a block's tokens together
 (CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
-the unwritten rows of each request's last block are verified too, and every slot of a
-block the forward wrote is recorded again. The context's tokens are checked against the
+the unwritten rows of each request's last block are verified too, and every other slot of
+a block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's tokens are checked against the
 runner's token history where it lives on the canary's device (vLLM's CPU build), and not
 under async scheduling (the history may lag the device by a step); the other checks stay.
 
@@ -269,7 +269,7 @@ class _Batch:
 
 
 # The sets of a step's plan (`_step_ranges`), in order; each group's two (its context, then
-# its re-record indices) follow them. Range sets are expanded on the device through a block
+# its refold indices) follow them. Range sets are expanded on the device through a block
 # table; index sets (`_INDEX_SETS`, and each group's second) are expanded on the host.
 _WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, 5
 _PER_GROUP = 2
@@ -569,11 +569,9 @@ class WorkerCanary:
         context."""
         _, _, prev_slots, rows = self._slots(entries.group, batch, _WRITTEN)
         entries.written_slots, entries.written_rows = entries.written_slots[order], rows[order]
-        written = (entries.written_slots, positions, tokens, prev_slots[order])
+        self.canary.record(entries.written_slots, positions=positions, tokens=tokens, prev_slots=prev_slots[order])
         if self._blocks_packed:
-            written = self._with_block_neighbours(entries, batch, written)
-        slots, positions, tokens, prev_slots = written
-        self.canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
+            self._refold_block_neighbours(entries, batch)
         if entries.context is not None and self._may_defer(entries.deferred_slots):
             context = entries.context
             self._verify_context(entries, entries.deferred_slots, context.rows, context.positions, context.prev_slots)
@@ -591,32 +589,22 @@ class WorkerCanary:
         entries.checks.append((slots, rows, flagged))
         return flagged
 
-    def _with_block_neighbours(self, entries: _GroupBatch, batch: _Batch, written: tuple) -> tuple:
-        """Under a block-packed backend writing a slot changes the fold of its block's other
-        slots, so every slot of a block the forward wrote is recorded again, ahead of the
-        written entries: those of the request's last block verified before the forward (and
-        not flagged) with the records they hold (an unwritten tail slot holds -1s), the
-        others (its new tail: the rest of the last block it writes) with -1s. A written entry
-        without its token (a model run on embeddings) records -1."""
-        written_slots = written[0]
-        if written[2] is None:
-            written = (*written[:2], torch.full_like(written_slots, -1), written[3])
+    def _refold_block_neighbours(self, entries: _GroupBatch, batch: _Batch) -> None:
+        """Under a block-packed backend writing a slot changes the bytes of its block's other
+        slots, so every other slot of a block the forward wrote gets its fold recomputed,
+        its token, position and chain kept (`KvCanary.refold`): those of each request's last
+        block verified before the forward (a flagged slot keeps its record, so that it is
+        reported again while it is read), and the rest of the last block it writes (its new
+        tail). A block the forward wrote whole was recorded whole."""
         again = []
         for part, ranges in ((entries.context, entries.context_ranges + 1), (entries.tail, _TAIL_AGAIN)):
-            if part is None or not batch.counts[ranges]:
-                continue
-            at = batch.indices(ranges)
-            # A flagged slot keeps its record, so that it is reported again while it is read.
-            slots = torch.where(part.flagged[at], -1, part.slots[at])
-            unknown = torch.full_like(slots, -1)
-            positions = part.positions[at] if part.positions is not None else unknown
-            prev_slots = part.prev_slots[at] if part.prev_slots is not None else unknown
-            again.append((slots, positions, self.canary.records[slots.clamp(min=0), 0], prev_slots))
+            if part is not None and batch.counts[ranges]:
+                at = batch.indices(ranges)
+                again.append(torch.where(part.flagged[at], -1, part.slots[at]))
         if batch.counts[_NEW_TAIL]:
-            new_tail = self._slots(entries.group, batch, _NEW_TAIL)[0]
-            unknown = torch.full_like(new_tail, -1)
-            again.insert(0, (new_tail, unknown, unknown, unknown))
-        return tuple(torch.cat(parts) for parts in zip(*again, written))
+            again.append(self._slots(entries.group, batch, _NEW_TAIL)[0])
+        if again:
+            self.canary.refold(torch.cat(again) if len(again) > 1 else again[0])
 
     # Reports ------------------------------------------------------------------------
 
@@ -813,8 +801,8 @@ def _step_ranges(
     ``g`` attends to. In order: the positions the forward writes; under a block-packed
     backend the tail (the rest of the last block before the forward that the forward does
     not write: a partial block is a request's own), the new tail (the rest of the last block
-    the forward writes) and, for the re-record of a block the forward writes
-    (`WorkerCanary._with_block_neighbours`), the indices of the tail entries of the requests
+    the forward writes) and, for the refold of a block the forward writes
+    (`WorkerCanary._refold_block_neighbours`), the indices of the tail entries of the requests
     that write (empty sets elsewhere); the indices of the forward's tokens in the order they
     are recorded; then per group its context, and the indices of the context entries in the
     block the forward writes into."""
