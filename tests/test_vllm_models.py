@@ -220,3 +220,13 @@ def test_a_model_without_an_attention_group_is_refused_at_start():
         ValueError, match=r"^kv-canary: the vLLM plugin watches attention KV cache groups; this model has \['MambaSpec'\]: unset"
     ):
         plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_token_check_runs_where_the_runners_history_is_current(async_scheduling):
+    # V1's history trails the device by a step under async scheduling; V2 writes each sampled
+    # token into its history on the device before the next forward.
+    v1 = types.SimpleNamespace(use_async_scheduling=async_scheduling)
+    v2 = types.SimpleNamespace(vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=async_scheduling)))
+    assert adapter.Runner(v1).token_history_current is not async_scheduling
+    assert adapter.RunnerV2(v2).async_scheduling is async_scheduling and adapter.RunnerV2(v2).token_history_current

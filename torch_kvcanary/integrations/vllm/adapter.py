@@ -459,6 +459,12 @@ class Runner:
         return self.model_runner.use_async_scheduling
 
     @property
+    def token_history_current(self) -> bool:
+        """Whether the token history (`tokens`) holds every context token when a forward
+        starts: V1's trails the device by a step under async scheduling."""
+        return not self.async_scheduling
+
+    @property
     def kv_transfer_config(self):
         """vLLM's ``kv_transfer_config`` (a ``KVTransferConfig``), None when none is set."""
         return self.model_runner.vllm_config.kv_transfer_config
@@ -588,6 +594,12 @@ class RunnerV2(Runner):
     @property
     def async_scheduling(self) -> bool:
         return bool(self.model_runner.vllm_config.scheduler_config.async_scheduling)
+
+    @property
+    def token_history_current(self) -> bool:
+        """V2 writes each sampled token into its history on the device, in stream order,
+        before the next forward, under async scheduling too."""
+        return True
 
     def tokens(self, rows: torch.Tensor, positions: torch.Tensor, history_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """V2 keeps every request's tokens (its prompt and what it sampled, written on the

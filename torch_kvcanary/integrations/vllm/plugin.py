@@ -47,9 +47,10 @@ block holds the same records for every request that reads it, and a recomputed s
 recorded again when it is rewritten. Under a backend that packs a block's tokens together
 (CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
 the unwritten rows of each request's last block are verified too, and every other slot of
-a block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's tokens are checked against the
-runner's token history where it lives on the canary's device (vLLM's CPU build), and not
-under async scheduling (the history may lag the device by a step); the other checks stay.
+a block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's
+tokens are checked against the runner's token history where it lives on the canary's device
+(V1 on vLLM's CPU build, and V2), with V1 not under async scheduling (its history may lag
+the device by a step); the other checks stay.
 
 An exception of the plugin's own code in a step (not a violation) stops the engine under
 ``raise``; under ``log`` it is logged once at ERROR with its traceback and the canary turns
@@ -334,7 +335,7 @@ class WorkerCanary:
             backends.add(layer.backend)
             sources += self._sources(layer, layout)
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
-        self._check_tokens = not self._vllm.async_scheduling
+        self._check_tokens = self._vllm.token_history_current
         # Tensor-parallel ranks poll together, so that under "raise" they all stop.
         self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
