@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 from helpers import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama  # noqa: E402
+from random_models import make_llama, make_model  # noqa: E402
 
 # vLLM's CPU build finds Triton but no "cpu" backend in it, and turns Triton off; a "cpu"
 # entry whose driver is never active satisfies that check, and the two gates of Model Runner
@@ -154,6 +154,51 @@ def test_model_runner_v2_is_watched_and_a_mixed_workload_raises_no_false_alarm(t
     assert mixed["cached"] >= 64, "the shared prefix was meant to hit the prefix cache"
     assert mixed["preempted"], "the KV space was meant to be small enough to preempt"
     assert mixed["longest_prompt"] > 64  # chunked prefill
+
+
+KINDS = """
+import json, random, sys
+import vllm
+from torch_kvcanary.integrations.vllm import plugin
+
+llm = vllm.LLM(
+    model=sys.argv[1], dtype="bfloat16", max_model_len=512, block_size=32, kv_cache_memory_bytes=8 << 20, enforce_eager=True,
+    enable_prefix_caching=True, max_num_batched_tokens=64, max_num_seqs=8, distributed_executor_backend="uni",
+)
+state = plugin.active()
+rng = random.Random(1)
+prefix = [rng.randrange(2, 500) for _ in range(70)]
+prompts = [{"prompt_token_ids": prefix + [rng.randrange(2, 500) for _ in range(10 + 23 * i)]} for i in range(8)]
+outputs = llm.generate(prompts, vllm.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), use_tqdm=False)
+print("KINDS", json.dumps(dict(
+    runner=type(state._vllm).__name__, groups=[group.kind for group in state.groups], stats=state.canary.stats(),
+    lengths=[len(o.outputs[0].token_ids) for o in outputs], cached=max(o.num_cached_tokens for o in outputs),
+)), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "kind, groups",
+    [
+        ("mistral", ["SlidingWindowSpec"]),
+        ("gemma2", ["SlidingWindowSpec", "FullAttentionSpec"]),
+        ("deepseek_v2", ["MLAAttentionSpec"]),
+        ("llama4", ["ChunkedLocalAttentionSpec", "FullAttentionSpec"]),
+    ],
+)
+def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
+    # The model kinds of tests/test_vllm_models.py (which runs them on V1, faults included):
+    # on V2, a workload with prefix cache hits and chunked prefill raises no false alarm.
+    model = make_model(tmp_path / kind, kind)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", KVCANARY_VLLM="log")
+    command = [sys.executable, "-c", TRITON_ON_CPU + textwrap.dedent(KINDS), str(model)]
+    done = subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    found = _result(done.stdout, "KINDS") if "KINDS " in done.stdout else None
+    assert found is not None, done.stdout[-3000:]
+    assert found["runner"] == "RunnerV2" and found["groups"] == groups
+    assert found["lengths"] == [60] * 8 and found["cached"] >= 64
+    assert found["stats"]["violations"] == 0 and found["stats"]["slots_verified"] > 10_000 and "kv_canary violation" not in done.stdout
 
 
 @pytest.mark.parametrize("fault", ["flip", "table"])
