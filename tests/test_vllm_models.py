@@ -230,3 +230,45 @@ def test_the_token_check_runs_where_the_runners_history_is_current(async_schedul
     v2 = types.SimpleNamespace(vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=async_scheduling)))
     assert adapter.Runner(v1).token_history_current is not async_scheduling
     assert adapter.RunnerV2(v2).async_scheduling is async_scheduling and adapter.RunnerV2(v2).token_history_current
+
+
+def test_model_runner_v2s_forward_bracket():
+    # V2 calls its KV connector's pre_forward and finish_forward around every forward: the
+    # bracket runs the watcher's step after each, skips dummy runs (no scheduled token), and
+    # leaves everything else to the connector, also in a copy of it.
+    import copy
+
+    calls = []
+
+    class Connector:
+        def pre_forward(self, scheduler_output, input_batch, **kwargs):
+            calls.append(("pre_forward", kwargs))
+
+        def finish_forward(self):
+            calls.append(("finish_forward",))
+
+        def set_disabled(self, disabled):
+            calls.append(("set_disabled", disabled))
+
+    class Watcher:
+        def begin_step(self, read_step):
+            calls.append(("begin_step",))
+            return "batch"
+
+        def end_step(self, batch):
+            calls.append(("end_step", batch))
+
+    runner = types.SimpleNamespace()
+    adapter.watch(runner, Watcher())
+    bracket = adapter._ForwardBracket(Connector(), runner)
+    real, dummy = types.SimpleNamespace(total_num_scheduled_tokens=3), types.SimpleNamespace(total_num_scheduled_tokens=0)
+    bracket.pre_forward(real, None, attn_metadata=None)
+    bracket.finish_forward()
+    bracket.pre_forward(dummy, None)
+    bracket.finish_forward()
+    copy.copy(bracket).set_disabled(True)
+    assert calls == [
+        ("pre_forward", {"attn_metadata": None}), ("begin_step",), ("finish_forward",), ("end_step", "batch"),
+        ("pre_forward", {}), ("finish_forward",),
+        ("set_disabled", True),
+    ]  # fmt: skip

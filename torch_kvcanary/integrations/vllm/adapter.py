@@ -273,6 +273,10 @@ class _ForwardBracket:
         self._watched: tuple[Watcher, object] | None = None
 
     def __getattr__(self, name):
+        # Only what this object lacks reaches here; its own (underscored) state is never the
+        # connector's, which also keeps a copy made before __init__ ran from recursing.
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._connector, name)
 
     def pre_forward(self, scheduler_output, input_batch, *args, **kwargs):
