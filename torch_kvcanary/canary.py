@@ -366,10 +366,14 @@ class KvCanary:
         if self.padding_slot is None:
             raise ValueError("kv-canary: refold needs a KvCanary with a padding_slot (its skipped entries fold it)")
         flat = slots.reshape(-1)
-        if self.device.type == "cpu" and flat.numel() and int(flat.max()) >= self.capacity:
-            raise IndexError(f"kv-canary: refold's slots must lie in [0, {self.capacity}) or be negative, got {int(flat.max())}")
-        at = torch.where((flat >= 0) & (flat < self.capacity), flat, self.padding_slot).long()
-        self._records[at, _FOLD] = torch.ops.kvcanary.fold(self._views, at, self._read_bytes, may_check_bounds(at))
+        if self.device.type == "cpu":
+            if flat.numel() and int(flat.max()) >= self.capacity:
+                raise IndexError(f"kv-canary: refold's slots must lie in [0, {self.capacity}) or be negative, got {int(flat.max())}")
+            in_range = flat >= 0
+        else:
+            in_range = (flat >= 0) & (flat < self.capacity)
+        at = torch.where(in_range, flat, self.padding_slot).long()
+        self.fingerprints[at] = torch.ops.kvcanary.fold(self._views, at, self._read_bytes, may_check_bounds(at))
 
     def _check_slot_tensor(self, value, name: str) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
