@@ -167,3 +167,63 @@ def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
     assert reports.summary(130.5) == (
         "kv_canary summary: launch_tag=vllm seconds=20.0 repeated_detections=1 repeated_slots=1 slots_logged=3 ring_dropped=0"
     )
+
+
+def _expected_sets(computed, scheduled, firsts, block_size, packed):
+    """The step's sets row by row, transcribed from `plugin._step_ranges`' docstring: each
+    set's entries as a list (positions for the range sets, entry indices for the others)."""
+    rows = range(len(computed))
+    ceil = (lambda n: -(-n // block_size) * block_size) if packed else (lambda n: n)
+    written = [list(range(computed[i], computed[i] + scheduled[i])) for i in rows]
+    tail = [[p for p in range(computed[i], ceil(computed[i])) if p not in written[i]] for i in rows]
+    new_tail = [list(range(max(computed[i] + scheduled[i], ceil(computed[i])), ceil(computed[i] + scheduled[i]))) for i in rows]
+    tail_index = iter(range(sum(map(len, tail))))
+    tail_indices = [[next(tail_index) for _ in tail[i]] for i in rows]
+    tail_again = [tail_indices[i] if scheduled[i] else [] for i in rows]
+    token_index = iter(range(sum(scheduled)))
+    tokens = [[next(token_index) for _ in range(scheduled[i])] for i in rows]
+    order = sorted(rows, key=lambda i: computed[i])  # stable: ties keep the batch's order
+    sets = [written, tail, new_tail, [sum(tail_again, [])], [sum((tokens[i] for i in order), [])]]
+    for first in firsts:
+        context = [list(range(first[i], computed[i])) for i in rows]
+        index = iter(range(sum(map(len, context))))
+        indices = [[next(index) for _ in context[i]] for i in rows]
+        last_block = [computed[i] // block_size * block_size for i in rows]
+        again = [[k for k, p in zip(indices[i], context[i]) if p >= last_block[i]] if packed and scheduled[i] else [] for i in rows]
+        sets += [context, [sum(again, [])]]
+    return sets
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_step_plan_packs_every_set(seed):
+    """`plugin._step_ranges` and `plugin._ranges` against a row-by-row transcription: each
+    range set's offsets and starts expand to its positions, each index set holds its values."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    num_rows, block_size, packed = int(rng.integers(0, 7)), int(rng.choice([1, 4, 16])), bool(seed % 2)
+    computed = rng.integers(0, 70, num_rows)
+    scheduled = rng.integers(0, 20, num_rows) * (rng.random(num_rows) < 0.8)
+    firsts = [np.zeros(num_rows, dtype=np.int64), np.minimum(computed, rng.integers(0, 70, num_rows))]
+    starts, ends = plugin._step_ranges(computed, scheduled, firsts, block_size, packed)
+    index_sets = {*plugin._INDEX_SETS, *range(plugin._CONTEXT + 1, len(starts), plugin._PER_GROUP)}
+    plan, bases, counts = plugin._ranges(starts, ends, index_sets)
+    expected = _expected_sets(computed.tolist(), scheduled.tolist(), [f.tolist() for f in firsts], block_size, packed)
+    assert len(counts) == len(expected)
+    for k, want in enumerate(expected):
+        if k in index_sets:
+            assert plan[bases[k] : bases[k] + counts[k]].tolist() == want[0], k
+            continue
+        offsets = plan[bases[k] : bases[k] + num_rows + 1]
+        row_starts = plan[bases[k] + num_rows + 1 : bases[k] + 2 * num_rows + 1]
+        got = [list(range(row_starts[i], row_starts[i] + offsets[i + 1] - offsets[i])) for i in range(num_rows)]
+        assert offsets[0] == 0 and got == want and counts[k] == sum(map(len, want)), k
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_record_order_is_the_batch_order_exactly_when_the_writers_come_in_order(seed):
+    import numpy as np
+
+    first_written = np.random.default_rng(seed).integers(0, 4, seed % 7)
+    identity = (plugin._writers_first(first_written) == np.arange(len(first_written))).all()
+    assert plugin._writers_in_batch_order(first_written) == identity

@@ -255,6 +255,7 @@ class _Batch:
     bases: list[int]
     counts: list[int]
     history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
+    recorded_in_batch_order: bool  # the record order (`_writers_first`) is the batch's own
     groups: list[_GroupBatch] = field(default_factory=list)
 
     def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -262,6 +263,11 @@ class _Batch:
         of entries), views of `plan`."""
         rows, base = len(self.req_ids), self.bases[index]
         return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
+
+    def in_record_order(self, values: torch.Tensor) -> torch.Tensor:
+        """The step's written entries ``values`` (one per token, in batch order) in the order
+        they are recorded."""
+        return values if self.recorded_in_batch_order else values[self.indices(_RECORD_ORDER)]
 
     def indices(self, index: int) -> torch.Tensor:
         """Index set ``index``'s values, a view of `plan`."""
@@ -481,6 +487,7 @@ class WorkerCanary:
         batch = _Batch(
             step.request_ids, step.num_tokens, step.input_ids, step.positions,
             torch.from_numpy(plan).to(device, non_blocking=True), bases, counts, step.history_rows,
+            recorded_in_batch_order=_writers_in_batch_order(step.num_computed),
         )  # fmt: skip
         self._batch = batch
         if len(step.block_copies):
@@ -550,11 +557,10 @@ class WorkerCanary:
 
     def _end_step(self, batch: _Batch) -> None:
         if batch.num_tokens:
-            order = batch.indices(_RECORD_ORDER)
-            positions = batch.positions[: batch.num_tokens][order]
-            tokens = batch.input_ids[: batch.num_tokens][order] if batch.input_ids is not None else None
+            positions = batch.in_record_order(batch.positions[: batch.num_tokens])
+            tokens = batch.in_record_order(batch.input_ids[: batch.num_tokens]) if batch.input_ids is not None else None
             for entries in batch.groups:
-                self._record(entries, batch, order, positions, tokens)
+                self._record(entries, batch, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
         self._steps += 1
@@ -562,15 +568,13 @@ class WorkerCanary:
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _record(
-        self, entries: _GroupBatch, batch: _Batch, order: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None
-    ) -> None:
-        """Records the slots the forward wrote in one group (its entries taken in ``order``),
+    def _record(self, entries: _GroupBatch, batch: _Batch, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """Records the slots the forward wrote in one group (in the step's record order),
         chained through the slot of each one's previous position, then verifies its deferred
         context."""
         _, _, prev_slots, rows = self._slots(entries.group, batch, _WRITTEN)
-        entries.written_slots, entries.written_rows = entries.written_slots[order], rows[order]
-        self.canary.record(entries.written_slots, positions=positions, tokens=tokens, prev_slots=prev_slots[order])
+        entries.written_slots, entries.written_rows = batch.in_record_order(entries.written_slots), batch.in_record_order(rows)
+        self.canary.record(entries.written_slots, positions=positions, tokens=tokens, prev_slots=batch.in_record_order(prev_slots))
         if self._blocks_packed:
             self._refold_block_neighbours(entries, batch)
         if entries.context is not None and self._may_defer(entries.deferred_slots):
@@ -768,68 +772,85 @@ def _writers_first(first_written: np.ndarray) -> np.ndarray:
     return np.argsort(first_written, kind="stable")
 
 
+def _writers_in_batch_order(first_written: np.ndarray) -> bool:
+    """Whether `_writers_first` keeps the batch's order (the positions do not decrease)."""
+    return bool((np.diff(first_written) >= 0).all())
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two layer tensors are the same view of the same bytes."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def _ranges(starts: list[np.ndarray], ends: list[np.ndarray], index_sets=frozenset()) -> tuple[np.ndarray, list[int], list[int]]:
-    """A step's sets, each the ranges ``[starts[k][i], ends[k][i])`` of every row ``i``,
+def _ranges(starts: np.ndarray, ends: np.ndarray, index_sets=frozenset()) -> tuple[np.ndarray, list[int], list[int]]:
+    """A step's sets, each the ranges ``[starts[k, i], ends[k, i])`` of every row ``i``,
     packed into one int64 array: a range set as its `kvcanary::context_slots` arguments (its
     offsets, ``R + 1``, then its starts, ``R``), a set of ``index_sets`` as its values (row
-    by row, each range in order); and each set's base in the array and number of entries."""
-    rows = len(starts[0])
-    lengths = [end - first for first, end in zip(starts, ends)]
-    counts = [int(length.sum()) for length in lengths]
-    sizes = [counts[k] if k in index_sets else 2 * rows + 1 for k in range(len(starts))]
-    bases = np.cumsum([0, *sizes[:-1]]).tolist()
-    plan = np.empty(sum(sizes), dtype=np.int64)
-    for k, (first, length, base) in enumerate(zip(starts, lengths, bases)):
-        if k in index_sets:
-            plan[base : base + counts[k]] = np.repeat(first - (np.cumsum(length) - length), length) + np.arange(counts[k])
-        else:
-            plan[base] = 0
-            np.cumsum(length, out=plan[base + 1 : base + rows + 1])
-            plan[base + rows + 1 : base + 2 * rows + 1] = first
-    return plan, bases, counts
+    by row, each range in order); and each set's base in the array and number of entries.
+    The range sets come first, then the index sets' values; a fixed number of numpy calls
+    whatever the number of sets and rows."""
+    num_sets, rows = starts.shape
+    lengths = ends - starts
+    offsets = np.cumsum(lengths, axis=1)
+    counts = lengths.sum(axis=1).tolist()
+    is_index = np.zeros(num_sets, dtype=bool)
+    is_index[list(index_sets)] = True
+    ranged = np.flatnonzero(~is_index)
+    packed = np.empty((len(ranged), 2 * rows + 1), dtype=np.int64)
+    packed[:, 0] = 0
+    packed[:, 1 : rows + 1] = offsets[ranged]
+    packed[:, rows + 1 :] = starts[ranged]
+    # Every index set's values at once: each range's start, then one more per entry.
+    index_lengths = lengths[is_index].reshape(-1)
+    ends_before = np.cumsum(index_lengths) - index_lengths
+    values = np.repeat(starts[is_index].reshape(-1) - ends_before, index_lengths) + np.arange(int(index_lengths.sum()))
+    sizes = np.where(is_index, counts, 2 * rows + 1)
+    order = np.concatenate([ranged, np.flatnonzero(is_index)])
+    bases = np.empty(num_sets, dtype=np.int64)
+    bases[order] = np.cumsum(sizes[order]) - sizes[order]
+    return np.concatenate([packed.reshape(-1), values]), bases.tolist(), counts
 
 
 def _step_ranges(
     computed: np.ndarray, scheduled: np.ndarray, firsts: list[np.ndarray], block_size: int, blocks_packed: bool
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """A step's sets as (starts, ends), per request (row) of the step: ``computed`` tokens in
-    the cache, ``scheduled`` run by the forward, ``firsts[g]`` the first position group
-    ``g`` attends to. In order: the positions the forward writes; under a block-packed
-    backend the tail (the rest of the last block before the forward that the forward does
-    not write: a partial block is a request's own), the new tail (the rest of the last block
-    the forward writes) and, for the refold of a block the forward writes
-    (`WorkerCanary._refold_block_neighbours`), the indices of the tail entries of the requests
-    that write (empty sets elsewhere); the indices of the forward's tokens in the order they
-    are recorded; then per group its context, and the indices of the context entries in the
-    block the forward writes into."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """A step's sets as (starts, ends), int64 ``[sets, R]``, per request (row) of the step:
+    ``computed`` tokens in the cache, ``scheduled`` run by the forward, ``firsts[g]`` the
+    first position group ``g`` attends to. In order (`_WRITTEN` ...): the positions the
+    forward writes; under a block-packed backend the tail (the rest of the last block before
+    the forward that the forward does not write: a partial block is a request's own), the
+    new tail (the rest of the last block the forward writes) and, for the refold of a block
+    the forward writes (`WorkerCanary._refold_block_neighbours`), the indices of the tail
+    entries of the requests that write (empty sets elsewhere); the indices of the forward's
+    tokens in the order they are recorded; then per group its context, and the indices of
+    the context entries in the block the forward writes into (empty unless block-packed)."""
+    starts = np.zeros((_CONTEXT + _PER_GROUP * len(firsts), len(computed)), dtype=np.int64)
+    ends = np.zeros_like(starts)
     written_end = computed + scheduled
+    starts[_WRITTEN], ends[_WRITTEN] = computed, written_end
     writes = scheduled > 0
-    tail_end, new_tail_end = computed, written_end
     if blocks_packed:
-        tail_end, new_tail_end = (-(-end // block_size) * block_size for end in (computed, written_end))
-    tail_start = np.minimum(written_end, tail_end)
-    new_tail_start = np.maximum(written_end, tail_end)
-    tail_offsets = np.cumsum(tail_end - tail_start) - (tail_end - tail_start)
-    tail_again = np.where(writes & blocks_packed, tail_end - tail_start, 0)
-    starts = [computed, tail_start, new_tail_start, tail_offsets]
-    ends = [written_end, tail_end, np.maximum(new_tail_end, new_tail_start), tail_offsets + tail_again]
+        ends[_TAIL] = -(-computed // block_size) * block_size
+        np.minimum(written_end, ends[_TAIL], out=starts[_TAIL])
+        np.maximum(written_end, ends[_TAIL], out=starts[_NEW_TAIL])
+        np.maximum(-(-written_end // block_size) * block_size, starts[_NEW_TAIL], out=ends[_NEW_TAIL])
+        tail_lengths = ends[_TAIL] - starts[_TAIL]
+        starts[_TAIL_AGAIN] = np.cumsum(tail_lengths) - tail_lengths
+        ends[_TAIL_AGAIN] = starts[_TAIL_AGAIN] + np.where(writes, tail_lengths, 0)
     # The written entries are recorded request by request in the order of their first
     # written position (`_writers_first`): the token indices of each request, in that order.
     order = _writers_first(computed)
-    token_offsets = np.cumsum(scheduled) - scheduled
-    starts.append(token_offsets[order])
-    ends.append(token_offsets[order] + scheduled[order])
-    for first in firsts:
-        context_offsets = np.cumsum(computed - first) - (computed - first)
-        block_start = np.maximum(first, computed // block_size * block_size)
-        again = np.where(writes & blocks_packed, computed - block_start, 0)
-        starts += [first, context_offsets + block_start - first]
-        ends += [computed, context_offsets + block_start - first + again]
+    starts[_RECORD_ORDER] = (np.cumsum(scheduled) - scheduled)[order]
+    ends[_RECORD_ORDER] = starts[_RECORD_ORDER] + scheduled[order]
+    last_block_start = computed // block_size * block_size
+    for group, first in enumerate(firsts):
+        context = _CONTEXT + _PER_GROUP * group
+        starts[context], ends[context] = first, computed
+        if blocks_packed:
+            lengths = computed - first
+            block_start = np.maximum(first, last_block_start)
+            starts[context + 1] = np.cumsum(lengths) - lengths + block_start - first
+            ends[context + 1] = starts[context + 1] + np.where(writes, computed - block_start, 0)
     return starts, ends
 
 
