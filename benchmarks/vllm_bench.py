@@ -19,7 +19,10 @@ the steps: the plugin's time per step (its work before and after the forward, th
 kernels and its torch ops included: on vLLM's CPU build the device is the CPU), and its host
 work per step, measured in a second run under torch's profiler: the time the plugin spends
 outside torch's ops, in Python and numpy, which is what the host does per step where a GPU
-runs the ops asynchronously. Each length runs ``--rounds`` times in turns, and the least of
+runs the ops asynchronously; and how the first splits into its parts (`PHASES`: the host's
+plan of the step, the expansion of its ranges through the block table, the token gather,
+and the canary's verify, record, refold and poll calls, each with its torch ops and Python).
+Each length runs ``--rounds`` times in turns, and the least of
 the runs' medians is printed (on a shared machine other work inflates some runs).
 """
 
@@ -117,9 +120,13 @@ def step_time_child(args) -> None:
     watcher = plugin.active()
     begin_step, end_step = watcher.begin_step, watcher.end_step
     seconds: list[float] = []
+    phases: list[dict[str, float]] = []  # per step, the seconds of each of `PHASES`
+    _time_phases(watcher, plugin, phases)
 
     def timed(method, first: bool):
         def call(arg):
+            if first:
+                phases.append(dict.fromkeys(PHASES, 0.0))
             start = time.perf_counter()
             try:
                 with torch.profiler.record_function(PLUGIN_RANGE):
@@ -135,23 +142,52 @@ def step_time_child(args) -> None:
     def run(prompt_len: int) -> None:
         llm.reset_prefix_cache()
         seconds.clear()
+        phases.clear()
         llm.generate(*workload(args.requests, prompt_len, args.output_len), use_tqdm=False)
 
     # Each run's medians; a shared machine disturbs some runs, so the least of them is kept.
-    runs: dict[int, list[tuple[float, float]]] = {prompt_len: [] for prompt_len in args.prompt_lens}
+    runs: dict[int, list[tuple[float, float, dict[str, float]]]] = {prompt_len: [] for prompt_len in args.prompt_lens}
     run(args.prompt_lens[0])  # warms up
     for _ in range(args.rounds):
         for prompt_len in args.prompt_lens:
             run(prompt_len)
             wall = statistics.median(seconds) * 1e6
+            medians = {name: statistics.median(step[name] for step in phases) * 1e6 for name in PHASES}
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 run(prompt_len)
-            runs[prompt_len].append((wall, statistics.median(host_work(profile.events()))))
-    result = {n: [min(w for w, _ in found), min(h for _, h in found), len(seconds)] for n, found in runs.items()}
+            runs[prompt_len].append((wall, statistics.median(host_work(profile.events())), medians))
+    result = {
+        n: [min(w for w, _, _ in found), min(h for _, h, _ in found), len(seconds), min(found, key=lambda run: run[0])[2]]
+        for n, found in runs.items()
+    }
     print(json.dumps({"steps": result, "violations": watcher.canary.stats()["violations"]}))
 
 
 PLUGIN_RANGE = "kvcanary_vllm_plugin"
+# The parts of the plugin's step that --step-time times apart (calls that never nest):
+# planning the step on the host, expanding its ranges through the block table
+# (`kvcanary::context_slots`), gathering the context's tokens, and the canary's calls.
+PHASES = ("plan", "expand", "tokens", "verify", "record", "refold", "poll")
+
+
+def _time_phases(watcher, plugin, phases: list[dict[str, float]]) -> None:
+    """Wraps the calls of `PHASES` so that each adds its seconds to the current step's entry of ``phases``."""
+
+    def timed(call, name: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                phases[-1][name] += time.perf_counter() - start
+
+        return wrapper
+
+    plugin._step_ranges, plugin._ranges = timed(plugin._step_ranges, "plan"), timed(plugin._ranges, "plan")
+    watcher._slots = timed(watcher._slots, "expand")
+    watcher._vllm.tokens = timed(watcher._vllm.tokens, "tokens")
+    for name in ("verify", "record", "refold", "poll"):
+        setattr(watcher.canary, name, timed(getattr(watcher.canary, name), name))
 
 
 def host_work(events) -> list[float]:
@@ -181,9 +217,12 @@ def run_step_time(model_dir: Path, args) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["violations"]:
         sys.exit(f"{model_dir.name}: violations on a clean run: {result['violations']}")
-    for prompt_len, (total, host, steps) in result["steps"].items():
+    for prompt_len, (total, host, steps, phases) in result["steps"].items():
         print(f"{model_dir.name:6s} prompts of {prompt_len:>5s} tokens: plugin {total:8.1f} us/step, "
               f"host work {host:7.1f} us/step (medians over {steps} steps, least of {args.rounds} runs)")  # fmt: skip
+        print(
+            f"{'':6s} its parts (medians per step, of the fastest run): " + ", ".join(f"{name} {us:.0f} us" for name, us in phases.items())
+        )
 
 
 def run_model(model_dir: Path, args) -> dict:
