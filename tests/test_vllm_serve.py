@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 from helpers import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
-from random_models import VOCAB_SIZE, make_llama  # noqa: E402
+from random_models import VOCAB_SIZE, make_llama, make_model  # noqa: E402
 from vllm_serve import Server, mixed_prompts, soak  # noqa: E402
 
 # The soak (about 15 s of requests here): 1,000, enough for a request to read, in one step,
@@ -61,9 +61,12 @@ def register():
 
         state = plugin.active()
         records = state.canary.records
-        (slot,) = ((records[:, 0] == int(token)) & (records[:, 1] == int(position))).nonzero().flatten().tolist()
-        block_size = state.block_size
-        state.kv_caches[0].view(torch.int16)[slot // block_size, 0, slot % block_size, 3] ^= 1 << 9
+        # A hybrid model's groups each hold the token in a slot of their own: the first is flipped.
+        slot = ((records[:, 0] == int(token)) & (records[:, 1] == int(position))).nonzero().flatten().tolist()[0]
+        block, offset = divmod(slot, state.block_size)
+        cache = state.kv_caches[0].view(torch.int16)
+        at = (block, offset, 3) if cache.dim() == 3 else (block, 0, offset, 3)  # MLA's latent rows, or K and V
+        cache[at] ^= 1 << 9
         return slot
 
     WorkerBase.kvcanary_test_flip = kvcanary_test_flip
@@ -86,13 +89,24 @@ def _rpc(server, method: str, *args: str) -> list:
         return json.loads(answer.read())["results"]
 
 
-def test_a_flipped_byte_is_reported_once_naming_the_request(tiny_llama, tmp_path):
+# Each kind of attention model (tools/random_models.py): full attention, a sliding window,
+# full and sliding groups over one pool, chunked-local and full groups, MLA.
+KINDS = ("llama", "mistral", "gemma2", "llama4", "deepseek_v2")
+# The flipped position: in the prompt's last full block, inside every kind's window
+# (`random_models`: 48 tokens) for the requests that extend the prompt.
+FLIPPED = 90
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_flipped_byte_is_reported_once_naming_the_request(kind, tiny_llama, tmp_path):
     site = _fault_plugin(tmp_path)
+    model = tiny_llama if kind == "llama" else make_model(tmp_path / kind, kind)
     env = dict(KVCANARY_VLLM="log", KVCANARY_VLLM_SUMMARY_S="0", VLLM_SERVER_DEV_MODE="1", PYTHONPATH=str(site))
     prompt = list(range(10, 110))
-    with Server(tiny_llama, env) as server:
+    with Server(model, env) as server:
         assert "error" not in server.complete(prompt, 4)  # its blocks stay in the prefix cache
-        (slot,) = _rpc(server, "kvcanary_test_flip", str(prompt[40]), "40")
+        assert server.canary_lines() and not [m for *_, m in server.canary_lines() if m.startswith("kv_canary violation")]
+        slot = _rpc(server, "kvcanary_test_flip", str(prompt[FLIPPED]), str(FLIPPED))[0]
         readers = [server.complete(prompt + [200 + i], 8) for i in range(2)]
         other = server.complete(list(range(300, 340)), 8)
         assert all("error" not in answer for answer in [*readers, other]) and server.alive()
