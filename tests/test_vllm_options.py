@@ -1,0 +1,91 @@
+"""The vLLM plugin under the engine options a server may be started with (vLLM's CPU build,
+in-process, one engine per option set): an fp8 KV cache, float16 and float32 models, blocks
+of 64 and 128 slots, prefix caching off, chunked prefill off. Each serves a clean workload
+(parallel sampling and beam search included) without a report, and names the right request
+after a flipped bit in a live block. (Async scheduling is not among them: vLLM's CPU platform
+turns it off, vllm/platforms/cpu.py.)
+"""
+
+import random
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from helpers import REPO  # noqa: E402
+from test_vllm_engine import KV_BUDGET, Driver, _params, _parse, _tokens, started_engine  # noqa: E402
+
+from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+from random_models import make_llama  # noqa: E402
+
+# Each option set: the engine's options over test_vllm_engine's, the KV budget's factor (a
+# float32 cache holds twice the bytes per slot), and what shows it in effect, from the
+# plugin's canary (`plugin.WorkerCanary`) and vLLM's config.
+OPTIONS = {
+    "fp8 KV cache": (dict(kv_cache_dtype="fp8"), 1, lambda state, config: state.kv_caches[0].element_size() == 1),
+    "float16": (dict(dtype="float16"), 1, lambda state, config: state.kv_caches[0].dtype == torch.float16),
+    "float32": (dict(dtype="float32"), 2, lambda state, config: state.kv_caches[0].dtype == torch.float32),
+    "blocks of 64": (dict(block_size=64), 1, lambda state, config: state.block_size == 64),
+    "blocks of 128": (dict(block_size=128), 2, lambda state, config: state.block_size == 128),
+    "no prefix caching": (dict(enable_prefix_caching=False), 1, lambda state, config: not config.cache_config.enable_prefix_caching),
+    "no chunked prefill": (
+        dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
+        1,
+        lambda state, config: not config.scheduler_config.enable_chunked_prefill,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module", params=sorted(OPTIONS))
+def options_engine(request, tiny_llama):
+    options, budget_factor, in_effect = OPTIONS[request.param]
+    with started_engine(tiny_llama, kv_budget=KV_BUDGET * budget_factor, **options) as started:
+        assert in_effect(plugin.active(), started[0].llm_engine.vllm_config), f"{request.param} did not take effect"
+        yield started
+
+
+def test_a_clean_workload_raises_no_false_alarm(options_engine):
+    llm, lines, _ = options_engine
+    before = plugin.active().canary.stats()
+    rng = random.Random(1)
+    prefix = _tokens(rng, 150)
+    prompts = [{"prompt_token_ids": prefix + _tokens(rng, 10 + 23 * i)} for i in range(8)]
+    outputs = llm.generate(prompts, [_params(40 + 20 * (i % 3), i) for i in range(8)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [40 + 20 * (i % 3) for i in range(8)]
+    several = llm.generate(prompts[:3], vllm.SamplingParams(n=3, max_tokens=24, temperature=1.0, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs) for o in several] == [3, 3, 3]
+    beams = llm.beam_search(prompts[3:5], vllm.sampling_params.BeamSearchParams(beam_width=3, max_tokens=8))
+    assert len(beams) == 2
+    after = plugin.active().canary.stats()
+    assert lines.take() == []
+    assert after["violations"] == before["violations"] == 0
+    assert after["slots_verified"] - before["slots_verified"] > 10_000
+
+
+def test_a_flipped_bit_names_its_request(options_engine):
+    llm, lines, _ = options_engine
+    state = plugin.active()
+    driver = Driver(llm, "flip")
+    rng = random.Random(2)
+    for i in range(3):
+        driver.add(_tokens(rng, 140 + 9 * i), _params(200, i))
+    driver.run_until_decoding()
+    assert lines.take() == []
+    victim = driver.ids[1]
+    block = driver.blocks(victim)[0]
+    state.kv_caches[1].view(torch.uint8)[block, 1, 5, 100] ^= 1 << 6  # one bit of head 1, in bf16, fp16, fp32 or fp8
+    driver.step()
+    found = _parse(lines.take())
+    assert found, "the flipped bit was not reported"
+    for reasons, slot, requests in found:
+        assert reasons == ["verify_real_kv_hash"] and slot // state.block_size == block and requests == [driver.internal_id(victim)]
+    driver.finish()
