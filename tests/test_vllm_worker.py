@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 from helpers import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama  # noqa: E402
+from random_models import make_llama, make_model  # noqa: E402
 
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
@@ -167,7 +167,8 @@ def test_the_engine_process_logs_through_vllm(tiny_llama):
 
 # Tensor parallelism on vLLM's CPU build: two ranks, one core each (vLLM binds each rank's
 # threads to a NUMA node, and this machine has one, so the binding is given), each rank
-# holding one of the model's two KV heads. A bit is flipped on rank 0 only.
+# holding one of the model's two KV heads. A bit is flipped on rank 0 only, at a position
+# inside a sliding window's reach (a hybrid model's groups each hold it: the first slot).
 TENSOR_PARALLEL = """
 from torch_kvcanary.integrations.vllm import plugin
 
@@ -177,7 +178,7 @@ def flip(worker):
     if worker.rank != 0:
         return [worker.rank, -1, heads]
     records = state.canary.records
-    (slot,) = ((records[:, 0] == 50) & (records[:, 1] == 40)).nonzero().flatten().tolist()
+    slot = ((records[:, 0] == 100) & (records[:, 1] == 90)).nonzero().flatten().tolist()[0]
     state.kv_caches[0].view(torch.int16)[slot // 32, 0, slot % 32, 3] ^= 1 << 9
     return [worker.rank, slot, heads]
 
@@ -194,10 +195,11 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("policy", ["log", "raise"])
-def test_tensor_parallel_ranks_watch_their_heads_and_stop_together(tiny_llama, policy):
+@pytest.mark.parametrize("kind, policy", [("llama", "log"), ("llama", "raise"), ("gemma2", "log")])
+def test_tensor_parallel_ranks_watch_their_heads_and_stop_together(tiny_llama, tmp_path, kind, policy):
+    model = tiny_llama if kind == "llama" else make_model(tmp_path / kind, kind)
     env = dict(KVCANARY_VLLM=policy, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    done = _run("import torch\n" + TENSOR_PARALLEL, tiny_llama, **env)
+    done = _run("import torch\n" + TENSOR_PARALLEL, model, **env)
     (flipped,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("FLIPPED")]
     rank0, slot, heads0, rank1, _, heads1 = map(int, flipped)
     assert (rank0, rank1, heads0, heads1) == (0, 1, 1, 1), flipped  # each rank watches its own KV head
