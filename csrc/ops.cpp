@@ -86,6 +86,32 @@ constexpr const char* kSchemas[] = {
     "context_slots(Tensor block_table, Tensor offsets, Tensor starts, SymInt block_size, "
     "SymInt num_entries, int cut_slot=-1, bool check_bounds=True) -> "
     "(Tensor slots, Tensor positions, Tensor prev_slots, Tensor rows)",
+    // verify_context -> (slots, rows, flagged, waiting): verify of a step's
+    // context planned on the device in one call, the entries context_slots
+    // gives for (block_table, offsets, starts, block_size, num_entries,
+    // cut_slot), each checked as verify checks it (its fold, position, chain
+    // through its prev_slot, and token) where it is chosen, with no tags:
+    // slots (int64 [num_entries]) is the entry's slot where checked and -1
+    // elsewhere, rows its row, flagged verify's answer, waiting (int64 [1])
+    // the number of entries left for the deferred call. An entry with a slot
+    // is chosen, when deferred, if written (int64, sorted ascending: the slots
+    // the step writes) holds its slot; otherwise if written does not and,
+    // when every > 1, its block b = p / block_size has b % every == turn or is
+    // the block of its row's last position. Its token, checked unless -1, is
+    // history[history_rows[r], p] (history int32 or int64 [H, L], any
+    // strides; history_rows int32 or int64 [R], None: row r) where
+    // history_known (bool, shaped like history; None: everywhere) holds true,
+    // else -1; no history: tokens are not checked. When check_bounds, as
+    // context_slots and verify raise, and on the CPU also ValueError for
+    // written not ascending and IndexError for a row whose history row or
+    // positions the history does not hold; otherwise such a row's tokens are
+    // not checked, and nothing is read out of bounds.
+    "verify_context(Tensor[] sources, SymInt[] read_bytes, Tensor block_table, "
+    "Tensor offsets, Tensor starts, SymInt block_size, SymInt num_entries, Tensor? written, "
+    "Tensor? history, Tensor? history_known, Tensor? history_rows, Tensor records, "
+    "Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, int every=1, int turn=0, "
+    "bool deferred=False, int cut_slot=-1, int padding_slot=-1, bool check_bounds=True) -> "
+    "(Tensor slots, Tensor rows, Tensor flagged, Tensor waiting)",
     // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
     // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
     "cpu_isa() -> str",

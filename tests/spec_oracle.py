@@ -210,3 +210,45 @@ def context_slots(table: list[list[int]], lengths: list[int], starts: list[int],
             for column, value in zip(out, (slot(row, p), p, prev, row)):
                 column.append(value)
     return out
+
+
+def verify_context(
+    records: Records,
+    fold_of: Callable[[list[int]], list[int]],
+    table: list[list[int]],
+    lengths: list[int],
+    starts: list[int],
+    block_size: int,
+    *,
+    cut_slot: int = -1,
+    written: Sequence[int] = (),
+    deferred: bool = False,
+    every: int = 1,
+    turn: int = 0,
+    history: list[list[int]] | None = None,
+    known: list[list[bool]] | None = None,
+    history_rows: list[int] | None = None,
+    padding_slot: int | None = None,
+) -> tuple[list[int], list[int], list[bool], int, list[list[int]]]:
+    """(slots, rows, flags, waiting, violation rows) of kvcanary::verify_context (its contract
+    is in csrc/ops.cpp), entry by entry: `context_slots`' entries, each chosen or not, then
+    `Records.verify` of the chosen ones with the folds ``fold_of`` gives."""
+    slots, positions, prev_slots, rows = context_slots(table, lengths, starts, block_size, cut_slot)
+    checked, tokens, waiting = [], [], 0
+    for slot, p, r in zip(slots, positions, rows):
+        is_written = slot in written
+        last = starts[r] + lengths[r] - 1
+        sampled = every <= 1 or (p // block_size) % every == turn or p // block_size == last // block_size
+        chosen = slot >= 0 and (is_written if deferred else not is_written and sampled)
+        waiting += slot >= 0 and is_written and not deferred
+        checked.append(slot if chosen else -1)
+        token = -1
+        if chosen and history is not None:
+            h = r if history_rows is None else history_rows[r]
+            if 0 <= h < len(history) and p < len(history[h]) and (known is None or known[h][p]):
+                token = history[h][p]
+        tokens.append(token)
+    flags, ring = records.verify(
+        checked, fold_of(checked), positions=positions, tokens=tokens, prev_slots=prev_slots, padding_slot=padding_slot
+    )
+    return checked, rows, flags, waiting, ring

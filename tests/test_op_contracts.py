@@ -321,12 +321,87 @@ def _context_slots_program(device: str) -> Program:
     return Program(_step_slots, batches, replays, expect)
 
 
+# verify_context -----------------------------------------------------------------------------
+
+# A request through blocks 1, 2 and 3 of the canary's pool (8 blocks of 16), positions 0 .. 47.
+_BLOCKS = [1, 2, 3]
+
+
+def _recorded_request(device: str) -> tuple[torch.Tensor, kc.KvCanary, spec_oracle.Records, torch.Tensor]:
+    """The pool, its canary and the spec's records after one request wrote positions 0 .. 47,
+    a slot of it damaged since, and the request's token history (row 1 of two)."""
+    kv, canary = _canary(device)
+    oracle = spec_oracle.Records(canary.capacity)
+    history = (torch.arange(2 * 48, dtype=torch.int32) * 7 % 101).reshape(2, 48).to(device)
+    slots, positions, prev_slots, _ = spec_oracle.context_slots([_BLOCKS], [48], [0], 16)
+    tokens = history[1].tolist()
+    canary.record(
+        _longs(slots, device), positions=_longs(positions, device), tokens=_longs(tokens, device), prev_slots=_longs(prev_slots, device)
+    )
+    oracle.record(slots, _reference_folds(canary, _longs(slots, device)), positions=positions, tokens=tokens, prev_slots=prev_slots)
+    kv[1, 2, 5, 0, 3] += 1  # the V bytes of slot 2 * 16 + 5 = 37 (position 21) change
+    return kv, canary, oracle, history
+
+
+def _verify_context_samples(device: str) -> list[tuple]:
+    _, canary, _, history = _recorded_request(device)
+    table = torch.tensor([_BLOCKS, [4, 5, 6]], dtype=torch.int32, device=device)
+    offsets, starts = _ranges([20, 5], [0, 40], device)
+    head = (canary._views, canary._read_bytes, table, offsets, starts, 16, 25)
+    tables = (canary._records, canary._owner_tags, canary._counters, canary._ring)
+    known = torch.ones(2, 48, dtype=torch.bool, device=device)
+    rows = torch.tensor([1, 0], device=device)
+    written = _longs([17, 70], device)
+    return [
+        (*head, written, history, known, rows, *tables, 2, 1, False, 0, -1, True),
+        (*head, written, None, None, None, *tables, 1, 0, True, -1, -1, True),
+        (*head, None, history.long()[:, ::2], None, None, *tables, 1, 0, False, -1, -1, False),  # a strided int64 history
+    ]
+
+
+def _verify_context_program(device: str) -> Program:
+    _, canary, oracle, history = _recorded_request(device)
+    rows = []
+
+    def fn(table, offsets, starts, num_entries, written, history_rows):
+        found = canary.verify_context(
+            table, offsets, starts, block_size=16, num_entries=num_entries, written=written, every=2, turn=1,
+            history=history, history_rows=history_rows,
+        )  # fmt: skip
+        return torch.cat([found.slots, found.rows, found.flagged.long(), found.waiting])
+
+    def expect(table, offsets, starts, num_entries, written, history_rows):
+        slots, entry_rows, flags, waiting, flagged = spec_oracle.verify_context(
+            oracle, lambda s: _reference_folds(canary, _longs(s, device)), table.tolist(), offsets.diff().tolist(), starts.tolist(), 16,
+            written=set(written.tolist()), every=2, turn=1, history=history.tolist(), history_rows=history_rows.tolist(),
+        )  # fmt: skip
+        rows.extend(flagged)
+        return [*slots, *entry_rows, *map(int, flags), waiting]
+
+    def step(lengths: list[int], starts: list[int], written: list[int], history_rows: list[int], table=(_BLOCKS, [3, 2, 1])) -> tuple:
+        table = torch.tensor(table, dtype=torch.int32, device=device)
+        rows_of_history = torch.tensor(history_rows, dtype=torch.int32, device=device)
+        return (table, *_ranges(lengths, starts, device), sum(lengths), _longs(sorted(written), device), rows_of_history)
+
+    batches = [
+        step([48, 0], [0, 0], [40, 100], [1, 0]),
+        step([30, 10], [10, 2], [], [1, 1]),  # the second row reads the request's blocks in another order
+        step([1], [47], [63], [0], table=(_BLOCKS,)),  # its newest slot, written by the step: left for later
+        step([], [], [5], [], table=(_BLOCKS,)),
+    ]
+    replays = [step([16, 16], [0, 16], [20, 21], [1, 1]), step([20, 12], [28, 0], [3, 4], [1, 0]), step([8, 24], [40, 8], [17, 37], [1, 1])]
+    return Program(
+        fn, batches, replays, expect, state=lambda: {"rows": _ring_rows(canary.poll())}, expected_state=lambda: {"rows": sorted(rows)}
+    )
+
+
 OPS = [
     OpCase("fold", _fold_samples, _fold_program),
     OpCase("record", _record_samples, _record_program),
     OpCase("verify", _verify_samples, _verify_program),
     OpCase("digest", _digest_samples, _digest_program),
     OpCase("context_slots", _context_slots_samples, _context_slots_program),
+    OpCase("verify_context", _verify_context_samples, _verify_context_program),
 ]
 
 # Ops without tensors, and the values each may return. They describe the library to the
@@ -441,7 +516,10 @@ def test_the_library_names_the_module_of_its_fake_kernels():
     # torch imports (or asks for) this module when a fake kernel is needed before it was
     # loaded. The stable ABI can name it from torch 2.13 on; before, the package registers the
     # fake kernels when it loads the library, and torch knows no module.
-    stubs = {op: torch._C._dispatch_pystub(f"kvcanary::{op}", "") for op in ("fold", "record", "verify", "digest", "context_slots")}
+    stubs = {
+        op: torch._C._dispatch_pystub(f"kvcanary::{op}", "")
+        for op in ("fold", "record", "verify", "digest", "context_slots", "verify_context")
+    }
     if TorchVersion(torch.__version__) >= (2, 13):
         assert {op: stub[0] for op, stub in stubs.items()} == dict.fromkeys(stubs, "torch_kvcanary.ops")
     else:

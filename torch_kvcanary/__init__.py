@@ -10,7 +10,7 @@ side shards and pages the cache; `verify_transfer` compares them.
 from importlib.metadata import version as _version
 
 from . import digest, layouts
-from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
+from .canary import ContextVerified, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
 from .ops import ContextSlots, context_slots, fold
 from .reference import reference_fold
@@ -33,6 +33,7 @@ __version__ = _version("torch_kvcanary")
 __all__ = [
     "READ_ALIGN",
     "ContextSlots",
+    "ContextVerified",
     "FailReason",
     "HashMode",
     "KvCanary",

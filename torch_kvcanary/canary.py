@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,15 @@ _VIOLATION_FIELDS = 8
 SLOT_BYTES = 8 * (len(RECORD_FIELDS) + 1)
 """Device bytes a `KvCanary` holds per tracked slot: its record (four int64 fields) and its
 owner tag (one int64)."""
+
+
+class ContextVerified(NamedTuple):
+    """`KvCanary.verify_context`'s answer, on the canary's device."""
+
+    slots: torch.Tensor  # int64 [num_entries]: each entry's slot where checked, -1 elsewhere
+    rows: torch.Tensor  # int64 [num_entries]: each entry's row of the ranges
+    flagged: torch.Tensor  # bool [num_entries]: True where a check failed
+    waiting: torch.Tensor  # int64 [1]: the entries left for the deferred call
 
 
 class FailReason(enum.IntFlag):
@@ -263,6 +273,57 @@ class KvCanary:
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
+
+    def verify_context(
+        self,
+        block_table: torch.Tensor,
+        offsets: torch.Tensor,
+        starts: torch.Tensor,
+        *,
+        block_size: int,
+        num_entries: int,
+        written: torch.Tensor | None = None,
+        deferred: bool = False,
+        every: int = 1,
+        turn: int = 0,
+        history: torch.Tensor | None = None,
+        history_known: torch.Tensor | None = None,
+        history_rows: torch.Tensor | None = None,
+        cut_slot: int = -1,
+    ) -> ContextVerified:
+        """Verify a serving step's context in one call, planned on the canary's device: the
+        entries `context_slots` gives for (``block_table``, ``offsets``, ``starts``,
+        ``block_size``, ``num_entries``, ``cut_slot``), each checked as `verify` checks it
+        (fold, position, chain through its previous slot, token) where it is chosen:
+
+        - ``written`` (int64, sorted ascending, e.g. by ``torch.sort``): the slots the step
+          writes. An entry at such a slot is left for the call after the step
+          (``deferred=True``, which checks only those); None: none.
+        - ``every`` > 1: only the blocks whose index ``b`` has ``b % every == turn``, and each
+          row's last block, are checked (a rotating sample; pass the step's ``turn``).
+        - ``history`` (int32 or int64 ``[H, L]``): the token at position ``p`` of row ``r`` is
+          ``history[history_rows[r], p]`` (``history_rows`` None: row ``r``), checked where
+          ``history_known`` (bool, shaped like ``history``; None: everywhere) holds true.
+          None: tokens are not checked.
+
+        Flagged entries go to the ring as `verify`'s do. Eager CPU calls raise for ranges
+        past the table (as `context_slots` does), slots past the capacity, ``written`` out of
+        order and rows the history does not hold; elsewhere such entries are skipped or their
+        tokens not checked, and nothing is read out of bounds.
+        """
+        padding = -1 if self.padding_slot is None else self.padding_slot
+        try:
+            found = torch.ops.kvcanary.verify_context(
+                self._views, self._read_bytes, block_table, offsets, starts, block_size, num_entries,
+                written, history, history_known, history_rows, self._records, self._owner_tags, self._counters, self._ring,
+                every, turn, deferred, cut_slot, padding, may_check_bounds(block_table),
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as error:
+            int64_only = {"offsets": offsets, "written": written}
+            if any(value is not None and value.dtype != torch.int64 for value in int64_only.values()):
+                raise TypeError(str(error)) from None
+            raise refusal(error, {"block_table": block_table, "starts": starts, "history": history, "history_rows": history_rows}) from None
+        return ContextVerified(*found)
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
         if isinstance(tag, int) and tag == -1 and not isinstance(tag, bool):

@@ -176,6 +176,31 @@ def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, c
     return tuple(block_table.new_empty((num_entries,), dtype=torch.int64) for _ in range(4))
 
 
+@torch.library.register_fake("kvcanary::verify_context")
+def _verify_context_fake(
+    sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
+    records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,
+):  # fmt: skip
+    # context_slots' cheap checks and the canary's, then those of make_context_checks_plan
+    # (csrc/plan/context_slots_plan.cpp) that need no data.
+    _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
+    _check_canary_fake_inputs(sources, block_table, {}, (records, owner_tags, counters, ring))
+    if every < 1:
+        raise ValueError(f"kv-canary: every must be >= 1, got {every}")
+    if not 0 <= turn < every:
+        raise ValueError(f"kv-canary: turn must be in [0, every) = [0, {every}), got {turn}")
+    if written is not None and written.dtype != torch.int64:
+        raise TypeError(f"kv-canary: written must be an int64 tensor, got {_c10_dtype_name(written.dtype)}")
+    for name, value in (("history", history), ("history_rows", history_rows)):
+        if value is not None:
+            check_index_dtype(value, name)
+    for name, value in (("written", written), ("history", history), ("history_known", history_known), ("history_rows", history_rows)):
+        if value is not None and value.device != block_table.device:
+            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
+    entries = block_table.new_empty((num_entries,), dtype=torch.int64)
+    return entries, torch.empty_like(entries), torch.empty_like(entries, dtype=torch.bool), block_table.new_empty((1,), dtype=torch.int64)
+
+
 class ContextSlots(NamedTuple):
     """`context_slots`' entries, int64 ``[num_entries]`` each."""
 

@@ -81,4 +81,102 @@ KVC_HOST_DEVICE void write_entry(const ContextRanges& c, int64_t i, int64_t r) {
   c.rows[i] = r;
 }
 
+// Which of a step's context entries kvcanary::verify_context checks, and the
+// token each is checked against (its contract is in ops.cpp).
+struct ContextChecks {
+  const int64_t* written;  // the slots the step writes, ascending; null: none
+  int64_t num_written;
+  bool deferred;  // check only the entries at a written slot (after the step)
+  int64_t every;  // > 1: a rotating sample of blocks (in_turn)
+  int64_t turn;   // in [0, every)
+  // The token history, history[h, p] of history row h, int32 when
+  // history_int32, read where `known` (null: everywhere) holds true; null:
+  // tokens are not checked. Strides in elements.
+  const void* history;
+  bool history_int32;
+  int64_t history_rows;
+  int64_t history_len;
+  int64_t history_row_stride;
+  int64_t history_position_stride;
+  const bool* known;
+  int64_t known_row_stride;
+  int64_t known_position_stride;
+  // Each range row's history row, int32 when history_row_of_int32; null: row r
+  // is history row r.
+  const void* history_row_of;
+  bool history_row_of_int32;
+};
+
+// Whether `slot` is among the step's written slots (a binary search).
+KVC_HOST_DEVICE bool is_written(const ContextChecks& k, int64_t slot) {
+  int64_t lo = 0;
+  int64_t hi = k.num_written;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (k.written[mid] < slot) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < k.num_written && k.written[lo] == slot;
+}
+
+// Whether position p of row r (inside its range) is checked this step: every
+// position when every <= 1; else those of a block whose index is the turn's
+// (block % every == turn) and those of the block of the row's last position,
+// the one its request wrote last.
+KVC_HOST_DEVICE bool in_turn(const ContextRanges& c, const ContextChecks& k, int64_t r, int64_t p) {
+  if (k.every <= 1) {
+    return true;
+  }
+  const int64_t block = p / c.block_size;
+  const int64_t last = c.starts[r] + (c.offsets[r + 1] - c.offsets[r]) - 1;
+  return block % k.every == k.turn || block == last / c.block_size;
+}
+
+// The history row of range row r; -1 when outside the history.
+KVC_HOST_DEVICE int64_t history_row(const ContextChecks& k, int64_t r) {
+  int64_t h = r;
+  if (k.history_row_of != nullptr) {
+    h = k.history_row_of_int32
+            ? static_cast<int64_t>(static_cast<const int32_t*>(k.history_row_of)[r])
+            : static_cast<const int64_t*>(k.history_row_of)[r];
+  }
+  return h >= 0 && h < k.history_rows ? h : -1;
+}
+
+// The token at position p of history row h (-1 for none); -1 where the
+// history holds none: no history, h or p outside it, or not known there.
+KVC_HOST_DEVICE int64_t history_token(const ContextChecks& k, int64_t h, int64_t p) {
+  if (k.history == nullptr || h < 0 || p < 0 || p >= k.history_len) {
+    return -1;
+  }
+  if (k.known != nullptr && !k.known[h * k.known_row_stride + p * k.known_position_stride]) {
+    return -1;
+  }
+  const int64_t at = h * k.history_row_stride + p * k.history_position_stride;
+  return k.history_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(k.history)[at])
+                         : static_cast<const int64_t*>(k.history)[at];
+}
+
+// Entry i of row r (written by write_entry) kept where it is checked, its slot
+// set to -1 elsewhere, and its expected token in tokens[i] (when tokens is not
+// null). True where the entry waits for the deferred call: not deferred, and
+// at a slot the step writes.
+KVC_HOST_DEVICE bool select_entry(const ContextRanges& c, const ContextChecks& k, int64_t i,
+                                  int64_t r, int64_t* tokens) {
+  const int64_t slot = c.slots[i];
+  const bool written = slot >= 0 && k.written != nullptr && is_written(k, slot);
+  const bool checked =
+      slot >= 0 && (k.deferred ? written : !written && in_turn(c, k, r, c.positions[i]));
+  if (!checked) {
+    c.slots[i] = -1;
+  }
+  if (tokens != nullptr) {
+    tokens[i] = checked ? history_token(k, history_row(k, r), c.positions[i]) : -1;
+  }
+  return written && !k.deferred;
+}
+
 }  // namespace kvcanary

@@ -1,17 +1,25 @@
-// CPU kernels of kvcanary::record and kvcanary::verify: the slots are folded
-// with the CPU fold on torch's threads, verify checking each lane group of
-// entries as it is folded and record applying the entries in order once all
-// are, with the torch-free loops of cpu/kernels/canary_cpu.h.
+// CPU kernels of kvcanary::record, kvcanary::verify and
+// kvcanary::verify_context: the slots are folded with the CPU fold on torch's
+// threads, verify checking each lane group of entries as it is folded and
+// record applying the entries in order once all are, with the torch-free loops
+// of cpu/kernels/canary_cpu.h; verify_context plans its entries with
+// cpu/kernels/context_slots_cpu.h first.
 #include "cpu/kernels/canary_cpu.h"
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
+#include <atomic>
 #include <memory>
+#include <optional>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "cpu/fold_cpu_entry.h"
+#include "cpu/kernels/context_slots_cpu.h"
 #include "plan/canary_plan.h"
+#include "plan/context_slots_plan.h"
 #include "plan/tensors.h"
 
 namespace kvcanary {
@@ -100,11 +108,64 @@ Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t 
   return flagged;
 }
 
+// The number of entries that wait for the deferred call, the entries written
+// on torch's threads, each taking a span.
+int64_t plan_context_entries(const ContextRanges& c, const ContextChecks& k, int64_t* tokens) {
+  if (c.num_entries <= kContextSlotsGrain) {
+    return context_checks_range(c, k, tokens, 0, c.num_entries);
+  }
+  std::atomic<int64_t> waiting{0};
+  torch::stable::parallel_for(0, c.num_entries, kContextSlotsGrain,
+                              [&](int64_t begin, int64_t end) {
+                                waiting += context_checks_range(c, k, tokens, begin, end);
+                              });
+  return waiting.load();
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cpu(const ContextVerifyInputs& in,
+                                                              const CanaryTables& tables,
+                                                              int64_t padding_slot,
+                                                              bool check_bounds) {
+  ContextSlotsPlan ranges_plan = make_context_slots_plan(
+      in.block_table, in.offsets, in.starts, in.block_size, in.num_entries, in.cut_slot);
+  ContextRanges& c = ranges_plan.ranges;
+  const ContextChecksPlan checks_plan =
+      make_context_checks_plan(in.block_table, c.num_rows, in.written, in.history, in.history_known,
+                               in.history_rows, in.every, in.turn, in.deferred);
+  if (check_bounds) {
+    check_context_ranges(c, c.offsets, c.starts);
+    check_context_checks(c, checks_plan.checks);
+  }
+  const Device device = in.block_table.device();
+  const int64_t n = in.num_entries;
+  Tensor slots = new_tensor({n}, ScalarType::Long, device);
+  std::optional<Tensor> positions = new_tensor({n}, ScalarType::Long, device);
+  std::optional<Tensor> prev_slots = new_tensor({n}, ScalarType::Long, device);
+  Tensor rows = new_tensor({n}, ScalarType::Long, device);
+  std::optional<Tensor> tokens;
+  if (in.history.has_value()) {
+    tokens = new_tensor({n}, ScalarType::Long, device);
+  }
+  c.slots = slots.mutable_data_ptr<int64_t>();
+  c.positions = positions->mutable_data_ptr<int64_t>();
+  c.prev_slots = prev_slots->mutable_data_ptr<int64_t>();
+  c.rows = rows.mutable_data_ptr<int64_t>();
+  Tensor waiting = new_tensor({1}, ScalarType::Long, device);
+  *waiting.mutable_data_ptr<int64_t>() = plan_context_entries(
+      c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr);
+  const std::optional<Tensor> no_tags;
+  Tensor flagged =
+      verify_cpu({in.sources, in.read_bytes, slots, positions, tokens, prev_slots, no_tags}, tables,
+                 padding_slot, check_bounds);
+  return {slots, rows, flagged, waiting};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cpu>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cpu>));
+  m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cpu>));
 }
 
 }  // namespace kvcanary

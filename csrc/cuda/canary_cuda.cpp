@@ -1,5 +1,7 @@
-// CUDA backend of kvcanary::record and kvcanary::verify: argument checks and
-// launches (the kernels are in cuda/canary_cuda_kernel.cu). One launch per call
+// CUDA backend of kvcanary::record, kvcanary::verify and
+// kvcanary::verify_context: argument checks and launches (the kernels are in
+// cuda/canary_cuda_kernel.cu and, for verify_context's entries,
+// cuda/context_slots_cuda_kernel.cu). One launch per call
 // when the sources fit one launch (kSourcesPerLaunch); more sources are
 // folded first by the fold's kernel, whose chain the canary kernel continues.
 #include "cuda/canary_cuda.h"
@@ -9,12 +11,15 @@
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "cuda/checks.h"
+#include "cuda/context_slots_cuda.h"
 #include "cuda/stream.h"
 #include "plan/canary_plan.h"
+#include "plan/context_slots_plan.h"
 #include "plan/tensors.h"
 
 namespace kvcanary {
@@ -112,11 +117,56 @@ Tensor verify_cuda(const CanaryInputs& in, const CanaryTables& tables, int64_t p
   return flagged;
 }
 
+// The range checks of context_slots and verify run as those ops run them
+// (the ranges read on the host, which syncs, and never while a CUDA graph is
+// captured); those of written and the history rows, which would read more on
+// the host, do not: there the kernel's safe results stand.
+std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cuda(const ContextVerifyInputs& in,
+                                                               const CanaryTables& tables,
+                                                               int64_t padding_slot,
+                                                               bool check_bounds) {
+  const Device device = in.block_table.device();
+  ContextSlotsPlan ranges_plan = make_context_slots_plan(
+      in.block_table, in.offsets, in.starts, in.block_size, in.num_entries, in.cut_slot);
+  ContextRanges& c = ranges_plan.ranges;
+  const ContextChecksPlan checks_plan =
+      make_context_checks_plan(in.block_table, c.num_rows, in.written, in.history, in.history_known,
+                               in.history_rows, in.every, in.turn, in.deferred);
+  const torch::stable::accelerator::DeviceGuard guard(in.block_table.get_device_index());
+  const cudaStream_t stream = current_stream(in.block_table.get_device_index());
+  if (check_bounds) {
+    check_context_ranges_on_host(c, in.block_table.get_device_index());
+  }
+  const int64_t n = in.num_entries;
+  Tensor slots = new_tensor({n}, ScalarType::Long, device);
+  std::optional<Tensor> positions = new_tensor({n}, ScalarType::Long, device);
+  std::optional<Tensor> prev_slots = new_tensor({n}, ScalarType::Long, device);
+  Tensor rows = new_tensor({n}, ScalarType::Long, device);
+  std::optional<Tensor> tokens;
+  if (in.history.has_value()) {
+    tokens = new_tensor({n}, ScalarType::Long, device);
+  }
+  c.slots = slots.mutable_data_ptr<int64_t>();
+  c.positions = positions->mutable_data_ptr<int64_t>();
+  c.prev_slots = prev_slots->mutable_data_ptr<int64_t>();
+  c.rows = rows.mutable_data_ptr<int64_t>();
+  Tensor waiting = new_tensor({1}, ScalarType::Long, device);
+  check_cuda(launch_context_checks(
+      c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr,
+      waiting.mutable_data_ptr<int64_t>(), stream));
+  const std::optional<Tensor> no_tags;
+  Tensor flagged =
+      verify_cuda({in.sources, in.read_bytes, slots, positions, tokens, prev_slots, no_tags},
+                  tables, padding_slot, check_bounds);
+  return {slots, rows, flagged, waiting};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cuda>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cuda>));
+  m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cuda>));
 }
 
 }  // namespace kvcanary

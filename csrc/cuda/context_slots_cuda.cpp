@@ -6,8 +6,8 @@
 #include <torch/csrc/stable/library.h>
 
 #include <tuple>
-#include <vector>
 
+#include "cuda/checks.h"
 #include "cuda/stream.h"
 #include "plan/checks.h"
 #include "plan/context_slots_plan.h"
@@ -15,18 +15,6 @@
 
 namespace kvcanary {
 namespace {
-
-// The n int64 values at device address `source`, on the host, ordered after
-// the work on `stream` (one host sync).
-std::vector<int64_t> to_host(const int64_t* source, int64_t n, cudaStream_t stream) {
-  std::vector<int64_t> values(static_cast<size_t>(n));
-  if (n > 0) {
-    check_cuda(cudaMemcpyAsync(values.data(), source, n * sizeof(int64_t), cudaMemcpyDeviceToHost,
-                               stream));
-    check_cuda(cudaStreamSynchronize(stream));
-  }
-  return values;
-}
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> context_slots_cuda(
     const Tensor& block_table, const Tensor& offsets, const Tensor& starts, int64_t block_size,
@@ -39,10 +27,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> context_slots_cuda(
   ContextRanges& c = plan.ranges;
   // The checks read offsets and starts on the host, which a CUDA graph cannot
   // capture: while one is captured the kernel's safe results stand instead.
-  if (check_bounds && !capturing(stream)) {
-    const std::vector<int64_t> host_offsets = to_host(c.offsets, c.num_rows + 1, stream);
-    const std::vector<int64_t> host_starts = to_host(c.starts, c.num_rows, stream);
-    check_context_ranges(c, host_offsets.data(), host_starts.data());
+  if (check_bounds) {
+    check_context_ranges_on_host(c, block_table.get_device_index());
   }
   const Device device = block_table.device();
   Tensor slots = new_tensor({num_entries}, ScalarType::Long, device);

@@ -13,4 +13,10 @@ namespace kvcanary {
 // a binary search in the offsets.
 cudaError_t launch_context_slots(const ContextRanges& ranges, cudaStream_t stream);
 
+// verify_context's entries: each written and then chosen (select_entry), with
+// its token in tokens (null: none); *waiting (zeroed here) counts those left
+// for the deferred call.
+cudaError_t launch_context_checks(const ContextRanges& ranges, const ContextChecks& checks,
+                                  int64_t* tokens, int64_t* waiting, cudaStream_t stream);
+
 }  // namespace kvcanary

@@ -1,6 +1,7 @@
-// CUDA kernel of kvcanary::context_slots: one thread per entry in a
-// grid-stride loop, its row found by a binary search in the offsets (a step
-// has at most a few thousand rows, so the search stays in cache).
+// CUDA kernels of kvcanary::context_slots and of verify_context's entries:
+// one thread per entry in a grid-stride loop, its row found by a binary search
+// in the offsets (a step has at most a few thousand rows, so the search stays
+// in cache).
 #include <algorithm>
 
 #include "cuda/context_slots_cuda.h"
@@ -19,15 +20,44 @@ __global__ void __launch_bounds__(kContextThreads) context_slots_kernel(const Co
   }
 }
 
+__global__ void __launch_bounds__(kContextThreads)
+    context_checks_kernel(const ContextRanges c, const ContextChecks k, int64_t* tokens,
+                          unsigned long long* waiting) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kContextThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kContextThreads + threadIdx.x;
+       i < c.num_entries; i += stride) {
+    const int64_t r = row_of(c, i);
+    write_entry(c, i, r);
+    if (select_entry(c, k, i, r, tokens)) {
+      atomicAdd(waiting, 1ull);
+    }
+  }
+}
+
+int64_t grid_of(int64_t num_entries) {
+  return std::min(kMaxContextBlocks, (num_entries + kContextThreads - 1) / kContextThreads);
+}
+
 }  // namespace
+
+cudaError_t launch_context_checks(const ContextRanges& ranges, const ContextChecks& checks,
+                                  int64_t* tokens, int64_t* waiting, cudaStream_t stream) {
+  cudaError_t error = cudaMemsetAsync(waiting, 0, sizeof(int64_t), stream);
+  if (error != cudaSuccess || ranges.num_entries == 0) {
+    return error;
+  }
+  context_checks_kernel<<<static_cast<unsigned int>(grid_of(ranges.num_entries)), kContextThreads,
+                          0, stream>>>(ranges, checks, tokens,
+                                       reinterpret_cast<unsigned long long*>(waiting));
+  return cudaGetLastError();
+}
 
 cudaError_t launch_context_slots(const ContextRanges& ranges, cudaStream_t stream) {
   if (ranges.num_entries == 0) {
     return cudaSuccess;
   }
-  const int64_t blocks =
-      std::min(kMaxContextBlocks, (ranges.num_entries + kContextThreads - 1) / kContextThreads);
-  context_slots_kernel<<<static_cast<unsigned int>(blocks), kContextThreads, 0, stream>>>(ranges);
+  context_slots_kernel<<<static_cast<unsigned int>(grid_of(ranges.num_entries)), kContextThreads, 0,
+                         stream>>>(ranges);
   return cudaGetLastError();
 }
 

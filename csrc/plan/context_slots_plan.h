@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "core/context_slots.h"
 #include "plan/tensors.h"
@@ -28,5 +29,27 @@ ContextSlotsPlan make_context_slots_plan(const Tensor& block_table, const Tensor
 // num_rows + 1 and num_rows values), with the plan's other sizes.
 void check_context_ranges(const ContextRanges& ranges, const int64_t* offsets,
                           const int64_t* starts);
+
+// kvcanary::verify_context's choice of entries and tokens (ContextChecks),
+// with the contiguous tensors it points into.
+struct ContextChecksPlan {
+  ContextChecks checks{};
+  std::optional<Tensor> written;
+  std::optional<Tensor> history_row_of;
+};
+
+// Checks verify_context's arguments beyond context_slots' without reading
+// their data: dtypes, shapes, devices, every and turn.
+ContextChecksPlan make_context_checks_plan(const Tensor& block_table, int64_t num_rows,
+                                           const std::optional<Tensor>& written,
+                                           const std::optional<Tensor>& history,
+                                           const std::optional<Tensor>& history_known,
+                                           const std::optional<Tensor>& history_rows, int64_t every,
+                                           int64_t turn, bool deferred);
+
+// check_bounds: the checks that read written and the history rows (host
+// pointers): written ascending, and the history holding each nonempty row's
+// positions.
+void check_context_checks(const ContextRanges& ranges, const ContextChecks& checks);
 
 }  // namespace kvcanary

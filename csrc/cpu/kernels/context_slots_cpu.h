@@ -21,4 +21,21 @@ inline void context_slots_range(const ContextRanges& c, int64_t begin, int64_t e
   }
 }
 
+// kvcanary::verify_context's entries [begin, end): each written, then kept
+// where it is checked (select_entry); the number that wait for the deferred
+// call.
+inline int64_t context_checks_range(const ContextRanges& c, const ContextChecks& k, int64_t* tokens,
+                                    int64_t begin, int64_t end) {
+  int64_t waiting = 0;
+  int64_t r = row_of(c, begin);
+  for (int64_t i = begin; i < end; ++i) {
+    while (r + 1 < c.num_rows && c.offsets[r + 1] <= i) {
+      ++r;
+    }
+    write_entry(c, i, r);
+    waiting += select_entry(c, k, i, r, tokens) ? 1 : 0;
+  }
+  return waiting;
+}
+
 }  // namespace kvcanary
