@@ -20,8 +20,9 @@ kernels and its torch ops included: on vLLM's CPU build the device is the CPU), 
 work per step, measured in a second run under torch's profiler: the time the plugin spends
 outside torch's ops, in Python and numpy, which is what the host does per step where a GPU
 runs the ops asynchronously; and how the first splits into its parts (`PHASES`: the host's
-plan of the step, the expansion of its ranges through the block table, the token gather,
-and the canary's verify, record, refold and poll calls, each with its torch ops and Python).
+plan of the step, the context's verify in one call per group, the expansion of the other
+ranges through the block table, and the canary's verify (of block tails), record, refold and
+poll calls, each with its torch ops and Python).
 Each length runs ``--rounds`` times in turns, and the least of
 the runs' medians is printed (on a shared machine other work inflates some runs).
 """
@@ -167,7 +168,7 @@ PLUGIN_RANGE = "kvcanary_vllm_plugin"
 # The parts of the plugin's step that --step-time times apart (calls that never nest):
 # planning the step on the host, expanding its ranges through the block table
 # (`kvcanary::context_slots`), gathering the context's tokens, and the canary's calls.
-PHASES = ("plan", "expand", "tokens", "verify", "record", "refold", "poll")
+PHASES = ("plan", "context", "expand", "verify", "record", "refold", "poll")
 
 
 def _time_phases(watcher, plugin, phases: list[dict[str, float]]) -> None:
@@ -185,7 +186,7 @@ def _time_phases(watcher, plugin, phases: list[dict[str, float]]) -> None:
 
     plugin._step_ranges, plugin._ranges = timed(plugin._step_ranges, "plan"), timed(plugin._ranges, "plan")
     watcher._slots = timed(watcher._slots, "expand")
-    watcher._vllm.tokens = timed(watcher._vllm.tokens, "tokens")
+    watcher.canary.verify_context = timed(watcher.canary.verify_context, "context")
     for name in ("verify", "record", "refold", "poll"):
         setattr(watcher.canary, name, timed(getattr(watcher.canary, name), name))
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -82,6 +82,15 @@ class Step:
     @property
     def num_tokens(self) -> int:
         return int(self.num_scheduled.sum())
+
+
+class TokenHistory(NamedTuple):
+    """A runner's token history: ``tokens[h, p]`` is the token at position ``p`` of history
+    row ``h`` (int32 or int64), held where ``known`` (bool, same shape; None: everywhere) is
+    True."""
+
+    tokens: torch.Tensor
+    known: torch.Tensor | None
 
 
 class Watcher(Protocol):
@@ -464,7 +473,7 @@ class Runner:
 
     @property
     def token_history_current(self) -> bool:
-        """Whether the token history (`tokens`) holds every context token when a forward
+        """Whether the token history (`token_history`) holds every context token when a forward
         starts: V1's trails the device by a step under async scheduling."""
         return not self.async_scheduling
 
@@ -570,17 +579,14 @@ class Runner:
         table = self.model_runner.input_batch.block_table.block_tables[group]
         return table.block_size, table.block_table.gpu, table
 
-    def tokens(self, rows: torch.Tensor, positions: torch.Tensor, history_rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The token id at each (input-batch row, position) of the runner's token history,
-        gathered where the history lives (-1 where the runner does not hold it); None when it
-        does not live on the device of ``rows`` (V1 keeps it on the host). ``history_rows``:
-        `Step.history_rows`."""
+    def token_history(self, device: torch.device) -> TokenHistory | None:
+        """The runner's token history where it lives on ``device``, else None (V1 on a GPU
+        keeps it on the host). V1's is by input-batch row, with a mask of the positions it
+        holds."""
         batch = self.model_runner.input_batch
-        token_ids, known = batch.token_ids_cpu_tensor, batch.is_token_ids_tensor
-        if token_ids.device != rows.device:
+        if batch.token_ids_cpu_tensor.device != device:
             return None
-        at = rows * token_ids.stride(0) + positions
-        return torch.where(torch.take(known, at), torch.take(token_ids, at), -1)
+        return TokenHistory(batch.token_ids_cpu_tensor, batch.is_token_ids_tensor)
 
 
 class RunnerV2(Runner):
@@ -605,14 +611,12 @@ class RunnerV2(Runner):
         before the next forward, under async scheduling too."""
         return True
 
-    def tokens(self, rows: torch.Tensor, positions: torch.Tensor, history_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    def token_history(self, device: torch.device) -> TokenHistory | None:
         """V2 keeps every request's tokens (its prompt and what it sampled, written on the
-        device in stream order before the next forward) by request-state index, on the
-        runner's device."""
+        device in stream order before the next forward) by request-state index
+        (`Step.history_rows`), on the runner's device."""
         history = self.model_runner.req_states.all_token_ids.gpu
-        if history.device != rows.device or history_rows is None:
-            return None
-        return torch.take(history, history_rows[rows].to(torch.int64) * history.stride(0) + positions)
+        return TokenHistory(history, None) if history.device == device else None
 
     def context(self) -> tuple[list[str], np.ndarray]:
         raise NotImplementedError("kv-canary: the KV connector reads Model Runner V1's input batch")

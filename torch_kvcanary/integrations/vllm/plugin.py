@@ -208,16 +208,12 @@ def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
 
 @dataclass
 class _Verified:
-    """Entries of one group verified before the forward, as `kvcanary::context_slots` planned
-    them: ``slots`` (-1 where this forward writes the slot), ``rows`` (input-batch rows),
-    ``positions`` and ``prev_slots`` (None for the block-packed tail: only its bytes are
-    verified), and verify's answer."""
+    """Entries of one group verified before the forward: ``slots`` (-1 where not verified),
+    ``rows`` (input-batch rows) and verify's answer, ``flagged``."""
 
     slots: torch.Tensor
     rows: torch.Tensor
     flagged: torch.Tensor
-    positions: torch.Tensor | None = None
-    prev_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -232,10 +228,8 @@ class _GroupBatch:
     written_rows: torch.Tensor | None = None
     context: _Verified | None = None
     tail: _Verified | None = None
-    # The context slots this forward writes (verified after it, -1 elsewhere), and the
-    # context's expected tokens (None: not checked).
-    deferred_slots: torch.Tensor | None = None
-    context_tokens: torch.Tensor | None = None
+    # How many context entries sit at slots this forward writes (int64 [1]): verified after it.
+    waiting: torch.Tensor | None = None
     # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
     checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -256,6 +250,8 @@ class _Batch:
     counts: list[int]
     history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
     recorded_in_batch_order: bool  # the record order (`_writers_first`) is the batch's own
+    written: torch.Tensor  # every slot the forward writes, in any group, sorted
+    history: adapter.TokenHistory | None  # where the context's tokens are checked against
     groups: list[_GroupBatch] = field(default_factory=list)
 
     def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -484,50 +480,37 @@ class WorkerCanary:
         index_sets = {*_INDEX_SETS, *range(_CONTEXT + 1, len(starts), _PER_GROUP)}
         plan, bases, counts = _ranges(starts, ends, index_sets)
         device = step.positions.device
+        written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
         batch = _Batch(
             step.request_ids, step.num_tokens, step.input_ids, step.positions,
             torch.from_numpy(plan).to(device, non_blocking=True), bases, counts, step.history_rows,
             recorded_in_batch_order=_writers_in_batch_order(step.num_computed),
+            written=torch.sort(written.to(torch.int64)).values,
+            history=self._vllm.token_history(device) if self._check_tokens else None,
         )  # fmt: skip
         self._batch = batch
         if len(step.block_copies):
             self._follow_block_copies(step.block_copies)
-        written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
         for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
-            batch.groups.append(self._begin_group(group, batch, _CONTEXT + _PER_GROUP * index, slot_mapping, written))
+            batch.groups.append(self._begin_group(group, batch, _CONTEXT + _PER_GROUP * index, slot_mapping))
         return batch
 
-    def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, cut_slot: int = -1):
+    def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int):
         """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
         (slots, positions, prev_slots, rows). The range check reads offsets on the host, so it
         runs only where they are (the CPU)."""
         offsets, starts, count = batch.ranges(ranges)
         table = group.device_block_table
-        return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, cut_slot, table.device.type == "cpu")
+        return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, -1, table.device.type == "cpu")
 
-    def _begin_group(
-        self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, slot_mapping: torch.Tensor, written: torch.Tensor
-    ) -> _GroupBatch:
+    def _begin_group(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, slot_mapping: torch.Tensor) -> _GroupBatch:
         """Verifies one group's context of every scheduled request: the positions its tokens
         still attend to (a sliding window's or a local chunk's blocks below them may be free),
-        then under a block-packed backend the unwritten tail of each request's last block.
-        A request may read, as context, a block another request of this batch writes in this
-        very forward (the scheduler caches a block's hash when it schedules its tokens, so a
-        later request of the same step hits it): such slots are verified after the forward,
-        once recorded."""
+        then under a block-packed backend the unwritten tail of each request's last block."""
         entries = _GroupBatch(group, slot_mapping, context_ranges=ranges)
         if batch.counts[ranges]:
-            # The chain of a request's first attended position leads into blocks the window may
-            # have freed: it is not checked there (the null slot is the canary's padding slot).
-            slots, positions, prev_slots, rows = self._slots(group, batch, ranges, cut_slot=adapter.NULL_SLOT)
-            written_now = torch.isin(slots, written)
-            entries.deferred_slots = torch.where(written_now, slots, -1)
-            entries.context_tokens = self._vllm.tokens(rows, positions, batch.history_rows) if self._check_tokens else None
-            verified = torch.where(written_now, -1, slots)
-            if self.every > 1:
-                verified = self._sampled(batch, verified, positions, rows)
-            flagged = self._verify_context(entries, verified, rows, positions, prev_slots)
-            entries.context = _Verified(verified, rows, flagged, positions, prev_slots)
+            found = self._verify_context(entries, batch, deferred=False)
+            entries.context, entries.waiting = _Verified(found.slots, found.rows, found.flagged), found.waiting
         if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
             slots, _, _, rows = self._slots(group, batch, _TAIL)
             flagged = self.canary.verify(slots)
@@ -535,16 +518,25 @@ class WorkerCanary:
             entries.tail = _Verified(slots, rows, flagged)
         return entries
 
-    def _sampled(self, batch: _Batch, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``slots`` of the context entries this step verifies under ``every`` > 1, -1
-        elsewhere: each request's newest block, and the blocks whose index is the step's
-        turn (block % every == step % every), so that every block a request keeps reading is
-        verified at least once every ``every`` steps."""
-        computed = batch.ranges(_WRITTEN)[1]  # the written set starts where each request's context ends
-        blocks = positions // self.block_size
-        newest = (computed[rows] - 1) // self.block_size
-        turn = (blocks % self.every == self._steps % self.every) | (blocks == newest)
-        return torch.where(turn, slots, -1)
+    def _verify_context(self, entries: _GroupBatch, batch: _Batch, *, deferred: bool):
+        """One group's context verified in one call (`KvCanary.verify_context`). A request
+        may read, as context, a block another request of this batch writes in this very
+        forward (the scheduler caches a block's hash when it schedules its tokens, so a later
+        request of the same step hits it): such slots are verified after the forward, once
+        recorded (``deferred``). The chain of a request's first attended position leads into
+        blocks a window may have freed: it is not checked there (the null slot is the
+        canary's padding slot). Under ``every`` > 1 each request's newest block and the
+        step's turn of blocks are verified."""
+        offsets, starts, count = batch.ranges(entries.context_ranges)
+        history = batch.history
+        found = self.canary.verify_context(
+            entries.group.device_block_table, offsets, starts, block_size=self.block_size, num_entries=count,
+            written=batch.written, deferred=deferred, every=self.every, turn=self._steps % self.every,
+            history=None if history is None else history.tokens, history_known=None if history is None else history.known,
+            history_rows=None if history is None else batch.history_rows, cut_slot=adapter.NULL_SLOT,
+        )  # fmt: skip
+        entries.checks.append((found.slots, found.rows, found.flagged))
+        return found
 
     def _follow_block_copies(self, copies: np.ndarray) -> None:
         """vLLM copied these whole blocks, every layer, before the forward (copy-on-write of a
@@ -577,22 +569,15 @@ class WorkerCanary:
         self.canary.record(entries.written_slots, positions=positions, tokens=tokens, prev_slots=batch.in_record_order(prev_slots))
         if self._blocks_packed:
             self._refold_block_neighbours(entries, batch)
-        if entries.context is not None and self._may_defer(entries.deferred_slots):
-            context = entries.context
-            self._verify_context(entries, entries.deferred_slots, context.rows, context.positions, context.prev_slots)
+        if entries.waiting is not None and self._may_defer(entries.waiting):
+            self._verify_context(entries, batch, deferred=True)
         if self.reports.logged:
             self.reports.rewritten(entries.written_slots.tolist())
 
-    def _may_defer(self, deferred_slots: torch.Tensor) -> bool:
-        """Whether a group's deferred context entries may hold a slot: always on a device
-        (reading it would sync), and only if one does where the device is the host."""
-        return deferred_slots.device.type != "cpu" or bool(deferred_slots.ge(0).any())
-
-    def _verify_context(self, entries: _GroupBatch, slots, rows, positions, prev_slots) -> torch.Tensor:
-        """Every check of a group's context entries at ``slots`` (-1: skipped)."""
-        flagged = self.canary.verify(slots, positions=positions, tokens=entries.context_tokens, prev_slots=prev_slots)
-        entries.checks.append((slots, rows, flagged))
-        return flagged
+    def _may_defer(self, waiting: torch.Tensor) -> bool:
+        """Whether a group's context has entries left for after the forward: always on a
+        device (reading the count would sync), and only if it has where the device is the host."""
+        return waiting.device.type != "cpu" or bool(waiting.item())
 
     def _refold_block_neighbours(self, entries: _GroupBatch, batch: _Batch) -> None:
         """Under a block-packed backend writing a slot changes the bytes of its block's other
