@@ -52,6 +52,12 @@ constexpr const char* kSchemas[] = {
     "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
     "Tensor records, Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, "
     "int padding_slot=-1, bool check_bounds=True) -> Tensor",
+    // refold: records[s, fold] = the fold of slot s for each entry s >= 0 of
+    // slots (int32 or int64), the record's other fields kept; for a backend
+    // whose write to one slot changes the bytes of others. Slots past the
+    // capacity raise IndexError when check_bounds and are skipped otherwise.
+    "refold(Tensor[] sources, SymInt[] read_bytes, Tensor slots, Tensor(a!) records, "
+    "bool check_bounds=True) -> ()",
     // The names of the canary's counters, in the order of its counters tensor.
     "canary_counters() -> str[]",
     // digest(views, slots, positions, groups, unit_offsets, num_groups,

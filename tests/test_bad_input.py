@@ -267,22 +267,16 @@ CASES = [
         "dst_slots must lie in [0, 8), got values in [8, 8]",
     ),
     (
-        "canary: refold without a padding slot",
-        lambda: kc.KvCanary(GOOD).refold(torch.tensor([0])),
-        ValueError,
-        "refold needs a KvCanary with a padding_slot",
-    ),
-    (
         "canary: refold dtype",
-        lambda: kc.KvCanary(GOOD, padding_slot=0).refold(torch.tensor([1.0])),
+        lambda: kc.KvCanary(GOOD).refold(torch.tensor([1.0])),
         TypeError,
         "slots must be an int32 or int64 tensor",
     ),
     (
         "canary: refold range",
-        lambda: kc.KvCanary(GOOD, padding_slot=0).refold(torch.tensor([3, 8])),
+        lambda: kc.KvCanary(GOOD).refold(torch.tensor([3, 8])),
         IndexError,
-        "refold's slots must lie in [0, 8) or be negative, got 8",
+        "slots holds slot 8, out of range for a canary of capacity 8",
     ),
     (
         "canary: copy_records destinations",

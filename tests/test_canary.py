@@ -101,7 +101,7 @@ def test_refold_takes_new_bytes_and_keeps_the_rest_of_each_record(device):
     the slots the fold a fresh record of their bytes has, and keeps token, position, chain
     and owner; negative slots are skipped."""
     kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), padding_slot=0)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     block = torch.arange(16, 32, device=device)
     positions, tokens = torch.arange(16, device=device), torch.arange(200, 216, device=device)
     prev = torch.cat([torch.tensor([-1], device=device), block[:-1]])
@@ -111,11 +111,13 @@ def test_refold_takes_new_bytes_and_keeps_the_rest_of_each_record(device):
     checks = dict(positions=positions, tokens=tokens, prev_slots=prev)
     assert canary.verify(block, **checks).nonzero().flatten().tolist() == list(range(2, 9))
     canary.poll()
-    canary.refold(torch.tensor([-1, 18, 19, 20, 21, 22, 23, 24, -5], device=device))
+    canary.refold(torch.tensor([-1, 18, 19, 20, 21, 22, 23, -5], device=device))
+    canary.refold(torch.tensor([24], dtype=torch.int32, device=device))
     assert not canary.verify(block, 3, **checks).any()
     fresh = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
     fresh.record(block)
     assert torch.equal(canary.records[16:32, 3], fresh.records[16:32, 3])  # the fold of a fresh record
     assert torch.equal(canary.records[16:32, :3], before[16:32, :3])  # token, position, chain kept
-    assert torch.equal(canary.records[32:], before[32:]) and (canary.owners(block) == 3).all()
+    assert torch.equal(canary.records[32:], before[32:]) and torch.equal(canary.records[:16], before[:16])
+    assert (canary.owners(block) == 3).all()
     assert canary.poll() == []

@@ -321,6 +321,41 @@ def _context_slots_program(device: str) -> Program:
     return Program(_step_slots, batches, replays, expect)
 
 
+# refold -------------------------------------------------------------------------------------
+
+
+def _refold_samples(device: str) -> list[tuple]:
+    _, canary = _canary(device)
+    slots = torch.tensor([3, -1, 90, 4], device=device)
+    return [
+        (canary._views, canary._read_bytes, slots, canary._records, True),
+        (canary._views, canary._read_bytes, slots.int()[::2], canary._records, False),  # int32, strided
+    ]
+
+
+def _refold_program(device: str) -> Program:
+    kv, canary = _canary(device)
+    oracle = spec_oracle.Records(canary.capacity)
+    slots, positions, tokens, prev_slots = _request(torch.arange(canary.capacity, device=device))
+    canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
+    oracle.record(_ints(slots), _reference_folds(canary, slots), **_oracle_inputs(positions, tokens, prev_slots, None))
+    kv[0, 1:3] += 1  # the K bytes of slots 16 .. 47 change
+
+    def fn(slots):
+        canary.refold(slots)
+        return canary.records
+
+    def expect(slots):
+        for slot, fold in zip(_ints(slots), _reference_folds(canary, slots)):
+            if 0 <= slot < canary.capacity:
+                oracle.records[slot][3] = fold
+        return oracle.records
+
+    batches = [(_longs([16, -1, 17], device),), (torch.arange(18, 40, dtype=torch.int32, device=device),), (_longs([], device),)]
+    replays = [(_longs([-1] * 8, device),), (torch.arange(40, 48, device=device),), (_longs([16, 20, 24, 28, 32, 36, 40, 44], device),)]
+    return Program(fn, batches, replays, expect)
+
+
 # verify_context -----------------------------------------------------------------------------
 
 # A request through blocks 1, 2 and 3 of the canary's pool (8 blocks of 16), positions 0 .. 47.
@@ -402,6 +437,7 @@ OPS = [
     OpCase("digest", _digest_samples, _digest_program),
     OpCase("context_slots", _context_slots_samples, _context_slots_program),
     OpCase("verify_context", _verify_context_samples, _verify_context_program),
+    OpCase("refold", _refold_samples, _refold_program),
 ]
 
 # Ops without tensors, and the values each may return. They describe the library to the
@@ -518,7 +554,7 @@ def test_the_library_names_the_module_of_its_fake_kernels():
     # fake kernels when it loads the library, and torch knows no module.
     stubs = {
         op: torch._C._dispatch_pystub(f"kvcanary::{op}", "")
-        for op in ("fold", "record", "verify", "digest", "context_slots", "verify_context")
+        for op in ("fold", "record", "verify", "digest", "context_slots", "verify_context", "refold")
     }
     if TorchVersion(torch.__version__) >= (2, 13):
         assert {op: stub[0] for op, stub in stubs.items()} == dict.fromkeys(stubs, "torch_kvcanary.ops")

@@ -419,22 +419,15 @@ class KvCanary:
         """Recompute the fold of ``slots`` after the engine changed their bytes on purpose,
         keeping each slot's token, position, chain and owner: a backend that packs a block's
         tokens together changes the bytes of the block's other slots when it writes one
-        (`layouts.VLLM_BLOCK_PACKED_BACKENDS`). Negative slots are skipped; the others must
-        lie in ``[0, capacity)`` (checked where the canary's device is the host; elsewhere
-        the check would sync, and a slot out of range is skipped). The canary needs a
-        ``padding_slot``: the skipped entries fold it, whose record no check reads."""
+        (`layouts.VLLM_BLOCK_PACKED_BACKENDS`). ``slots`` are int32 or int64 on the canary's
+        device; negative ones are skipped, the others must lie in ``[0, capacity)``
+        (IndexError; where a call cannot raise, in compiled or captured CUDA code, a slot out
+        of range is skipped)."""
         self._check_slot_tensor(slots, "slots")
-        if self.padding_slot is None:
-            raise ValueError("kv-canary: refold needs a KvCanary with a padding_slot (its skipped entries fold it)")
-        flat = slots.reshape(-1)
-        if self.device.type == "cpu":
-            if flat.numel() and int(flat.max()) >= self.capacity:
-                raise IndexError(f"kv-canary: refold's slots must lie in [0, {self.capacity}) or be negative, got {int(flat.max())}")
-            in_range = flat >= 0
-        else:
-            in_range = (flat >= 0) & (flat < self.capacity)
-        at = torch.where(in_range, flat, self.padding_slot).long()
-        self.fingerprints[at] = torch.ops.kvcanary.fold(self._views, at, self._read_bytes, may_check_bounds(at))
+        try:
+            torch.ops.kvcanary.refold(self._views, self._read_bytes, slots, self._records, may_check_bounds(slots))
+        except (ValueError, RuntimeError) as error:
+            raise refusal(error, {"slots": slots}) from None
 
     def _check_slot_tensor(self, value, name: str) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):

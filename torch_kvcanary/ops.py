@@ -144,6 +144,12 @@ def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags
     )
 
 
+@torch.library.register_fake("kvcanary::refold")
+def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
+    check_index_dtype(slots, "slots")
+    _check_canary_fake_inputs(sources, slots, {}, (records,))
+
+
 @torch.library.register_fake("kvcanary::verify")
 def _verify_fake(
     sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True

@@ -1,9 +1,9 @@
-// CPU kernels of kvcanary::record, kvcanary::verify and
+// CPU kernels of kvcanary::record, kvcanary::verify, kvcanary::refold and
 // kvcanary::verify_context: the slots are folded with the CPU fold on torch's
 // threads, verify checking each lane group of entries as it is folded and
 // record applying the entries in order once all are, with the torch-free loops
-// of cpu/kernels/canary_cpu.h; verify_context plans its entries with
-// cpu/kernels/context_slots_cpu.h first.
+// of cpu/kernels/canary_cpu.h, and refold writing each fold into its record;
+// verify_context plans its entries with cpu/kernels/context_slots_cpu.h first.
 #include "cpu/kernels/canary_cpu.h"
 
 #include <torch/csrc/stable/library.h>
@@ -108,6 +108,24 @@ Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t 
   return flagged;
 }
 
+void refold_cpu(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
+                const Tensor& slots, Tensor& records, bool check_bounds) {
+  const CanaryPlan plan = make_refold_plan(sources, read_bytes, slots, records);
+  if (check_bounds) {
+    check_entries_in_range(plan, kHostSearch);
+  }
+  const EntryInputs& in = plan.entries.inputs;
+  const auto folds = std::make_unique_for_overwrite<int64_t[]>(in.num_entries);
+  fold_slots_cpu(plan.fold, plan.entries.slots, folds.get());
+  int64_t* fields = records.mutable_data_ptr<int64_t>();
+  for (int64_t i = 0; i < in.num_entries; ++i) {
+    const int64_t s = entry_slot(in, i);
+    if (s >= 0 && s < plan.capacity) {
+      fields[s * kRecordFields + kFold] = folds[i];
+    }
+  }
+}
+
 // The number of entries that wait for the deferred call, the entries written
 // on torch's threads, each taking a span.
 int64_t plan_context_entries(const ContextRanges& c, const ContextChecks& k, int64_t* tokens) {
@@ -166,6 +184,7 @@ STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cpu>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cpu>));
   m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cpu>));
+  m.impl("refold", TORCH_BOX(&refold_cpu));
 }
 
 }  // namespace kvcanary

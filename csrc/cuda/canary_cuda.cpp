@@ -1,4 +1,4 @@
-// CUDA backend of kvcanary::record, kvcanary::verify and
+// CUDA backend of kvcanary::record, kvcanary::verify, kvcanary::refold and
 // kvcanary::verify_context: argument checks and launches (the kernels are in
 // cuda/canary_cuda_kernel.cu and, for verify_context's entries,
 // cuda/context_slots_cuda_kernel.cu). One launch per call
@@ -117,6 +117,39 @@ Tensor verify_cuda(const CanaryInputs& in, const CanaryTables& tables, int64_t p
   return flagged;
 }
 
+// The slots folded with the fold's kernel into a new tensor, one launch per
+// kSourcesPerLaunch sources, then each fold written into its record.
+void refold_cuda(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
+                 const Tensor& slots, Tensor& records, bool check_bounds) {
+  const CanaryPlan plan = make_refold_plan(sources, read_bytes, slots, records);
+  const torch::stable::accelerator::DeviceGuard guard(slots.get_device_index());
+  const cudaStream_t stream = current_stream(slots.get_device_index());
+  const EntryInputs& entries = plan.entries.inputs;
+  check_slots_per_call(entries.num_entries);
+  if (check_bounds) {
+    check_entries_in_range(plan, kCudaSearch);
+  }
+  Tensor folds = new_tensor({entries.num_entries}, ScalarType::Long, slots.device());
+  FoldLaunchArgs fold{};
+  fold.capacity = plan.fold.capacity;
+  fold.slots = entries.slots;
+  fold.slots_are_int32 = entries.slots_int32;
+  fold.num_slots = entries.num_entries;
+  fold.out = folds.mutable_data_ptr<int64_t>();
+  const int num_sources = static_cast<int>(plan.fold.sources.size());
+  if (num_sources == 0) {  // the fold of no source is 0
+    check_cuda(cudaMemsetAsync(fold.out, 0, entries.num_entries * sizeof(int64_t), stream));
+  }
+  for (int first = 0; first < num_sources; first += kSourcesPerLaunch) {
+    fold.num_sources = std::min(kSourcesPerLaunch, num_sources - first);
+    std::copy_n(plan.fold.sources.begin() + first, fold.num_sources, fold.sources);
+    fold.continue_chain = first > 0;
+    check_cuda(launch_fold(fold, stream));
+  }
+  check_cuda(launch_refold(entries, folds.const_data_ptr<int64_t>(),
+                           records.mutable_data_ptr<int64_t>(), plan.capacity, stream));
+}
+
 // The range checks of context_slots and verify run as those ops run them
 // (the ranges read on the host, which syncs, and never while a CUDA graph is
 // captured); those of written and the history rows, which would read more on
@@ -167,6 +200,7 @@ STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cuda>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cuda>));
   m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cuda>));
+  m.impl("refold", TORCH_BOX(&refold_cuda));
 }
 
 }  // namespace kvcanary

@@ -40,6 +40,11 @@ static_assert(sizeof(RecordLaunchArgs) <= kMaxLaunchArgBytes,
 // (prev_slots[i] == slots[i - 1]) is written in order by the run's first
 // thread, so runs (requests) proceed in parallel.
 cudaError_t launch_record(const RecordLaunchArgs& args, cudaStream_t stream);
+
+// refold: one thread per entry writes folds[i] into the fold field of the
+// record of its slot, where 0 <= slot < capacity.
+cudaError_t launch_refold(const EntryInputs& entries, const int64_t* folds, int64_t* records,
+                          int64_t capacity, cudaStream_t stream);
 cudaError_t launch_verify(const VerifyLaunchArgs& args, cudaStream_t stream);
 
 }  // namespace kvcanary

@@ -151,6 +151,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock) verify_kernel(const VerifyLa
   count_warp(a.counters + kSlotsVerified, checked);
 }
 
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    refold_kernel(const EntryInputs entries, const int64_t* folds, int64_t* records,
+                  int64_t capacity) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
+  if (i < entries.num_entries) {
+    const int64_t s = entry_slot(entries, i);
+    if (s >= 0 && s < capacity) {
+      records[s * kRecordFields + kFold] = folds[i];
+    }
+  }
+}
+
 unsigned int blocks_for(int64_t entries) {
   const int64_t blocks = (entries + kThreadsPerBlock - 1) / kThreadsPerBlock;
   return static_cast<unsigned int>(blocks > 0 ? blocks : 1);
@@ -166,6 +178,16 @@ cudaError_t launch_record(const RecordLaunchArgs& args, cudaStream_t stream) {
 
 cudaError_t launch_verify(const VerifyLaunchArgs& args, cudaStream_t stream) {
   verify_kernel<<<blocks_for(args.inputs.num_entries), kThreadsPerBlock, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_refold(const EntryInputs& entries, const int64_t* folds, int64_t* records,
+                          int64_t capacity, cudaStream_t stream) {
+  if (entries.num_entries == 0) {
+    return cudaSuccess;
+  }
+  refold_kernel<<<blocks_for(entries.num_entries), kThreadsPerBlock, 0, stream>>>(
+      entries, folds, records, capacity);
   return cudaGetLastError();
 }
 

@@ -115,6 +115,20 @@ CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables) 
   return CanaryPlan{std::move(fold), capacity, make_entry_plan(in)};
 }
 
+CanaryPlan make_refold_plan(const std::vector<Tensor>& sources,
+                            const std::vector<int64_t>& read_bytes, const Tensor& slots,
+                            const Tensor& records) {
+  FoldPlan fold = make_fold_plan(sources, slots, read_bytes);
+  check_table(records, "records", slots, {kRecordFields});
+  const int64_t capacity = records.size(0);
+  KVCANARY_CHECK_VALUE(fold.capacity < 0 || capacity <= fold.capacity, "the canary holds ",
+                       capacity, " slots but its sources only ", fold.capacity,
+                       "; build the canary over these sources");
+  const std::optional<Tensor> none;
+  return CanaryPlan{std::move(fold), capacity,
+                    make_entry_plan({sources, read_bytes, slots, none, none, none, none})};
+}
+
 void check_entries_in_range(const CanaryPlan& plan, const IndexSearch& search) {
   check_entries_in_range(plan.entries.slots, "slots", plan.capacity, search);
   if (plan.entries.prev_slots.has_value()) {

@@ -127,6 +127,11 @@ struct CanaryPlan {
 // device, of one capacity that the sources hold) and the per-entry inputs.
 CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables);
 
+// refold's checks: the sources, the records table and the slots.
+CanaryPlan make_refold_plan(const std::vector<Tensor>& sources,
+                            const std::vector<int64_t>& read_bytes, const Tensor& slots,
+                            const Tensor& records);
+
 // check_bounds: IndexError for the first entry of slots, then of prev_slots
 // (when given), that is >= the canary's capacity.
 void check_entries_in_range(const CanaryPlan& plan, const IndexSearch& search);
