@@ -184,7 +184,7 @@ def _time_phases(watcher, plugin, phases: list[dict[str, float]]) -> None:
 
         return wrapper
 
-    plugin._step_ranges, plugin._ranges = timed(plugin._step_ranges, "plan"), timed(plugin._ranges, "plan")
+    plugin.step_plan = timed(plugin.step_plan, "plan")
     watcher._slots = timed(watcher._slots, "expand")
     watcher.canary.verify_context = timed(watcher.canary.verify_context, "context")
     for name in ("verify", "record", "refold", "poll"):

@@ -12,7 +12,7 @@ from importlib.metadata import version as _version
 from . import digest, layouts
 from .canary import ContextVerified, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
-from .ops import ContextSlots, context_slots, fold
+from .ops import STEP_SETS, ContextSlots, StepPlan, context_slots, fold, step_plan
 from .reference import reference_fold
 from .sources import (
     READ_ALIGN,
@@ -32,6 +32,7 @@ __version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
+    "STEP_SETS",
     "ContextSlots",
     "ContextVerified",
     "FailReason",
@@ -41,6 +42,7 @@ __all__ = [
     "KvSource",
     "KvTransferError",
     "RealKvSource",
+    "StepPlan",
     "TransferCheck",
     "ViewSource",
     "Violation",
@@ -55,6 +57,7 @@ __all__ = [
     "make_row_source",
     "reference_fold",
     "resolve_read_bytes",
+    "step_plan",
     "verify_transfer",
     "view_source",
 ]

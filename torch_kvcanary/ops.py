@@ -260,6 +260,63 @@ def context_slots(
     return ContextSlots(*found)
 
 
+@torch.library.register_fake("kvcanary::step_plan")
+def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
+    # The plan's length depends on the rows' values (its index sets' entries).
+    for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
+        if value.dtype != torch.int64:
+            raise TypeError(f"kv-canary: {name} must be an int64 tensor, got {_c10_dtype_name(value.dtype)}")
+    for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
+        if value.device.type != "cpu":
+            raise ValueError(f"kv-canary: {name} is on {value.device}; the step's plan is host work: pass CPU tensors (torch.from_numpy)")
+    if firsts.dim() != 2:
+        raise ValueError(f"kv-canary: firsts must be [num_groups, num_rows] (one row per KV cache group), got shape {list(firsts.shape)}")
+    plan = computed.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
+    num_sets = STEP_SETS + 2 * firsts.shape[0]
+    return plan, computed.new_empty((2, num_sets), dtype=torch.int64), computed.new_empty((), dtype=torch.bool)
+
+
+STEP_SETS = 5
+"""The sets of `step_plan` before the KV cache groups' (written, tail, new tail, tail
+again, record order); each group's two (its context, its refold indices) follow them."""
+
+
+class StepPlan(NamedTuple):
+    """`step_plan`'s answer: ``plan`` (int64, on the CPU) and, per set, its ``bases`` in it
+    and its ``counts`` of entries; whether the record order is the batch's."""
+
+    plan: torch.Tensor
+    bases: list[int]
+    counts: list[int]
+    in_batch_order: bool
+
+
+def step_plan(computed: torch.Tensor, scheduled: torch.Tensor, firsts: torch.Tensor, *, block_size: int, blocks_packed: bool) -> StepPlan:
+    """The host's plan of a paged serving step in one call: per request, the ranges of
+    positions it writes, reads and refolds, packed as `context_slots` and `verify_context`
+    take them (the contract is the schema's, csrc/ops.cpp).
+
+    Args:
+        computed: int64 ``[R]`` (CPU): each request's tokens in the KV cache before the step.
+        scheduled: int64 ``[R]`` (CPU): the tokens the step runs for it.
+        firsts: int64 ``[G, R]`` (CPU): the first position each KV cache group attends to
+            (0 for full attention; a sliding window's first position), ``<= computed``.
+        block_size: tokens per block.
+        blocks_packed: the backend packs a block's tokens together, so a write to one
+            slot changes its block's others (tail, new tail and refold sets are filled).
+    """
+    for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
+            got = _c10_dtype_name(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"kv-canary: {name} must be an int64 tensor (torch.from_numpy of an int64 array), got {got}")
+    try:
+        plan, sets, in_batch_order = torch.ops.kvcanary.step_plan(computed, scheduled, firsts, block_size, blocks_packed)
+    except (ValueError, RuntimeError) as error:
+        raise refusal(error, {}) from None
+    bases, counts = sets.tolist()
+    return StepPlan(plan, bases, counts, bool(in_batch_order))
+
+
 def may_check_bounds(slots: torch.Tensor) -> bool:
     """Whether an op over ``slots`` may check their range. Off a CPU the check synchronises
     with the host, so it is never made while torch.compile traces (the CUDA kernels

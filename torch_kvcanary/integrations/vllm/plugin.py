@@ -76,6 +76,7 @@ import torch
 
 from ... import layouts
 from ...canary import SLOT_BYTES, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...ops import STEP_SETS, step_plan
 from ...policy import apply_policy
 from ...sources import HashMode
 from . import adapter
@@ -237,9 +238,15 @@ class _GroupBatch:
 @dataclass
 class _Batch:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
-    saw for them. ``plan`` holds the step's range sets (`_step_ranges`) on the canary's
-    device, as `_ranges` packs them (``bases``: where each set starts; ``counts``: its
-    number of entries)."""
+    saw for them. ``plan`` holds the step's sets as `step_plan` packs them, on the canary's
+    device (``bases``: where each set starts; ``counts``: its number of entries).
+
+    The written entries are recorded request by request in the order of their first
+    written position: a request may read, as context, a block another request of the same
+    step writes (the scheduler caches a block's hash when it schedules its tokens), and then
+    its first entry chains through a slot that other request writes in the same call; the
+    other request's first written position is lower, so it is recorded first. (Runs of a
+    CUDA record call are applied concurrently, so there the two still race: `docs/vllm.md`.)"""
 
     req_ids: list[str]
     num_tokens: int
@@ -249,7 +256,7 @@ class _Batch:
     bases: list[int]
     counts: list[int]
     history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
-    recorded_in_batch_order: bool  # the record order (`_writers_first`) is the batch's own
+    recorded_in_batch_order: bool  # the record order is the batch's own
     written: torch.Tensor  # every slot the forward writes, in any group, sorted
     history: adapter.TokenHistory | None  # where the context's tokens are checked against
     groups: list[_GroupBatch] = field(default_factory=list)
@@ -271,12 +278,12 @@ class _Batch:
         return self.plan[base : base + self.counts[index]]
 
 
-# The sets of a step's plan (`_step_ranges`), in order; each group's two (its context, then
-# its refold indices) follow them. Range sets are expanded on the device through a block
-# table; index sets (`_INDEX_SETS`, and each group's second) are expanded on the host.
-_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, 5
+# The sets of a step's plan (`step_plan`, whose schema says what each holds), in order; each
+# group's two (its context, then its refold indices) follow them. Range sets are expanded on
+# the device through a block table; index sets (tail again, record order, each group's
+# second) are the plan's values themselves.
+_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, STEP_SETS
 _PER_GROUP = 2
-_INDEX_SETS = (_TAIL_AGAIN, _RECORD_ORDER)
 
 
 class WorkerCanary:
@@ -475,16 +482,17 @@ class WorkerCanary:
     def _begin_step(self, step: adapter.Step) -> _Batch:
         """Plans the step on the device from one copy of its ranges, O(requests) host values,
         then verifies each group's context."""
-        firsts = [group.first_attended(step.num_computed) for group in self.groups]
-        starts, ends = _step_ranges(step.num_computed, step.num_scheduled, firsts, self.block_size, self._blocks_packed)
-        index_sets = {*_INDEX_SETS, *range(_CONTEXT + 1, len(starts), _PER_GROUP)}
-        plan, bases, counts = _ranges(starts, ends, index_sets)
+        firsts = np.stack([group.first_attended(step.num_computed) for group in self.groups])
+        planned = step_plan(
+            torch.from_numpy(step.num_computed), torch.from_numpy(step.num_scheduled), torch.from_numpy(firsts),
+            block_size=self.block_size, blocks_packed=self._blocks_packed,
+        )  # fmt: skip
         device = step.positions.device
         written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
         batch = _Batch(
             step.request_ids, step.num_tokens, step.input_ids, step.positions,
-            torch.from_numpy(plan).to(device, non_blocking=True), bases, counts, step.history_rows,
-            recorded_in_batch_order=_writers_in_batch_order(step.num_computed),
+            planned.plan.to(device, non_blocking=True), planned.bases, planned.counts, step.history_rows,
+            recorded_in_batch_order=planned.in_batch_order,
             written=torch.sort(written.to(torch.int64)).values,
             history=self._vllm.token_history(device) if self._check_tokens else None,
         )  # fmt: skip
@@ -745,98 +753,9 @@ def _flagged_slots(batch: _Batch) -> torch.Tensor:
     return torch.unique(torch.cat(flagged))
 
 
-def _writers_first(first_written: np.ndarray) -> np.ndarray:
-    """The order in which a step's requests' written entries are recorded, given each
-    request's first written position: requests by that position, each request's entries
-    kept together and in order. A request may read, as context, a block another request of
-    the same step writes (the scheduler caches a block's hash when it schedules its tokens),
-    and then its first entry chains through a slot that other request writes in the same
-    call; the other request's first written position is lower, so it is recorded first.
-    (Runs of a CUDA record call are applied concurrently, so there the two still race:
-    `docs/vllm.md`.)"""
-    return np.argsort(first_written, kind="stable")
-
-
-def _writers_in_batch_order(first_written: np.ndarray) -> bool:
-    """Whether `_writers_first` keeps the batch's order (the positions do not decrease)."""
-    return bool((np.diff(first_written) >= 0).all())
-
-
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two layer tensors are the same view of the same bytes."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def _ranges(starts: np.ndarray, ends: np.ndarray, index_sets=frozenset()) -> tuple[np.ndarray, list[int], list[int]]:
-    """A step's sets, each the ranges ``[starts[k, i], ends[k, i])`` of every row ``i``,
-    packed into one int64 array: a range set as its `kvcanary::context_slots` arguments (its
-    offsets, ``R + 1``, then its starts, ``R``), a set of ``index_sets`` as its values (row
-    by row, each range in order); and each set's base in the array and number of entries.
-    The range sets come first, then the index sets' values; a fixed number of numpy calls
-    whatever the number of sets and rows."""
-    num_sets, rows = starts.shape
-    lengths = ends - starts
-    offsets = np.cumsum(lengths, axis=1)
-    counts = lengths.sum(axis=1).tolist()
-    is_index = np.zeros(num_sets, dtype=bool)
-    is_index[list(index_sets)] = True
-    ranged = np.flatnonzero(~is_index)
-    packed = np.empty((len(ranged), 2 * rows + 1), dtype=np.int64)
-    packed[:, 0] = 0
-    packed[:, 1 : rows + 1] = offsets[ranged]
-    packed[:, rows + 1 :] = starts[ranged]
-    # Every index set's values at once: each range's start, then one more per entry.
-    index_lengths = lengths[is_index].reshape(-1)
-    ends_before = np.cumsum(index_lengths) - index_lengths
-    values = np.repeat(starts[is_index].reshape(-1) - ends_before, index_lengths) + np.arange(int(index_lengths.sum()))
-    sizes = np.where(is_index, counts, 2 * rows + 1)
-    order = np.concatenate([ranged, np.flatnonzero(is_index)])
-    bases = np.empty(num_sets, dtype=np.int64)
-    bases[order] = np.cumsum(sizes[order]) - sizes[order]
-    return np.concatenate([packed.reshape(-1), values]), bases.tolist(), counts
-
-
-def _step_ranges(
-    computed: np.ndarray, scheduled: np.ndarray, firsts: list[np.ndarray], block_size: int, blocks_packed: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """A step's sets as (starts, ends), int64 ``[sets, R]``, per request (row) of the step:
-    ``computed`` tokens in the cache, ``scheduled`` run by the forward, ``firsts[g]`` the
-    first position group ``g`` attends to. In order (`_WRITTEN` ...): the positions the
-    forward writes; under a block-packed backend the tail (the rest of the last block before
-    the forward that the forward does not write: a partial block is a request's own), the
-    new tail (the rest of the last block the forward writes) and, for the refold of a block
-    the forward writes (`WorkerCanary._refold_block_neighbours`), the indices of the tail
-    entries of the requests that write (empty sets elsewhere); the indices of the forward's
-    tokens in the order they are recorded; then per group its context, and the indices of
-    the context entries in the block the forward writes into (empty unless block-packed)."""
-    starts = np.zeros((_CONTEXT + _PER_GROUP * len(firsts), len(computed)), dtype=np.int64)
-    ends = np.zeros_like(starts)
-    written_end = computed + scheduled
-    starts[_WRITTEN], ends[_WRITTEN] = computed, written_end
-    writes = scheduled > 0
-    if blocks_packed:
-        ends[_TAIL] = -(-computed // block_size) * block_size
-        np.minimum(written_end, ends[_TAIL], out=starts[_TAIL])
-        np.maximum(written_end, ends[_TAIL], out=starts[_NEW_TAIL])
-        np.maximum(-(-written_end // block_size) * block_size, starts[_NEW_TAIL], out=ends[_NEW_TAIL])
-        tail_lengths = ends[_TAIL] - starts[_TAIL]
-        starts[_TAIL_AGAIN] = np.cumsum(tail_lengths) - tail_lengths
-        ends[_TAIL_AGAIN] = starts[_TAIL_AGAIN] + np.where(writes, tail_lengths, 0)
-    # The written entries are recorded request by request in the order of their first
-    # written position (`_writers_first`): the token indices of each request, in that order.
-    order = _writers_first(computed)
-    starts[_RECORD_ORDER] = (np.cumsum(scheduled) - scheduled)[order]
-    ends[_RECORD_ORDER] = starts[_RECORD_ORDER] + scheduled[order]
-    last_block_start = computed // block_size * block_size
-    for group, first in enumerate(firsts):
-        context = _CONTEXT + _PER_GROUP * group
-        starts[context], ends[context] = first, computed
-        if blocks_packed:
-            lengths = computed - first
-            block_start = np.maximum(first, last_block_start)
-            starts[context + 1] = np.cumsum(lengths) - lengths + block_start - first
-            ends[context + 1] = starts[context + 1] + np.where(writes, computed - block_start, 0)
-    return starts, ends
 
 
 def _size(num_bytes: int) -> str:

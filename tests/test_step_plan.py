@@ -1,0 +1,149 @@
+"""kvcanary::step_plan (torch_kvcanary.step_plan): the host's plan of a paged serving step,
+equal set by set to its contract (the schema in csrc/ops.cpp) transcribed row by row in
+plain Python, on random steps and on hand-checked ones; refusals. Host work: CPU tensors
+only, whatever device the step runs on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_kvcanary as kc
+
+TAIL_AGAIN, RECORD_ORDER = 3, 4
+
+
+def expected_sets(computed, scheduled, firsts, block_size, packed):
+    """Each set's entries, transcribed from the schema row by row: a range set as one list
+    of positions per row, an index set as its list of values."""
+    rows = range(len(computed))
+    ceil = (lambda n: -(-n // block_size) * block_size) if packed else (lambda n: n)
+    written = [list(range(computed[i], computed[i] + scheduled[i])) for i in rows]
+    tail = [[p for p in range(computed[i], ceil(computed[i])) if p not in written[i]] for i in rows]
+    new_tail = [list(range(max(computed[i] + scheduled[i], ceil(computed[i])), ceil(computed[i] + scheduled[i]))) for i in rows]
+    tail_index = iter(range(sum(map(len, tail))))
+    tail_indices = [[next(tail_index) for _ in tail[i]] for i in rows]
+    tail_again = [tail_indices[i] if scheduled[i] else [] for i in rows]
+    token_index = iter(range(sum(scheduled)))
+    tokens = [[next(token_index) for _ in range(scheduled[i])] for i in rows]
+    order = sorted(rows, key=lambda i: computed[i])  # stable: ties keep the batch's order
+    sets = [written, tail, new_tail, sum(tail_again, []), sum((tokens[i] for i in order), [])]
+    for first in firsts:
+        context = [list(range(first[i], computed[i])) for i in rows]
+        index = iter(range(sum(map(len, context))))
+        indices = [[next(index) for _ in context[i]] for i in rows]
+        last_block = [computed[i] // block_size * block_size for i in rows]
+        again = [[k for k, p in zip(indices[i], context[i]) if p >= last_block[i]] if packed and scheduled[i] else [] for i in rows]
+        sets += [context, sum(again, [])]
+    return sets
+
+
+def is_index_set(k: int) -> bool:
+    return k in (TAIL_AGAIN, RECORD_ORDER) or (k >= kc.STEP_SETS and (k - kc.STEP_SETS) % 2 == 1)
+
+
+def unpacked(planned: kc.StepPlan, num_rows: int) -> list:
+    """Each set of ``planned`` as `expected_sets` writes it: a range set's offsets and starts
+    expanded to positions, row by row."""
+    plan = planned.plan.tolist()
+    sets = []
+    for k, (base, count) in enumerate(zip(planned.bases, planned.counts)):
+        if is_index_set(k):
+            sets.append(plan[base : base + count])
+            continue
+        offsets, starts = plan[base : base + num_rows + 1], plan[base + num_rows + 1 : base + 2 * num_rows + 1]
+        assert offsets[0] == 0 and offsets[-1] == count, k
+        sets.append([list(range(starts[i], starts[i] + offsets[i + 1] - offsets[i])) for i in range(num_rows)])
+    return sets
+
+
+def plan(computed, scheduled, firsts, block_size, packed) -> kc.StepPlan:
+    def longs(values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    return kc.step_plan(
+        longs(computed), longs(scheduled), longs(firsts).reshape(len(firsts), len(computed)), block_size=block_size, blocks_packed=packed
+    )
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_steps_equal_the_contract(seed):
+    rng = np.random.default_rng(seed)
+    num_rows, block_size, packed = int(rng.integers(0, 9)), int(rng.choice([1, 4, 16, 32])), bool(seed % 2)
+    computed = rng.integers(0, 70, num_rows)
+    if seed % 3 == 0:
+        computed = np.sort(computed)
+    scheduled = rng.integers(0, 20, num_rows) * (rng.random(num_rows) < 0.8)
+    num_groups = int(rng.integers(0, 4))  # full attention, then windows
+    firsts = np.zeros((num_groups, num_rows), dtype=np.int64)
+    firsts[1:] = np.minimum(computed, rng.integers(0, 70, (max(num_groups - 1, 0), num_rows)))
+    planned = kc.step_plan(
+        torch.from_numpy(computed), torch.from_numpy(scheduled), torch.from_numpy(firsts), block_size=block_size, blocks_packed=packed
+    )
+    want = expected_sets(computed.tolist(), scheduled.tolist(), firsts.tolist(), block_size, packed)
+    assert len(planned.counts) == len(planned.bases) == len(want) == kc.STEP_SETS + 2 * len(firsts)
+    assert unpacked(planned, num_rows) == want
+    assert planned.counts == [len(s) if is_index_set(k) else sum(map(len, s)) for k, s in enumerate(want)]
+    assert planned.in_batch_order == bool((np.diff(computed) >= 0).all())
+    assert planned.plan.dtype == torch.int64 and planned.plan.numel() == max(
+        b + (c if is_index_set(k) else 2 * num_rows + 1) for k, (b, c) in enumerate(zip(planned.bases, planned.counts))
+    )
+
+
+def test_a_hand_checked_step():
+    # Blocks of 4, packed. Row 0 decodes (5 in the cache, 1 scheduled), row 1 prefills a
+    # chunk (2 in the cache, 7 scheduled), row 2 waits (3 in the cache, none scheduled);
+    # one full-attention group, and one whose window starts at 4, 0 and 1.
+    planned = plan([5, 2, 3], [1, 7, 0], [[0, 0, 0], [4, 0, 1]], 4, True)
+    written, tail, new_tail, again, order, context, context_again, window, window_again = unpacked(planned, 3)
+    assert written == [[5], [2, 3, 4, 5, 6, 7, 8], []]
+    assert tail == [[6, 7], [], [3]]  # the rest of each last block that the step does not write
+    assert new_tail == [[], [9, 10, 11], []]
+    assert again == [0, 1]  # the tail entries of the rows that write: row 0's
+    assert order == [1, 2, 3, 4, 5, 6, 7, 0]  # row 1 (2 computed) first, then row 0
+    assert context == [[0, 1, 2, 3, 4], [0, 1], [0, 1, 2]]
+    assert context_again == [4, 5, 6]  # row 0's position 4 (its last block), row 1's 0 and 1
+    assert window == [[4], [0, 1], [1, 2]]
+    assert window_again == [0, 1, 2]
+    assert not planned.in_batch_order
+
+
+def test_without_packed_blocks_the_tail_sets_are_empty():
+    planned = plan([5, 9], [1, 1], [[0, 0]], 4, False)
+    written, tail, new_tail, again, order, context, context_again = unpacked(planned, 2)
+    assert (written, tail, new_tail, again, context_again) == ([[5], [9]], [[], []], [[], []], [], [])
+    assert order == [0, 1] and context == [[0, 1, 2, 3, 4], list(range(9))] and planned.in_batch_order
+
+
+def test_no_rows():
+    planned = plan([], [], [[]], 16, True)
+    assert planned.counts == [0] * 7 and planned.plan.tolist() == [0] * 4  # four range sets, offsets [0] each and planned.in_batch_order
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(computed=torch.tensor([1, 2], dtype=torch.int32)), TypeError, "computed must be an int64 tensor"),
+        (dict(scheduled=[1, 1]), TypeError, "scheduled must be an int64 tensor"),
+        (dict(scheduled=torch.tensor([1, 1, 1])), ValueError, "scheduled must be 1-D with 2 entries"),
+        (dict(firsts=torch.tensor([0, 0])), ValueError, r"firsts must be \[num_groups, 2\]"),
+        (dict(firsts=torch.tensor([[0, 3]])), ValueError, r"firsts\[0, 1\] is 3; .* \[0, 2\]"),
+        (dict(firsts=torch.tensor([[-1, 0]])), ValueError, r"firsts\[0, 0\] is -1"),
+        (dict(computed=torch.tensor([4, -2])), ValueError, "row 1 has computed -2"),
+        (dict(scheduled=torch.tensor([1 << 50, 1])), ValueError, r"row 0 has .* in \[0, 2\*\*48\)"),
+        (dict(block_size=0), ValueError, "block_size must be >= 1"),
+        (dict(computed=torch.tensor([[4, 2]])), ValueError, "computed must be 1-D"),
+        (dict(computed=torch.tensor([4, 2], device="meta")), ValueError, "computed is on meta; the step's plan is host work"),
+    ],
+)
+def test_refusals(change, error, message):
+    args = dict(computed=torch.tensor([4, 2]), scheduled=torch.tensor([1, 1]), firsts=torch.tensor([[0, 0]]), block_size=4)
+    args.update(change)
+    with pytest.raises(error, match=f"^kv-canary: {message}"):
+        kc.step_plan(args["computed"], args["scheduled"], args["firsts"], block_size=args["block_size"], blocks_packed=True)
+
+
+def test_opcheck():
+    args = (torch.tensor([5, 2, 3]), torch.tensor([1, 7, 0]), torch.tensor([[0, 0, 0], [4, 0, 1]]), 4, True)
+    torch.library.opcheck(torch.ops.kvcanary.step_plan.default, args)
