@@ -449,12 +449,23 @@ HOST_QUERIES = {
 }
 HOST_QUERY_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
+# Ops that plan a serving step on the host: CPU tensors in and out whatever device the step
+# runs on, called eagerly between two forwards (the size of an output depends on the
+# inputs' values), so of the contracts only opcheck's apply to them. Their samples.
+HOST_PLANS = {
+    "step_plan": [
+        (_longs([5, 2, 3], "cpu"), _longs([1, 7, 0], "cpu"), _longs([[0, 0, 0], [4, 0, 1]], "cpu"), 4, True),
+        (_longs([0, 40], "cpu"), _longs([16, 1], "cpu"), _longs([[0, 0]], "cpu"), 16, False),
+        (_longs([], "cpu"), _longs([], "cpu"), torch.zeros(2, 0, dtype=torch.int64), 32, True),
+    ],
+}
+
 CUDA_DEVICES = [device for device in DEVICES if device != "cpu"]  # with their skip mark where there is no GPU
 
 
 def test_every_op_is_in_a_table():
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcanary::")}
-    assert registered == {case.op for case in OPS} | set(HOST_QUERIES)
+    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_PLANS)
 
 
 # --- the contracts ---------------------------------------------------------------------------
@@ -465,6 +476,13 @@ def test_every_op_is_in_a_table():
 def test_opcheck(case, device):
     op = getattr(torch.ops.kvcanary, case.op).default
     for args in case.samples(device):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", sorted(HOST_PLANS))
+def test_host_plan_opcheck(name):
+    op = getattr(torch.ops.kvcanary, name).default
+    for args in HOST_PLANS[name]:
         torch.library.opcheck(op, args)
 
 

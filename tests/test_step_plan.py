@@ -1,6 +1,6 @@
 """kvcanary::step_plan (torch_kvcanary.step_plan): the host's plan of a paged serving step,
 equal set by set to its contract (the schema in csrc/ops.cpp) transcribed row by row in
-plain Python, on random steps and on hand-checked ones; refusals. Host work: CPU tensors
+plain Python, on random steps and on hand-checked ones; refusals (opcheck: test_op_contracts.py). Host work: CPU tensors
 only, whatever device the step runs on."""
 
 from __future__ import annotations
@@ -142,8 +142,3 @@ def test_refusals(change, error, message):
     args.update(change)
     with pytest.raises(error, match=f"^kv-canary: {message}"):
         kc.step_plan(args["computed"], args["scheduled"], args["firsts"], block_size=args["block_size"], blocks_packed=True)
-
-
-def test_opcheck():
-    args = (torch.tensor([5, 2, 3]), torch.tensor([1, 7, 0]), torch.tensor([[0, 0, 0], [4, 0, 1]]), 4, True)
-    torch.library.opcheck(torch.ops.kvcanary.step_plan.default, args)

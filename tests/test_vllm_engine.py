@@ -506,7 +506,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         raise ZeroDivisionError("a fault injected into the plugin")
 
     assert lines.take() == []
-    monkeypatch.setattr(plugin, "_ranges", fault)
+    monkeypatch.setattr(plugin, "step_plan", fault)
     try:
         outputs = llm.generate(prompts, [_params(30, i) for i in range(3)], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
@@ -593,7 +593,7 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
 
-    monkeypatch.setattr(plugin, "_ranges", fault)
+    monkeypatch.setattr(plugin, "step_plan", fault)
     state.policy = "raise"
     try:
         with pytest.raises(Exception) as raised:
