@@ -120,24 +120,20 @@ constexpr const char* kSchemas[] = {
     "(Tensor slots, Tensor rows, Tensor flagged, Tensor waiting)",
     // step_plan -> (plan, sets, in_batch_order): the host's plan of a paged
     // serving step, for its context_slots and verify_context calls. Per row
-    // (request) r: computed[r] tokens in the cache, scheduled[r] run by the
-    // step, firsts[g, r] the first position KV cache group g attends to (int64
-    // CPU tensors [R], [R], [G, R]; 0 <= firsts <= computed). The sets, in
-    // order, each one range [start, end) per row: written [c, c + s); when
+    // (request) r: c = computed[r] tokens in the cache, s = scheduled[r] run
+    // by the step, firsts[g, r] the first position KV cache group g attends to
+    // (int64 CPU tensors [R], [R], [G, R]; 0 <= firsts <= computed). The sets,
+    // in order, each one range [start, end) per row: written [c, c + s); when
     // blocks_packed (a backend whose write to a slot changes its block's
     // other slots) the tail [min(c + s, C), C) with C = c rounded up to the
-    // block, the new tail [max(c + s, C), max(c + s rounded up, that)), and
-    // tail_again, the indices into the tail's entries of the rows with s > 0
-    // (the other two sets' ranges are empty when not blocks_packed); the
-    // record order: the written entries' indices, rows stably ordered by c;
-    // then per group g its context [firsts[g, r], c) and, when blocks_packed,
-    // the indices into the context's entries of those in the block
-    // [c / block_size * block_size, ...) of the rows with s > 0. plan (int64)
-    // holds each range set as its context_slots offsets (R + 1 values from 0)
-    // and starts (R), in set order, then each index set's values, in set
-    // order; sets is int64 [2, 5 + 2 * G], each set's base in plan and number
-    // of entries; in_batch_order (bool []) whether c does not decrease (the
-    // record order is then the batch's).
+    // block, and the blocks written, [c rounded down, c + s rounded up) where
+    // s > 0 (both empty when not blocks_packed); the record order: the
+    // written entries' indices, rows stably ordered by c (an index set); then
+    // per group g its context [firsts[g, r], c). plan (int64) holds each range
+    // set as its context_slots offsets (R + 1 values from 0) and starts (R),
+    // in set order, then the index set's values; sets is int64 [2, 4 + G],
+    // each set's base in plan and number of entries; in_batch_order (bool [])
+    // whether c does not decrease (the record order is then the batch's).
     "step_plan(Tensor computed, Tensor scheduled, Tensor firsts, int block_size, "
     "bool blocks_packed) -> (Tensor plan, Tensor sets, Tensor in_batch_order)",
     // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the

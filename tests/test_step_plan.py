@@ -11,36 +11,38 @@ import torch
 
 import torch_kvcanary as kc
 
-TAIL_AGAIN, RECORD_ORDER = 3, 4
+RECORD_ORDER = 3
 
 
 def expected_sets(computed, scheduled, firsts, block_size, packed):
     """Each set's entries, transcribed from the schema row by row: a range set as one list
-    of positions per row, an index set as its list of values."""
+    of positions per row, the record order as its list of values."""
     rows = range(len(computed))
-    ceil = (lambda n: -(-n // block_size) * block_size) if packed else (lambda n: n)
+    block_of = lambda p: p // block_size  # noqa: E731
     written = [list(range(computed[i], computed[i] + scheduled[i])) for i in rows]
-    tail = [[p for p in range(computed[i], ceil(computed[i])) if p not in written[i]] for i in rows]
-    new_tail = [list(range(max(computed[i] + scheduled[i], ceil(computed[i])), ceil(computed[i] + scheduled[i]))) for i in rows]
-    tail_index = iter(range(sum(map(len, tail))))
-    tail_indices = [[next(tail_index) for _ in tail[i]] for i in rows]
-    tail_again = [tail_indices[i] if scheduled[i] else [] for i in rows]
+    # The rest of the block holding the last position before the step, that it does not write.
+    tail = [
+        [p for p in range(computed[i], computed[i] + block_size) if block_of(p) == block_of(computed[i] - 1) and p not in written[i]]
+        if packed and computed[i]
+        else []
+        for i in rows
+    ]
+    # Every position of each block the step writes a position of.
+    blocks_written = [
+        [p for p in range(0, computed[i] + scheduled[i] + block_size) if block_of(p) in {block_of(q) for q in written[i]}] if packed else []
+        for i in rows
+    ]
     token_index = iter(range(sum(scheduled)))
     tokens = [[next(token_index) for _ in range(scheduled[i])] for i in rows]
     order = sorted(rows, key=lambda i: computed[i])  # stable: ties keep the batch's order
-    sets = [written, tail, new_tail, sum(tail_again, []), sum((tokens[i] for i in order), [])]
+    sets = [written, tail, blocks_written, sum((tokens[i] for i in order), [])]
     for first in firsts:
-        context = [list(range(first[i], computed[i])) for i in rows]
-        index = iter(range(sum(map(len, context))))
-        indices = [[next(index) for _ in context[i]] for i in rows]
-        last_block = [computed[i] // block_size * block_size for i in rows]
-        again = [[k for k, p in zip(indices[i], context[i]) if p >= last_block[i]] if packed and scheduled[i] else [] for i in rows]
-        sets += [context, sum(again, [])]
+        sets.append([list(range(first[i], computed[i])) for i in rows])
     return sets
 
 
 def is_index_set(k: int) -> bool:
-    return k in (TAIL_AGAIN, RECORD_ORDER) or (k >= kc.STEP_SETS and (k - kc.STEP_SETS) % 2 == 1)
+    return k == RECORD_ORDER
 
 
 def unpacked(planned: kc.StepPlan, num_rows: int) -> list:
@@ -82,7 +84,7 @@ def test_random_steps_equal_the_contract(seed):
         torch.from_numpy(computed), torch.from_numpy(scheduled), torch.from_numpy(firsts), block_size=block_size, blocks_packed=packed
     )
     want = expected_sets(computed.tolist(), scheduled.tolist(), firsts.tolist(), block_size, packed)
-    assert len(planned.counts) == len(planned.bases) == len(want) == kc.STEP_SETS + 2 * len(firsts)
+    assert len(planned.counts) == len(planned.bases) == len(want) == kc.STEP_SETS + len(firsts)
     assert unpacked(planned, num_rows) == want
     assert planned.counts == [len(s) if is_index_set(k) else sum(map(len, s)) for k, s in enumerate(want)]
     assert planned.in_batch_order == bool((np.diff(computed) >= 0).all())
@@ -96,29 +98,27 @@ def test_a_hand_checked_step():
     # chunk (2 in the cache, 7 scheduled), row 2 waits (3 in the cache, none scheduled);
     # one full-attention group, and one whose window starts at 4, 0 and 1.
     planned = plan([5, 2, 3], [1, 7, 0], [[0, 0, 0], [4, 0, 1]], 4, True)
-    written, tail, new_tail, again, order, context, context_again, window, window_again = unpacked(planned, 3)
+    written, tail, blocks_written, order, context, window = unpacked(planned, 3)
     assert written == [[5], [2, 3, 4, 5, 6, 7, 8], []]
     assert tail == [[6, 7], [], [3]]  # the rest of each last block that the step does not write
-    assert new_tail == [[], [9, 10, 11], []]
-    assert again == [0, 1]  # the tail entries of the rows that write: row 0's
+    assert blocks_written == [[4, 5, 6, 7], list(range(12)), []]
     assert order == [1, 2, 3, 4, 5, 6, 7, 0]  # row 1 (2 computed) first, then row 0
     assert context == [[0, 1, 2, 3, 4], [0, 1], [0, 1, 2]]
-    assert context_again == [4, 5, 6]  # row 0's position 4 (its last block), row 1's 0 and 1
     assert window == [[4], [0, 1], [1, 2]]
-    assert window_again == [0, 1, 2]
     assert not planned.in_batch_order
 
 
-def test_without_packed_blocks_the_tail_sets_are_empty():
+def test_without_packed_blocks_the_block_sets_are_empty():
     planned = plan([5, 9], [1, 1], [[0, 0]], 4, False)
-    written, tail, new_tail, again, order, context, context_again = unpacked(planned, 2)
-    assert (written, tail, new_tail, again, context_again) == ([[5], [9]], [[], []], [[], []], [], [])
+    written, tail, blocks_written, order, context = unpacked(planned, 2)
+    assert (written, tail, blocks_written) == ([[5], [9]], [[], []], [[], []])
     assert order == [0, 1] and context == [[0, 1, 2, 3, 4], list(range(9))] and planned.in_batch_order
 
 
 def test_no_rows():
     planned = plan([], [], [[]], 16, True)
-    assert planned.counts == [0] * 7 and planned.plan.tolist() == [0] * 4  # four range sets, offsets [0] each and planned.in_batch_order
+    assert planned.counts == [0] * 5 and planned.plan.tolist() == [0] * 4  # four range sets, offsets [0] each
+    assert planned.in_batch_order
 
 
 @pytest.mark.parametrize(

@@ -272,13 +272,13 @@ def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
     if firsts.dim() != 2:
         raise ValueError(f"kv-canary: firsts must be [num_groups, num_rows] (one row per KV cache group), got shape {list(firsts.shape)}")
     plan = computed.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
-    num_sets = STEP_SETS + 2 * firsts.shape[0]
+    num_sets = STEP_SETS + firsts.shape[0]
     return plan, computed.new_empty((2, num_sets), dtype=torch.int64), computed.new_empty((), dtype=torch.bool)
 
 
-STEP_SETS = 5
-"""The sets of `step_plan` before the KV cache groups' (written, tail, new tail, tail
-again, record order); each group's two (its context, its refold indices) follow them."""
+STEP_SETS = 4
+"""The sets of `step_plan` before the KV cache groups' contexts (written, tail, blocks
+written, record order)."""
 
 
 class StepPlan(NamedTuple):
@@ -303,7 +303,7 @@ def step_plan(computed: torch.Tensor, scheduled: torch.Tensor, firsts: torch.Ten
             (0 for full attention; a sliding window's first position), ``<= computed``.
         block_size: tokens per block.
         blocks_packed: the backend packs a block's tokens together, so a write to one
-            slot changes its block's others (tail, new tail and refold sets are filled).
+            slot changes its block's others (the tail and blocks-written sets are filled).
     """
     for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:

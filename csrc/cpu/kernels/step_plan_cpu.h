@@ -11,24 +11,19 @@
 
 namespace kvcanary {
 
-// The step's sets, in order; each KV cache group's two follow kStepSets: its
-// context (a range set), then the indices of its context entries in the
-// block the step writes into (an index set).
+// The step's sets, in order; each KV cache group's context (a range set)
+// follows kStepSets.
 enum StepSet : int64_t {
-  kWritten = 0,      // the positions the step writes
-  kTail = 1,         // rest of the last block before the step, not written
-  kNewTail = 2,      // rest of the last block the step writes into
-  kTailAgain = 3,    // indices into kTail of the rows that write (index set)
-  kRecordOrder = 4,  // the written tokens' indices in record order (index set)
-  kStepSets = 5,
+  kWritten = 0,        // the positions the step writes
+  kTail = 1,           // rest of the last block before the step, not written
+  kBlocksWritten = 2,  // every position of the blocks the step writes into
+  kRecordOrder = 3,    // the written tokens' indices in record order (index set)
+  kStepSets = 4,
 };
 
-inline int64_t num_step_sets(int64_t num_groups) { return kStepSets + 2 * num_groups; }
+inline int64_t num_step_sets(int64_t num_groups) { return kStepSets + num_groups; }
 
-inline bool is_index_set(int64_t set) {
-  return set == kTailAgain || set == kRecordOrder ||
-         (set >= kStepSets && (set - kStepSets) % 2 == 1);
-}
+inline bool is_index_set(int64_t set) { return set == kRecordOrder; }
 
 struct StepInputs {
   const int64_t* computed;   // [rows] tokens in the cache before the step
@@ -70,22 +65,16 @@ inline StepRanges step_ranges(const StepInputs& in) {
     r.starts[set * rows + row] = start;
     r.ends[set * rows + row] = end;
   };
-  int64_t tails_before = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t computed = in.computed[i];
     const int64_t written_end = computed + in.scheduled[i];
-    const bool writes = in.scheduled[i] > 0;
     set_range(kWritten, i, computed, written_end);
     if (in.blocks_packed) {
       const int64_t tail_end = ceil_to_block(computed, bs);
-      const int64_t tail_start = std::min(written_end, tail_end);
-      const int64_t new_tail_start = std::max(written_end, tail_end);
-      set_range(kTail, i, tail_start, tail_end);
-      set_range(kNewTail, i, new_tail_start,
-                std::max(ceil_to_block(written_end, bs), new_tail_start));
-      const int64_t tail_length = tail_end - tail_start;
-      set_range(kTailAgain, i, tails_before, tails_before + (writes ? tail_length : 0));
-      tails_before += tail_length;
+      set_range(kTail, i, std::min(written_end, tail_end), tail_end);
+      if (in.scheduled[i] > 0) {
+        set_range(kBlocksWritten, i, computed / bs * bs, ceil_to_block(written_end, bs));
+      }
     }
   }
   const std::vector<int64_t> order = record_order(in);
@@ -99,21 +88,8 @@ inline StepRanges step_ranges(const StepInputs& in) {
     set_range(kRecordOrder, k, tokens_before[row], tokens_before[row] + in.scheduled[row]);
   }
   for (int64_t g = 0; g < in.num_groups; ++g) {
-    const int64_t context = kStepSets + 2 * g;
-    int64_t entries_before = 0;
     for (int64_t i = 0; i < rows; ++i) {
-      const int64_t computed = in.computed[i];
-      const int64_t first = in.firsts[g * rows + i];
-      set_range(context, i, first, computed);
-      if (in.blocks_packed) {
-        // The context entries in the block the step writes into (from the
-        // last block's start, or the first attended position).
-        const int64_t block_start = std::max(first, computed / bs * bs);
-        const int64_t start = entries_before + block_start - first;
-        set_range(context + 1, i, start,
-                  start + (in.scheduled[i] > 0 ? computed - block_start : 0));
-      }
-      entries_before += computed - first;
+      set_range(kStepSets + g, i, in.firsts[g * rows + i], in.computed[i]);
     }
   }
   return r;

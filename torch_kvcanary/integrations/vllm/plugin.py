@@ -46,8 +46,8 @@ Prefix caching, chunked prefill, preemption and recompute need nothing special: 
 block holds the same records for every request that reads it, and a recomputed slot is
 recorded again when it is rewritten. Under a backend that packs a block's tokens together
 (CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
-the unwritten rows of each request's last block are verified too, and every other slot of
-a block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's
+the unwritten rows of each request's last block are verified too, and every slot of a
+block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's
 tokens are checked against the runner's token history where it lives on the canary's device
 (V1 on vLLM's CPU build, and V2), with V1 not under async scheduling (its history may lag
 the device by a step); the other checks stay.
@@ -208,16 +208,6 @@ def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
 
 
 @dataclass
-class _Verified:
-    """Entries of one group verified before the forward: ``slots`` (-1 where not verified),
-    ``rows`` (input-batch rows) and verify's answer, ``flagged``."""
-
-    slots: torch.Tensor
-    rows: torch.Tensor
-    flagged: torch.Tensor
-
-
-@dataclass
 class _GroupBatch:
     """One watched KV cache group's entries of a step: the verified ones (each request's
     context still attended to, then under a block-packed backend the unwritten tail of its
@@ -225,10 +215,8 @@ class _GroupBatch:
 
     group: adapter.KvCacheGroup
     written_slots: torch.Tensor
-    context_ranges: int  # the group's first range set in the step's plan
+    context_ranges: int  # the group's context in the step's plan
     written_rows: torch.Tensor | None = None
-    context: _Verified | None = None
-    tail: _Verified | None = None
     # How many context entries sit at slots this forward writes (int64 [1]): verified after it.
     waiting: torch.Tensor | None = None
     # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
@@ -259,6 +247,7 @@ class _Batch:
     recorded_in_batch_order: bool  # the record order is the batch's own
     written: torch.Tensor  # every slot the forward writes, in any group, sorted
     history: adapter.TokenHistory | None  # where the context's tokens are checked against
+    violations: int | None  # the canary's count of violations when the step began (block-packed backends)
     groups: list[_GroupBatch] = field(default_factory=list)
 
     def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -279,11 +268,9 @@ class _Batch:
 
 
 # The sets of a step's plan (`step_plan`, whose schema says what each holds), in order; each
-# group's two (its context, then its refold indices) follow them. Range sets are expanded on
-# the device through a block table; index sets (tail again, record order, each group's
-# second) are the plan's values themselves.
-_WRITTEN, _TAIL, _NEW_TAIL, _TAIL_AGAIN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, 4, STEP_SETS
-_PER_GROUP = 2
+# group's context follows them. Range sets are expanded on the device through a block table;
+# the record order (an index set) holds the indices themselves.
+_WRITTEN, _TAIL, _BLOCKS_WRITTEN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, STEP_SETS
 
 
 class WorkerCanary:
@@ -495,12 +482,13 @@ class WorkerCanary:
             recorded_in_batch_order=planned.in_batch_order,
             written=torch.sort(written.to(torch.int64)).values,
             history=self._vllm.token_history(device) if self._check_tokens else None,
+            violations=self._violations() if self._blocks_packed else None,
         )  # fmt: skip
         self._batch = batch
         if len(step.block_copies):
             self._follow_block_copies(step.block_copies)
         for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
-            batch.groups.append(self._begin_group(group, batch, _CONTEXT + _PER_GROUP * index, slot_mapping))
+            batch.groups.append(self._begin_group(group, batch, _CONTEXT + index, slot_mapping))
         return batch
 
     def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int):
@@ -517,13 +505,10 @@ class WorkerCanary:
         then under a block-packed backend the unwritten tail of each request's last block."""
         entries = _GroupBatch(group, slot_mapping, context_ranges=ranges)
         if batch.counts[ranges]:
-            found = self._verify_context(entries, batch, deferred=False)
-            entries.context, entries.waiting = _Verified(found.slots, found.rows, found.flagged), found.waiting
+            entries.waiting = self._verify_context(entries, batch, deferred=False).waiting
         if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
             slots, _, _, rows = self._slots(group, batch, _TAIL)
-            flagged = self.canary.verify(slots)
-            entries.checks.append((slots, rows, flagged))
-            entries.tail = _Verified(slots, rows, flagged)
+            entries.checks.append((slots, rows, self.canary.verify(slots)))
         return entries
 
     def _verify_context(self, entries: _GroupBatch, batch: _Batch, *, deferred: bool):
@@ -576,7 +561,7 @@ class WorkerCanary:
         entries.written_slots, entries.written_rows = batch.in_record_order(entries.written_slots), batch.in_record_order(rows)
         self.canary.record(entries.written_slots, positions=positions, tokens=tokens, prev_slots=batch.in_record_order(prev_slots))
         if self._blocks_packed:
-            self._refold_block_neighbours(entries, batch)
+            self._refold_blocks_written(entries, batch)
         if entries.waiting is not None and self._may_defer(entries.waiting):
             self._verify_context(entries, batch, deferred=True)
         if self.reports.logged:
@@ -587,22 +572,22 @@ class WorkerCanary:
         device (reading the count would sync), and only if it has where the device is the host."""
         return waiting.device.type != "cpu" or bool(waiting.item())
 
-    def _refold_block_neighbours(self, entries: _GroupBatch, batch: _Batch) -> None:
+    def _refold_blocks_written(self, entries: _GroupBatch, batch: _Batch) -> None:
         """Under a block-packed backend writing a slot changes the bytes of its block's other
-        slots, so every other slot of a block the forward wrote gets its fold recomputed,
-        its token, position and chain kept (`KvCanary.refold`): those of each request's last
-        block verified before the forward (a flagged slot keeps its record, so that it is
-        reported again while it is read), and the rest of the last block it writes (its new
-        tail). A block the forward wrote whole was recorded whole."""
-        again = []
-        for part, ranges in ((entries.context, entries.context_ranges + 1), (entries.tail, _TAIL_AGAIN)):
-            if part is not None and batch.counts[ranges]:
-                at = batch.indices(ranges)
-                again.append(torch.where(part.flagged[at], -1, part.slots[at]))
-        if batch.counts[_NEW_TAIL]:
-            again.append(self._slots(entries.group, batch, _NEW_TAIL)[0])
-        if again:
-            self.canary.refold(torch.cat(again) if len(again) > 1 else again[0])
+        slots, so every slot of a block the forward wrote gets its fold recomputed, its
+        token, position and chain kept (`KvCanary.refold`; the slots just recorded get the
+        same fold again). A slot verify flagged in this step keeps its record, so that it is
+        reported again while it is read; whether there is one is read from the canary's
+        counters, on the host (block-packed backends run on the CPU)."""
+        if not batch.counts[_BLOCKS_WRITTEN]:
+            return
+        slots = self._slots(entries.group, batch, _BLOCKS_WRITTEN)[0]
+        if self._violations() != batch.violations:
+            slots = torch.where(torch.isin(slots, _flagged_slots(batch)), -1, slots)
+        self.canary.refold(slots)
+
+    def _violations(self) -> int:
+        return self.canary.stats()["violations"]
 
     # Reports ------------------------------------------------------------------------
 
