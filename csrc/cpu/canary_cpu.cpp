@@ -9,6 +9,7 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -140,6 +141,63 @@ int64_t plan_context_entries(const ContextRanges& c, const ContextChecks& k, int
   return waiting.load();
 }
 
+// verify of verify_context's chosen entries (slot >= 0): when some are not
+// chosen (a sample under every > 1, the entries of the other call), the
+// chosen ones are packed first, so that the fold spends no lanes on the
+// others; their answers are then spread back, false elsewhere.
+Tensor verify_chosen(const ContextVerifyInputs& in, const CanaryTables& tables,
+                     int64_t padding_slot, bool check_bounds, const Tensor& slots,
+                     const Tensor& positions, const Tensor& prev_slots,
+                     const std::optional<Tensor>& tokens) {
+  const int64_t n = slots.numel();
+  const int64_t* slot_values = slots.const_data_ptr<int64_t>();
+  const int64_t chosen =
+      std::count_if(slot_values, slot_values + n, [](int64_t s) { return s >= 0; });
+  const std::optional<Tensor> no_tags;
+  if (chosen == n) {
+    return verify_cpu({in.sources, in.read_bytes, slots, positions, tokens, prev_slots, no_tags},
+                      tables, padding_slot, check_bounds);
+  }
+  const Device device = slots.device();
+  Tensor packed_slots = new_tensor({chosen}, ScalarType::Long, device);
+  Tensor packed_positions = new_tensor({chosen}, ScalarType::Long, device);
+  Tensor packed_prev_slots = new_tensor({chosen}, ScalarType::Long, device);
+  std::optional<Tensor> packed_tokens;
+  if (tokens.has_value()) {
+    packed_tokens = new_tensor({chosen}, ScalarType::Long, device);
+  }
+  const int64_t* position_values = positions.const_data_ptr<int64_t>();
+  const int64_t* prev_values = prev_slots.const_data_ptr<int64_t>();
+  const int64_t* token_values = tokens.has_value() ? tokens->const_data_ptr<int64_t>() : nullptr;
+  int64_t* out_slots = packed_slots.mutable_data_ptr<int64_t>();
+  int64_t* out_positions = packed_positions.mutable_data_ptr<int64_t>();
+  int64_t* out_prev = packed_prev_slots.mutable_data_ptr<int64_t>();
+  int64_t* out_tokens = token_values ? packed_tokens->mutable_data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0, k = 0; i < n; ++i) {
+    if (slot_values[i] < 0) continue;
+    out_slots[k] = slot_values[i];
+    out_positions[k] = position_values[i];
+    out_prev[k] = prev_values[i];
+    if (out_tokens) out_tokens[k] = token_values[i];
+    ++k;
+  }
+  const Tensor packed_flagged =
+      verify_cpu({in.sources, in.read_bytes, packed_slots, packed_positions, packed_tokens,
+                  packed_prev_slots, no_tags},
+                 tables, padding_slot, check_bounds);
+  Tensor flagged = new_tensor({n}, ScalarType::Bool, device);
+  const bool* packed_answers = packed_flagged.const_data_ptr<bool>();
+  bool* answers = flagged.mutable_data_ptr<bool>();
+  for (int64_t i = 0, k = 0; i < n; ++i) {
+    answers[i] = false;
+    if (slot_values[i] >= 0) {
+      answers[i] = packed_answers[k];
+      ++k;
+    }
+  }
+  return flagged;
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cpu(const ContextVerifyInputs& in,
                                                               const CanaryTables& tables,
                                                               int64_t padding_slot,
@@ -171,10 +229,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cpu(const ContextVerif
   Tensor waiting = new_tensor({1}, ScalarType::Long, device);
   *waiting.mutable_data_ptr<int64_t>() = plan_context_entries(
       c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr);
-  const std::optional<Tensor> no_tags;
   Tensor flagged =
-      verify_cpu({in.sources, in.read_bytes, slots, positions, tokens, prev_slots, no_tags}, tables,
-                 padding_slot, check_bounds);
+      verify_chosen(in, tables, padding_slot, check_bounds, slots, *positions, *prev_slots, tokens);
   return {slots, rows, flagged, waiting};
 }
 
