@@ -14,8 +14,10 @@
 namespace kvcanary {
 namespace {
 
-// Positions stay far below int64's range: sums of a few never overflow.
+// Positions and block sizes stay far below int64's range, so that sums of a
+// few never overflow; a plan holds at most kMaxPlanValues values.
 constexpr int64_t kMaxTokens = int64_t{1} << 48;
+constexpr int64_t kMaxPlanValues = int64_t{1} << 31;
 
 void check_host_int64(const Tensor& t, const char* name) {
   KVCANARY_CHECK_TYPE(t.scalar_type() == ScalarType::Long, name, " must be an int64 tensor, got ",
@@ -55,7 +57,8 @@ std::tuple<Tensor, Tensor, Tensor> step_plan(const Tensor& computed, const Tenso
                        shape_of(scheduled));
   KVCANARY_CHECK_VALUE(firsts.dim() == 2 && firsts.size(1) == rows, "firsts must be [num_groups, ",
                        rows, "] (one row per KV cache group), got shape ", shape_of(firsts));
-  KVCANARY_CHECK_VALUE(block_size >= 1, "block_size must be >= 1, got ", block_size);
+  KVCANARY_CHECK_VALUE(block_size >= 1 && block_size < kMaxTokens,
+                       "block_size must be in [1, 2**48), got ", block_size);
   const Tensor computed_values = in_memory_order(computed);
   const Tensor scheduled_values = in_memory_order(scheduled);
   const Tensor first_values = in_memory_order(firsts);
@@ -71,6 +74,8 @@ std::tuple<Tensor, Tensor, Tensor> step_plan(const Tensor& computed, const Tenso
   const StepRanges ranges = step_ranges(in);
   const int64_t num_sets = num_step_sets(in.num_groups);
   const StepLayout layout = step_layout(ranges, rows, num_sets);
+  KVCANARY_CHECK_VALUE(layout.size < kMaxPlanValues, "the step's plan would hold ", layout.size,
+                       " values; a step schedules at most 2**31 tokens in all");
   const Device cpu(DeviceType::CPU);
   Tensor plan = new_tensor({layout.size}, ScalarType::Long, cpu);
   write_step_plan(ranges, layout, rows, plan.mutable_data_ptr<int64_t>());
