@@ -135,6 +135,15 @@ def test_no_rows():
         (dict(block_size=0), ValueError, r"block_size must be in \[1, 2\*\*48\)"),
         (dict(block_size=(1 << 63) - 1), ValueError, r"block_size must be in \[1, 2\*\*48\), got 9223372036854775807"),
         (dict(scheduled=torch.tensor([1 << 40, 1 << 40])), ValueError, r"the step's plan would hold \d+ values"),
+        (
+            dict(
+                computed=torch.full((1 << 14,), (1 << 48) - 1),
+                scheduled=torch.zeros(1 << 14, dtype=torch.int64),
+                firsts=torch.zeros(1, 1 << 14, dtype=torch.int64),
+            ),
+            ValueError,
+            r"the rows' tokens add up past 2\*\*62 by row 16383",
+        ),
         (dict(computed=torch.tensor([[4, 2]])), ValueError, "computed must be 1-D"),
         (dict(computed=torch.tensor([4, 2], device="meta")), ValueError, "computed is on meta; the step's plan is host work"),
     ],

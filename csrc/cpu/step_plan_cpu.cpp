@@ -26,7 +26,10 @@ void check_host_int64(const Tensor& t, const char* name) {
                        "; the step's plan is host work: pass CPU tensors (torch.from_numpy)");
 }
 
+// Every count of the plan is at most the sum over the rows of computed +
+// scheduled + block_size, which is kept below 2**62.
 void check_step_values(const StepInputs& in) {
+  int64_t total = 0;
   for (int64_t i = 0; i < in.num_rows; ++i) {
     const int64_t computed = in.computed[i];
     const int64_t scheduled = in.scheduled[i];
@@ -40,6 +43,9 @@ void check_step_values(const StepInputs& in) {
                            "; a row's first attended position must be in [0, computed] = [0, ",
                            computed, "]");
     }
+    total += computed + scheduled + in.block_size;  // each term < 2**50
+    KVCANARY_CHECK_VALUE(total < (int64_t{1} << 62), "the rows' tokens add up past 2**62 by row ",
+                         i, "; a step's rows hold far fewer");
   }
 }
 
