@@ -329,6 +329,33 @@ def test_a_mixed_workload_raises_no_false_alarm(engine):
     mixed_workload(*engine)
 
 
+@pytest.fixture
+def token_copy(engine, monkeypatch):
+    """The canary checks tokens against its device copy of the token history
+    (`plugin.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
+    here the device is the CPU, and vLLM's own history is the oracle."""
+    state = plugin.active()
+    copy = plugin.TokenCopy(*state._vllm.token_rows, state.canary.device)
+    monkeypatch.setattr(state, "_token_copy", copy)
+    return copy
+
+
+def _assert_copy_holds_vllms_history(copy: plugin.TokenCopy) -> None:
+    """Each running request's context in the copy is what vLLM's host history holds."""
+    batch = plugin.active().runner.input_batch
+    rows = [row for row, request_id in enumerate(batch.req_ids) if request_id is not None]
+    assert rows
+    for row in rows:
+        context = int(batch.num_computed_tokens_cpu[row])
+        assert copy.tokens[row, :context].tolist() == batch.token_ids_cpu_tensor[row, :context].tolist(), row
+
+
+def test_a_mixed_workload_checked_against_a_token_copy_raises_no_false_alarm(engine, token_copy):
+    # Requests join, finish and move rows (vLLM condenses its batch), are preempted and resumed.
+    mixed_workload(*engine)
+    assert (token_copy.tokens >= 0).any()
+
+
 def test_a_flipped_bit_names_its_request(engine):
     llm, lines, _ = engine
     driver = Driver(llm, "flip")
@@ -420,7 +447,10 @@ def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
 
 
 def test_a_block_table_pointing_at_another_requests_block(engine):
-    llm, lines, _ = engine
+    _block_table_pointing_at_another_requests_block(*engine)
+
+
+def _block_table_pointing_at_another_requests_block(llm, lines, _) -> None:
     driver = Driver(llm, "table")
     rng = random.Random(3)
     for _ in range(2):
@@ -441,6 +471,25 @@ def test_a_block_table_pointing_at_another_requests_block(engine):
     assert "verify_token" in reasons and "verify_chain_hash" in reasons
     assert "verify_real_kv_hash" not in reasons  # every byte is intact
     driver.finish()
+
+
+def test_a_token_copy_follows_the_requests_and_catches_a_wrong_block(engine, token_copy):
+    llm, lines, _ = engine
+    driver = Driver(llm, "copy")
+    rng = random.Random(21)
+    for i in range(4):
+        driver.add(_tokens(rng, 50 + 20 * i), _params(60 + 40 * i, 0))
+    driver.run_until_decoding()
+    for _ in range(3):
+        driver.step()
+        _assert_copy_holds_vllms_history(token_copy)
+    driver.engine.abort_request([driver.ids[0]])  # its row empties; vLLM moves a later request into it
+    for _ in range(3):
+        driver.step()
+        _assert_copy_holds_vllms_history(token_copy)
+    assert lines.take() == []
+    driver.finish()
+    _block_table_pointing_at_another_requests_block(*engine)
 
 
 def test_a_block_freed_and_rewritten_while_still_read(engine):

@@ -138,15 +138,16 @@ def test_the_canary_memory(capacity, ring_capacity):
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("kv_bytes_per_slot", [64, 1024, Fraction(1000, 3), 576 * 2 * 61])
 @pytest.mark.parametrize("available", [0, 70_000, 10**6 + 7, 22 * 2**30 + 12345])
-def test_the_kv_cache_budget_leaves_room_for_the_canary(block_size, kv_bytes_per_slot, available):
+@pytest.mark.parametrize("fixed_bytes", [0, 256 * 4096 * 4])  # a device copy of a token history
+def test_the_kv_cache_budget_leaves_room_for_the_canary(block_size, kv_bytes_per_slot, available, fixed_bytes):
     # vLLM sizes the cache in whole blocks of the budget; those blocks and the canary over
     # them fit in what was available, and one block more would not.
-    budget = plugin.kv_cache_budget(available, kv_bytes_per_slot)
+    budget = plugin.kv_cache_budget(available, kv_bytes_per_slot, fixed_bytes)
     assert 0 <= budget <= available
     blocks = math.floor(budget / (block_size * kv_bytes_per_slot))
 
     def needs(blocks: int) -> Fraction:
-        return blocks * block_size * kv_bytes_per_slot + KvCanary.device_bytes(blocks * block_size)
+        return blocks * block_size * kv_bytes_per_slot + KvCanary.device_bytes(blocks * block_size) + fixed_bytes
 
     assert needs(blocks) <= available or blocks == 0
     assert needs(blocks + 1) > available
@@ -167,3 +168,26 @@ def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
     assert reports.summary(130.5) == (
         "kv_canary summary: launch_tag=vllm seconds=20.0 repeated_detections=1 repeated_slots=1 slots_logged=3 ring_dropped=0"
     )
+
+
+def test_a_token_copy_follows_requests_across_rows():
+    # The host's tokens of each request (what `adapter.Runner.known_tokens` gives when it
+    # takes a row), and what the copy must hold row by row after each step.
+    host = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4], "d": [-1, 3]}
+    copy = plugin.TokenCopy(3, 6, torch.device("cpu"))
+
+    def follow(request_ids):
+        history = copy.follow(request_ids, lambda row: torch.tensor(host[request_ids[row]], dtype=torch.int32))
+        assert history.tokens is copy.tokens and history.known is None
+
+    def rows():
+        return copy.tokens.tolist()
+
+    follow(["a", "b"])
+    assert rows() == [[5, 6, 7, -1, -1, -1], [8, 9, -1, -1, -1, -1], [-1] * 6]
+    copy.record(torch.tensor([0, 1, 1]), torch.tensor([3, 2, 3]), torch.tensor([70, 90, 91]))  # a step's tokens
+    assert rows() == [[5, 6, 7, 70, -1, -1], [8, 9, 90, 91, -1, -1], [-1] * 6]
+    follow(["b", "a", "c"])  # a and b swap rows (taken from the copy, not the host); c joins
+    assert rows() == [[8, 9, 90, 91, -1, -1], [5, 6, 7, 70, -1, -1], [1, 2, 3, 4, -1, -1]]
+    follow(["d", "a"])  # b and c leave; d joins b's old row, whose tokens do not linger
+    assert rows() == [[-1, 3, -1, -1, -1, -1], [5, 6, 7, 70, -1, -1], [1, 2, 3, 4, -1, -1]]

@@ -168,15 +168,16 @@ class Plugin:
     """What the hooks ask of the plugin.
 
     ``start(runner)``: the watcher of a model runner that has just allocated its KV cache.
-    ``kv_cache_budget(available, kv_bytes_per_slot)``: of the ``available`` bytes a worker
-    found for its KV cache, those vLLM may size the cache by (the rest is the canary's),
-    given the KV cache's bytes per slot over all layers.
+    ``kv_cache_budget(available, kv_bytes_per_slot, fixed_bytes)``: of the ``available``
+    bytes a worker found for its KV cache, those vLLM may size the cache by (the rest is the
+    canary's), given the KV cache's bytes per slot over all layers and the bytes the canary
+    holds besides its records (a device copy of the token history).
     ``refusal(reason)``: the error that stops a worker whose model runner the plugin cannot
     watch, ``reason`` naming the runner and what to do.
     """
 
     start: Callable[[object], Watcher]
-    kv_cache_budget: Callable[[int, Fraction], int]
+    kv_cache_budget: Callable[[int, Fraction, int], int]
     refusal: Callable[[str], Exception]
 
 
@@ -329,7 +330,7 @@ def _wrap_worker(worker, plugin: Plugin) -> None:
     def determine_available_memory_with_canary(*args, **kwargs):
         runner = _checked_runner(worker, plugin)
         available = determine_available_memory(*args, **kwargs)
-        budget = plugin.kv_cache_budget(available, _kv_bytes_per_slot(worker))
+        budget = plugin.kv_cache_budget(available, _kv_bytes_per_slot(worker), _token_copy_bytes(runner))
         setattr(runner, _BUDGET, (available, budget))
         return budget
 
@@ -389,6 +390,23 @@ def _checked_runner(worker, plugin: Plugin):
 
         _hook_model_runner_v2(ModelRunnerV2, plugin.start)
     return model_runner
+
+
+def _token_history_on_host(model_runner) -> bool:
+    """Whether Model Runner V1 keeps its token history on the host while its model runs on a
+    device (a GPU); never V2, whose history is on its device."""
+    if _is_v2(model_runner):
+        return False
+    return model_runner.input_batch.token_ids_cpu_tensor.device != torch.device(model_runner.device)
+
+
+def _token_copy_bytes(model_runner) -> int:
+    """The bytes of the canary's device copy of a runner's token history (int32, one row per
+    input-batch row), where it keeps one (`Runner.token_history_on_host`)."""
+    if not _token_history_on_host(model_runner):
+        return 0
+    batch = model_runner.input_batch
+    return batch.max_num_reqs * batch.max_model_len * 4
 
 
 def _kv_bytes_per_slot(worker) -> Fraction:
@@ -476,6 +494,27 @@ class Runner:
         """Whether the token history (`token_history`) holds every context token when a forward
         starts: V1's trails the device by a step under async scheduling."""
         return not self.async_scheduling
+
+    @property
+    def token_history_on_host(self) -> bool:
+        """Whether the runner keeps its token history on the host while its model runs on a
+        device (V1 on a GPU): the canary then keeps a copy on the device (`plugin.TokenCopy`),
+        of `token_rows`' shape, from `known_tokens` and each step's input ids."""
+        return _token_history_on_host(self.model_runner)
+
+    @property
+    def token_rows(self) -> tuple[int, int]:
+        """The token history's shape: (input-batch rows, positions per row)."""
+        batch = self.model_runner.input_batch
+        return batch.max_num_reqs, batch.max_model_len
+
+    def known_tokens(self, row: int) -> torch.Tensor:
+        """The tokens of input-batch row ``row``'s context as V1 holds them on the host once a
+        request has taken the row (its prompt, and a resumed request's earlier output): int32
+        ``[context]`` on the host, -1 where the prompt is embeddings."""
+        batch = self.model_runner.input_batch
+        context = int(batch.num_computed_tokens_cpu[row])
+        return torch.where(batch.is_token_ids_tensor[row, :context], batch.token_ids_cpu_tensor[row, :context], -1)
 
     @property
     def kv_transfer_config(self):
@@ -610,6 +649,10 @@ class RunnerV2(Runner):
         """V2 writes each sampled token into its history on the device, in stream order,
         before the next forward, under async scheduling too."""
         return True
+
+    @property
+    def token_history_on_host(self) -> bool:
+        return False
 
     def token_history(self, device: torch.device) -> TokenHistory | None:
         """V2 keeps every request's tokens (its prompt and what it sampled, written on the

@@ -48,9 +48,9 @@ recorded again when it is rewritten. Under a backend that packs a block's tokens
 (CPU_ATTN, `layouts.VLLM_BLOCK_PACKED_BACKENDS`) a slot's bytes are a row of its block, so
 the unwritten rows of each request's last block are verified too, and every slot of a
 block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's
-tokens are checked against the runner's token history where it lives on the canary's device
-(V1 on vLLM's CPU build, and V2), with V1 not under async scheduling (its history may lag
-the device by a step); the other checks stay.
+tokens are checked against the runner's token history: V2's, on its device; V1's where it
+lives on the canary's device (vLLM's CPU build, whose scheduling is synchronous); and where
+V1 keeps it on the host (a GPU), against the canary's `TokenCopy` of it on the device.
 
 An exception of the plugin's own code in a step (not a violation) stops the engine under
 ``raise``; under ``log`` it is logged once at ERROR with its traceback and the canary turns
@@ -197,12 +197,13 @@ def _refusal(reason: str) -> RuntimeError:
     return RuntimeError(f"kv-canary: {reason}, or unset {POLICY_ENV} to serve without the canary")
 
 
-def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int) -> int:
+def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int, fixed_bytes: int = 0) -> int:
     """The bytes of ``available`` (what a worker found for its KV cache) by which vLLM may
     size the KV cache, so that the cache and its canary fit in ``available`` together: the
-    canary's fixed part comes off the top, and the rest is split between a slot's KV bytes
-    and its `SLOT_BYTES`. vLLM gives the cache at most the budget, in whole blocks."""
-    fixed = KvCanary.device_bytes(0)
+    canary's fixed part (``fixed_bytes`` besides its tables: a `TokenCopy`) comes off the
+    top, and the rest is split between a slot's KV bytes and its `SLOT_BYTES`. vLLM gives
+    the cache at most the budget, in whole blocks."""
+    fixed = KvCanary.device_bytes(0) + fixed_bytes
     share = Fraction(max(available - fixed, 0)) * kv_bytes_per_slot / (kv_bytes_per_slot + SLOT_BYTES)
     return math.floor(share)
 
@@ -332,6 +333,7 @@ class WorkerCanary:
             sources += self._sources(layer, layout)
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
         self._check_tokens = self._vllm.token_history_current
+        self._token_copy = TokenCopy(*self._vllm.token_rows, self.canary.device) if self._vllm.token_history_on_host else None
         # Tensor-parallel ranks poll together, so that under "raise" they all stop.
         self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
@@ -411,12 +413,13 @@ class WorkerCanary:
             source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
         drafter_layers = len(self._vllm.drafter_layer_names())
         drafter = f"; {drafter_layers} layers of the speculative drafter not watched" if drafter_layers else ""
+        copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
         return (
             f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
             f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
             f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
             f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
-            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot), {source}"
+            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}"
         )
 
     # The step -----------------------------------------------------------------------
@@ -481,7 +484,7 @@ class WorkerCanary:
             planned.plan.to(device, non_blocking=True), planned.bases, planned.counts, step.history_rows,
             recorded_in_batch_order=planned.in_batch_order,
             written=torch.sort(written.to(torch.int64)).values,
-            history=self._vllm.token_history(device) if self._check_tokens else None,
+            history=self._token_history(step, device),
             violations=self._violations() if self._blocks_packed else None,
         )  # fmt: skip
         self._batch = batch
@@ -490,6 +493,14 @@ class WorkerCanary:
         for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
             batch.groups.append(self._begin_group(group, batch, _CONTEXT + index, slot_mapping))
         return batch
+
+    def _token_history(self, step: adapter.Step, device: torch.device) -> adapter.TokenHistory | None:
+        """Where the context's tokens are checked against: the runner's token history where
+        it lives on the canary's device and holds every context token, or the canary's
+        `TokenCopy` of one the runner keeps on the host; None: tokens are not checked."""
+        if self._token_copy is not None:
+            return self._token_copy.follow(step.request_ids, self._vllm.known_tokens)
+        return self._vllm.token_history(device) if self._check_tokens else None
 
     def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int):
         """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
@@ -546,6 +557,8 @@ class WorkerCanary:
             tokens = batch.in_record_order(batch.input_ids[: batch.num_tokens]) if batch.input_ids is not None else None
             for entries in batch.groups:
                 self._record(entries, batch, positions, tokens)
+            if self._token_copy is not None and tokens is not None and batch.groups:
+                self._token_copy.record(batch.groups[0].written_rows, positions, tokens)
         self.canary.poll(group=self._group)
         self._batch = None
         self._steps += 1
@@ -669,6 +682,50 @@ class WorkerCanary:
             error=lambda text: KvCorruptionError(text, violations),
             log=logger,
         )
+
+
+class TokenCopy:
+    """A device copy of a token history the runner keeps on the host (Model Runner V1 on a
+    GPU), so that the context's tokens are checked on the device without host work per
+    slot: int32 ``tokens[row, position]`` by input-batch row, -1 where not known (the token
+    check skips those). A request's context is copied from the host when it takes a row
+    (`adapter.Runner.known_tokens`: exact there, under async scheduling too), its row is
+    moved on the device when vLLM moves the request to another row, and each step's tokens
+    are written on the device from its input ids after the forward (`record`), as the
+    runner's own history would hold them under synchronous scheduling."""
+
+    def __init__(self, rows: int, length: int, device: torch.device):
+        self.tokens = torch.full((rows, length), -1, dtype=torch.int32, device=device)
+        self._row_of: dict[str, int] = {}  # each request's row at the last step
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes
+
+    def follow(self, request_ids: list[str], known_tokens) -> adapter.TokenHistory:
+        """Before a step's verify, with the input batch's request ids row by row: the rows
+        of requests that moved are moved, those of requests that joined are copied from
+        ``known_tokens(row)`` (the rest of the row set to -1)."""
+        moved_from, moved_to, joined = [], [], []
+        for row, request_id in enumerate(request_ids):
+            before = self._row_of.get(request_id)
+            if before is None:
+                joined.append(row)
+            elif before != row:
+                moved_from.append(before)
+                moved_to.append(row)
+        if moved_to:  # whole rows; all sources are read before any destination is written
+            self.tokens[moved_to] = self.tokens[moved_from]
+        for row in joined:
+            tokens = known_tokens(row)
+            self.tokens[row, len(tokens) :].fill_(-1)
+            self.tokens[row, : len(tokens)].copy_(tokens, non_blocking=True)
+        self._row_of = dict(zip(request_ids, range(len(request_ids))))
+        return adapter.TokenHistory(self.tokens, None)
+
+    def record(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """After a step's forward: the token at each (input-batch row, position) it wrote."""
+        self.tokens[rows, positions] = tokens.to(torch.int32)
 
 
 class Reports:
