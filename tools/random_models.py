@@ -62,7 +62,12 @@ KINDS = {
 }
 
 
-def _tokenizer(directory: Path) -> None:
+# Qwen2-VL's vision tokens, which its processor finds by name in the tokenizer.
+QWEN2_VL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _tokenizer(directory: Path, extra_special: tuple[str, ...] = ()) -> dict[str, int]:
+    """Trains and saves the tokenizer; the ids of ``extra_special``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -70,10 +75,11 @@ def _tokenizer(directory: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>", *extra_special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator([f"the quick brown fox jumps over the lazy dog {i}" for i in range(200)], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+    return {token: tokenizer.token_to_id(token) for token in extra_special}
 
 
 def make_model(directory: Path, kind: str = "llama", *, seed: int = 0, **config) -> Path:
@@ -85,28 +91,27 @@ def make_model(directory: Path, kind: str = "llama", *, seed: int = 0, **config)
     config_class, model_class, settings = KINDS[kind]
     settings = {**TINY, **settings, **config}
     directory.mkdir(parents=True, exist_ok=True)
-    _tokenizer(directory)
+    special = _tokenizer(directory, QWEN2_VL_TOKENS if kind == "qwen2_vl" else ())
     torch.manual_seed(seed)
     common = dict(bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
     if kind == "qwen2_vl":
-        config = _qwen2_vl_config(directory, settings, common)
+        config = _qwen2_vl_config(directory, settings, common, special)
     else:
         config = getattr(transformers, config_class)(max_position_embeddings=1024, **common, **settings)
     getattr(transformers, model_class)(config).to(torch.bfloat16).save_pretrained(directory)
     return directory
 
 
-def _qwen2_vl_config(directory: Path, text: dict, common: dict):
+def _qwen2_vl_config(directory: Path, text: dict, common: dict, tokens: dict[str, int]):
     """A Qwen2-VL config (M-RoPE over a head of 64: sections of 8, 12 and 12 frequencies)
     with a one-block vision tower, and its image processor beside the tokenizer."""
     from transformers import Qwen2VLConfig, Qwen2VLImageProcessor
 
-    vocab = text["vocab_size"]
     rope = {"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0}
     text = {**text, "max_position_embeddings": 1024, "rope_parameters": rope, **common}
     vision = dict(depth=1, embed_dim=64, hidden_size=text["hidden_size"], num_heads=2)
-    # The vision token ids, past the tokenizer's vocabulary (text prompts never use them).
-    special = dict(image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    special = {name: tokens[token] for name, token in zip(names, QWEN2_VL_TOKENS)}
     Qwen2VLImageProcessor().save_pretrained(directory)
     return Qwen2VLConfig(text_config=text, vision_config=vision, **special, **common)
 
