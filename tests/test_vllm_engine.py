@@ -283,6 +283,12 @@ def test_the_runners_the_plugin_watches(engine):
     reason = adapter.unwatchable(object.__new__(OwnForward))
     assert reason.startswith(f"the vLLM plugin cannot watch {__name__}.test_the_runners_the_plugin_watches.<locals>.OwnForward: ")
     assert "overrides _model_forward of vllm.v1.worker.gpu_model_runner.GPUModelRunner" in reason
+
+    class OwnSampling(CPUModelRunner):  # where a drafter proposes: a step would end before it wrote
+        def sample_tokens(self, *args, **kwargs):
+            return super().sample_tokens(*args, **kwargs)
+
+    assert "overrides sample_tokens of vllm.v1.worker.gpu_model_runner.GPUModelRunner" in adapter.unwatchable(object.__new__(OwnSampling))
     assert "cannot watch builtins.object: it watches vLLM's Model Runner V1" in adapter.unwatchable(object())
 
 

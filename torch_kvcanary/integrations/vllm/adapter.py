@@ -40,6 +40,7 @@ V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 _HOOKED = "_kvcanary_hooked"
 _WATCHER = "_kvcanary"
 _SCHEDULED = "_kvcanary_step"
+_PENDING = "_kvcanary_pending"
 _BUDGET = "_kvcanary_kv_budget"
 _WRAPS = "_kvcanary_wraps"
 
@@ -96,7 +97,11 @@ class TokenHistory(NamedTuple):
 class Watcher(Protocol):
     """What the hooks call around each model forward of an engine step: ``begin_step`` gets
     the function that reads the forward's `Step` from the runner, so that reading it runs
-    inside the watcher's own error handling."""
+    inside the watcher's own error handling. ``end_step`` comes right after the forward, or,
+    where ``watches_drafter``, once the speculative drafter has written its layers too
+    (`Runner.drafter_writes_seen`)."""
+
+    watches_drafter: bool
 
     def begin_step(self, read_step: Callable[[], Step]): ...
 
@@ -108,6 +113,7 @@ class AttentionLayer:
     name: str
     kv_cache: torch.Tensor  # the tensor vLLM binds to the layer
     backend: str  # its attention backend's get_name()
+    drafter: bool = False  # a layer of the speculative drafter, not of the served model
 
 
 NULL_SLOT = 0
@@ -204,9 +210,14 @@ def hook(plugin: Plugin) -> bool:
 
 
 def _hook_model_runner(GPUModelRunner, on_kv_cache: Callable[[object], Watcher]) -> None:
+    """Model Runner V1: a step's forward runs between the watcher's ``begin_step`` and
+    ``end_step``; where the watcher waits for the speculative drafter, which proposes in
+    ``sample_tokens``, the step ends after that (or, if sampling never came, before the
+    runner's next forward)."""
     initialize_kv_cache = GPUModelRunner.initialize_kv_cache
     execute_model = GPUModelRunner.execute_model
     model_forward = GPUModelRunner._model_forward
+    sample_tokens = GPUModelRunner.sample_tokens
 
     def initialize_kv_cache_with_canary(self, kv_cache_config, is_profiling=False, *args, **kwargs):
         initialize_kv_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
@@ -225,19 +236,38 @@ def _hook_model_runner(GPUModelRunner, on_kv_cache: Callable[[object], Watcher])
         scheduled = getattr(self, _SCHEDULED, None)
         if watcher is None or scheduled is None:  # profiling, warm-up and CUDA-graph capture runs
             return model_forward(self, input_ids, positions, *args, **kwargs)
+        _end_pending_step(self)
         batch = watcher.begin_step(lambda: _step(self, scheduled, input_ids, positions))
         output = model_forward(self, input_ids, positions, *args, **kwargs)
-        watcher.end_step(batch)
+        if watcher.watches_drafter:
+            setattr(self, _PENDING, (watcher, batch))
+        else:
+            watcher.end_step(batch)
+        return output
+
+    def sample_tokens_with_canary(self, *args, **kwargs):
+        output = sample_tokens(self, *args, **kwargs)
+        _end_pending_step(self)
         return output
 
     for name, wrapper in (
         ("initialize_kv_cache", initialize_kv_cache_with_canary),
         ("execute_model", execute_model_with_canary),
         ("_model_forward", model_forward_with_canary),
+        ("sample_tokens", sample_tokens_with_canary),
     ):
         setattr(wrapper, _WRAPS, name)
         setattr(GPUModelRunner, name, wrapper)
     setattr(GPUModelRunner, _HOOKED, True)
+
+
+def _end_pending_step(model_runner) -> None:
+    """Ends the step a V1 runner's watcher left open for the drafter's writes, if any."""
+    pending = getattr(model_runner, _PENDING, None)
+    if pending is not None:
+        setattr(model_runner, _PENDING, None)
+        watcher, batch = pending
+        watcher.end_step(batch)
 
 
 # The runner methods a subclass must inherit from the hooked class for every forward to be
@@ -245,7 +275,7 @@ def _hook_model_runner(GPUModelRunner, on_kv_cache: Callable[[object], Watcher])
 # caught once it has allocated its KV cache, without a watcher). V2's execute_model brackets
 # every forward (eager, piecewise and full CUDA graphs) with its KV connector's pre_forward
 # and finish_forward, which the hooks wrap per runner (`_ForwardBracket`).
-_STEP_METHODS = ("execute_model", "_model_forward")
+_STEP_METHODS = ("execute_model", "_model_forward", "sample_tokens")
 _STEP_METHODS_V2 = ("execute_model",)
 
 
@@ -562,10 +592,10 @@ class Runner:
         """The kinds of the model's KV cache groups the plugin neither watches nor skips."""
         return [kind for kind in self.kv_cache_group_kinds() if kind not in WATCHED_SPECS and kind not in SKIPPED_SPECS]
 
-    def kv_cache_groups(self) -> list[KvCacheGroup]:
+    def kv_cache_groups(self, *, drafter: bool = False) -> list[KvCacheGroup]:
         """The watched KV cache groups (`WATCHED_SPECS`), each with the attention layers of the
-        served model in layer order (`drafter_layer_names` are left out; a group of none of
-        the served model's layers is not watched)."""
+        served model in layer order, then with ``drafter`` those of `drafter_layer_names` in
+        the group (a group of none of the served model's layers is not watched)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         indices = _watched_group_indices(self.model_runner)
@@ -580,7 +610,13 @@ class Runner:
             names = sorted((name for name in groups[index].layer_names if name in served), key=extract_layer_index)
             if not names:
                 continue
-            layers = [AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name()) for name in names]
+            drafters = (
+                sorted((name for name in groups[index].layer_names if name not in served), key=extract_layer_index) if drafter else []
+            )
+            layers = [
+                AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name(), drafter=name in drafters)
+                for name in names + drafters
+            ]
             block_size, device_block_table, block_table = self._block_table(index)
             watched.append(
                 KvCacheGroup(
@@ -596,15 +632,23 @@ class Runner:
             )
         return watched
 
+    @property
+    def drafter_writes_seen(self) -> bool:
+        """Whether a watcher's step can end after the speculative drafter has written its
+        layers (`Watcher.watches_drafter`): V1's drafter proposes in ``sample_tokens``,
+        which the hooks wrap."""
+        return True
+
     def drafter_layer_names(self) -> list[str]:
         """The layers of the watched KV cache groups that are not the served model's: a
         speculative drafter's (a draft model, EAGLE, MTP), which write the pool outside the
         model's forward, when the drafter proposes."""
+        indices = _watched_group_indices(self.model_runner)
+        if not indices:
+            return []
         served = self._served_layer_names()
         groups = self.model_runner.kv_cache_config.kv_cache_groups
-        return sorted(
-            name for index in _watched_group_indices(self.model_runner) for name in groups[index].layer_names if name not in served
-        )
+        return sorted(name for index in indices for name in groups[index].layer_names if name not in served)
 
     def _served_layer_names(self) -> set[str]:
         """The attention layers of the model the runner serves (its ``get_model()``)."""
@@ -635,6 +679,12 @@ class RunnerV2(Runner):
     input batch (`step_v2`), and its token history from V2's request states."""
 
     is_v2 = True
+
+    @property
+    def drafter_writes_seen(self) -> bool:
+        """V2's speculator proposes after the forward's ``finish_forward``, which ends the
+        watcher's step: its layers are not watched."""
+        return False
 
     def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
         tables = self.model_runner.block_tables

@@ -33,7 +33,9 @@ what is watched. In every engine step, around the model forward, in each watched
    previous position's slot (a context slot this forward itself writes, for another
    request of the batch, is verified after the forward);
 2. after it, the slots the forward wrote (the group's slot mapping) are recorded with their
-   positions (the 1-D sequence positions, also for M-RoPE models), tokens and previous slots;
+   positions (the 1-D sequence positions, also for M-RoPE models), tokens and previous slots
+   (under speculative decoding with a drafter of its own layers, once the drafter has
+   written them too: see below);
 3. the canary is polled once; a violation line names the vLLM request(s) that read the slot.
 
 The step is planned on the canary's device: the host builds a few values per request (where
@@ -41,6 +43,14 @@ each request's verified context, its block-packed tail and its written tokens st
 many there are), copies them over once, and `kvcanary::context_slots` expands them through
 the group's block table into slots, positions, previous slots and input-batch rows; the
 host's work per step grows with the number of requests, not with their context.
+
+Speculative decoding: the target model writes the KV of every draft token in its forward,
+and vLLM rewrites the slots of the tokens it rejects in a later forward; a drafter with
+layers of its own in the pool (a draft model, EAGLE, MTP) writes them at the step's slots
+(and past them, as it drafts) when it proposes, after the forward. Under Model Runner V1 its
+layers are watched like the model's, the step recorded once the drafter has proposed;
+under V2, or with this package's KV connector (which needs each step's verdict right after
+the forward), they are not watched, as the start line says.
 
 Prefix caching, chunked prefill, preemption and recompute need nothing special: a shared
 block holds the same records for every request that reads it, and a recomputed slot is
@@ -306,7 +316,10 @@ class WorkerCanary:
                 f"kv-canary: the vLLM plugin watches KV cache groups of {', '.join(adapter.WATCHED_SPECS)} and skips "
                 f"{', '.join(adapter.SKIPPED_SPECS)}; this model has {', '.join(unwatched)}: unset {POLICY_ENV} to serve it without the canary"
             )
-        self.groups = self._vllm.kv_cache_groups()
+        # A drafter's layers are watched where its writes are seen before the step is recorded,
+        # and no KV connector of ours needs the step's verdict right after the forward.
+        self.watches_drafter = self._vllm.drafter_writes_seen and self.connector is None and bool(self._vllm.drafter_layer_names())
+        self.groups = self._vllm.kv_cache_groups(drafter=self.watches_drafter)
         if not self.groups:
             raise ValueError(
                 f"kv-canary: the vLLM plugin watches attention KV cache groups; this model has "
@@ -412,7 +425,12 @@ class WorkerCanary:
         else:
             source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
         drafter_layers = len(self._vllm.drafter_layer_names())
-        drafter = f"; {drafter_layers} layers of the speculative drafter not watched" if drafter_layers else ""
+        drafter = ""
+        if self.watches_drafter:
+            drafter = f"; {drafter_layers} of them the speculative drafter's, recorded once it has proposed"
+        elif drafter_layers:
+            why = f"{CONNECTOR} needs each step's verdict right after the forward" if self.connector else "it proposes after the step"
+            drafter = f"; {drafter_layers} layers of the speculative drafter not watched: {why}"
         copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
         return (
             f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
