@@ -3,7 +3,7 @@ access needed): a transformers config class with random bf16 weights, and a byte
 tokenizer trained with the tokenizers library. One maker per model kind the vLLM plugin
 watches: dense full attention (Llama), a sliding window (Mistral), full and sliding layers
 in separate KV cache groups (Gemma 2), chunked-local and full layers (Llama 4), MLA
-(DeepSeek V2) and M-RoPE (Qwen2-VL)."""
+(DeepSeek V2) and M-RoPE (Qwen2-VL); and an EAGLE drafter for the Llama (`make_eagle`)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,28 @@ def _qwen2_vl_config(directory: Path, text: dict, common: dict, tokens: dict[str
 def make_llama(directory: Path, *, seed: int = 0, **config) -> Path:
     """Writes a random bf16 Llama (``config`` overrides `TINY`) and its tokenizer to ``directory``."""
     return make_model(directory, "llama", seed=seed, **config)
+
+
+def make_eagle(directory: Path, *, seed: int = 0) -> Path:
+    """Writes a random bf16 EAGLE drafter for `make_llama`'s models to ``directory``, as
+    vLLM's ``EagleLlamaForCausalLM`` loads one: one decoder layer without its input norm,
+    the ``fc`` that joins a token's embedding with the target's hidden state, no final norm
+    and no LM head (the target's is shared)."""
+    import json
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 1}, bos_token_id=0, eos_token_id=1, max_position_embeddings=1024)
+    layer = transformers.LlamaForCausalLM(config).to(torch.bfloat16).state_dict()
+    dropped = ("lm_head.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight")
+    weights = {name.removeprefix("model."): value.contiguous() for name, value in layer.items() if name not in dropped}
+    hidden = TINY["hidden_size"]
+    weights["fc.weight"] = (torch.randn(hidden, 2 * hidden) * 0.02).to(torch.bfloat16)
+    safetensors.torch.save_file(weights, directory / "model.safetensors")
+    settings = {**config.to_dict(), "architectures": ["EagleLlamaForCausalLM"], "torch_dtype": "bfloat16"}
+    (directory / "config.json").write_text(json.dumps(settings))
+    return directory
