@@ -26,6 +26,10 @@ ENGINE = """
 import os, sys
 import vllm
 
+def say(*words):  # one write per line: vLLM's processes write their log lines to the same stdout
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")
+    sys.stdout.flush()
+
 def engine(**overrides):
     settings = dict(
         model=sys.argv[1], dtype="bfloat16", max_model_len=512, block_size=32, kv_cache_memory_bytes=2 << 20,
@@ -81,7 +85,7 @@ prompts = [prefix + [rng.randrange(2, 512) for _ in range(10 + 23 * i)] for i in
 outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy(60 + 25 * (i % 4)) for i in range(10)], use_tqdm=False)
 metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
 state = plugin.active()
-print("SPECULATIVE", metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"],
+say("SPECULATIVE", metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"],
       state.canary.stats()["violations"], state.canary.stats()["slots_verified"], min(len(o.outputs[0].token_ids) for o in outputs))
 records = state.canary.records
 # The prefix's slot at position 10 (a prefix computed twice, before it was cached, has two), in
@@ -91,7 +95,7 @@ layer = state.groups[0].layers[-1]
 for slot in slots:
     layer.kv_cache.view(torch.int16)[slot // 32, 0, slot % 32, 3] ^= 1 << 9
 llm.generate([{"prompt_token_ids": prefix + [7, 8, 9]}], greedy(8), use_tqdm=False)
-print("FLIPPED", layer.drafter, *slots)
+say("FLIPPED", layer.drafter, *slots)
 """
 
 
@@ -156,7 +160,7 @@ def flip(worker):  # in the worker's process: one bit of the slot of the prompt'
 for i in range(3):
     params = vllm.SamplingParams(max_tokens=12, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt + [200 + i]}], params, use_tqdm=False)
-print("FLIPPED", slot, os.getpid())
+say("FLIPPED", slot, os.getpid())
 """
 
 
@@ -208,12 +212,12 @@ if __name__ == "__main__":
     llm = engine(tensor_parallel_size=2)
     prompt = list(range(10, 110))
     llm.generate([{"prompt_token_ids": prompt}], vllm.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    print("FLIPPED", *[value for answer in llm.collective_rpc(flip) for value in answer])
+    say("FLIPPED", *[value for answer in llm.collective_rpc(flip) for value in answer])
     try:
         llm.generate([{"prompt_token_ids": prompt + [200]}], vllm.SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
-        print("GENERATED")
+        say("GENERATED")
     except Exception as error:
-        print("RAISED", type(error).__name__)
+        say("RAISED", type(error).__name__)
 """
 
 
