@@ -19,6 +19,8 @@ from helpers import REPO  # noqa: E402
 sys.path.insert(0, str(REPO / "tools"))
 from random_models import make_eagle, make_llama, make_model  # noqa: E402
 
+from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
+
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
 
@@ -76,8 +78,9 @@ import json, random, torch
 from torch_kvcanary.integrations.vllm import plugin
 
 speculative = json.loads(os.environ["SPECULATIVE_CONFIG"])
+connector = json.loads(os.environ.get("KV_TRANSFER_CONFIG", "null"))
 llm = engine(distributed_executor_backend="uni", speculative_config=speculative, disable_log_stats=False, max_num_seqs=8,
-             max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20)
+             max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20, kv_transfer_config=connector)
 greedy = lambda n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 rng = random.Random(1)
 prefix = [rng.randrange(2, 512) for _ in range(69)]
@@ -99,24 +102,39 @@ say("FLIPPED", layer.drafter, *slots)
 """
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_accepted", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_accepted", "eagle", "draft_model_with_connector"])
 def test_speculative_decoding_raises_no_false_alarm(tiny_llama, tmp_path, method):
+    connector = None
     if method == "ngram":
         speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    elif method == "draft_model":  # another random Llama of the same shape: it proposes tokens the target rejects
+    elif method in (
+        "draft_model",
+        "draft_model_with_connector",
+    ):  # another random Llama of the same shape: it proposes tokens the target rejects
         speculative = {"method": "draft_model", "model": str(make_llama(tmp_path / "draft", seed=1)), "num_speculative_tokens": 3}
     elif method == "draft_model_accepted":  # the target's own weights: its drafts are accepted, and it drafts past the step's slots
         speculative = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
     else:  # a random EAGLE head of one layer: it drafts from the target's hidden states, all rejected
         speculative = {"method": "eagle", "model": str(make_eagle(tmp_path / "eagle")), "num_speculative_tokens": 3}
-    env = dict(KVCANARY_VLLM="log", VLLM_ENABLE_V1_MULTIPROCESSING="0", SPECULATIVE_CONFIG=json.dumps(speculative))
+    if method == "draft_model_with_connector":  # the connector needs each step's verdict right after the forward
+        connector = {"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both"}
+    env = dict(
+        KVCANARY_VLLM="log",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        SPECULATIVE_CONFIG=json.dumps(speculative),
+        KV_TRANSFER_CONFIG=json.dumps(connector),
+    )
     done = _run(SPECULATIVE, tiny_llama, **env)
     assert done.returncode == 0, done.stdout[-3000:]
     (start,) = [m for _, _, level, m in _canary_lines(done.stdout) if level == "INFO"]
-    drafter_layers = {"ngram": 0, "eagle": 1}.get(method, 2)
+    drafter_layers = {"ngram": 0, "eagle": 1, "draft_model_with_connector": 0}.get(method, 2)
     watched = f"{2 + drafter_layers} layers ({2 + drafter_layers} caches, LBHNC"
     if drafter_layers:
         watched += f"; {drafter_layers} of them the speculative drafter's, recorded once it has proposed"
+    if connector:
+        watched += (
+            f"; 2 layers of the speculative drafter not watched: {plugin.CONNECTOR} needs each step's verdict right after the forward"
+        )
     assert f"{watched}), " in start, start
     (result,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("SPECULATIVE ")]
     drafted, accepted, violations, verified, shortest = map(float, result)
@@ -125,13 +143,14 @@ def test_speculative_decoding_raises_no_false_alarm(tiny_llama, tmp_path, method
     expected = {
         "ngram": 0 < accepted < drafted,
         "draft_model": accepted == 0,
+        "draft_model_with_connector": accepted == 0,
         "draft_model_accepted": accepted > 0.8 * drafted,
         "eagle": accepted == 0,
     }
     assert expected[method], f"{drafted} drafted, {accepted} accepted"
     assert violations == 0 and verified > 10_000 and shortest == 60
     ((in_drafter, *flipped),) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("FLIPPED ")]
-    assert in_drafter == str(method != "ngram") and flipped
+    assert in_drafter == str(drafter_layers > 0) and flipped
     flipped_blocks = {int(slot) // 32 for slot in flipped}
     violations = [m for _, _, level, m in _canary_lines(done.stdout) if m.startswith("kv_canary violation: ")]
     assert violations, "the flipped bit was not reported"

@@ -424,13 +424,17 @@ class WorkerCanary:
             source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
         else:
             source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
-        drafter_layers = len(self._vllm.drafter_layer_names())
-        drafter = ""
-        if self.watches_drafter:
-            drafter = f"; {drafter_layers} of them the speculative drafter's, recorded once it has proposed"
-        elif drafter_layers:
-            why = f"{CONNECTOR} needs each step's verdict right after the forward" if self.connector else "it proposes after the step"
-            drafter = f"; {drafter_layers} layers of the speculative drafter not watched: {why}"
+        watched = sum(layer.drafter for group in self.groups for layer in group.layers)
+        unwatched = len(self._vllm.drafter_layer_names()) - watched
+        drafter = f"; {watched} of them the speculative drafter's, recorded once it has proposed" if watched else ""
+        if unwatched:
+            if self.watches_drafter:
+                why = "in a KV cache group of the drafter's own"
+            elif self.connector is not None:
+                why = f"{CONNECTOR} needs each step's verdict right after the forward"
+            else:
+                why = "it proposes after the step"
+            drafter += f"; {unwatched} layers of the speculative drafter not watched: {why}"
         copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
         return (
             f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
