@@ -144,6 +144,7 @@ $(VLLM_VENV)/.deps:
 	# M-RoPE model of the tests) needs torchvision's transforms: the release for torch 2.13,
 	# without its dependencies, and the schemas of the two ops its Python part expects from
 	# its CUDA-built library (tools/torchvision_op_schemas.py).
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps "torchvision==$(VLLM_TORCHVISION)"
 	site=$$($(VLLM_BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 		cp tools/torchvision_op_schemas.py "$$site/_kvcanary_torchvision_op_schemas.py" && \
