@@ -276,19 +276,14 @@ def test_the_runners_the_plugin_watches(engine):
 
     assert adapter.unwatchable(plugin.active().runner) is None
 
-    class OwnForward(CPUModelRunner):  # a runner whose forwards the hooks would not see
+    class OwnSteps(CPUModelRunner):  # the hooks are the instance's own: they wrap overrides too
         def _model_forward(self, *args, **kwargs):
             return super()._model_forward(*args, **kwargs)
 
-    reason = adapter.unwatchable(object.__new__(OwnForward))
-    assert reason.startswith(f"the vLLM plugin cannot watch {__name__}.test_the_runners_the_plugin_watches.<locals>.OwnForward: ")
-    assert "overrides _model_forward of vllm.v1.worker.gpu_model_runner.GPUModelRunner" in reason
-
-    class OwnSampling(CPUModelRunner):  # where a drafter proposes: a step would end before it wrote
         def sample_tokens(self, *args, **kwargs):
             return super().sample_tokens(*args, **kwargs)
 
-    assert "overrides sample_tokens of vllm.v1.worker.gpu_model_runner.GPUModelRunner" in adapter.unwatchable(object.__new__(OwnSampling))
+    assert adapter.unwatchable(object.__new__(OwnSteps)) is None
     assert "cannot watch builtins.object: it watches vLLM's Model Runner V1" in adapter.unwatchable(object())
 
 
@@ -660,3 +655,44 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
         error = error.__cause__ or error.__context__
     assert isinstance(error, ZeroDivisionError), f"{type(raised.value).__name__} did not come from the injected fault"
     assert state.on and state.faults == 0 and lines.take() == []
+
+
+def test_a_forward_the_hooks_do_not_see_stops_the_step(engine):
+    # A runner whose execute_model runs the model past the instance's _model_forward (here
+    # by dropping the hook for the call): the step stops, naming the runner. The engine is
+    # left between its forward and its sampling, so this test comes last in the module.
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class PastTheHook(CPUModelRunner):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            hooked = self.__dict__.pop("_model_forward")
+            try:
+                return super().execute_model(scheduler_output, *args, **kwargs)
+            finally:
+                self._model_forward = hooked
+
+    llm, lines, _ = engine
+    runner = plugin.active().runner
+    driver = Driver(llm, "past")
+    driver.add(_tokens(random.Random(12), 40), _params(20))
+    driver.step()  # watched
+    runner.__class__ = PastTheHook
+    try:
+        with pytest.raises(Exception) as raised:
+            driver.step()
+    finally:
+        runner.__class__ = CPUModelRunner
+    assert lines.take() == []
+    message = "\n".join(str(e) for e in _chain(raised.value))
+    assert (
+        f"kv-canary: the vLLM plugin did not see the model forward of an engine step of {__name__}."
+        "test_a_forward_the_hooks_do_not_see_stops_the_step.<locals>.PastTheHook: its execute_model ran the step's tokens "
+        f"without {adapter.V1_RUNNER}._model_forward"
+    ) in message, message
+
+
+def _chain(error: BaseException):
+    """``error`` and the exceptions it was raised from, or during."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__

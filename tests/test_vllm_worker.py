@@ -210,6 +210,51 @@ def test_the_engine_process_logs_through_vllm(tiny_llama):
     assert all(c["repeated_slots"] == "1" and c["slots_logged"] == "1" and c["ring_dropped"] == "0" for c in counts)
 
 
+# Another vLLM plugin that patches the model runner's class after this one hooked vLLM (as a
+# fault-injecting plugin might), with a plain wrapper of execute_model that flips a bit of the
+# request's first block before the engine's fourth step: the hooks, the runner instance's
+# own, run around it, and the flip is reported naming the request.
+PATCHED_RUNNER = """
+import torch
+from torch_kvcanary.integrations.vllm import plugin
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+plugin.register()  # what vLLM runs when it loads this package's entry point, before the other plugin
+execute_model = GPUModelRunner.execute_model
+steps = []
+
+def execute_model_with_a_fault(self, scheduler_output, *args, **kwargs):
+    steps.append(scheduler_output.total_num_scheduled_tokens)
+    if len(steps) == 4:
+        block = int(self.input_batch.block_table[0].block_table.np[0, 0])
+        plugin.active().kv_caches[0].view(torch.int16)[block, 0, 5, 3] ^= 1 << 9
+        say("FLIPPED", block)
+    return execute_model(self, scheduler_output, *args, **kwargs)
+
+GPUModelRunner.execute_model = execute_model_with_a_fault
+
+if __name__ == "__main__":
+    llm = engine()
+    params = vllm.SamplingParams(max_tokens=8, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": list(range(10, 80))}], params, use_tqdm=False)
+    say("GENERATED", output.request_id, len(output.outputs[0].token_ids))
+"""
+
+
+def test_another_plugins_patch_of_the_runner_class_runs_inside_the_hooks(tiny_llama):
+    env = dict(KVCANARY_VLLM="log", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    done = _run(PATCHED_RUNNER, tiny_llama, **env)
+    assert done.returncode == 0, done.stdout[-3000:]
+    (flipped,) = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("FLIPPED")]
+    (generated,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("GENERATED")]
+    assert generated[1] == "8"
+    violations = [m for _, _, level, m in _canary_lines(done.stdout) if level == "WARNING" and m.startswith("kv_canary violation")]
+    assert violations, done.stdout[-3000:]
+    for violation in violations:
+        match = re.search(r" slot_idx=(\d+) .* request_id=(\S+)$", violation)
+        assert match and int(match[1]) // 32 == flipped and match[2].startswith(generated[0]), violation
+
+
 # Tensor parallelism on vLLM's CPU build: two ranks, one core each (vLLM binds each rank's
 # threads to a NUMA node, and this machine has one, so the binding is given), each rank
 # holding one of the model's two KV heads. A bit is flipped on rank 0 only, at a position

@@ -36,13 +36,13 @@ reaches vLLM's log wherever vLLM configures it, and follows ``VLLM_LOGGING_LEVEL
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 
-# What the hooks keep on vLLM's classes, instances and wrapper functions.
+# What the hooks keep on vLLM's classes and instances.
 _HOOKED = "_kvcanary_hooked"
 _WATCHER = "_kvcanary"
 _SCHEDULED = "_kvcanary_step"
 _PENDING = "_kvcanary_pending"
+_FORWARD_SEEN = "_kvcanary_forward_seen"
 _BUDGET = "_kvcanary_kv_budget"
-_WRAPS = "_kvcanary_wraps"
 
 
 def vllm_version() -> str:
@@ -198,67 +198,103 @@ def hook(plugin: Plugin) -> bool:
     profiling run), ``plugin.start(runner)`` returns its watcher, and every model forward of
     an engine step runs between the watcher's ``begin_step`` and ``end_step`` (`Watcher`);
     a worker whose runner has no watcher after allocating its KV cache is stopped too.
-    Model Runner V1's class is hooked here, V2's when a worker first checks a V2 runner
+    Model Runner V1 is hooked on each runner instance when its worker first checks it
+    (`_hook_model_runner`), V2's class when a worker first checks a V2 runner
     (`_hook_model_runner_v2`). False, and nothing done, when vLLM is hooked already."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
 
-    if getattr(GPUModelRunner, _HOOKED, False):
+    if getattr(WorkerBase, _HOOKED, False):
         return False
-    _hook_model_runner(GPUModelRunner, plugin.start)
     _hook_workers(plugin)
+    setattr(WorkerBase, _HOOKED, True)
     return True
 
 
-def _hook_model_runner(GPUModelRunner, on_kv_cache: Callable[[object], Watcher]) -> None:
-    """Model Runner V1: a step's forward runs between the watcher's ``begin_step`` and
-    ``end_step``; where the watcher waits for the speculative drafter, which proposes in
-    ``sample_tokens``, the step ends after that (or, if sampling never came, before the
-    runner's next forward)."""
-    initialize_kv_cache = GPUModelRunner.initialize_kv_cache
-    execute_model = GPUModelRunner.execute_model
-    model_forward = GPUModelRunner._model_forward
-    sample_tokens = GPUModelRunner.sample_tokens
+def _hook_model_runner(model_runner, plugin: Plugin) -> None:
+    """Model Runner V1, on the instance: a step's forward runs between the watcher's
+    ``begin_step`` and ``end_step``; where the watcher waits for the speculative drafter,
+    which proposes in ``sample_tokens``, the step ends after that (or, if sampling never
+    came, before the runner's next forward).
 
-    def initialize_kv_cache_with_canary(self, kv_cache_config, is_profiling=False, *args, **kwargs):
-        initialize_kv_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
+    The hooks are the instance's own attributes, so they bracket whatever the runner's
+    class does: a subclass's overrides, and other plugins' patches of the class, made
+    before or after this hook, run inside them. A step whose tokens reached the model
+    without passing ``_model_forward`` (a runner that runs its model some other way) stops
+    the engine with ``plugin.refusal`` at that step, so the canary is never silently off."""
+    if model_runner.__dict__.get(_HOOKED, False):
+        return
+    initialize_kv_cache = _inner(model_runner, "initialize_kv_cache")
+    execute_model = _inner(model_runner, "execute_model")
+    model_forward = _inner(model_runner, "_model_forward")
+    sample_tokens = _inner(model_runner, "sample_tokens")
+
+    def initialize_kv_cache_with_canary(kv_cache_config, is_profiling=False, *args, **kwargs):
+        initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
         if not is_profiling:
-            watch(self, on_kv_cache(self))
+            watch(model_runner, plugin.start(model_runner))
 
-    def execute_model_with_canary(self, scheduler_output, *args, **kwargs):
-        setattr(self, _SCHEDULED, scheduler_output)
+    def execute_model_with_canary(scheduler_output, *args, **kwargs):
+        setattr(model_runner, _SCHEDULED, scheduler_output)
+        setattr(model_runner, _FORWARD_SEEN, False)
         try:
-            return execute_model(self, scheduler_output, *args, **kwargs)
+            output = execute_model(scheduler_output, *args, **kwargs)
         finally:
-            setattr(self, _SCHEDULED, None)
+            setattr(model_runner, _SCHEDULED, None)
+        if _forward_unseen(model_runner, scheduler_output):
+            raise plugin.refusal(
+                f"the vLLM plugin did not see the model forward of an engine step of {_qualified_name(type(model_runner))}: "
+                f"its execute_model ran the step's tokens without {V1_RUNNER}._model_forward, where the plugin watches each forward"
+            )
+        return output
 
-    def model_forward_with_canary(self, input_ids=None, positions=None, *args, **kwargs):
-        watcher = getattr(self, _WATCHER, None)
-        scheduled = getattr(self, _SCHEDULED, None)
+    def model_forward_with_canary(input_ids=None, positions=None, *args, **kwargs):
+        watcher = getattr(model_runner, _WATCHER, None)
+        scheduled = getattr(model_runner, _SCHEDULED, None)
         if watcher is None or scheduled is None:  # profiling, warm-up and CUDA-graph capture runs
-            return model_forward(self, input_ids, positions, *args, **kwargs)
-        _end_pending_step(self)
-        batch = watcher.begin_step(lambda: _step(self, scheduled, input_ids, positions))
-        output = model_forward(self, input_ids, positions, *args, **kwargs)
+            return model_forward(input_ids, positions, *args, **kwargs)
+        setattr(model_runner, _FORWARD_SEEN, True)
+        _end_pending_step(model_runner)
+        batch = watcher.begin_step(lambda: _step(model_runner, scheduled, input_ids, positions))
+        output = model_forward(input_ids, positions, *args, **kwargs)
         if watcher.watches_drafter:
-            setattr(self, _PENDING, (watcher, batch))
+            setattr(model_runner, _PENDING, (watcher, batch))
         else:
             watcher.end_step(batch)
         return output
 
-    def sample_tokens_with_canary(self, *args, **kwargs):
-        output = sample_tokens(self, *args, **kwargs)
-        _end_pending_step(self)
+    def sample_tokens_with_canary(*args, **kwargs):
+        output = sample_tokens(*args, **kwargs)
+        _end_pending_step(model_runner)
         return output
 
-    for name, wrapper in (
-        ("initialize_kv_cache", initialize_kv_cache_with_canary),
-        ("execute_model", execute_model_with_canary),
-        ("_model_forward", model_forward_with_canary),
-        ("sample_tokens", sample_tokens_with_canary),
-    ):
-        setattr(wrapper, _WRAPS, name)
-        setattr(GPUModelRunner, name, wrapper)
-    setattr(GPUModelRunner, _HOOKED, True)
+    model_runner.initialize_kv_cache = initialize_kv_cache_with_canary
+    model_runner.execute_model = execute_model_with_canary
+    model_runner._model_forward = model_forward_with_canary
+    model_runner.sample_tokens = sample_tokens_with_canary
+    setattr(model_runner, _HOOKED, True)
+
+
+def _inner(model_runner, name: str) -> Callable:
+    """What the instance hook of method ``name`` calls: an attribute of the instance's own
+    set before the hook, else the method of its class as it is at each call (so that a
+    later patch of the class runs too)."""
+    own = model_runner.__dict__.get(name)
+    if own is not None:
+        return own
+    return lambda *args, **kwargs: getattr(type(model_runner), name)(model_runner, *args, **kwargs)
+
+
+def _forward_unseen(model_runner, scheduler_output) -> bool:
+    """Whether a watched V1 runner's execute_model has just run tokens without the hooked
+    forward. An encoder-cache producer (disaggregated encoding) runs only the multimodal
+    encoder, with no forward of the language model."""
+    if getattr(model_runner, _WATCHER, None) is None or getattr(model_runner, _FORWARD_SEEN, True):
+        return False
+    if not scheduler_output.total_num_scheduled_tokens:
+        return False
+    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+    return not (has_ec_transfer() and not get_ec_transfer().is_consumer)
 
 
 def _end_pending_step(model_runner) -> None:
@@ -270,12 +306,12 @@ def _end_pending_step(model_runner) -> None:
         watcher.end_step(batch)
 
 
-# The runner methods a subclass must inherit from the hooked class for every forward to be
-# seen (initialize_kv_cache may be overridden: a runner that never reaches the hooked one is
+# The V2 runner methods a subclass must inherit from V2's class for every forward to be seen
+# (initialize_kv_cache may be overridden: a runner that never reaches the hooked one is
 # caught once it has allocated its KV cache, without a watcher). V2's execute_model brackets
 # every forward (eager, piecewise and full CUDA graphs) with its KV connector's pre_forward
-# and finish_forward, which the hooks wrap per runner (`_ForwardBracket`).
-_STEP_METHODS = ("execute_model", "_model_forward", "sample_tokens")
+# and finish_forward, which the hooks wrap per runner (`_ForwardBracket`). V1's hooks are
+# the instance's own (`_hook_model_runner`), so V1's subclasses may override anything.
 _STEP_METHODS_V2 = ("execute_model",)
 
 
@@ -294,7 +330,6 @@ def _hook_model_runner_v2(GPUModelRunner, on_kv_cache: Callable[[object], Watche
             self.kv_connector = _ForwardBracket(self.kv_connector, self)
             watch(self, on_kv_cache(self))
 
-    setattr(initialize_kv_cache_with_canary, _WRAPS, "initialize_kv_cache")
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache_with_canary
     setattr(GPUModelRunner, _HOOKED, True)
 
@@ -384,8 +419,8 @@ def _qualified_name(cls: type) -> str:
 
 def unwatchable(model_runner) -> str | None:
     """Why the hooks cannot watch ``model_runner`` (naming it and what to do), or None when
-    they can: it must be vLLM's Model Runner V1 or V2, or a subclass that inherits the
-    step methods through which the hooks see every forward."""
+    they can: it must be vLLM's Model Runner V1 or a subclass, or Model Runner V2 or a
+    subclass that inherits the step method through which the hooks see every forward."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     cls = type(model_runner)
@@ -393,24 +428,24 @@ def unwatchable(model_runner) -> str | None:
     if _is_v2(model_runner):
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
 
-        base, overridden = V2_RUNNER, [m for m in _STEP_METHODS_V2 if getattr(cls, m) is not getattr(ModelRunnerV2, m)]
+        overridden = [m for m in _STEP_METHODS_V2 if getattr(cls, m) is not getattr(ModelRunnerV2, m)]
     elif isinstance(model_runner, GPUModelRunner):
-        base, overridden = V1_RUNNER, [m for m in _STEP_METHODS if getattr(getattr(cls, m), _WRAPS, None) != m]
+        return None
     else:
         return (
             f"the vLLM plugin cannot watch {name}: it watches vLLM's Model Runner V1 ({V1_RUNNER}), V2 ({V2_RUNNER}) and their subclasses"
         )
     if overridden:
         return (
-            f"the vLLM plugin cannot watch {name}: it overrides {', '.join(overridden)} of {base}, "
+            f"the vLLM plugin cannot watch {name}: it overrides {', '.join(overridden)} of {V2_RUNNER}, "
             "through which the plugin sees every model forward"
         )
     return None
 
 
 def _checked_runner(worker, plugin: Plugin):
-    """The worker's model runner, once `unwatchable` has nothing against it (and, for a
-    Model Runner V2, once V2's runner class is hooked)."""
+    """The worker's model runner, once `unwatchable` has nothing against it and it is
+    hooked (Model Runner V1: the instance; V2: its class)."""
     model_runner = getattr(worker, "model_runner", None)
     reason = unwatchable(model_runner)
     if reason is not None:
@@ -419,6 +454,8 @@ def _checked_runner(worker, plugin: Plugin):
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
 
         _hook_model_runner_v2(ModelRunnerV2, plugin.start)
+    else:
+        _hook_model_runner(model_runner, plugin)
     return model_runner
 
 
