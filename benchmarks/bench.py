@@ -192,6 +192,30 @@ def call_overhead(min_run_time: float, baseline_library: str | None = None) -> d
     return {name: seconds * 1e6 for name, seconds in _interleaved_medians(stmts, "cpu", min_run_time, rounds=10).items()}
 
 
+# The layers of the sources series of --call-overhead: K and V of each layer of vLLM's packed
+# layout, for one layer, the ~150 M model of benchmarks/vllm_bench.py and an 80-layer model.
+SOURCE_SERIES_LAYERS = (1, 12, 80)
+
+
+def call_overhead_by_sources(min_run_time: float) -> dict[int, float]:
+    """Microseconds per call of a 1-slot `fold` op over K and V of ``layers`` vLLM layers
+    (`layouts.vllm`, packed ``[blocks, heads, block, 2 * head]``, 8 KV heads of 128 bf16, in
+    cache), by number of sources: the op's fixed cost grows with them, as each crosses into
+    the op as a tensor and is laid out. A step of the vLLM plugin makes a few such calls
+    over every watched layer. Medians of measurements taken in turns."""
+    from torch_kvcanary import layouts
+
+    layers = [torch.zeros(4, 8, 32, 256, dtype=torch.bfloat16) for _ in range(max(SOURCE_SERIES_LAYERS))]
+    slot = torch.tensor([5])
+    op = torch.ops.kvcanary.fold.default
+    stmts = {}
+    for count in SOURCE_SERIES_LAYERS:
+        sources = [s for layer in layers[:count] for s in layouts.vllm(layer, layout="LBHNC", backend="CPU_ATTN")]
+        views, read_bytes = [s.as_view() for s in sources], [s.read_bytes for s in sources]
+        stmts[len(sources)] = lambda views=views, read_bytes=read_bytes: op(views, slot, read_bytes, True)
+    return {sources: seconds * 1e6 for sources, seconds in _interleaved_medians(stmts, "cpu", min_run_time, rounds=10).items()}
+
+
 def format_call_overhead(times: dict[str, float]) -> str:
     line = "fold of 256 slots (1 source of 256 B, in cache), us per call: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items())
     if "baseline op" in times:
@@ -522,10 +546,13 @@ def run(args: argparse.Namespace) -> int:
         return digest_main(args, devices, info)
     if args.call_overhead:
         times = call_overhead(args.min_run_time, args.baseline_library)
+        by_sources = call_overhead_by_sources(args.min_run_time)
         print(format_call_overhead(times))
+        print("fold op of 1 slot by number of sources (K and V of vLLM layers, in cache), us per call: "
+              + ", ".join(f"{n} sources {us:.2f}" for n, us in by_sources.items()))  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"machine": info, "call_overhead_us": times}, f, indent=1)
+                json.dump({"machine": info, "call_overhead_us": times, "fold_op_us_by_sources": by_sources}, f, indent=1)
         return 0
     plan = [(d, c) for d in devices for c in (goal_cases(d) if args.goals else default_cases(args.quick))]
     results = []
@@ -586,7 +613,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--digest", action="store_true", help="instead: the transfer digest beside the fold over the same slots and bytes")
     parser.add_argument("--no-upstream", dest="upstream", action="store_false", help="skip the CUDA upstream-style baseline kernel")
     parser.add_argument(
-        "--call-overhead", action="store_true", help="instead: microseconds per call of a fold of 256 slots on the CPU (in cache)"
+        "--call-overhead",
+        action="store_true",
+        help="instead: microseconds per call of a fold of 256 slots on the CPU (in cache), and of a 1-slot fold op by number of sources",
     )
     parser.add_argument(
         "--baseline-library",

@@ -121,6 +121,11 @@ def test_kernel_ab_times_two_builds_and_compares_their_fingerprints(tmp_path):
 def test_call_overhead_times_the_fold_and_the_op_per_call(tmp_path, capsys):
     path = tmp_path / "overhead.json"
     assert bench.main(["--call-overhead", "--min-run-time", "0.05", "--json", str(path)]) == 0
-    times = json.loads(path.read_text())["call_overhead_us"]
+    figures = json.loads(path.read_text())
+    times = figures["call_overhead_us"]
     assert set(times) == {"fold", "op"} and all(us > 0 for us in times.values())
-    assert capsys.readouterr().out.startswith("fold of 256 slots (1 source of 256 B, in cache), us per call: fold ")
+    by_sources = figures["fold_op_us_by_sources"]  # K and V of 1, 12 and 80 layers
+    assert set(by_sources) == {"2", "24", "160"} and all(us > 0 for us in by_sources.values())
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("fold of 256 slots (1 source of 256 B, in cache), us per call: fold ")
+    assert second.startswith("fold op of 1 slot by number of sources (K and V of vLLM layers, in cache), us per call: 2 sources ")
