@@ -222,29 +222,46 @@ def test_model_runner_v2_under_raise_stops_the_step(tiny_llama):
     assert "RAISED KvCorruptionError" in output, output[-3000:]
 
 
-def test_a_model_runner_v2_that_overrides_its_step_is_refused(tiny_llama):
-    # In a process of its own: importing V2's runner leaves vLLM unable to start a V1 engine
-    # in the same process (vLLM's Triton dispatcher then trips over one of V2's imports).
-    script = TRITON_ON_CPU + textwrap.dedent("""
-        from vllm.v1.worker.cpu.model_runner import CPUModelRunner
-        from torch_kvcanary.integrations.vllm import adapter
+# A V2 runner class whose execute_model runs the step past V2's forward bracket (here by
+# handing the model its KV connector unwrapped for the call): a subclass is watchable, and
+# the step that skips the bracket stops the engine, naming the runner.
+PAST_THE_BRACKET = """
+from torch_kvcanary.integrations.vllm import adapter
+from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
-        class OwnStep(CPUModelRunner):  # a V2 runner whose forwards might skip V2's forward bracket
-            def execute_model(self, *args, **kwargs):
-                return super().execute_model(*args, **kwargs)
+class PastTheBracket(CPUModelRunner):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        bracket = self.kv_connector
+        self.kv_connector = bracket._connector
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            self.kv_connector = bracket
 
-        print("V2", adapter.unwatchable(object.__new__(CPUModelRunner)))
-        print("OWN", adapter.unwatchable(object.__new__(OwnStep)))
-    """)
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
-    )
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("V2 ", "OWN ")))
-    assert lines["V2"] == "None", done.stdout[-3000:]
-    assert lines["OWN"] == (
-        "the vLLM plugin cannot watch __main__.OwnStep: it overrides execute_model of vllm.v1.worker.gpu.model_runner.GPUModelRunner, "
-        "through which the plugin sees every model forward"
-    )
+print("UNWATCHABLE", json.dumps(adapter.unwatchable(object.__new__(PastTheBracket))), flush=True)
+llm.generate([{"prompt_token_ids": list(range(5, 40))}], greedy(4), use_tqdm=False)  # watched
+runner.__class__ = PastTheBracket
+try:
+    llm.generate([{"prompt_token_ids": list(range(45, 80))}], greedy(4), use_tqdm=False)
+    print("GENERATED", flush=True)
+except Exception as error:
+    messages = []
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    print("RAISED", json.dumps(" | ".join(messages)), flush=True)
+"""
+
+
+def test_a_model_runner_v2_step_past_its_forward_bracket_stops_the_engine(tiny_llama):
+    output = _run(tiny_llama, PAST_THE_BRACKET, KVCANARY_VLLM="log")
+    assert _result(output, "UNWATCHABLE") is None
+    assert "GENERATED" not in output
+    assert (
+        "kv-canary: the vLLM plugin did not see the model forward of an engine step of __main__.PastTheBracket: its execute_model "
+        "ran the step's tokens without its KV connector's pre_forward (vllm.v1.worker.gpu.model_runner.GPUModelRunner's bracket "
+        "of every forward)"
+    ) in _result(output, "RAISED"), output[-3000:]
 
 
 def test_model_runner_v2_refuses_the_kv_connector(tiny_llama):

@@ -198,9 +198,8 @@ def hook(plugin: Plugin) -> bool:
     profiling run), ``plugin.start(runner)`` returns its watcher, and every model forward of
     an engine step runs between the watcher's ``begin_step`` and ``end_step`` (`Watcher`);
     a worker whose runner has no watcher after allocating its KV cache is stopped too.
-    Model Runner V1 is hooked on each runner instance when its worker first checks it
-    (`_hook_model_runner`), V2's class when a worker first checks a V2 runner
-    (`_hook_model_runner_v2`). False, and nothing done, when vLLM is hooked already."""
+    Each runner instance is hooked when its worker first checks it (`_hook_model_runner`,
+    `_hook_model_runner_v2`). False, and nothing done, when vLLM is hooked already."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     if getattr(WorkerBase, _HOOKED, False):
@@ -306,32 +305,39 @@ def _end_pending_step(model_runner) -> None:
         watcher.end_step(batch)
 
 
-# The V2 runner methods a subclass must inherit from V2's class for every forward to be seen
-# (initialize_kv_cache may be overridden: a runner that never reaches the hooked one is
-# caught once it has allocated its KV cache, without a watcher). V2's execute_model brackets
-# every forward (eager, piecewise and full CUDA graphs) with its KV connector's pre_forward
-# and finish_forward, which the hooks wrap per runner (`_ForwardBracket`). V1's hooks are
-# the instance's own (`_hook_model_runner`), so V1's subclasses may override anything.
-_STEP_METHODS_V2 = ("execute_model",)
-
-
-def _hook_model_runner_v2(GPUModelRunner, on_kv_cache: Callable[[object], Watcher]) -> None:
-    """Model Runner V2: once a runner has allocated its KV cache (not in a profiling run),
-    its watcher is started and its KV connector wrapped so that every forward of an engine
-    step runs between the watcher's ``begin_step`` and ``end_step``. Hooked when the first
-    V2 runner is checked (`_checked_runner`), before it allocates its KV cache."""
-    if getattr(GPUModelRunner, _HOOKED, False):
+def _hook_model_runner_v2(model_runner, plugin: Plugin) -> None:
+    """Model Runner V2, on the instance: once it has allocated its KV cache (not in a
+    profiling run), its watcher is started and its KV connector wrapped (`_ForwardBracket`),
+    so that every forward of an engine step runs between the watcher's ``begin_step`` and
+    ``end_step``: V2's execute_model brackets every forward (eager, piecewise and full CUDA
+    graphs) with the connector's ``pre_forward`` and ``finish_forward``. As for V1
+    (`_hook_model_runner`), the hooks run around whatever the class does, and a step whose
+    scheduled tokens ran without the connector's ``pre_forward`` stops the engine."""
+    if model_runner.__dict__.get(_HOOKED, False):
         return
-    initialize_kv_cache = GPUModelRunner.initialize_kv_cache
+    initialize_kv_cache = _inner(model_runner, "initialize_kv_cache")
+    execute_model = _inner(model_runner, "execute_model")
 
-    def initialize_kv_cache_with_canary(self, kv_cache_config, is_profiling=False, *args, **kwargs):
-        initialize_kv_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
+    def initialize_kv_cache_with_canary(kv_cache_config, is_profiling=False, *args, **kwargs):
+        initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
         if not is_profiling:
-            self.kv_connector = _ForwardBracket(self.kv_connector, self)
-            watch(self, on_kv_cache(self))
+            model_runner.kv_connector = _ForwardBracket(model_runner.kv_connector, model_runner)
+            watch(model_runner, plugin.start(model_runner))
 
-    GPUModelRunner.initialize_kv_cache = initialize_kv_cache_with_canary
-    setattr(GPUModelRunner, _HOOKED, True)
+    def execute_model_with_canary(scheduler_output, *args, **kwargs):
+        setattr(model_runner, _FORWARD_SEEN, False)
+        output = execute_model(scheduler_output, *args, **kwargs)
+        if _forward_unseen(model_runner, scheduler_output):
+            raise plugin.refusal(
+                f"the vLLM plugin did not see the model forward of an engine step of {_qualified_name(type(model_runner))}: "
+                f"its execute_model ran the step's tokens without its KV connector's pre_forward ({V2_RUNNER}'s bracket "
+                "of every forward), where the plugin watches each forward"
+            )
+        return output
+
+    model_runner.initialize_kv_cache = initialize_kv_cache_with_canary
+    model_runner.execute_model = execute_model_with_canary
+    setattr(model_runner, _HOOKED, True)
 
 
 class _ForwardBracket:
@@ -359,6 +365,7 @@ class _ForwardBracket:
         self._watched = None
         watcher = getattr(self._model_runner, _WATCHER, None)
         if watcher is not None and scheduler_output.total_num_scheduled_tokens:
+            setattr(self._model_runner, _FORWARD_SEEN, True)
             batch = watcher.begin_step(lambda: step_v2(self._model_runner, scheduler_output, input_batch))
             self._watched = (watcher, batch)
         return result
@@ -419,41 +426,25 @@ def _qualified_name(cls: type) -> str:
 
 def unwatchable(model_runner) -> str | None:
     """Why the hooks cannot watch ``model_runner`` (naming it and what to do), or None when
-    they can: it must be vLLM's Model Runner V1 or a subclass, or Model Runner V2 or a
-    subclass that inherits the step method through which the hooks see every forward."""
+    they can: it must be vLLM's Model Runner V1 or V2, or a subclass of either."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    cls = type(model_runner)
-    name = _qualified_name(cls)
-    if _is_v2(model_runner):
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
-
-        overridden = [m for m in _STEP_METHODS_V2 if getattr(cls, m) is not getattr(ModelRunnerV2, m)]
-    elif isinstance(model_runner, GPUModelRunner):
+    if _is_v2(model_runner) or isinstance(model_runner, GPUModelRunner):
         return None
-    else:
-        return (
-            f"the vLLM plugin cannot watch {name}: it watches vLLM's Model Runner V1 ({V1_RUNNER}), V2 ({V2_RUNNER}) and their subclasses"
-        )
-    if overridden:
-        return (
-            f"the vLLM plugin cannot watch {name}: it overrides {', '.join(overridden)} of {V2_RUNNER}, "
-            "through which the plugin sees every model forward"
-        )
-    return None
+    return (
+        f"the vLLM plugin cannot watch {_qualified_name(type(model_runner))}: it watches vLLM's Model Runner V1 "
+        f"({V1_RUNNER}), V2 ({V2_RUNNER}) and their subclasses"
+    )
 
 
 def _checked_runner(worker, plugin: Plugin):
-    """The worker's model runner, once `unwatchable` has nothing against it and it is
-    hooked (Model Runner V1: the instance; V2: its class)."""
+    """The worker's model runner, once `unwatchable` has nothing against it and it is hooked."""
     model_runner = getattr(worker, "model_runner", None)
     reason = unwatchable(model_runner)
     if reason is not None:
         raise plugin.refusal(reason)
     if _is_v2(model_runner):
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
-
-        _hook_model_runner_v2(ModelRunnerV2, plugin.start)
+        _hook_model_runner_v2(model_runner, plugin)
     else:
         _hook_model_runner(model_runner, plugin)
     return model_runner
