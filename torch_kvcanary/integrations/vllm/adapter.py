@@ -284,9 +284,10 @@ def _inner(model_runner, name: str) -> Callable:
 
 
 def _forward_unseen(model_runner, scheduler_output) -> bool:
-    """Whether a watched V1 runner's execute_model has just run tokens without the hooked
-    forward. An encoder-cache producer (disaggregated encoding) runs only the multimodal
-    encoder, with no forward of the language model."""
+    """Whether a watched runner's execute_model has just run scheduled tokens without the
+    hooked forward (V1's ``_model_forward``, V2's forward bracket). An encoder-cache producer
+    (disaggregated encoding) runs only the multimodal encoder, with no forward of the
+    language model."""
     if getattr(model_runner, _WATCHER, None) is None or getattr(model_runner, _FORWARD_SEEN, True):
         return False
     if not scheduler_output.total_num_scheduled_tokens:
