@@ -147,18 +147,18 @@ def step_time_child(args) -> None:
         llm.generate(*workload(args.requests, prompt_len, args.output_len), use_tqdm=False)
 
     # Each run's medians; a shared machine disturbs some runs, so the least of them is kept.
-    runs: dict[int, list[tuple[float, float, dict[str, float]]]] = {prompt_len: [] for prompt_len in args.prompt_lens}
+    runs: dict[int, list[tuple[float, float, int, dict[str, float]]]] = {prompt_len: [] for prompt_len in args.prompt_lens}
     run(args.prompt_lens[0])  # warms up
     for _ in range(args.rounds):
         for prompt_len in args.prompt_lens:
             run(prompt_len)
-            wall = statistics.median(seconds) * 1e6
+            wall, steps = statistics.median(seconds) * 1e6, len(seconds)
             medians = {name: statistics.median(step[name] for step in phases) * 1e6 for name in PHASES}
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 run(prompt_len)
-            runs[prompt_len].append((wall, statistics.median(host_work(profile.events())), medians))
+            runs[prompt_len].append((wall, statistics.median(host_work(profile.events())), steps, medians))
     result = {
-        n: [min(w for w, _, _ in found), min(h for _, h, _ in found), len(seconds), min(found, key=lambda run: run[0])[2]]
+        n: [min(w for w, _, _, _ in found), min(h for _, h, _, _ in found), found[0][2], min(found, key=lambda run: run[0])[3]]
         for n, found in runs.items()
     }
     print(json.dumps({"steps": result, "violations": watcher.canary.stats()["violations"]}))
