@@ -155,6 +155,26 @@ def random_digest_case(seed: int, device: str = "cpu", *, max_entries: int = 90)
     return views, offsets, slots, positions, groups, num_groups
 
 
+# What vLLM's CPU build serves depends on the host's x86 instruction set, which it checks
+# with torch's own probes: an fp8 KV cache needs AVX-512 or AMX (vllm/v1/attention/backends/
+# cpu_attn.py), and MLA models keep prefix caching and chunked prefill only on AMX, where
+# they take AMX_MLA (vllm/platforms/cpu.py). A vLLM test that needs one of them skips
+# elsewhere with its reason here; these are the only skips `make test-vllm` accepts
+# (build_tools/check_vllm_skips.py).
+HOST_AMX = torch.cpu._is_amx_tile_supported()
+HOST_AVX512 = torch.cpu._is_avx512_supported()
+ISA_SKIP_REASONS = {
+    "fp8 KV cache": "host lacks AVX-512 and AMX: vLLM's CPU build serves an fp8 KV cache only with AVX-512 or AMX",
+    "MLA prefix caching": "host lacks AMX: vLLM's CPU build turns prefix caching off for MLA models without AMX",
+}
+
+
+def needs_isa(need: str, available: bool) -> pytest.MarkDecorator:
+    """Skips a vLLM test where the host lacks what vLLM's CPU build needs for ``need`` (a key
+    of ``ISA_SKIP_REASONS``)."""
+    return pytest.mark.skipif(not available, reason=ISA_SKIP_REASONS[need])
+
+
 # The CPU kernels' instruction-set paths, from the least to the best.
 CPU_PATHS = ["scalar", "avx2", "avx512"]
 

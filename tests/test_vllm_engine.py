@@ -290,7 +290,8 @@ def test_the_runners_the_plugin_watches(engine):
 def mixed_workload(llm, lines, preemptions, params=_params) -> None:
     """Ten requests sharing a prefix of two blocks, with prompts longer than a step's tokens
     and more KV than the cache holds: the canary verifies every step and reports nothing,
-    while the prefix cache is hit, prompts are chunked and requests preempted. ``params``
+    while the prefix cache is hit (where vLLM keeps prefix caching on for the model), prompts
+    are chunked and requests preempted. ``params``
     gives request ``i``'s sampling (`_params` by default: greedy and random, in turns)."""
     state = plugin.active()
     before = state.canary.stats()
@@ -322,7 +323,10 @@ def mixed_workload(llm, lines, preemptions, params=_params) -> None:
     assert after["violations"] == before["violations"] == 0
     assert after["slots_verified"] - before["slots_verified"] > 10_000
     assert preemptions, "the KV space was meant to be small enough to preempt"
-    assert max(shared) >= 2, "the shared prefix was meant to hit the prefix cache"
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        assert max(shared) >= 2, "the shared prefix was meant to hit the prefix cache"
+    else:  # vLLM turns it off for some models on some hosts (tests/helpers.py, ISA_SKIP_REASONS)
+        assert max(shared) == 1, "without prefix caching no block lies in two requests' tables"
     assert max(len(p) for p in prompts) > PER_STEP  # chunked prefill
 
 

@@ -14,7 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import REPO  # noqa: E402
+from helpers import HOST_AMX, HOST_AVX512, REPO, needs_isa  # noqa: E402
 from test_vllm_engine import KV_BUDGET, Driver, _params, _parse, _tokens, started_engine  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
@@ -45,7 +45,11 @@ def tiny_llama(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module", params=sorted(OPTIONS))
+# vLLM's CPU build refuses an fp8 KV cache on a host without AVX-512 or AMX.
+ISA_MARKS = {"fp8 KV cache": needs_isa("fp8 KV cache", HOST_AVX512 or HOST_AMX)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=ISA_MARKS.get(name, ())) for name in sorted(OPTIONS)])
 def options_engine(request, tiny_llama):
     options, budget_factor, in_effect = OPTIONS[request.param]
     with started_engine(tiny_llama, kv_budget=KV_BUDGET * budget_factor, **options) as started:

@@ -173,6 +173,7 @@ outputs = llm.generate(prompts, vllm.SamplingParams(max_tokens=60, temperature=0
 print("KINDS", json.dumps(dict(
     runner=type(state._vllm).__name__, groups=[group.kind for group in state.groups], stats=state.canary.stats(),
     lengths=[len(o.outputs[0].token_ids) for o in outputs], cached=max(o.num_cached_tokens for o in outputs),
+    prefix_caching=llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
 )), flush=True)
 """
 
@@ -188,7 +189,8 @@ print("KINDS", json.dumps(dict(
 )
 def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
     # The model kinds of tests/test_vllm_models.py (which runs them on V1, faults included):
-    # on V2, a workload with prefix cache hits and chunked prefill raises no false alarm.
+    # on V2, a workload with prefix cache hits and chunked prefill raises no false alarm (vLLM
+    # turns both off for MLA models on a host without AMX: tests/helpers.py, ISA_SKIP_REASONS).
     model = make_model(tmp_path / kind, kind)
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", KVCANARY_VLLM="log")
@@ -197,7 +199,8 @@ def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
     found = _result(done.stdout, "KINDS") if "KINDS " in done.stdout else None
     assert found is not None, done.stdout[-3000:]
     assert found["runner"] == "RunnerV2" and found["groups"] == groups
-    assert found["lengths"] == [60] * 8 and found["cached"] >= 64
+    assert found["lengths"] == [60] * 8
+    assert found["cached"] >= 64 if found["prefix_caching"] else found["cached"] == 0
     assert found["stats"]["violations"] == 0 and found["stats"]["slots_verified"] > 10_000 and "kv_canary violation" not in done.stdout
 
 
