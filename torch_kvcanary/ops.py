@@ -1,38 +1,15 @@
-"""The kvcanary ops' libraries, their fake kernels, how their refusals reach the caller, and
+"""The kvcanary ops' fake kernels, how their refusals reach the caller, and
 the `fold` shim (`kv_digest` is in digest.py)."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 
-from ._torch_floor import check_torch_version
+from . import _library  # noqa: F401  (loads the ops' libraries, which the fakes below register with)
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
-
-
-def has_cuda_library() -> bool:
-    """Whether the package was built with its CUDA kernels (the `_C_cuda` library)."""
-    return importlib.util.find_spec(f"{__package__}._C_cuda") is not None
-
-
-def _load_libraries() -> bool:
-    """Loads the ops' library (`_C`: the schema and the CPU kernels), after refusing a torch
-    older than the floor, and the CUDA kernels' (`_C_cuda`) when torch is a CUDA build and the
-    package was built with them; returns whether the CUDA kernels are registered. Under a
-    CPU-only torch the CUDA library is left alone: it needs torch's CUDA side."""
-    check_torch_version(torch.__version__)
-    importlib.import_module(f"{__package__}._C")
-    if torch.version.cuda is None or not has_cuda_library():
-        return False
-    importlib.import_module(f"{__package__}._C_cuda")
-    return True
-
-
-CUDA_KERNELS = _load_libraries()
 
 Source = KvSource
 
