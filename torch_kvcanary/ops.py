@@ -60,7 +60,20 @@ def refusal(error: Exception, index_tensors: dict[str, torch.Tensor | None]) -> 
     return ValueError(str(error)) if type(error) is RuntimeError else error
 
 
-@torch.library.register_fake("kvcanary::fold")
+def fake_kernel(op: str):
+    """Registers the decorated function as the fake kernel of ``kvcanary::<op>``, from this
+    module: where the library names a module for its fake kernels to torch
+    (set_python_module, csrc/ops.cpp), torch checks that each was registered from it. The
+    modules of the ops' wrappers register their fakes through it, beside the wrappers."""
+
+    def register(fake):
+        torch.library.register_fake(f"kvcanary::{op}", fake)
+        return fake
+
+    return register
+
+
+@fake_kernel("fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
     # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
     # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
@@ -75,7 +88,7 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 
-@torch.library.register_fake("kvcanary::digest")
+@fake_kernel("digest")
 def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
     # The checks of make_digest_plan (csrc/plan/digest_plan.cpp) that need no data nor guards
     # on symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
@@ -114,20 +127,20 @@ def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
             )
 
 
-@torch.library.register_fake("kvcanary::record")
+@fake_kernel("record")
 def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
     _check_canary_fake_inputs(
         sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
     )
 
 
-@torch.library.register_fake("kvcanary::refold")
+@fake_kernel("refold")
 def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
     check_index_dtype(slots, "slots")
     _check_canary_fake_inputs(sources, slots, {}, (records,))
 
 
-@torch.library.register_fake("kvcanary::verify")
+@fake_kernel("verify")
 def _verify_fake(
     sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
 ):
@@ -142,7 +155,7 @@ def _check_offsets_dtype(offsets: torch.Tensor) -> None:
         raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
 
 
-@torch.library.register_fake("kvcanary::context_slots")
+@fake_kernel("context_slots")
 def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot=-1, check_bounds=True):
     # The checks of make_context_slots_plan (csrc/plan/context_slots_plan.cpp) that need no
     # data nor guards on symbolic sizes, with its messages.
@@ -159,7 +172,7 @@ def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, c
     return tuple(block_table.new_empty((num_entries,), dtype=torch.int64) for _ in range(4))
 
 
-@torch.library.register_fake("kvcanary::verify_context")
+@fake_kernel("verify_context")
 def _verify_context_fake(
     sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
     records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,
@@ -237,7 +250,7 @@ def context_slots(
     return ContextSlots(*found)
 
 
-@torch.library.register_fake("kvcanary::step_plan")
+@fake_kernel("step_plan")
 def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
     # The plan's length depends on the rows' values (its index sets' entries).
     for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
