@@ -73,88 +73,6 @@ def fake_kernel(op: str):
     return register
 
 
-@fake_kernel("fold")
-def _fold_fake(sources, slots, read_bytes, check_bounds=True):
-    # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
-    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
-    check_index_dtype(slots, "slots")
-    if len(sources) != len(read_bytes):
-        raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-        if view.dim() < 2:
-            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
-    return slots.new_empty(slots.shape, dtype=torch.int64)
-
-
-@fake_kernel("digest")
-def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
-    # The checks of make_digest_plan (csrc/plan/digest_plan.cpp) that need no data nor guards
-    # on symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
-    entries = {"slots": slots, "positions": positions, "groups": groups}
-    for name, value in entries.items():
-        if value is not None:
-            check_index_dtype(value, name)
-    if len(views) != len(unit_offsets):
-        raise ValueError(
-            f"kv-canary: got {len(views)} digest views but {len(unit_offsets)} unit_offsets; pass one unit offset (the global id of its unit 0) per view"
-        )
-    for name, value in [(f"digest view {i}", v) for i, v in enumerate(views)] + [("positions", positions), ("groups", groups)]:
-        if value is not None and value.device != slots.device:
-            raise ValueError(f"kv-canary: {name} is on {value.device} but slots are on {slots.device}; put them on one device")
-    for index, view in enumerate(views):
-        if view.dim() < 3:
-            raise ValueError(
-                f"kv-canary: digest view {index} must be [num_pages, page_size, units, *unit_shape], got shape {list(view.shape)}"
-            )
-    return slots.new_empty((num_groups,), dtype=torch.int64)
-
-
-def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
-    # The canary kernels' cheap checks (csrc/plan/canary_plan.cpp): one value per slot, one
-    # device. Mixed devices dispatch here when one of them is meta.
-    for name, value in entries.items():
-        if value is not None and value.numel() != slots.numel():
-            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-    for table in tables:
-        if table.device != slots.device:
-            raise ValueError(
-                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
-            )
-
-
-@fake_kernel("record")
-def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
-    _check_canary_fake_inputs(
-        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
-    )
-
-
-@fake_kernel("refold")
-def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
-    check_index_dtype(slots, "slots")
-    _check_canary_fake_inputs(sources, slots, {}, (records,))
-
-
-@fake_kernel("verify")
-def _verify_fake(
-    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
-):
-    _check_canary_fake_inputs(
-        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
-    )
-    return slots.new_empty(slots.shape, dtype=torch.bool)
-
-
-def _check_offsets_dtype(offsets: torch.Tensor) -> None:
-    if offsets.dtype != torch.int64:
-        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
-
-
 @fake_kernel("context_slots")
 def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot=-1, check_bounds=True):
     # The checks of make_context_slots_plan (csrc/plan/context_slots_plan.cpp) that need no
@@ -170,31 +88,6 @@ def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, c
         if value.device != block_table.device:
             raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
     return tuple(block_table.new_empty((num_entries,), dtype=torch.int64) for _ in range(4))
-
-
-@fake_kernel("verify_context")
-def _verify_context_fake(
-    sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
-    records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,
-):  # fmt: skip
-    # context_slots' cheap checks and the canary's, then those of make_context_checks_plan
-    # (csrc/plan/context_slots_plan.cpp) that need no data.
-    _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
-    _check_canary_fake_inputs(sources, block_table, {}, (records, owner_tags, counters, ring))
-    if every < 1:
-        raise ValueError(f"kv-canary: every must be >= 1, got {every}")
-    if not 0 <= turn < every:
-        raise ValueError(f"kv-canary: turn must be in [0, every) = [0, {every}), got {turn}")
-    if written is not None and written.dtype != torch.int64:
-        raise TypeError(f"kv-canary: written must be an int64 tensor, got {_c10_dtype_name(written.dtype)}")
-    for name, value in (("history", history), ("history_rows", history_rows)):
-        if value is not None:
-            check_index_dtype(value, name)
-    for name, value in (("written", written), ("history", history), ("history_known", history_known), ("history_rows", history_rows)):
-        if value is not None and value.device != block_table.device:
-            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
-    entries = block_table.new_empty((num_entries,), dtype=torch.int64)
-    return entries, torch.empty_like(entries), torch.empty_like(entries, dtype=torch.bool), block_table.new_empty((1,), dtype=torch.int64)
 
 
 class ContextSlots(NamedTuple):
@@ -322,6 +215,26 @@ def integer_view(view: torch.Tensor) -> torch.Tensor:
     tools that inspect its inputs (opcheck, FakeTensor) need no float8 arithmetic."""
     dtype = _INTEGER_OF_SIZE.get(view.element_size(), view.dtype)
     return view if view.dtype == dtype else view.view(dtype)
+
+
+@fake_kernel("fold")
+def _fold_fake(sources, slots, read_bytes, check_bounds=True):
+    # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
+    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
+    check_index_dtype(slots, "slots")
+    if len(sources) != len(read_bytes):
+        raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+        if view.dim() < 2:
+            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
+    return slots.new_empty(slots.shape, dtype=torch.int64)
+
+
+def _check_offsets_dtype(offsets: torch.Tensor) -> None:
+    if offsets.dtype != torch.int64:
+        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
 
 
 def fold(
