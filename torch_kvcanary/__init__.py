@@ -12,7 +12,8 @@ from importlib.metadata import version as _version
 from . import digest, layouts
 from .canary import ContextVerified, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
-from .ops import STEP_SETS, ContextSlots, StepPlan, context_slots, fold, step_plan
+from .ops import fold
+from .paged_step import STEP_SETS, ContextSlots, StepPlan, context_slots, step_plan
 from .reference import reference_fold
 from .sources import (
     READ_ALIGN,

@@ -21,13 +21,13 @@ import torch
 
 from .ops import (
     _c10_dtype_name,
-    _context_slots_fake,
     check_index_dtype,
     fake_kernel,
     integer_view,
     may_check_bounds,
     refusal,
 )
+from .paged_step import _context_slots_fake
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
