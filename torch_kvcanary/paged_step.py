@@ -4,6 +4,7 @@ plugin's), each beside its op's fake kernel."""
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import torch
@@ -102,9 +103,19 @@ def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
     return plan, computed.new_empty((2, num_sets), dtype=torch.int64), computed.new_empty((), dtype=torch.bool)
 
 
-STEP_SETS = 4
-"""The sets of `step_plan` before the KV cache groups' contexts (written, tail, blocks
-written, record order)."""
+class StepSet(enum.IntEnum):
+    """The sets of `step_plan` before the KV cache groups' contexts, in the plan's order: the
+    C++ enum StepSet (csrc/cpu/kernels/step_plan_cpu.h), name for name. KV cache group ``g``'s
+    context is set ``STEP_SETS + g``."""
+
+    WRITTEN = 0  # the positions the step writes
+    TAIL = 1  # the rest of the last block before the step, not written (blocks_packed only)
+    BLOCKS_WRITTEN = 2  # every position of the blocks the step writes into (blocks_packed only)
+    RECORD_ORDER = 3  # the written tokens' indices in record order (an index set)
+
+
+STEP_SETS = len(StepSet)
+"""The number of `StepSet` sets, which come before the KV cache groups' contexts."""
 
 
 class StepPlan(NamedTuple):
