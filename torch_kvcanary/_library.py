@@ -15,17 +15,16 @@ def has_cuda_library() -> bool:
     return importlib.util.find_spec(f"{__package__}._C_cuda") is not None
 
 
-def _load_libraries() -> bool:
+def _load_libraries() -> None:
     """Loads the ops' library (`_C`: the schema and the CPU kernels), after refusing a torch
     older than the floor, and the CUDA kernels' (`_C_cuda`) when torch is a CUDA build and the
-    package was built with them; returns whether the CUDA kernels are registered. Under a
-    CPU-only torch the CUDA library is left alone: it needs torch's CUDA side."""
+    package was built with them. Under a CPU-only torch the CUDA library is left alone: it
+    needs torch's CUDA side."""
     check_torch_version(torch.__version__)
     importlib.import_module(f"{__package__}._C")
     if torch.version.cuda is None or not has_cuda_library():
-        return False
+        return
     importlib.import_module(f"{__package__}._C_cuda")
-    return True
 
 
-CUDA_KERNELS = _load_libraries()
+_load_libraries()

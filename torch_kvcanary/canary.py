@@ -33,7 +33,6 @@ from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, fo
 
 _MASK64 = (1 << 64) - 1
 RECORD_FIELDS = ("token", "position", "chain", "fold")
-_FOLD = RECORD_FIELDS.index("fold")
 """The columns of `KvCanary.records`, SGLang's canary-buffer order."""
 
 _VIOLATION_FIELDS = 8

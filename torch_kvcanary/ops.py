@@ -8,13 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from . import _library  # noqa: F401  (loads the ops' libraries, which the fakes below register with)
-from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
-
-Source = KvSource
-
-# Earlier private names, imported by other modules until they move to sources.py's.
-_as_sources = as_sources
-_active_sources = active_sources
+from .sources import HashMode, KvSource, active_sources, as_mode, folded_bytes
 
 
 def _c10_dtype_name(dtype: torch.dtype) -> str:
@@ -105,7 +99,7 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
 
 
 def fold(
-    sources: Source | Iterable[Source],
+    sources: KvSource | Iterable[KvSource],
     slots: torch.Tensor,
     *,
     mode: HashMode = HashMode.ALL,
