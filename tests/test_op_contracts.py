@@ -18,7 +18,7 @@ from helpers import DEVICES, random_bytes, random_case, random_digest_case, rand
 from torch.torch_version import TorchVersion
 
 import torch_kvcanary as kc
-from torch_kvcanary import layouts, ops
+from torch_kvcanary import layouts, ops, paged_step
 
 # --- the table -------------------------------------------------------------------------------
 
@@ -300,7 +300,7 @@ def _context_slots_samples(device: str) -> list[tuple]:
 
 
 def _step_slots(table, offsets, starts, num_entries):
-    found = kc.context_slots(table, offsets, starts, block_size=4, num_entries=num_entries, cut_slot=0)
+    found = paged_step.context_slots(table, offsets, starts, block_size=4, num_entries=num_entries, cut_slot=0)
     return torch.stack(found)
 
 
