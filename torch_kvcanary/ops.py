@@ -1,5 +1,7 @@
-"""The kvcanary ops' fake kernels, how their refusals reach the caller, and
-the `fold` shim (`kv_digest` is in digest.py)."""
+"""What the kvcanary ops' Python wrappers share (how a refusal reaches the caller, the integer
+view of an input, whether a call may check bounds, `fake_kernel`), and the fold's wrapper
+`fold` beside its fake kernel. The other ops' wrappers and fakes: canary.py (record, verify,
+refold, verify_context), digest.py (digest), paged_step.py (context_slots, step_plan)."""
 
 from __future__ import annotations
 
