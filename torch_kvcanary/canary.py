@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .ops import (
-    _c10_dtype_name,
+    c10_dtype_name,
     check_index_dtype,
     fake_kernel,
     integer_view,
@@ -181,7 +181,7 @@ def _verify_context_fake(
     if not 0 <= turn < every:
         raise ValueError(f"kv-canary: turn must be in [0, every) = [0, {every}), got {turn}")
     if written is not None and written.dtype != torch.int64:
-        raise TypeError(f"kv-canary: written must be an int64 tensor, got {_c10_dtype_name(written.dtype)}")
+        raise TypeError(f"kv-canary: written must be an int64 tensor, got {c10_dtype_name(written.dtype)}")
     for name, value in (("history", history), ("history_rows", history_rows)):
         if value is not None:
             check_index_dtype(value, name)

@@ -13,7 +13,7 @@ from . import _library  # noqa: F401  (loads the ops' libraries, which the fakes
 from .sources import HashMode, KvSource, active_sources, as_mode, folded_bytes
 
 
-def _c10_dtype_name(dtype: torch.dtype) -> str:
+def c10_dtype_name(dtype: torch.dtype) -> str:
     """The name C++ prints for ``dtype`` ("Float", "Short", ...), as the kernels' messages say it."""
     return torch.empty((), dtype=dtype, device="cpu").type().removeprefix("torch.").removesuffix("Tensor")
 
@@ -33,7 +33,7 @@ def index_dtype_error(value: torch.Tensor, name: str) -> TypeError | None:
     None when ``value`` is int32 or int64."""
     if value.dtype in _INDEX_DTYPES:
         return None
-    return TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+    return TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {c10_dtype_name(value.dtype)}")
 
 
 def check_index_dtype(value: torch.Tensor, name: str) -> None:

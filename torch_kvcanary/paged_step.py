@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 import torch
 
-from .ops import _c10_dtype_name, check_index_dtype, fake_kernel, may_check_bounds, refusal
+from .ops import c10_dtype_name, check_index_dtype, fake_kernel, may_check_bounds, refusal
 
 
 def _check_offsets_dtype(offsets: torch.Tensor) -> None:
     if offsets.dtype != torch.int64:
-        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
+        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {c10_dtype_name(offsets.dtype)}")
 
 
 @fake_kernel("context_slots")
@@ -92,7 +92,7 @@ def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
     # The plan's length depends on the rows' values (its index sets' entries).
     for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
         if value.dtype != torch.int64:
-            raise TypeError(f"kv-canary: {name} must be an int64 tensor, got {_c10_dtype_name(value.dtype)}")
+            raise TypeError(f"kv-canary: {name} must be an int64 tensor, got {c10_dtype_name(value.dtype)}")
     for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
         if value.device.type != "cpu":
             raise ValueError(f"kv-canary: {name} is on {value.device}; the step's plan is host work: pass CPU tensors (torch.from_numpy)")
@@ -144,7 +144,7 @@ def step_plan(computed: torch.Tensor, scheduled: torch.Tensor, firsts: torch.Ten
     """
     for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
-            got = _c10_dtype_name(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+            got = c10_dtype_name(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"kv-canary: {name} must be an int64 tensor (torch.from_numpy of an int64 array), got {got}")
     try:
         plan, sets, in_batch_order = torch.ops.kvcanary.step_plan(computed, scheduled, firsts, block_size, blocks_packed)
