@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/canary_records.h"
-#include "plan/shim_lookup.h"
+#include "libtorch/shim_lookup.h"
 
 // `import torch_kvcanary._C` loads this library, whose static initializers
 // register the ops; the module itself is empty. PyMODINIT_FUNC exports it from

@@ -19,9 +19,9 @@
 
 #include "cpu/fold_cpu_entry.h"
 #include "cpu/kernels/context_slots_cpu.h"
+#include "libtorch/tensors.h"
 #include "plan/canary_plan.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

@@ -7,9 +7,9 @@
 
 #include <tuple>
 
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

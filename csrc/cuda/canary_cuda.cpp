@@ -18,9 +18,9 @@
 #include "cuda/checks.h"
 #include "cuda/context_slots_cuda.h"
 #include "cuda/stream.h"
+#include "libtorch/tensors.h"
 #include "plan/canary_plan.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

@@ -9,9 +9,9 @@
 
 #include "cuda/checks.h"
 #include "cuda/stream.h"
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

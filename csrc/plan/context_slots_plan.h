@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "core/context_slots.h"
-#include "plan/tensors.h"
+#include "libtorch/tensors.h"
 
 namespace kvcanary {
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "core/fold_math.h"
-#include "plan/tensors.h"
+#include "libtorch/tensors.h"
 
 namespace kvcanary {
 
