@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/fold_math.h"
+#include "core/indices.h"
 
 namespace kvcanary {
 
@@ -35,10 +36,8 @@ KVC_HOST_DEVICE int64_t table_slot(const ContextRanges& c, int64_t r, int64_t p)
   if (p < 0 || p / c.block_size >= c.max_blocks) {
     return -1;
   }
-  const int64_t at = r * c.row_stride + p / c.block_size * c.block_stride;
-  const int64_t block = c.table_int32
-                            ? static_cast<int64_t>(static_cast<const int32_t*>(c.block_table)[at])
-                            : static_cast<const int64_t*>(c.block_table)[at];
+  const int64_t block = load_index(c.block_table, c.table_int32,
+                                   r * c.row_stride + p / c.block_size * c.block_stride);
   return block < 0 ? -1 : block * c.block_size + p % c.block_size;
 }
 
@@ -137,12 +136,8 @@ KVC_HOST_DEVICE bool in_turn(const ContextRanges& c, const ContextChecks& k, int
 
 // The history row of range row r; -1 when outside the history.
 KVC_HOST_DEVICE int64_t history_row(const ContextChecks& k, int64_t r) {
-  int64_t h = r;
-  if (k.history_row_of != nullptr) {
-    h = k.history_row_of_int32
-            ? static_cast<int64_t>(static_cast<const int32_t*>(k.history_row_of)[r])
-            : static_cast<const int64_t*>(k.history_row_of)[r];
-  }
+  const int64_t h =
+      k.history_row_of == nullptr ? r : load_index(k.history_row_of, k.history_row_of_int32, r);
   return h >= 0 && h < k.history_rows ? h : -1;
 }
 
@@ -155,9 +150,8 @@ KVC_HOST_DEVICE int64_t history_token(const ContextChecks& k, int64_t h, int64_t
   if (k.known != nullptr && !k.known[h * k.known_row_stride + p * k.known_position_stride]) {
     return -1;
   }
-  const int64_t at = h * k.history_row_stride + p * k.history_position_stride;
-  return k.history_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(k.history)[at])
-                         : static_cast<const int64_t*>(k.history)[at];
+  return load_index(k.history, k.history_int32,
+                    h * k.history_row_stride + p * k.history_position_stride);
 }
 
 // Entry i of row r (written by write_entry) kept where it is checked, its slot
