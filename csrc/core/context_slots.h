@@ -44,17 +44,7 @@ KVC_HOST_DEVICE int64_t table_slot(const ContextRanges& c, int64_t r, int64_t p)
 // The row of entry i: the last r with offsets[r] <= i (a binary search over
 // nondecreasing offsets), or -1 when there is none.
 KVC_HOST_DEVICE int64_t row_of(const ContextRanges& c, int64_t i) {
-  int64_t lo = 0;
-  int64_t hi = c.num_rows;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (c.offsets[mid] <= i) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo - 1;
+  return lower_bound_of(c.offsets, c.num_rows, i + 1) - 1;
 }
 
 // Writes entry i of row r (-1: none). An entry outside its row's range (which
@@ -108,17 +98,8 @@ struct ContextChecks {
 
 // Whether `slot` is among the step's written slots (a binary search).
 KVC_HOST_DEVICE bool is_written(const ContextChecks& k, int64_t slot) {
-  int64_t lo = 0;
-  int64_t hi = k.num_written;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (k.written[mid] < slot) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo < k.num_written && k.written[lo] == slot;
+  const int64_t at = lower_bound_of(k.written, k.num_written, slot);
+  return at < k.num_written && k.written[at] == slot;
 }
 
 // Whether position p of row r (inside its range) is checked this step: every
