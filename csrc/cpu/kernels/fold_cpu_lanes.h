@@ -159,31 +159,36 @@ struct LaneFold {
   static void fold_group_or_zeros(const CpuFoldWork& work, const index_t* slots,
                                   const ReadOrder<index_t>& order, int64_t first, int count,
                                   int64_t* group, int64_t* folded, Side& side) {
-    int64_t stand_in = -1;
-    bool all_folded = count == kSlots;
-    for (int i = 0; i < count; ++i) {
-      group[i] = slots[first + i];
-      if (!is_folded(work, group[i])) {
-        all_folded = false;
-      } else if (stand_in < 0) {
-        stand_in = group[i];
-      }
-    }
+    const int64_t stand_in = stand_in_of(work, slots + first, count);
     if (stand_in < 0 || work.num_sources == 0) {
       for (int i = 0; i < count; ++i) work.out[first + i] = 0;
       return;
+    }
+    bool all_folded = count == kSlots;
+    for (int i = 0; i < kSlots; ++i) {
+      const bool read = i < count && is_folded(work, slots[first + i]);
+      group[i] = read ? static_cast<int64_t>(slots[first + i]) : stand_in;
+      all_folded = all_folded && read;
     }
     if (all_folded) {
       fold_group(work, group, order, first, work.out + first, side);
       return;
     }
-    for (int i = 0; i < kSlots; ++i) {
-      if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
-    }
     fold_group(work, group, order, first, folded, side);
     for (int i = 0; i < count; ++i) {
       work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
     }
+  }
+
+  // The slot read in place of the padding, out-of-range and missing ones of
+  // `count` slots, so that every read stays inside the sources: the first
+  // folded one; -1 when none is.
+  template <typename index_t>
+  static int64_t stand_in_of(const CpuFoldWork& work, const index_t* slots, int count) {
+    for (int i = 0; i < count; ++i) {
+      if (is_folded(work, slots[i])) return slots[i];
+    }
+    return -1;
   }
 
   // out[0..kSlots) = the fold of the kSlots slots of `group` (all folded, the
@@ -344,10 +349,7 @@ struct LaneFold {
   static void fold_by_pairs(const CpuFoldWork& work, SlotSpan span) {
     const auto* slots = static_cast<const index_t*>(work.slots) + span.begin;
     const int count = static_cast<int>(span.end - span.begin);
-    int64_t stand_in = -1;  // read instead of padding and out-of-range slots
-    for (int i = 0; i < count && stand_in < 0; ++i) {
-      if (is_folded(work, slots[i])) stand_in = slots[i];
-    }
+    const int64_t stand_in = stand_in_of(work, slots, count);
     uint64_t acc[kLaneGroupMultiple] = {};
     const unsigned char* tokens[kSlots];
     int64_t lane_hashes[kSlots];
