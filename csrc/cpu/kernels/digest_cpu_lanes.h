@@ -238,18 +238,18 @@ struct LaneDigest {
     }
   }
 
-  // lane_sums in as few vectors as hold the group: the last group of a range
-  // need not cost kChains chains.
+  // lane_sums in as few vectors as hold the group (in_fewest_vectors): the
+  // last group of a range need not cost kChains chains.
   static void lane_sums_of_some(const DigestView& view, const Group& group, int64_t* sums,
                                 TokenPrefetcher& prefetch) {
-    const int vectors = (group.count + V::kLanes - 1) / V::kLanes;
-    if (kVectors > 1 && vectors <= 1)
-      return LaneDigest<V, 1>::lane_sums(view, narrow<1>(group), sums, prefetch);
-    if (kVectors > 2 && vectors <= 2)
-      return LaneDigest<V, 2>::lane_sums(view, narrow<2>(group), sums, prefetch);
-    if (kVectors > 4 && vectors <= 4)
-      return LaneDigest<V, 4>::lane_sums(view, narrow<4>(group), sums, prefetch);
-    lane_sums(view, group, sums, prefetch);
+    in_fewest_vectors<kVectors>((group.count + V::kLanes - 1) / V::kLanes, [&](auto vectors) {
+      constexpr int kFewer = decltype(vectors)::value;
+      if constexpr (kFewer == kVectors) {
+        lane_sums(view, group, sums, prefetch);
+      } else {
+        LaneDigest<V, kFewer>::lane_sums(view, narrow<kFewer>(group), sums, prefetch);
+      }
+    });
   }
 
   // The first lanes of a group, as the group of a narrower digest.

@@ -32,6 +32,8 @@
 // lines of the group folded next) are issued step by step in hash_tokens.
 #pragma once
 
+#include <type_traits>
+
 #include "core/fold_math.h"
 #include "cpu/kernels/fold_cpu.h"
 #include "cpu/kernels/fold_cpu_prefetch.h"
@@ -45,6 +47,24 @@
 
 namespace kvcanary {
 namespace {
+
+// Calls run(std::integral_constant<int, n>{}) with n the fewest of 1, 2 and 4
+// vectors, below kMost, that hold `vectors`, else kMost: a few lanes should
+// not cost the hashing of kMost vectors, and up to four vectors hash in about
+// the time of one (their chains' latency bounds them, not the vector ports).
+template <int kMost, class Run>
+void in_fewest_vectors(int64_t vectors, Run&& run) {
+  if constexpr (kMost > 1) {
+    if (vectors <= 1) return run(std::integral_constant<int, 1>{});
+  }
+  if constexpr (kMost > 2) {
+    if (vectors <= 2) return run(std::integral_constant<int, 2>{});
+  }
+  if constexpr (kMost > 4) {
+    if (vectors <= 4) return run(std::integral_constant<int, 4>{});
+  }
+  run(std::integral_constant<int, kMost>{});
+}
 
 template <class V, int kVectors>
 struct LaneFold {
@@ -99,22 +119,16 @@ struct LaneFold {
   }
 
   // The end of a task, or all of a small one (fewer slots than a group), in
-  // as few vectors as hold it: a few slots should not cost the hashing of
-  // kSlots lanes, and up to four vectors hash in about the time of one (their
-  // chains' latency bounds them, not the vector ports). When the sources share
-  // a token layout, the lanes take (source, slot) pairs.
+  // as few vectors as hold it (in_fewest_vectors). When the sources share a
+  // token layout, the lanes take (source, slot) pairs.
   template <typename index_t, class Side>
   static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next, Side& side) {
     const bool by_pairs = takes_pairs(work);
     const int64_t lanes = (tail.end - tail.begin) * (by_pairs ? work.num_sources : 1);
-    const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (vectors <= 1)
-      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs, side);
-    if (vectors <= 2)
-      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs, side);
-    if (vectors <= 4)
-      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs, side);
-    fold_span<index_t>(work, tail, next, by_pairs, side);
+    in_fewest_vectors<kVectors>((lanes + V::kLanes - 1) / V::kLanes, [&](auto vectors) {
+      LaneFold<V, decltype(vectors)::value>::template fold_span<index_t>(work, tail, next, by_pairs,
+                                                                         side);
+    });
   }
 
   template <typename index_t, class Side>
