@@ -170,7 +170,10 @@ struct LaneDigest {
     int64_t next_offset() {
       const int64_t offset =
           load_unit * stride + chunk_offset(unit, Fold::kBlockBytes * load_block);
-      if (++load_block == per_unit) load_block = 0, ++load_unit;
+      if (++load_block == per_unit) {
+        load_block = 0;
+        ++load_unit;
+      }
       return offset;
     }
     void after_block(Vec* h) {
