@@ -107,13 +107,12 @@ struct LaneDigest {
     return token;
   }
 
-  // Plans the prefetch of the tokens of `group` in `view`.
-  static void plan_prefetch(TokenPrefetcher& prefetch, const DigestView& view, const Group& group) {
-    CpuFoldWork all_read{};
-    all_read.capacity = INT64_MAX;  // the group's entries are all read
+  // Plans the prefetch of the tokens of `group` in `view` (of range r).
+  static void plan_prefetch(TokenPrefetcher& prefetch, const CpuDigestRange& r,
+                            const DigestView& view, const Group& group) {
     const SourceLayout token = prefetch_layout(view);
     if (token.read_bytes > 0 && group.count > 0) {
-      prefetch.start(all_read, TokensToRead<int64_t>{&token, group.slots, group.count});
+      prefetch.start(TokensToRead<int64_t>{&token, group.slots, group.count, r.capacity});
     }
   }
 
@@ -275,7 +274,7 @@ struct LaneDigest {
                         const DigestView& next_view, const Group& next) {
     if (!chunks_in_runs(view)) return add_terms_by_unit(r, view, group);
     TokenPrefetcher prefetch;
-    plan_prefetch(prefetch, next_view, next);
+    plan_prefetch(prefetch, r, next_view, next);
     int64_t sums[kChains];
     if (group.count == kChains) {
       lane_sums(view, group, sums, prefetch);

@@ -222,7 +222,7 @@ struct LaneFold {
       for (int i = 0; i < kSlots; ++i) {
         tokens[i] = src.data + token_offset(src, group[i]);
       }
-      prefetcher.start(work, order.after(first, s));
+      prefetcher.start(order.after(first, s));
       Vec h[kVectors];
       hash_tokens(src, tokens, h, requests);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
