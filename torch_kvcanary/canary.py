@@ -19,14 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .ops import (
-    c10_dtype_name,
-    check_index_dtype,
-    fake_kernel,
-    integer_view,
-    may_check_bounds,
-    refusal,
-)
+from .ops import c10_dtype_name, check_index_dtype, integer_view, may_check_bounds, refusal
 from .paged_step import _context_slots_fake
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
@@ -144,20 +137,20 @@ def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
             )
 
 
-@fake_kernel("record")
+@torch.library.register_fake("kvcanary::record")
 def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
     _check_canary_fake_inputs(
         sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
     )
 
 
-@fake_kernel("refold")
+@torch.library.register_fake("kvcanary::refold")
 def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
     check_index_dtype(slots, "slots")
     _check_canary_fake_inputs(sources, slots, {}, (records,))
 
 
-@fake_kernel("verify")
+@torch.library.register_fake("kvcanary::verify")
 def _verify_fake(
     sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
 ):
@@ -167,7 +160,7 @@ def _verify_fake(
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
-@fake_kernel("verify_context")
+@torch.library.register_fake("kvcanary::verify_context")
 def _verify_context_fake(
     sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
     records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import engines
-from .ops import check_index_dtype, fake_kernel, integer_view, may_check_bounds, refusal
+from .ops import check_index_dtype, integer_view, may_check_bounds, refusal
 
 K, V, K_SCALE, V_SCALE = range(4)
 MHA_KINDS = 4
@@ -84,7 +84,7 @@ def kv_digest(
         raise refusal(error, {"slots": slots, "positions": positions, "groups": groups}) from None
 
 
-@fake_kernel("digest")
+@torch.library.register_fake("kvcanary::digest")
 def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
     # The checks of make_digest_plan (csrc/plan/digest_plan.cpp) that need no data nor guards
     # on symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.

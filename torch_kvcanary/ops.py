@@ -1,5 +1,5 @@
 """What the kvcanary ops' Python wrappers share (how a refusal reaches the caller, the integer
-view of an input, whether a call may check bounds, `fake_kernel`), and the fold's wrapper
+view of an input, whether a call may check bounds), and the fold's wrapper
 `fold` beside its fake kernel. The other ops' wrappers and fakes: canary.py (record, verify,
 refold, verify_context), digest.py (digest), paged_step.py (context_slots, step_plan)."""
 
@@ -55,19 +55,6 @@ def refusal(error: Exception, index_tensors: dict[str, torch.Tensor | None]) -> 
     return ValueError(str(error)) if type(error) is RuntimeError else error
 
 
-def fake_kernel(op: str):
-    """Registers the decorated function as the fake kernel of ``kvcanary::<op>``, from this
-    module: where the library names a module for its fake kernels to torch
-    (set_python_module, csrc/ops.cpp), torch checks that each was registered from it. The
-    modules of the ops' wrappers register their fakes through it, beside the wrappers."""
-
-    def register(fake):
-        torch.library.register_fake(f"kvcanary::{op}", fake)
-        return fake
-
-    return register
-
-
 def may_check_bounds(slots: torch.Tensor) -> bool:
     """Whether an op over ``slots`` may check their range. Off a CPU the check synchronises
     with the host, so it is never made while torch.compile traces (the CUDA kernels
@@ -85,7 +72,7 @@ def integer_view(view: torch.Tensor) -> torch.Tensor:
     return view if view.dtype == dtype else view.view(dtype)
 
 
-@fake_kernel("fold")
+@torch.library.register_fake("kvcanary::fold")
 def _fold_fake(sources, slots, read_bytes, check_bounds=True):
     # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
     # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from .ops import c10_dtype_name, check_index_dtype, fake_kernel, may_check_bounds, refusal
+from .ops import c10_dtype_name, check_index_dtype, may_check_bounds, refusal
 
 
 def _check_offsets_dtype(offsets: torch.Tensor) -> None:
@@ -17,7 +17,7 @@ def _check_offsets_dtype(offsets: torch.Tensor) -> None:
         raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {c10_dtype_name(offsets.dtype)}")
 
 
-@fake_kernel("context_slots")
+@torch.library.register_fake("kvcanary::context_slots")
 def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot=-1, check_bounds=True):
     # The checks of make_context_slots_plan (csrc/plan/context_slots_plan.cpp) that need no
     # data nor guards on symbolic sizes, with its messages.
@@ -87,7 +87,7 @@ def context_slots(
     return ContextSlots(*found)
 
 
-@fake_kernel("step_plan")
+@torch.library.register_fake("kvcanary::step_plan")
 def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
     # The plan's length depends on the rows' values (its index sets' entries).
     for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
