@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "core/canary_records.h"
-#include "plan/shim_lookup.h"
 
 // `import torch_kvcanary._C` loads this library, whose static initializers
 // register the ops; the module itself is empty. PyMODINIT_FUNC exports it from
@@ -141,44 +140,23 @@ constexpr const char* kSchemas[] = {
     "cpu_isa() -> str",
 };
 
-// The module of the fake (meta) kernels, torch_kvcanary/ops.py, which loads
-// this library, so they are registered whenever the ops are. Named to torch
-// too where torch has the shim for it (2.13 on), which then imports it, or
-// says to, when an op needs a fake kernel before the package was imported.
-constexpr const char* kFakeKernelModule = "torch_kvcanary.ops";
-
-// The library's definition, as STABLE_TORCH_LIBRARY makes it, with the module
-// of the fake kernels named before the schemas, as torch requires.
-class OpDefinitions {
- public:
-  OpDefinitions() {
-    STABLE_TORCH_ERROR_CODE_CHECK(
-        aoti_torch_library_init_def("kvcanary", __FILE__, __LINE__, &library_));
-    using SetPythonModule = AOTITorchError (*)(TorchLibraryHandle, const char*, const char*);
-    if (const auto set_python_module = reinterpret_cast<SetPythonModule>(
-            find_shim_function("libtorch_cpu.so", "torch_library_set_python_module"))) {
-      STABLE_TORCH_ERROR_CODE_CHECK(set_python_module(library_, kFakeKernelModule, ""));
-    }
-    for (const char* schema : kSchemas) {
-      STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_library_def(library_, schema));
-    }
-  }
-  OpDefinitions(const OpDefinitions&) = delete;
-  OpDefinitions& operator=(const OpDefinitions&) = delete;
-  ~OpDefinitions() { aoti_torch_delete_library_object(library_); }
-
- private:
-  TorchLibraryHandle library_ = nullptr;
-};
-
-const OpDefinitions kDefinitions;
-
 std::vector<std::string> canary_counters() {
   return {std::begin(kCounterNames), std::end(kCounterNames)};
 }
 
 }  // namespace
 }  // namespace kvcanary
+
+// The library's definition. The fake (meta) kernels are registered by the
+// package's Python modules, each beside its op's wrapper, when the package
+// loads this library (torch_kvcanary/_library.py); their module is not named
+// to torch (set_python_module), which the stable ABI has only from torch 2.13,
+// past the floor.
+STABLE_TORCH_LIBRARY(kvcanary, m) {
+  for (const char* schema : kvcanary::kSchemas) {
+    m.def(schema);
+  }
+}
 
 // No tensor arguments: CompositeExplicitAutograd serves every call.
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {

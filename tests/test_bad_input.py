@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_kvcanary as kc
 from benchmarks import upstream_baseline
 from torch_kvcanary import digest as digest_units
-from torch_kvcanary import layouts, ops
+from torch_kvcanary import layouts, ops, paged_step
 from torch_kvcanary.integrations.vllm import plugin
 from torch_kvcanary.transfer import verify_transfer
 
@@ -715,7 +715,9 @@ def _ranges_call(table=None, offsets=None, starts=None, block_size=4, num_entrie
     table = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32, device=device) if table is None else table
     offsets = torch.tensor([0, 3, 5], device=device) if offsets is None else offsets
     starts = torch.tensor([0, 2], device=device) if starts is None else starts
-    return lambda: kc.context_slots(table, offsets, starts, block_size=block_size, num_entries=num_entries, check_bounds=check_bounds)
+    return lambda: paged_step.context_slots(
+        table, offsets, starts, block_size=block_size, num_entries=num_entries, check_bounds=check_bounds
+    )
 
 
 class TestContextSlotsErrors(expecttest.TestCase):

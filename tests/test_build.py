@@ -20,8 +20,8 @@ import torch_kvcanary
 from build_tools import build_ext
 from build_tools.cuda_toolkit import find_cuda_home
 from torch_kvcanary import _torch_floor
+from torch_kvcanary._library import has_cuda_library
 from torch_kvcanary.cli import fold_backends
-from torch_kvcanary.ops import has_cuda_library
 
 CUDA_LIBRARY = has_cuda_library()
 # The CUDA kernels are registered where torch is a CUDA build and the package has them.

@@ -11,13 +11,13 @@ import torch
 from helpers import DEVICES
 from spec_oracle import context_slots as reference
 
-import torch_kvcanary as kc
+from torch_kvcanary import paged_step
 
 
 def call(table: torch.Tensor, lengths: list[int], starts: list[int], block_size: int, cut_slot: int = -1, starts_dtype=torch.int64):
     device = table.device
     offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device)
-    found = kc.context_slots(
+    found = paged_step.context_slots(
         table,
         offsets,
         torch.tensor(starts, dtype=starts_dtype, device=device),
@@ -90,7 +90,7 @@ def test_unchecked_ranges_read_nothing_out_of_bounds(device):
     offsets = torch.tensor([0, 3, 5], device=device)
 
     def unchecked(starts, offsets=offsets, num_entries=5):
-        found = kc.context_slots(
+        found = paged_step.context_slots(
             table, offsets, torch.tensor(starts, device=device), block_size=4, num_entries=num_entries, check_bounds=False
         )
         return [t.tolist() for t in found]

@@ -1,4 +1,4 @@
-"""kvcanary::step_plan (torch_kvcanary.step_plan): the host's plan of a paged serving step,
+"""kvcanary::step_plan (torch_kvcanary.paged_step.step_plan): the host's plan of a paged serving step,
 equal set by set to its contract (the schema in csrc/ops.cpp) transcribed row by row in
 plain Python, on random steps and on hand-checked ones; refusals (opcheck: test_op_contracts.py). Host work: CPU tensors
 only, whatever device the step runs on."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import torch_kvcanary as kc
+from torch_kvcanary import paged_step
 
 RECORD_ORDER = 3
 
@@ -45,7 +45,7 @@ def is_index_set(k: int) -> bool:
     return k == RECORD_ORDER
 
 
-def unpacked(planned: kc.StepPlan, num_rows: int) -> list:
+def unpacked(planned: paged_step.StepPlan, num_rows: int) -> list:
     """Each set of ``planned`` as `expected_sets` writes it: a range set's offsets and starts
     expanded to positions, row by row."""
     plan = planned.plan.tolist()
@@ -60,11 +60,11 @@ def unpacked(planned: kc.StepPlan, num_rows: int) -> list:
     return sets
 
 
-def plan(computed, scheduled, firsts, block_size, packed) -> kc.StepPlan:
+def plan(computed, scheduled, firsts, block_size, packed) -> paged_step.StepPlan:
     def longs(values):
         return torch.tensor(values, dtype=torch.int64)
 
-    return kc.step_plan(
+    return paged_step.step_plan(
         longs(computed), longs(scheduled), longs(firsts).reshape(len(firsts), len(computed)), block_size=block_size, blocks_packed=packed
     )
 
@@ -80,11 +80,11 @@ def test_random_steps_equal_the_contract(seed):
     num_groups = int(rng.integers(0, 4))  # full attention, then windows
     firsts = np.zeros((num_groups, num_rows), dtype=np.int64)
     firsts[1:] = np.minimum(computed, rng.integers(0, 70, (max(num_groups - 1, 0), num_rows)))
-    planned = kc.step_plan(
+    planned = paged_step.step_plan(
         torch.from_numpy(computed), torch.from_numpy(scheduled), torch.from_numpy(firsts), block_size=block_size, blocks_packed=packed
     )
     want = expected_sets(computed.tolist(), scheduled.tolist(), firsts.tolist(), block_size, packed)
-    assert len(planned.counts) == len(planned.bases) == len(want) == kc.STEP_SETS + len(firsts)
+    assert len(planned.counts) == len(planned.bases) == len(want) == paged_step.STEP_SETS + len(firsts)
     assert unpacked(planned, num_rows) == want
     assert planned.counts == [len(s) if is_index_set(k) else sum(map(len, s)) for k, s in enumerate(want)]
     assert planned.in_batch_order == bool((np.diff(computed) >= 0).all())
@@ -152,4 +152,4 @@ def test_refusals(change, error, message):
     args = dict(computed=torch.tensor([4, 2]), scheduled=torch.tensor([1, 1]), firsts=torch.tensor([[0, 0]]), block_size=4)
     args.update(change)
     with pytest.raises(error, match=f"^kv-canary: {message}"):
-        kc.step_plan(args["computed"], args["scheduled"], args["firsts"], block_size=args["block_size"], blocks_packed=True)
+        paged_step.step_plan(args["computed"], args["scheduled"], args["firsts"], block_size=args["block_size"], blocks_packed=True)

@@ -9,10 +9,11 @@ side shards and pages the cache; `verify_transfer` compares them.
 
 from importlib.metadata import version as _version
 
-from . import digest, layouts
+# Importing the package registers every op's fake kernel, paged_step's among them.
+from . import digest, layouts, paged_step  # noqa: F401
 from .canary import ContextVerified, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
-from .ops import STEP_SETS, ContextSlots, StepPlan, context_slots, fold, step_plan
+from .ops import fold
 from .reference import reference_fold
 from .sources import (
     READ_ALIGN,
@@ -32,8 +33,6 @@ __version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
-    "STEP_SETS",
-    "ContextSlots",
     "ContextVerified",
     "FailReason",
     "HashMode",
@@ -42,13 +41,11 @@ __all__ = [
     "KvSource",
     "KvTransferError",
     "RealKvSource",
-    "StepPlan",
     "TransferCheck",
     "ViewSource",
     "Violation",
     "ViolationKind",
     "clip_read_bytes",
-    "context_slots",
     "digest",
     "fold",
     "kv_digest",
@@ -57,7 +54,6 @@ __all__ = [
     "make_row_source",
     "reference_fold",
     "resolve_read_bytes",
-    "step_plan",
     "verify_transfer",
     "view_source",
 ]

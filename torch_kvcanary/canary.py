@@ -19,13 +19,13 @@ from typing import NamedTuple
 
 import torch
 
-from .ops import integer_view, may_check_bounds, refusal
+from .ops import c10_dtype_name, check_index_dtype, integer_view, may_check_bounds, refusal
+from .paged_step import _context_slots_fake
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
 _MASK64 = (1 << 64) - 1
 RECORD_FIELDS = ("token", "position", "chain", "fold")
-_FOLD = RECORD_FIELDS.index("fold")
 """The columns of `KvCanary.records`, SGLang's canary-buffer order."""
 
 _VIOLATION_FIELDS = 8
@@ -119,6 +119,70 @@ def _counter_index() -> dict[str, int]:
 def _check_entry_input(value, name: str) -> None:
     if value is not None and not isinstance(value, torch.Tensor):
         raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
+
+
+def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
+    # The canary kernels' cheap checks (csrc/plan/canary_plan.cpp): one value per slot, one
+    # device. Mixed devices dispatch here when one of them is meta.
+    for name, value in entries.items():
+        if value is not None and value.numel() != slots.numel():
+            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+    for table in tables:
+        if table.device != slots.device:
+            raise ValueError(
+                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
+            )
+
+
+@torch.library.register_fake("kvcanary::record")
+def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
+
+
+@torch.library.register_fake("kvcanary::refold")
+def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
+    check_index_dtype(slots, "slots")
+    _check_canary_fake_inputs(sources, slots, {}, (records,))
+
+
+@torch.library.register_fake("kvcanary::verify")
+def _verify_fake(
+    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
+):
+    _check_canary_fake_inputs(
+        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+    )
+    return slots.new_empty(slots.shape, dtype=torch.bool)
+
+
+@torch.library.register_fake("kvcanary::verify_context")
+def _verify_context_fake(
+    sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
+    records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,
+):  # fmt: skip
+    # context_slots' cheap checks and the canary's, then those of make_context_checks_plan
+    # (csrc/plan/context_slots_plan.cpp) that need no data.
+    _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
+    _check_canary_fake_inputs(sources, block_table, {}, (records, owner_tags, counters, ring))
+    if every < 1:
+        raise ValueError(f"kv-canary: every must be >= 1, got {every}")
+    if not 0 <= turn < every:
+        raise ValueError(f"kv-canary: turn must be in [0, every) = [0, {every}), got {turn}")
+    if written is not None and written.dtype != torch.int64:
+        raise TypeError(f"kv-canary: written must be an int64 tensor, got {c10_dtype_name(written.dtype)}")
+    for name, value in (("history", history), ("history_rows", history_rows)):
+        if value is not None:
+            check_index_dtype(value, name)
+    for name, value in (("written", written), ("history", history), ("history_known", history_known), ("history_rows", history_rows)):
+        if value is not None and value.device != block_table.device:
+            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
+    entries = block_table.new_empty((num_entries,), dtype=torch.int64)
+    return entries, torch.empty_like(entries), torch.empty_like(entries, dtype=torch.bool), block_table.new_empty((1,), dtype=torch.int64)
 
 
 class KvCanary:

@@ -10,9 +10,10 @@ import sys
 import torch
 
 from . import __version__
+from ._library import has_cuda_library
 from .demos import paged_cache as demo
 from .demos import transfer as transfer_demo
-from .ops import fold, has_cuda_library
+from .ops import fold
 from .reference import reference_fold
 from .sources import HashMode, make_packed_source, make_row_source
 

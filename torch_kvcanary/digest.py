@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import engines
-from .ops import integer_view, may_check_bounds, refusal
+from .ops import check_index_dtype, integer_view, may_check_bounds, refusal
 
 K, V, K_SCALE, V_SCALE = range(4)
 MHA_KINDS = 4
@@ -82,6 +82,29 @@ def kv_digest(
         return torch.ops.kvcanary.digest(views, slots, positions, groups, offsets, num_groups, may_check_bounds(slots))
     except (ValueError, RuntimeError) as error:
         raise refusal(error, {"slots": slots, "positions": positions, "groups": groups}) from None
+
+
+@torch.library.register_fake("kvcanary::digest")
+def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
+    # The checks of make_digest_plan (csrc/plan/digest_plan.cpp) that need no data nor guards
+    # on symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
+    entries = {"slots": slots, "positions": positions, "groups": groups}
+    for name, value in entries.items():
+        if value is not None:
+            check_index_dtype(value, name)
+    if len(views) != len(unit_offsets):
+        raise ValueError(
+            f"kv-canary: got {len(views)} digest views but {len(unit_offsets)} unit_offsets; pass one unit offset (the global id of its unit 0) per view"
+        )
+    for name, value in [(f"digest view {i}", v) for i, v in enumerate(views)] + [("positions", positions), ("groups", groups)]:
+        if value is not None and value.device != slots.device:
+            raise ValueError(f"kv-canary: {name} is on {value.device} but slots are on {slots.device}; put them on one device")
+    for index, view in enumerate(views):
+        if view.dim() < 3:
+            raise ValueError(
+                f"kv-canary: digest view {index} must be [num_pages, page_size, units, *unit_shape], got shape {list(view.shape)}"
+            )
+    return slots.new_empty((num_groups,), dtype=torch.int64)
 
 
 # --- unit ids for real caches ---------------------------------------------------------------

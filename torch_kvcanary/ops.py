@@ -1,47 +1,19 @@
-"""The kvcanary ops' libraries, their fake kernels, how their refusals reach the caller, and
-the `fold` shim (`kv_digest` is in digest.py)."""
+"""What the kvcanary ops' Python wrappers share (how a refusal reaches the caller, the integer
+view of an input, whether a call may check bounds), and the fold's wrapper
+`fold` beside its fake kernel. The other ops' wrappers and fakes: canary.py (record, verify,
+refold, verify_context), digest.py (digest), paged_step.py (context_slots, step_plan)."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 
-from ._torch_floor import check_torch_version
-from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
+from . import _library  # noqa: F401  (loads the ops' libraries, which the fakes below register with)
+from .sources import HashMode, KvSource, active_sources, as_mode, folded_bytes
 
 
-def has_cuda_library() -> bool:
-    """Whether the package was built with its CUDA kernels (the `_C_cuda` library)."""
-    return importlib.util.find_spec(f"{__package__}._C_cuda") is not None
-
-
-def _load_libraries() -> bool:
-    """Loads the ops' library (`_C`: the schema and the CPU kernels), after refusing a torch
-    older than the floor, and the CUDA kernels' (`_C_cuda`) when torch is a CUDA build and the
-    package was built with them; returns whether the CUDA kernels are registered. Under a
-    CPU-only torch the CUDA library is left alone: it needs torch's CUDA side."""
-    check_torch_version(torch.__version__)
-    importlib.import_module(f"{__package__}._C")
-    if torch.version.cuda is None or not has_cuda_library():
-        return False
-    importlib.import_module(f"{__package__}._C_cuda")
-    return True
-
-
-CUDA_KERNELS = _load_libraries()
-
-Source = KvSource
-
-# Earlier private names, imported by other modules until they move to sources.py's.
-_as_sources = as_sources
-_active_sources = active_sources
-
-
-def _c10_dtype_name(dtype: torch.dtype) -> str:
+def c10_dtype_name(dtype: torch.dtype) -> str:
     """The name C++ prints for ``dtype`` ("Float", "Short", ...), as the kernels' messages say it."""
     return torch.empty((), dtype=dtype, device="cpu").type().removeprefix("torch.").removesuffix("Tensor")
 
@@ -61,7 +33,7 @@ def index_dtype_error(value: torch.Tensor, name: str) -> TypeError | None:
     None when ``value`` is int32 or int64."""
     if value.dtype in _INDEX_DTYPES:
         return None
-    return TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {_c10_dtype_name(value.dtype)}")
+    return TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {c10_dtype_name(value.dtype)}")
 
 
 def check_index_dtype(value: torch.Tensor, name: str) -> None:
@@ -83,240 +55,6 @@ def refusal(error: Exception, index_tensors: dict[str, torch.Tensor | None]) -> 
     return ValueError(str(error)) if type(error) is RuntimeError else error
 
 
-@torch.library.register_fake("kvcanary::fold")
-def _fold_fake(sources, slots, read_bytes, check_bounds=True):
-    # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
-    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
-    check_index_dtype(slots, "slots")
-    if len(sources) != len(read_bytes):
-        raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-        if view.dim() < 2:
-            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
-    return slots.new_empty(slots.shape, dtype=torch.int64)
-
-
-@torch.library.register_fake("kvcanary::digest")
-def _digest_fake(views, slots, positions, groups, unit_offsets, num_groups, check_bounds=True):
-    # The checks of make_digest_plan (csrc/plan/digest_plan.cpp) that need no data nor guards
-    # on symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
-    entries = {"slots": slots, "positions": positions, "groups": groups}
-    for name, value in entries.items():
-        if value is not None:
-            check_index_dtype(value, name)
-    if len(views) != len(unit_offsets):
-        raise ValueError(
-            f"kv-canary: got {len(views)} digest views but {len(unit_offsets)} unit_offsets; pass one unit offset (the global id of its unit 0) per view"
-        )
-    for name, value in [(f"digest view {i}", v) for i, v in enumerate(views)] + [("positions", positions), ("groups", groups)]:
-        if value is not None and value.device != slots.device:
-            raise ValueError(f"kv-canary: {name} is on {value.device} but slots are on {slots.device}; put them on one device")
-    for index, view in enumerate(views):
-        if view.dim() < 3:
-            raise ValueError(
-                f"kv-canary: digest view {index} must be [num_pages, page_size, units, *unit_shape], got shape {list(view.shape)}"
-            )
-    return slots.new_empty((num_groups,), dtype=torch.int64)
-
-
-def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
-    # The canary kernels' cheap checks (csrc/plan/canary_plan.cpp): one value per slot, one
-    # device. Mixed devices dispatch here when one of them is meta.
-    for name, value in entries.items():
-        if value is not None and value.numel() != slots.numel():
-            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-    for table in tables:
-        if table.device != slots.device:
-            raise ValueError(
-                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
-            )
-
-
-@torch.library.register_fake("kvcanary::record")
-def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
-    _check_canary_fake_inputs(
-        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
-    )
-
-
-@torch.library.register_fake("kvcanary::refold")
-def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
-    check_index_dtype(slots, "slots")
-    _check_canary_fake_inputs(sources, slots, {}, (records,))
-
-
-@torch.library.register_fake("kvcanary::verify")
-def _verify_fake(
-    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
-):
-    _check_canary_fake_inputs(
-        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
-    )
-    return slots.new_empty(slots.shape, dtype=torch.bool)
-
-
-def _check_offsets_dtype(offsets: torch.Tensor) -> None:
-    if offsets.dtype != torch.int64:
-        raise TypeError(f"kv-canary: offsets must be an int64 tensor, got {_c10_dtype_name(offsets.dtype)}")
-
-
-@torch.library.register_fake("kvcanary::context_slots")
-def _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot=-1, check_bounds=True):
-    # The checks of make_context_slots_plan (csrc/plan/context_slots_plan.cpp) that need no
-    # data nor guards on symbolic sizes, with its messages.
-    check_index_dtype(block_table, "block_table")
-    check_index_dtype(starts, "starts")
-    _check_offsets_dtype(offsets)
-    if block_table.dim() != 2:
-        raise ValueError(f"kv-canary: block_table must be [num_table_rows, max_blocks], got shape {list(block_table.shape)}")
-    if offsets.dim() != 1:
-        raise ValueError(f"kv-canary: offsets must be 1-D with num_rows + 1 entries, got shape {list(offsets.shape)}")
-    for name, value in (("offsets", offsets), ("starts", starts)):
-        if value.device != block_table.device:
-            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
-    return tuple(block_table.new_empty((num_entries,), dtype=torch.int64) for _ in range(4))
-
-
-@torch.library.register_fake("kvcanary::verify_context")
-def _verify_context_fake(
-    sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
-    records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,
-):  # fmt: skip
-    # context_slots' cheap checks and the canary's, then those of make_context_checks_plan
-    # (csrc/plan/context_slots_plan.cpp) that need no data.
-    _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
-    _check_canary_fake_inputs(sources, block_table, {}, (records, owner_tags, counters, ring))
-    if every < 1:
-        raise ValueError(f"kv-canary: every must be >= 1, got {every}")
-    if not 0 <= turn < every:
-        raise ValueError(f"kv-canary: turn must be in [0, every) = [0, {every}), got {turn}")
-    if written is not None and written.dtype != torch.int64:
-        raise TypeError(f"kv-canary: written must be an int64 tensor, got {_c10_dtype_name(written.dtype)}")
-    for name, value in (("history", history), ("history_rows", history_rows)):
-        if value is not None:
-            check_index_dtype(value, name)
-    for name, value in (("written", written), ("history", history), ("history_known", history_known), ("history_rows", history_rows)):
-        if value is not None and value.device != block_table.device:
-            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
-    entries = block_table.new_empty((num_entries,), dtype=torch.int64)
-    return entries, torch.empty_like(entries), torch.empty_like(entries, dtype=torch.bool), block_table.new_empty((1,), dtype=torch.int64)
-
-
-class ContextSlots(NamedTuple):
-    """`context_slots`' entries, int64 ``[num_entries]`` each."""
-
-    slots: torch.Tensor
-    positions: torch.Tensor
-    prev_slots: torch.Tensor
-    rows: torch.Tensor
-
-
-def context_slots(
-    block_table: torch.Tensor,
-    offsets: torch.Tensor,
-    starts: torch.Tensor,
-    *,
-    block_size: int,
-    num_entries: int,
-    cut_slot: int = -1,
-    check_bounds: bool = True,
-) -> ContextSlots:
-    """The slots of one range of positions per row of a paged block table, planned on the
-    table's device from a few values per row: what a serving step verifies and records.
-
-    Args:
-        block_table: int32 or int64 ``[num_table_rows, max_blocks]``, any strides; row ``r``
-            of the ranges reads its row ``r``.
-        offsets: int64 ``[R + 1]``: row ``r``'s entries are ``offsets[r]`` to
-            ``offsets[r + 1]``; 0 first, nondecreasing, ``num_entries`` last.
-        starts: int32 or int64 ``[R]``: the position of each row's first entry.
-        block_size: tokens per block.
-        num_entries: ``offsets[R]``, known to the caller (the outputs' size).
-        cut_slot: when >= 0, the previous slot of each row's first entry at a position
-            > 0 (a window whose earlier blocks may be freed: the canary's padding slot).
-        check_bounds: raise for offsets out of order (ValueError), a negative start or a
-            position past the table (IndexError). With False such entries get slot and
-            previous slot -1; nothing is read out of bounds. On CUDA the check costs a
-            host sync, so it is skipped under torch.compile and CUDA-graph capture.
-
-    Returns:
-        `ContextSlots`: per entry at position ``p`` of row ``r``, the slot
-        ``block_table[r, p // block_size] * block_size + p % block_size``, ``p``, the slot
-        of ``p - 1`` (-1 at position 0, ``cut_slot`` as above) and ``r``.
-    """
-    for name, value in (("block_table", block_table), ("starts", starts)):
-        check_index_dtype(value, name)
-    _check_offsets_dtype(offsets)
-    check_bounds = check_bounds and may_check_bounds(block_table)
-    try:
-        found = torch.ops.kvcanary.context_slots(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
-    except (ValueError, RuntimeError) as error:
-        raise refusal(error, {"block_table": block_table, "starts": starts}) from None
-    return ContextSlots(*found)
-
-
-@torch.library.register_fake("kvcanary::step_plan")
-def _step_plan_fake(computed, scheduled, firsts, block_size, blocks_packed):
-    # The plan's length depends on the rows' values (its index sets' entries).
-    for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
-        if value.dtype != torch.int64:
-            raise TypeError(f"kv-canary: {name} must be an int64 tensor, got {_c10_dtype_name(value.dtype)}")
-    for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
-        if value.device.type != "cpu":
-            raise ValueError(f"kv-canary: {name} is on {value.device}; the step's plan is host work: pass CPU tensors (torch.from_numpy)")
-    if firsts.dim() != 2:
-        raise ValueError(f"kv-canary: firsts must be [num_groups, num_rows] (one row per KV cache group), got shape {list(firsts.shape)}")
-    plan = computed.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
-    num_sets = STEP_SETS + firsts.shape[0]
-    return plan, computed.new_empty((2, num_sets), dtype=torch.int64), computed.new_empty((), dtype=torch.bool)
-
-
-STEP_SETS = 4
-"""The sets of `step_plan` before the KV cache groups' contexts (written, tail, blocks
-written, record order)."""
-
-
-class StepPlan(NamedTuple):
-    """`step_plan`'s answer: ``plan`` (int64, on the CPU) and, per set, its ``bases`` in it
-    and its ``counts`` of entries; whether the record order is the batch's."""
-
-    plan: torch.Tensor
-    bases: list[int]
-    counts: list[int]
-    in_batch_order: bool
-
-
-def step_plan(computed: torch.Tensor, scheduled: torch.Tensor, firsts: torch.Tensor, *, block_size: int, blocks_packed: bool) -> StepPlan:
-    """The host's plan of a paged serving step in one call: per request, the ranges of
-    positions it writes, reads and refolds, packed as `context_slots` and `verify_context`
-    take them (the contract is the schema's, csrc/ops.cpp).
-
-    Args:
-        computed: int64 ``[R]`` (CPU): each request's tokens in the KV cache before the step.
-        scheduled: int64 ``[R]`` (CPU): the tokens the step runs for it.
-        firsts: int64 ``[G, R]`` (CPU): the first position each KV cache group attends to
-            (0 for full attention; a sliding window's first position), ``<= computed``.
-        block_size: tokens per block.
-        blocks_packed: the backend packs a block's tokens together, so a write to one
-            slot changes its block's others (the tail and blocks-written sets are filled).
-    """
-    for name, value in (("computed", computed), ("scheduled", scheduled), ("firsts", firsts)):
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
-            got = _c10_dtype_name(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"kv-canary: {name} must be an int64 tensor (torch.from_numpy of an int64 array), got {got}")
-    try:
-        plan, sets, in_batch_order = torch.ops.kvcanary.step_plan(computed, scheduled, firsts, block_size, blocks_packed)
-    except (ValueError, RuntimeError) as error:
-        raise refusal(error, {}) from None
-    bases, counts = sets.tolist()
-    return StepPlan(plan, bases, counts, bool(in_batch_order))
-
-
 def may_check_bounds(slots: torch.Tensor) -> bool:
     """Whether an op over ``slots`` may check their range. Off a CPU the check synchronises
     with the host, so it is never made while torch.compile traces (the CUDA kernels
@@ -334,8 +72,23 @@ def integer_view(view: torch.Tensor) -> torch.Tensor:
     return view if view.dtype == dtype else view.view(dtype)
 
 
+@torch.library.register_fake("kvcanary::fold")
+def _fold_fake(sources, slots, read_bytes, check_bounds=True):
+    # The checks of make_fold_plan (csrc/plan/fold_plan.cpp) that need no data nor guards on
+    # symbolic sizes, with its messages; mixed devices reach this kernel when one is meta.
+    check_index_dtype(slots, "slots")
+    if len(sources) != len(read_bytes):
+        raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
+    for index, view in enumerate(sources):
+        if view.device != slots.device:
+            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+        if view.dim() < 2:
+            raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
+    return slots.new_empty(slots.shape, dtype=torch.int64)
+
+
 def fold(
-    sources: Source | Iterable[Source],
+    sources: KvSource | Iterable[KvSource],
     slots: torch.Tensor,
     *,
     mode: HashMode = HashMode.ALL,
@@ -370,3 +123,12 @@ def fold(
         return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)
     except (ValueError, RuntimeError) as error:
         raise refusal(error, {"slots": slots}) from None
+
+
+def __getattr__(name: str):
+    # The vLLM plugin's names from paged_step.py, until it imports them from there.
+    if name in ("STEP_SETS", "step_plan"):
+        from . import paged_step
+
+        return getattr(paged_step, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

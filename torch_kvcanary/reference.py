@@ -10,8 +10,6 @@ import torch
 
 from .sources import HashMode, KvSource, active_sources, as_mode, folded_bytes, token_bytes
 
-_MASK64 = (1 << 64) - 1
-
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value

@@ -228,10 +228,6 @@ def active_sources(sources: KvSource | Iterable[KvSource], mode: HashMode) -> li
     return [s for s in sources if s.read_bytes > 0] if mode is not HashMode.OFF else []
 
 
-# Earlier private names, imported by other modules until they move to the names above.
-_as_mode = as_mode
-
-
 def token_bytes(view: torch.Tensor) -> int:
     """Bytes per token of a view ``[num_pages, page_size, *token_shape]``."""
     return math.prod(view.shape[2:]) * view.element_size()

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/fold_math.h"
+#include "core/indices.h"
 
 namespace kvcanary {
 
@@ -92,25 +93,22 @@ struct EntryInputs {
   int64_t num_entries;
 };
 
-KVC_HOST_DEVICE int64_t load_index(const void* data, bool is_int32, int64_t i, int64_t missing) {
-  if (data == nullptr) {
-    return missing;
-  }
-  return is_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(data)[i])
-                  : static_cast<const int64_t*>(data)[i];
+// Entry i of a per-entry input; -1 where the input is not given.
+KVC_HOST_DEVICE int64_t entry_input(const void* data, bool is_int32, int64_t i) {
+  return data == nullptr ? -1 : load_index(data, is_int32, i);
 }
 
 KVC_HOST_DEVICE int64_t entry_slot(const EntryInputs& in, int64_t i) {
-  return load_index(in.slots, in.slots_int32, i, -1);
+  return entry_input(in.slots, in.slots_int32, i);
 }
 KVC_HOST_DEVICE int64_t entry_position(const EntryInputs& in, int64_t i) {
-  return load_index(in.positions, in.positions_int32, i, -1);
+  return entry_input(in.positions, in.positions_int32, i);
 }
 KVC_HOST_DEVICE int64_t entry_token(const EntryInputs& in, int64_t i) {
-  return load_index(in.tokens, in.tokens_int32, i, -1);
+  return entry_input(in.tokens, in.tokens_int32, i);
 }
 KVC_HOST_DEVICE int64_t entry_prev_slot(const EntryInputs& in, int64_t i) {
-  return load_index(in.prev_slots, in.prev_slots_int32, i, -1);
+  return entry_input(in.prev_slots, in.prev_slots_int32, i);
 }
 KVC_HOST_DEVICE int64_t entry_tag(const EntryInputs& in, int64_t i) {
   return in.tags[in.tags_broadcast ? 0 : i];

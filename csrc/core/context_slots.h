@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/fold_math.h"
+#include "core/indices.h"
 
 namespace kvcanary {
 
@@ -35,27 +36,15 @@ KVC_HOST_DEVICE int64_t table_slot(const ContextRanges& c, int64_t r, int64_t p)
   if (p < 0 || p / c.block_size >= c.max_blocks) {
     return -1;
   }
-  const int64_t at = r * c.row_stride + p / c.block_size * c.block_stride;
-  const int64_t block = c.table_int32
-                            ? static_cast<int64_t>(static_cast<const int32_t*>(c.block_table)[at])
-                            : static_cast<const int64_t*>(c.block_table)[at];
+  const int64_t block = load_index(c.block_table, c.table_int32,
+                                   r * c.row_stride + p / c.block_size * c.block_stride);
   return block < 0 ? -1 : block * c.block_size + p % c.block_size;
 }
 
 // The row of entry i: the last r with offsets[r] <= i (a binary search over
 // nondecreasing offsets), or -1 when there is none.
 KVC_HOST_DEVICE int64_t row_of(const ContextRanges& c, int64_t i) {
-  int64_t lo = 0;
-  int64_t hi = c.num_rows;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (c.offsets[mid] <= i) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo - 1;
+  return lower_bound_of(c.offsets, c.num_rows, i + 1) - 1;
 }
 
 // Writes entry i of row r (-1: none). An entry outside its row's range (which
@@ -109,17 +98,8 @@ struct ContextChecks {
 
 // Whether `slot` is among the step's written slots (a binary search).
 KVC_HOST_DEVICE bool is_written(const ContextChecks& k, int64_t slot) {
-  int64_t lo = 0;
-  int64_t hi = k.num_written;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (k.written[mid] < slot) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo < k.num_written && k.written[lo] == slot;
+  const int64_t at = lower_bound_of(k.written, k.num_written, slot);
+  return at < k.num_written && k.written[at] == slot;
 }
 
 // Whether position p of row r (inside its range) is checked this step: every
@@ -137,12 +117,8 @@ KVC_HOST_DEVICE bool in_turn(const ContextRanges& c, const ContextChecks& k, int
 
 // The history row of range row r; -1 when outside the history.
 KVC_HOST_DEVICE int64_t history_row(const ContextChecks& k, int64_t r) {
-  int64_t h = r;
-  if (k.history_row_of != nullptr) {
-    h = k.history_row_of_int32
-            ? static_cast<int64_t>(static_cast<const int32_t*>(k.history_row_of)[r])
-            : static_cast<const int64_t*>(k.history_row_of)[r];
-  }
+  const int64_t h =
+      k.history_row_of == nullptr ? r : load_index(k.history_row_of, k.history_row_of_int32, r);
   return h >= 0 && h < k.history_rows ? h : -1;
 }
 
@@ -155,9 +131,8 @@ KVC_HOST_DEVICE int64_t history_token(const ContextChecks& k, int64_t h, int64_t
   if (k.known != nullptr && !k.known[h * k.known_row_stride + p * k.known_position_stride]) {
     return -1;
   }
-  const int64_t at = h * k.history_row_stride + p * k.history_position_stride;
-  return k.history_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(k.history)[at])
-                         : static_cast<const int64_t*>(k.history)[at];
+  return load_index(k.history, k.history_int32,
+                    h * k.history_row_stride + p * k.history_position_stride);
 }
 
 // Entry i of row r (written by write_entry) kept where it is checked, its slot

@@ -19,9 +19,9 @@
 
 #include "cpu/fold_cpu_entry.h"
 #include "cpu/kernels/context_slots_cpu.h"
+#include "libtorch/tensors.h"
 #include "plan/canary_plan.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -213,25 +213,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cpu(const ContextVerif
     check_context_checks(c, checks_plan.checks);
   }
   const Device device = in.block_table.device();
-  const int64_t n = in.num_entries;
-  Tensor slots = new_tensor({n}, ScalarType::Long, device);
-  std::optional<Tensor> positions = new_tensor({n}, ScalarType::Long, device);
-  std::optional<Tensor> prev_slots = new_tensor({n}, ScalarType::Long, device);
-  Tensor rows = new_tensor({n}, ScalarType::Long, device);
+  const ContextSlotsOutputs out = new_context_slots_outputs(c, device);
   std::optional<Tensor> tokens;
   if (in.history.has_value()) {
-    tokens = new_tensor({n}, ScalarType::Long, device);
+    tokens = new_tensor({in.num_entries}, ScalarType::Long, device);
   }
-  c.slots = slots.mutable_data_ptr<int64_t>();
-  c.positions = positions->mutable_data_ptr<int64_t>();
-  c.prev_slots = prev_slots->mutable_data_ptr<int64_t>();
-  c.rows = rows.mutable_data_ptr<int64_t>();
   Tensor waiting = new_tensor({1}, ScalarType::Long, device);
   *waiting.mutable_data_ptr<int64_t>() = plan_context_entries(
       c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr);
-  Tensor flagged =
-      verify_chosen(in, tables, padding_slot, check_bounds, slots, *positions, *prev_slots, tokens);
-  return {slots, rows, flagged, waiting};
+  Tensor flagged = verify_chosen(in, tables, padding_slot, check_bounds, out.slots, out.positions,
+                                 out.prev_slots, tokens);
+  return {out.slots, out.rows, flagged, waiting};
 }
 
 }  // namespace

@@ -7,9 +7,9 @@
 
 #include <tuple>
 
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -23,15 +23,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> context_slots_cpu(
   if (check_bounds) {
     check_context_ranges(c, c.offsets, c.starts);
   }
-  const Device device = block_table.device();
-  Tensor slots = new_tensor({num_entries}, ScalarType::Long, device);
-  Tensor positions = new_tensor({num_entries}, ScalarType::Long, device);
-  Tensor prev_slots = new_tensor({num_entries}, ScalarType::Long, device);
-  Tensor rows = new_tensor({num_entries}, ScalarType::Long, device);
-  c.slots = slots.mutable_data_ptr<int64_t>();
-  c.positions = positions.mutable_data_ptr<int64_t>();
-  c.prev_slots = prev_slots.mutable_data_ptr<int64_t>();
-  c.rows = rows.mutable_data_ptr<int64_t>();
+  ContextSlotsOutputs out = new_context_slots_outputs(c, block_table.device());
   if (num_entries <= kContextSlotsGrain) {
     context_slots_range(c, 0, num_entries);
   } else {
@@ -39,7 +31,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> context_slots_cpu(
         0, num_entries, kContextSlotsGrain,
         [&](int64_t begin, int64_t end) { context_slots_range(c, begin, end); });
   }
-  return {slots, positions, prev_slots, rows};
+  return {out.slots, out.positions, out.prev_slots, out.rows};
 }
 
 }  // namespace

@@ -10,8 +10,8 @@
 
 #include "cpu/cpu_path.h"
 #include "cpu/parallel_tasks.h"
+#include "libtorch/tensors.h"
 #include "plan/digest_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

@@ -5,8 +5,8 @@
 #include "cpu/cpu_path.h"
 #include "cpu/fold_cpu_entry.h"
 #include "cpu/parallel_tasks.h"
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "cpu/kernels/fold_cpu.h"
+#include "libtorch/tensors.h"
 #include "plan/fold_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 

@@ -8,8 +8,8 @@
 
 #include <tuple>
 
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

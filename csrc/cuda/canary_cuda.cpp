@@ -18,9 +18,9 @@
 #include "cuda/checks.h"
 #include "cuda/context_slots_cuda.h"
 #include "cuda/stream.h"
+#include "libtorch/tensors.h"
 #include "plan/canary_plan.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -170,28 +170,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cuda(const ContextVeri
   if (check_bounds) {
     check_context_ranges_on_host(c, in.block_table.get_device_index());
   }
-  const int64_t n = in.num_entries;
-  Tensor slots = new_tensor({n}, ScalarType::Long, device);
-  std::optional<Tensor> positions = new_tensor({n}, ScalarType::Long, device);
-  std::optional<Tensor> prev_slots = new_tensor({n}, ScalarType::Long, device);
-  Tensor rows = new_tensor({n}, ScalarType::Long, device);
+  const ContextSlotsOutputs out = new_context_slots_outputs(c, device);
   std::optional<Tensor> tokens;
   if (in.history.has_value()) {
-    tokens = new_tensor({n}, ScalarType::Long, device);
+    tokens = new_tensor({in.num_entries}, ScalarType::Long, device);
   }
-  c.slots = slots.mutable_data_ptr<int64_t>();
-  c.positions = positions->mutable_data_ptr<int64_t>();
-  c.prev_slots = prev_slots->mutable_data_ptr<int64_t>();
-  c.rows = rows.mutable_data_ptr<int64_t>();
   Tensor waiting = new_tensor({1}, ScalarType::Long, device);
   check_cuda(launch_context_checks(
       c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr,
       waiting.mutable_data_ptr<int64_t>(), stream));
   const std::optional<Tensor> no_tags;
-  Tensor flagged =
-      verify_cuda({in.sources, in.read_bytes, slots, positions, tokens, prev_slots, no_tags},
-                  tables, padding_slot, check_bounds);
-  return {slots, rows, flagged, waiting};
+  Tensor flagged = verify_cuda(
+      {in.sources, in.read_bytes, out.slots, out.positions, tokens, out.prev_slots, no_tags},
+      tables, padding_slot, check_bounds);
+  return {out.slots, out.rows, flagged, waiting};
 }
 
 }  // namespace

@@ -163,21 +163,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-unsigned int blocks_for(int64_t entries) {
-  const int64_t blocks = (entries + kThreadsPerBlock - 1) / kThreadsPerBlock;
-  return static_cast<unsigned int>(blocks > 0 ? blocks : 1);
-}
-
 }  // namespace
 
 // One block even for an empty batch: the call is still counted.
 cudaError_t launch_record(const RecordLaunchArgs& args, cudaStream_t stream) {
-  record_kernel<<<blocks_for(args.inputs.num_entries), kThreadsPerBlock, 0, stream>>>(args);
+  record_kernel<<<grid_blocks(args.inputs.num_entries, kThreadsPerBlock), kThreadsPerBlock, 0,
+                  stream>>>(args);
   return cudaGetLastError();
 }
 
 cudaError_t launch_verify(const VerifyLaunchArgs& args, cudaStream_t stream) {
-  verify_kernel<<<blocks_for(args.inputs.num_entries), kThreadsPerBlock, 0, stream>>>(args);
+  verify_kernel<<<grid_blocks(args.inputs.num_entries, kThreadsPerBlock), kThreadsPerBlock, 0,
+                  stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -186,8 +183,8 @@ cudaError_t launch_refold(const EntryInputs& entries, const int64_t* folds, int6
   if (entries.num_entries == 0) {
     return cudaSuccess;
   }
-  refold_kernel<<<blocks_for(entries.num_entries), kThreadsPerBlock, 0, stream>>>(
-      entries, folds, records, capacity);
+  refold_kernel<<<grid_blocks(entries.num_entries, kThreadsPerBlock), kThreadsPerBlock, 0,
+                  stream>>>(entries, folds, records, capacity);
   return cudaGetLastError();
 }
 

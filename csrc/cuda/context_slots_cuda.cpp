@@ -9,9 +9,9 @@
 
 #include "cuda/checks.h"
 #include "cuda/stream.h"
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
 #include "plan/context_slots_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {
@@ -30,17 +30,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> context_slots_cuda(
   if (check_bounds) {
     check_context_ranges_on_host(c, block_table.get_device_index());
   }
-  const Device device = block_table.device();
-  Tensor slots = new_tensor({num_entries}, ScalarType::Long, device);
-  Tensor positions = new_tensor({num_entries}, ScalarType::Long, device);
-  Tensor prev_slots = new_tensor({num_entries}, ScalarType::Long, device);
-  Tensor rows = new_tensor({num_entries}, ScalarType::Long, device);
-  c.slots = slots.mutable_data_ptr<int64_t>();
-  c.positions = positions.mutable_data_ptr<int64_t>();
-  c.prev_slots = prev_slots.mutable_data_ptr<int64_t>();
-  c.rows = rows.mutable_data_ptr<int64_t>();
+  ContextSlotsOutputs out = new_context_slots_outputs(c, block_table.device());
   check_cuda(launch_context_slots(c, stream));
-  return {slots, positions, prev_slots, rows};
+  return {out.slots, out.positions, out.prev_slots, out.rows};
 }
 
 }  // namespace

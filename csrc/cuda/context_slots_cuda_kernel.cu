@@ -2,9 +2,8 @@
 // one thread per entry in a grid-stride loop, its row found by a binary search
 // in the offsets (a step has at most a few thousand rows, so the search stays
 // in cache).
-#include <algorithm>
-
 #include "cuda/context_slots_cuda.h"
+#include "cuda/launch_shape.h"
 
 namespace kvcanary {
 namespace {
@@ -34,10 +33,6 @@ __global__ void __launch_bounds__(kContextThreads)
   }
 }
 
-int64_t grid_of(int64_t num_entries) {
-  return std::min(kMaxContextBlocks, (num_entries + kContextThreads - 1) / kContextThreads);
-}
-
 }  // namespace
 
 cudaError_t launch_context_checks(const ContextRanges& ranges, const ContextChecks& checks,
@@ -46,9 +41,9 @@ cudaError_t launch_context_checks(const ContextRanges& ranges, const ContextChec
   if (error != cudaSuccess || ranges.num_entries == 0) {
     return error;
   }
-  context_checks_kernel<<<static_cast<unsigned int>(grid_of(ranges.num_entries)), kContextThreads,
-                          0, stream>>>(ranges, checks, tokens,
-                                       reinterpret_cast<unsigned long long*>(waiting));
+  context_checks_kernel<<<grid_blocks(ranges.num_entries, kContextThreads, kMaxContextBlocks),
+                          kContextThreads, 0, stream>>>(
+      ranges, checks, tokens, reinterpret_cast<unsigned long long*>(waiting));
   return cudaGetLastError();
 }
 
@@ -56,8 +51,8 @@ cudaError_t launch_context_slots(const ContextRanges& ranges, cudaStream_t strea
   if (ranges.num_entries == 0) {
     return cudaSuccess;
   }
-  context_slots_kernel<<<static_cast<unsigned int>(grid_of(ranges.num_entries)), kContextThreads, 0,
-                         stream>>>(ranges);
+  context_slots_kernel<<<grid_blocks(ranges.num_entries, kContextThreads, kMaxContextBlocks),
+                         kContextThreads, 0, stream>>>(ranges);
   return cudaGetLastError();
 }
 

@@ -9,8 +9,8 @@
 
 #include "cuda/checks.h"
 #include "cuda/stream.h"
+#include "libtorch/tensors.h"
 #include "plan/digest_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 namespace {

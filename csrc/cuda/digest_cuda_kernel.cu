@@ -10,6 +10,7 @@
 // adds its sums with one atomicAdd when all its lanes hold the same group
 // (unsigned 64-bit atomicAdd wraps, as the digest's sum does), or lane by lane.
 #include "cuda/digest_cuda.h"
+#include "cuda/launch_shape.h"
 
 namespace kvcanary {
 namespace {
@@ -17,7 +18,6 @@ namespace {
 constexpr int kDigestThreads = 256;
 constexpr int64_t kMaxDigestBlocks = 8192;
 constexpr int kChunksInFlight = 8;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ uint64_t fold_unit(const DigestView& view, const unsigned char* unit) {
   uint64_t h = 0;
@@ -107,9 +107,8 @@ cudaError_t launch_digest(const DigestLaunchArgs& args, cudaStream_t stream) {
   if (num_terms == 0) {
     return cudaSuccess;
   }
-  int64_t blocks = (num_terms + kDigestThreads - 1) / kDigestThreads;
-  blocks = blocks < kMaxDigestBlocks ? blocks : kMaxDigestBlocks;
-  digest_kernel<<<static_cast<unsigned int>(blocks), kDigestThreads, 0, stream>>>(args);
+  digest_kernel<<<grid_blocks(num_terms, kDigestThreads, kMaxDigestBlocks), kDigestThreads, 0,
+                  stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -7,12 +7,13 @@
 
 #include "core/fold_math.h"
 #include "cuda/launch_limits.h"
+#include "cuda/launch_shape.h"
 
 namespace kvcanary {
 
-// One thread per slot, in a 1-D grid of at most 2^31 - 1 blocks.
+// One thread per slot, in a 1-D grid.
 constexpr int kThreadsPerBlock = 128;
-constexpr int64_t kMaxSlotsPerCall = ((int64_t{1} << 31) - 1) * kThreadsPerBlock;
+constexpr int64_t kMaxSlotsPerCall = kMaxGridBlocks * kThreadsPerBlock;
 
 struct FoldLaunchArgs {
   SourceLayout sources[kSourcesPerLaunch];

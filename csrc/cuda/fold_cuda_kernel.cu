@@ -33,11 +33,11 @@ cudaError_t launch_fold(const FoldLaunchArgs& args, cudaStream_t stream) {
   if (args.num_slots == 0) {
     return cudaSuccess;
   }
-  const int64_t blocks = (args.num_slots + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  const unsigned int blocks = grid_blocks(args.num_slots, kThreadsPerBlock);
   if (args.slots_are_int32) {
-    fold_kernel<int32_t><<<static_cast<unsigned int>(blocks), kThreadsPerBlock, 0, stream>>>(args);
+    fold_kernel<int32_t><<<blocks, kThreadsPerBlock, 0, stream>>>(args);
   } else {
-    fold_kernel<int64_t><<<static_cast<unsigned int>(blocks), kThreadsPerBlock, 0, stream>>>(args);
+    fold_kernel<int64_t><<<blocks, kThreadsPerBlock, 0, stream>>>(args);
   }
   return cudaGetLastError();
 }

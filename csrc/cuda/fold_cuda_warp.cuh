@@ -12,17 +12,16 @@
 #pragma once
 
 #include "cuda/fold_cuda.h"
+#include "cuda/launch_shape.h"
 
 namespace kvcanary {
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
 constexpr int kTileChunks = 8;
 // Row pitch of the staging tile, in chunks: one spare chunk per row puts the
 // eight lanes of each shared-memory phase on distinct banks.
 constexpr int kRowPitch = kTileChunks + 1;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 using Tile = ulonglong2[kTileChunks];  // one lane's share of a tile's loads
 

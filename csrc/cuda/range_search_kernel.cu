@@ -1,8 +1,7 @@
 // CUDA kernels of the range checks (cuda/checks.cpp): each thread takes a
 // strided share of the entries and lowers *first to the first position it
 // refuses, so *first ends as the first refused position of all.
-#include <algorithm>
-
+#include "cuda/launch_shape.h"
 #include "cuda/range_search.h"
 
 namespace kvcanary {
@@ -31,9 +30,8 @@ cudaError_t launch_search(int64_t n, Refused refused, unsigned long long* first,
   if (reset != cudaSuccess || n == 0) {
     return reset;
   }
-  const int64_t blocks = std::min(kMaxSearchBlocks, (n + kSearchThreads - 1) / kSearchThreads);
-  first_refused_kernel<<<static_cast<unsigned int>(blocks), kSearchThreads, 0, stream>>>(n, refused,
-                                                                                         first);
+  first_refused_kernel<<<grid_blocks(n, kSearchThreads, kMaxSearchBlocks), kSearchThreads, 0,
+                         stream>>>(n, refused, first);
   return cudaGetLastError();
 }
 

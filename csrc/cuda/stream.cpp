@@ -3,7 +3,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "plan/shim_lookup.h"
+#include "libtorch/shim_lookup.h"
 
 namespace kvcanary {
 namespace {

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "core/canary_records.h"
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
 #include "plan/fold_plan.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 

@@ -19,7 +19,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "plan/tensors.h"
+#include "libtorch/tensors.h"
 
 namespace kvcanary {
 

@@ -53,6 +53,18 @@ ContextSlotsPlan make_context_slots_plan(const Tensor& block_table, const Tensor
   return plan;
 }
 
+ContextSlotsOutputs new_context_slots_outputs(ContextRanges& c, const Device& device) {
+  const int64_t n = c.num_entries;
+  ContextSlotsOutputs out{
+      new_tensor({n}, ScalarType::Long, device), new_tensor({n}, ScalarType::Long, device),
+      new_tensor({n}, ScalarType::Long, device), new_tensor({n}, ScalarType::Long, device)};
+  c.slots = out.slots.mutable_data_ptr<int64_t>();
+  c.positions = out.positions.mutable_data_ptr<int64_t>();
+  c.prev_slots = out.prev_slots.mutable_data_ptr<int64_t>();
+  c.rows = out.rows.mutable_data_ptr<int64_t>();
+  return out;
+}
+
 ContextChecksPlan make_context_checks_plan(const Tensor& block_table, int64_t num_rows,
                                            const std::optional<Tensor>& written,
                                            const std::optional<Tensor>& history,

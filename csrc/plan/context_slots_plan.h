@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "core/context_slots.h"
-#include "plan/tensors.h"
+#include "libtorch/tensors.h"
 
 namespace kvcanary {
 
@@ -24,6 +24,17 @@ struct ContextSlotsPlan {
 ContextSlotsPlan make_context_slots_plan(const Tensor& block_table, const Tensor& offsets,
                                          const Tensor& starts, int64_t block_size,
                                          int64_t num_entries, int64_t cut_slot);
+
+// context_slots' outputs, int64 [num_entries] each, uninitialised.
+struct ContextSlotsOutputs {
+  Tensor slots;
+  Tensor positions;
+  Tensor prev_slots;
+  Tensor rows;
+};
+
+// Allocates context_slots' outputs on `device` and points `ranges` at them.
+ContextSlotsOutputs new_context_slots_outputs(ContextRanges& ranges, const Device& device);
 
 // check_bounds: the checks that read offsets and starts (host pointers to
 // num_rows + 1 and num_rows values), with the plan's other sizes.

@@ -44,35 +44,15 @@ DigestView layout_view(const Tensor& view, int64_t index, int64_t unit_offset) {
                        kUnitAlign);
 
   DigestView out{};
+  out.unit = paged_layout(view, 3, {"digest view", index, "unit"});
   SourceLayout& unit = out.unit;
-  unit.data = static_cast<const unsigned char*>(view.const_data_ptr());
-  unit.page_size = sizes[1];
-  unit.page_stride = strides[0] * itemsize;
-  unit.slot_stride = strides[1] * itemsize;
   unit.read_bytes = unit_bytes;
   out.num_units = sizes[2];
   out.unit_stride = strides[2] * itemsize;
   out.first_unit_id = static_cast<uint64_t>(unit_offset);
-
-  auto dims = coalesced_dims(view, 3);
-  if (dims.empty()) {  // a unit of one element
-    dims.emplace_back(1, itemsize);
-  }
-  KVCANARY_CHECK_VALUE(dims.back().second == itemsize, "digest view ", index,
-                       " must have a contiguous innermost dim (stride 1), got shape ",
-                       shape_of(view), " and strides ", strides_of(view),
-                       "; make the fastest-moving dim of each unit the last one");
-  unit.run_bytes = dims.back().first * itemsize;
-  dims.pop_back();
-  KVCANARY_CHECK_VALUE(static_cast<int>(dims.size()) <= kMaxOuterDims, "digest view ", index,
-                       " has ", dims.size(), " non-contiguous unit dims (strides ",
-                       strides_of(view), "); at most ", kMaxOuterDims, " are supported");
-  unit.num_outer = static_cast<int32_t>(dims.size());
   int64_t outer_gcd = 0;
-  for (size_t d = 0; d < dims.size(); ++d) {
-    unit.outer_size[d] = dims[d].first;
-    unit.outer_stride[d] = dims[d].second;
-    outer_gcd = std::gcd(outer_gcd, dims[d].second);
+  for (int d = 0; d < unit.num_outer; ++d) {
+    outer_gcd = std::gcd(outer_gcd, unit.outer_stride[d]);
   }
 
   // What every load's address is a multiple of: the pointer, the strides of

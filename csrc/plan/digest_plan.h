@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "core/digest_math.h"
+#include "libtorch/tensors.h"
 #include "plan/checks.h"
-#include "plan/tensors.h"
 
 namespace kvcanary {
 

@@ -2,11 +2,10 @@
 // SourceLayouts, or raises a `kv-canary:` error that says what to change.
 #pragma once
 
-#include <utility>
 #include <vector>
 
 #include "core/fold_math.h"
-#include "plan/tensors.h"
+#include "libtorch/tensors.h"
 
 namespace kvcanary {
 
@@ -17,10 +16,20 @@ struct FoldPlan {
   int64_t capacity = -1;
 };
 
-// Dims [first_dim, view.dim()) of `view` as (size, byte stride) pairs with
-// size-1 dims dropped and contiguous neighbours merged, innermost last: a
-// token's dims for the fold (first_dim 2), a unit's for the digest (3).
-std::vector<std::pair<int64_t, int64_t>> coalesced_dims(const Tensor& view, int64_t first_dim);
+// How the plans' messages name a view ("source 0", "digest view 1") and what
+// a slot of it holds ("token", "unit").
+struct ViewName {
+  const char* kind;
+  int64_t index;
+  const char* item;
+};
+
+// The paged layout of `view` ([num_pages, page_size, ...]) whose slots hold
+// items of its dims [first_item_dim, view.dim()): its data pointer, page and
+// slot strides, and an item's dims as its contiguous run (run_bytes) and the
+// outer dims around it; read_bytes is left to the caller. Checks that the
+// innermost dim is contiguous and that at most kMaxOuterDims others remain.
+SourceLayout paged_layout(const Tensor& view, int64_t first_item_dim, const ViewName& name);
 
 // Checks the op's arguments (see the schema in ops.cpp) and lays out each
 // source. Never copies a source.

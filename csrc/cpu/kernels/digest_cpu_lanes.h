@@ -107,13 +107,12 @@ struct LaneDigest {
     return token;
   }
 
-  // Plans the prefetch of the tokens of `group` in `view`.
-  static void plan_prefetch(TokenPrefetcher& prefetch, const DigestView& view, const Group& group) {
-    CpuFoldWork all_read{};
-    all_read.capacity = INT64_MAX;  // the group's entries are all read
+  // Plans the prefetch of the tokens of `group` in `view` (of range r).
+  static void plan_prefetch(TokenPrefetcher& prefetch, const CpuDigestRange& r,
+                            const DigestView& view, const Group& group) {
     const SourceLayout token = prefetch_layout(view);
     if (token.read_bytes > 0 && group.count > 0) {
-      prefetch.start(all_read, TokensToRead<int64_t>{&token, group.slots, group.count});
+      prefetch.start(TokensToRead<int64_t>{&token, group.slots, group.count, r.capacity});
     }
   }
 
@@ -170,7 +169,10 @@ struct LaneDigest {
     int64_t next_offset() {
       const int64_t offset =
           load_unit * stride + chunk_offset(unit, Fold::kBlockBytes * load_block);
-      if (++load_block == per_unit) load_block = 0, ++load_unit;
+      if (++load_block == per_unit) {
+        load_block = 0;
+        ++load_unit;
+      }
       return offset;
     }
     void after_block(Vec* h) {
@@ -238,18 +240,18 @@ struct LaneDigest {
     }
   }
 
-  // lane_sums in as few vectors as hold the group: the last group of a range
-  // need not cost kChains chains.
+  // lane_sums in as few vectors as hold the group (in_fewest_vectors): the
+  // last group of a range need not cost kChains chains.
   static void lane_sums_of_some(const DigestView& view, const Group& group, int64_t* sums,
                                 TokenPrefetcher& prefetch) {
-    const int vectors = (group.count + V::kLanes - 1) / V::kLanes;
-    if (kVectors > 1 && vectors <= 1)
-      return LaneDigest<V, 1>::lane_sums(view, narrow<1>(group), sums, prefetch);
-    if (kVectors > 2 && vectors <= 2)
-      return LaneDigest<V, 2>::lane_sums(view, narrow<2>(group), sums, prefetch);
-    if (kVectors > 4 && vectors <= 4)
-      return LaneDigest<V, 4>::lane_sums(view, narrow<4>(group), sums, prefetch);
-    lane_sums(view, group, sums, prefetch);
+    in_fewest_vectors<kVectors>((group.count + V::kLanes - 1) / V::kLanes, [&](auto vectors) {
+      constexpr int kFewer = decltype(vectors)::value;
+      if constexpr (kFewer == kVectors) {
+        lane_sums(view, group, sums, prefetch);
+      } else {
+        LaneDigest<V, kFewer>::lane_sums(view, narrow<kFewer>(group), sums, prefetch);
+      }
+    });
   }
 
   // The first lanes of a group, as the group of a narrower digest.
@@ -272,7 +274,7 @@ struct LaneDigest {
                         const DigestView& next_view, const Group& next) {
     if (!chunks_in_runs(view)) return add_terms_by_unit(r, view, group);
     TokenPrefetcher prefetch;
-    plan_prefetch(prefetch, next_view, next);
+    plan_prefetch(prefetch, r, next_view, next);
     int64_t sums[kChains];
     if (group.count == kChains) {
       lane_sums(view, group, sums, prefetch);

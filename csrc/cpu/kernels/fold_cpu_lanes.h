@@ -32,6 +32,8 @@
 // lines of the group folded next) are issued step by step in hash_tokens.
 #pragma once
 
+#include <type_traits>
+
 #include "core/fold_math.h"
 #include "cpu/kernels/fold_cpu.h"
 #include "cpu/kernels/fold_cpu_prefetch.h"
@@ -45,6 +47,24 @@
 
 namespace kvcanary {
 namespace {
+
+// Calls run(std::integral_constant<int, n>{}) with n the fewest of 1, 2 and 4
+// vectors, below kMost, that hold `vectors`, else kMost: a few lanes should
+// not cost the hashing of kMost vectors, and up to four vectors hash in about
+// the time of one (their chains' latency bounds them, not the vector ports).
+template <int kMost, class Run>
+void in_fewest_vectors(int64_t vectors, Run&& run) {
+  if constexpr (kMost > 1) {
+    if (vectors <= 1) return run(std::integral_constant<int, 1>{});
+  }
+  if constexpr (kMost > 2) {
+    if (vectors <= 2) return run(std::integral_constant<int, 2>{});
+  }
+  if constexpr (kMost > 4) {
+    if (vectors <= 4) return run(std::integral_constant<int, 4>{});
+  }
+  run(std::integral_constant<int, kMost>{});
+}
 
 template <class V, int kVectors>
 struct LaneFold {
@@ -99,22 +119,16 @@ struct LaneFold {
   }
 
   // The end of a task, or all of a small one (fewer slots than a group), in
-  // as few vectors as hold it: a few slots should not cost the hashing of
-  // kSlots lanes, and up to four vectors hash in about the time of one (their
-  // chains' latency bounds them, not the vector ports). When the sources share
-  // a token layout, the lanes take (source, slot) pairs.
+  // as few vectors as hold it (in_fewest_vectors). When the sources share a
+  // token layout, the lanes take (source, slot) pairs.
   template <typename index_t, class Side>
   static void fold_tail(const CpuFoldWork& work, SlotSpan tail, SlotSpan next, Side& side) {
     const bool by_pairs = takes_pairs(work);
     const int64_t lanes = (tail.end - tail.begin) * (by_pairs ? work.num_sources : 1);
-    const int64_t vectors = (lanes + V::kLanes - 1) / V::kLanes;
-    if (vectors <= 1)
-      return LaneFold<V, 1>::template fold_span<index_t>(work, tail, next, by_pairs, side);
-    if (vectors <= 2)
-      return LaneFold<V, 2>::template fold_span<index_t>(work, tail, next, by_pairs, side);
-    if (vectors <= 4)
-      return LaneFold<V, 4>::template fold_span<index_t>(work, tail, next, by_pairs, side);
-    fold_span<index_t>(work, tail, next, by_pairs, side);
+    in_fewest_vectors<kVectors>((lanes + V::kLanes - 1) / V::kLanes, [&](auto vectors) {
+      LaneFold<V, decltype(vectors)::value>::template fold_span<index_t>(work, tail, next, by_pairs,
+                                                                         side);
+    });
   }
 
   template <typename index_t, class Side>
@@ -159,31 +173,36 @@ struct LaneFold {
   static void fold_group_or_zeros(const CpuFoldWork& work, const index_t* slots,
                                   const ReadOrder<index_t>& order, int64_t first, int count,
                                   int64_t* group, int64_t* folded, Side& side) {
-    int64_t stand_in = -1;
-    bool all_folded = count == kSlots;
-    for (int i = 0; i < count; ++i) {
-      group[i] = slots[first + i];
-      if (!is_folded(work, group[i])) {
-        all_folded = false;
-      } else if (stand_in < 0) {
-        stand_in = group[i];
-      }
-    }
+    const int64_t stand_in = stand_in_of(work, slots + first, count);
     if (stand_in < 0 || work.num_sources == 0) {
       for (int i = 0; i < count; ++i) work.out[first + i] = 0;
       return;
+    }
+    bool all_folded = count == kSlots;
+    for (int i = 0; i < kSlots; ++i) {
+      const bool read = i < count && is_folded(work, slots[first + i]);
+      group[i] = read ? static_cast<int64_t>(slots[first + i]) : stand_in;
+      all_folded = all_folded && read;
     }
     if (all_folded) {
       fold_group(work, group, order, first, work.out + first, side);
       return;
     }
-    for (int i = 0; i < kSlots; ++i) {
-      if (i >= count || !is_folded(work, group[i])) group[i] = stand_in;
-    }
     fold_group(work, group, order, first, folded, side);
     for (int i = 0; i < count; ++i) {
       work.out[first + i] = is_folded(work, slots[first + i]) ? folded[i] : 0;
     }
+  }
+
+  // The slot read in place of the padding, out-of-range and missing ones of
+  // `count` slots, so that every read stays inside the sources: the first
+  // folded one; -1 when none is.
+  template <typename index_t>
+  static int64_t stand_in_of(const CpuFoldWork& work, const index_t* slots, int count) {
+    for (int i = 0; i < count; ++i) {
+      if (is_folded(work, slots[i])) return slots[i];
+    }
+    return -1;
   }
 
   // out[0..kSlots) = the fold of the kSlots slots of `group` (all folded, the
@@ -203,7 +222,7 @@ struct LaneFold {
       for (int i = 0; i < kSlots; ++i) {
         tokens[i] = src.data + token_offset(src, group[i]);
       }
-      prefetcher.start(work, order.after(first, s));
+      prefetcher.start(order.after(first, s));
       Vec h[kVectors];
       hash_tokens(src, tokens, h, requests);
       KVC_UNROLL for (int v = 0; v < kVectors; ++v) acc[v] = splitmix64(acc[v] ^ h[v]);
@@ -344,10 +363,7 @@ struct LaneFold {
   static void fold_by_pairs(const CpuFoldWork& work, SlotSpan span) {
     const auto* slots = static_cast<const index_t*>(work.slots) + span.begin;
     const int count = static_cast<int>(span.end - span.begin);
-    int64_t stand_in = -1;  // read instead of padding and out-of-range slots
-    for (int i = 0; i < count && stand_in < 0; ++i) {
-      if (is_folded(work, slots[i])) stand_in = slots[i];
-    }
+    const int64_t stand_in = stand_in_of(work, slots, count);
     uint64_t acc[kLaneGroupMultiple] = {};
     const unsigned char* tokens[kSlots];
     int64_t lane_hashes[kSlots];

@@ -21,13 +21,16 @@ bool is_folded(const CpuFoldWork& work, int64_t slot) { return slot >= 0 && slot
 
 int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// The tokens of `source` at `count` slots from `slots` (those not folded are
-// skipped).
+// The tokens of `source` at `count` slots from `slots`; those outside [0,
+// capacity) are not read.
 template <typename index_t>
 struct TokensToRead {
   const SourceLayout* source;
   const index_t* slots;
   int64_t count;
+  int64_t capacity;
+
+  bool reads(int64_t i) const { return slots[i] >= 0 && slots[i] < capacity; }
 };
 
 // The order in which a thread reads tokens, so that each fold can warm the
@@ -46,13 +49,16 @@ class ReadOrder {
   TokensToRead<index_t> after(int64_t first, int source) const {
     const auto* slots = static_cast<const index_t*>(work_.slots);
     if (source + 1 < work_.num_sources) {
-      return {&work_.sources[source + 1], slots + first, group_size(first, task_.end)};
+      return {&work_.sources[source + 1], slots + first, group_size(first, task_.end),
+              work_.capacity};
     }
     const int64_t next_first = first + group_slots_;
     if (next_first < task_.end) {
-      return {&work_.sources[0], slots + next_first, group_size(next_first, task_.end)};
+      return {&work_.sources[0], slots + next_first, group_size(next_first, task_.end),
+              work_.capacity};
     }
-    return {&work_.sources[0], slots + next_.begin, group_size(next_.begin, next_.end)};
+    return {&work_.sources[0], slots + next_.begin, group_size(next_.begin, next_.end),
+            work_.capacity};
   }
 
  private:
@@ -80,7 +86,7 @@ class TokenPrefetcher {
  public:
   // Plans the requests for `next`: the first kMaxLines lines of each token.
   template <typename index_t>
-  [[gnu::always_inline]] void start(const CpuFoldWork& work, const TokensToRead<index_t>& next) {
+  [[gnu::always_inline]] void start(const TokensToRead<index_t>& next) {
     const SourceLayout& src = *next.source;
     num_lines_ = 0;
     for (int64_t byte = 0; byte < src.read_bytes && num_lines_ < kMaxLines; byte += kLineBytes) {
@@ -89,7 +95,7 @@ class TokenPrefetcher {
     const bool all_at_once = next.count * num_lines_ <= kAtOnceLines;
     num_tokens_ = 0;
     for (int64_t i = 0; i < next.count; ++i) {
-      if (!is_folded(work, next.slots[i])) continue;
+      if (!next.reads(i)) continue;
       const unsigned char* token = src.data + token_offset(src, next.slots[i]);
       if (all_at_once) {
         request(token, 0, num_lines_);

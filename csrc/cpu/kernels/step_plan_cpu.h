@@ -12,7 +12,8 @@
 namespace kvcanary {
 
 // The step's sets, in order; each KV cache group's context (a range set)
-// follows kStepSets.
+// follows kStepSets. torch_kvcanary/paged_step.py's StepSet names them for
+// Python (tests/test_op_library.py holds the two equal).
 enum StepSet : int64_t {
   kWritten = 0,        // the positions the step writes
   kTail = 1,           // rest of the last block before the step, not written

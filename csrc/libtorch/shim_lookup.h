@@ -1,8 +1,7 @@
-// Functions of libtorch's C shim looked up at run time: those newer than the
-// floor the libraries are built for (TORCH_TARGET_VERSION), used where the
-// running torch has them, and those of a libtorch library the library does
-// not link (libtorch_cuda). torch loads its libraries outside the process's
-// global symbol scope, so the lookup asks the loaded library by name.
+// Functions of libtorch's C shim looked up at run time: those of a libtorch
+// library the library does not link (libtorch_cuda, absent from a CPU-only
+// torch). torch loads its libraries outside the process's global symbol
+// scope, so the lookup asks the loaded library by name.
 #pragma once
 
 #include <dlfcn.h>
