@@ -20,9 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import REPO  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama, make_model  # noqa: E402
+from random_models import make_model  # noqa: E402
 
 # vLLM's CPU build finds Triton but no "cpu" backend in it, and turns Triton off; a "cpu"
 # entry whose driver is never active satisfies that check, and the two gates of Model Runner
@@ -123,11 +121,6 @@ except Exception as error:
 """
 
 LINE = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama-v2"))
 
 
 def _run(model, script: str, *args: str, **env) -> str:
