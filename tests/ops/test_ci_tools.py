@@ -6,6 +6,8 @@ from helpers import ISA_SKIP_REASONS
 
 from build_tools import check_vllm_skips
 
+pytestmark = pytest.mark.dev_tool
+
 CASE = '<testcase classname="tests.test_vllm_x" name="{name}"><skipped type="pytest.skip" message="{reason}">x</skipped></testcase>'
 
 

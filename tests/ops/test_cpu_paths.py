@@ -15,10 +15,10 @@ import torch_kvcanary as kc
 
 # The tests that run once per path.
 PER_PATH_TESTS = [
-    "test_cpu_paths.py",
-    "test_digest.py::test_cpu_path_matches_the_spec",
-    "test_digest.py::test_last_unit_of_a_tight_view",
-    "test_canary_records.py::test_calls_of_many_tasks_and_threads_match_the_spec",
+    "ops/test_cpu_paths.py",
+    "digest/test_digest.py::test_cpu_path_matches_the_spec",
+    "digest/test_digest.py::test_last_unit_of_a_tight_view",
+    "canary/test_canary_records.py::test_calls_of_many_tasks_and_threads_match_the_spec",
 ]
 
 

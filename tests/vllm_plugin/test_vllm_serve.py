@@ -7,7 +7,6 @@ test's own, is reported once, naming the request that read it, and the server ke
 
 import json
 import re
-import sys
 import textwrap
 import urllib.request
 
@@ -15,10 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import HOST_AMX, REPO, needs_isa  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import VOCAB_SIZE, make_llama, make_model  # noqa: E402
+from helpers import HOST_AMX, needs_isa  # noqa: E402
+from random_models import VOCAB_SIZE, make_model  # noqa: E402
 from vllm_serve import Server, mixed_prompts, soak  # noqa: E402
 
 # The soak (about 15 s of requests here): 1,000, enough for a request to read, in one step,
@@ -27,11 +24,6 @@ SOAK_REQUESTS = 1000
 # What the worker's resident memory may grow by over the soak: the allocator's and vLLM's
 # own caches settle within the first requests; a leak per request or per step would not.
 RSS_GROWTH_BYTES = 48 << 20
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_a_soak_through_vllm_serve_is_clean_and_flat(tiny_llama):

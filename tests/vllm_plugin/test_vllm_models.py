@@ -11,7 +11,6 @@ KV cache group the plugin cannot watch.
 """
 
 import random
-import sys
 import types
 
 import numpy as np
@@ -20,13 +19,10 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import REPO  # noqa: E402
+from random_models import make_model  # noqa: E402
 from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, _params, _parse, _tokens, mixed_workload, started_engine  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_model  # noqa: E402
 
 # Each kind: its KV cache groups as the plugin sees them, its layers' attention backends,
 # and the KV bytes per slot over its layers, for a budget of `BLOCKS` blocks (a hybrid

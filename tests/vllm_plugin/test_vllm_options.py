@@ -7,20 +7,16 @@ turns it off, vllm/platforms/cpu.py.)
 """
 
 import random
-import sys
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import HOST_AMX, HOST_AVX512, REPO, needs_isa  # noqa: E402
+from helpers import HOST_AMX, HOST_AVX512, needs_isa  # noqa: E402
 from test_vllm_engine import KV_BUDGET, Driver, _params, _parse, _tokens, started_engine  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama  # noqa: E402
 
 # Each option set: the engine's options over test_vllm_engine's, the KV budget's factor (a
 # float32 cache holds twice the bytes per slot), and what shows it in effect, from the
@@ -38,11 +34,6 @@ OPTIONS = {
         lambda state, config: not config.scheduler_config.enable_chunked_prefill,
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 # vLLM's CPU build refuses an fp8 KV cache on a host without AVX-512 or AMX.

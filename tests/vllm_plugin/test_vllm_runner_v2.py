@@ -20,9 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import REPO  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama, make_model  # noqa: E402
+from random_models import make_model  # noqa: E402
 
 # vLLM's CPU build finds Triton but no "cpu" backend in it, and turns Triton off; a "cpu"
 # entry whose driver is never active satisfies that check, and the two gates of Model Runner
@@ -125,11 +123,6 @@ except Exception as error:
 LINE = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama-v2"))
-
-
 def _run(model, script: str, *args: str, **env) -> str:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", **env)
@@ -188,7 +181,7 @@ print("KINDS", json.dumps(dict(
     ],
 )
 def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
-    # The model kinds of tests/test_vllm_models.py (which runs them on V1, faults included):
+    # The model kinds of tests/vllm_plugin/test_vllm_models.py (which runs them on V1, faults included):
     # on V2, a workload with prefix cache hits and chunked prefill raises no false alarm (vLLM
     # turns both off for MLA models on a host without AMX: tests/helpers.py, ISA_SKIP_REASONS).
     model = make_model(tmp_path / kind, kind)

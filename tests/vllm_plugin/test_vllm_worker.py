@@ -15,8 +15,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import REPO  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
 from random_models import make_eagle, make_llama, make_model  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
@@ -39,11 +37,6 @@ def engine(**overrides):
     )
     return vllm.LLM(**{**settings, **overrides})
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _run(script: str, model, **env) -> subprocess.CompletedProcess:

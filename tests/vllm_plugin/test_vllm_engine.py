@@ -19,13 +19,9 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import REPO  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama  # noqa: E402
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24
@@ -60,11 +56,6 @@ class Lines(logging.Handler):
     def take(self) -> list[str]:
         lines, self.records = self.lines, []
         return lines
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ from helpers import DEVICES
 
 from benchmarks import bench
 
+pytestmark = pytest.mark.dev_tool
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_digest_beside_fold(device):

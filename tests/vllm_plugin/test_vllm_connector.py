@@ -14,14 +14,12 @@ import contextlib
 import json
 import random
 import re
-import sys
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import REPO  # noqa: E402
 from test_vllm_engine import (  # noqa: E402
     BLOCK_SIZE,
     CANARY_BYTES_PER_SLOT,
@@ -33,13 +31,10 @@ from test_vllm_engine import (  # noqa: E402
     mixed_workload,
     started_engine,
 )
+from vllm_serve import Server  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import connector, plugin  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tools"))
-from random_models import make_llama  # noqa: E402
-from vllm_serve import Server  # noqa: E402
 
 # K and V of float32, twice bf16's bytes; the canary's records beside them.
 FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
@@ -59,11 +54,6 @@ def connector_engine(model, policy: str, *, failure_policy: str | None = None, e
     settings = dict(dtype="float32", async_scheduling=False, disable_log_stats=False, kv_transfer_config=transfer)
     with started_engine(model, kv_budget=FLOAT32_BUDGET, policy=policy, environ=environ, **{**settings, **options}) as started:
         yield started
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("tiny-llama-connector"))
 
 
 class Reported:
