@@ -100,7 +100,7 @@ def test_only_the_adapter_and_the_connector_import_vllm():
     }
     # The connector subclasses vLLM's public KV connector base; vLLM imports it when a
     # kv_transfer_config names it, never the plugin's entry point.
-    assert importers == {"integrations/vllm/adapter.py", "integrations/vllm/connector.py"}
+    assert importers == {"integrations/vllm/adapter/__init__.py", "integrations/vllm/connector/__init__.py"}
 
 
 @pytest.mark.parametrize("value, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])

@@ -49,8 +49,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from ...canary import RECORD_FIELDS, FailReason, Violation
-from . import adapter, plugin
+from ....canary import RECORD_FIELDS, FailReason, Violation
+from .. import adapter, plugin
 
 logger = logging.getLogger(adapter.LOGGER)
 
