@@ -176,7 +176,7 @@ def test_the_positions_a_windowed_group_still_attends_to(window, chunk, computed
 
 
 def _fake_runner(*, multimodal: bool, prompt_embeds: bool = False):
-    """The parts of a V1 model runner `adapter._step` reads, for two requests of 3 and 2 tokens."""
+    """The parts of a V1 model runner `adapter.v1._step` reads, for two requests of 3 and 2 tokens."""
     table = types.SimpleNamespace(slot_mapping=types.SimpleNamespace(gpu=torch.arange(100, 110)))
     spec = type("FullAttentionSpec", (), {})()
     return types.SimpleNamespace(
@@ -197,12 +197,12 @@ def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids
     runner = _fake_runner(multimodal=True)
     scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, kv_cache_block_copies=None)
     mrope_positions = torch.zeros(3, 7, dtype=torch.int64)  # [3, tokens]: what the model gets
-    step = adapter._step(runner, scheduled, None, mrope_positions)
+    step = adapter.v1._step(runner, scheduled, None, mrope_positions)
     assert step.positions.tolist() == [7, 8, 9, 4, 5]
     assert step.input_ids.tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
     assert [s.tolist() for s in step.slot_mappings] == [[100, 101, 102, 103, 104]]
     # Prompt embeddings have no token ids to record.
-    assert adapter._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
+    assert adapter.v1._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
 
 
 def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
@@ -262,7 +262,7 @@ def test_model_runner_v2s_forward_bracket():
 
     runner = types.SimpleNamespace()
     adapter.watch(runner, Watcher())
-    bracket = adapter._ForwardBracket(Connector(), runner)
+    bracket = adapter.v2._ForwardBracket(Connector(), runner)
     real, dummy = types.SimpleNamespace(total_num_scheduled_tokens=3), types.SimpleNamespace(total_num_scheduled_tokens=0)
     bracket.pre_forward(real, None, attn_metadata=None)
     bracket.finish_forward()

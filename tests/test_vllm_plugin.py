@@ -100,7 +100,14 @@ def test_only_the_adapter_and_the_connector_import_vllm():
     }
     # The connector subclasses vLLM's public KV connector base; vLLM imports it when a
     # kv_transfer_config names it, never the plugin's entry point.
-    assert importers == {"integrations/vllm/adapter/__init__.py", "integrations/vllm/connector/__init__.py"}
+    assert importers == {
+        "integrations/vllm/adapter/common.py",
+        "integrations/vllm/adapter/connectors.py",
+        "integrations/vllm/adapter/hooks.py",
+        "integrations/vllm/adapter/v1.py",
+        "integrations/vllm/adapter/versions.py",
+        "integrations/vllm/connector/__init__.py",
+    }
 
 
 @pytest.mark.parametrize("value, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])

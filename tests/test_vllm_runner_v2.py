@@ -5,7 +5,7 @@ V2 runs its bookkeeping kernels in Triton, and vLLM's CPU build here has Triton 
 backend, so vLLM turns Triton off and V2 cannot run. Triton's interpreter (``TRITON_INTERPRET=1``)
 runs Triton kernels on CPU tensors in Python: with it, and vLLM's Triton gates satisfied in
 the test's process only (`TRITON_ON_CPU`), V2's CPU runner serves, and the plugin watches it
-through V2's own forward bracket (`adapter._ForwardBracket`).
+through V2's own forward bracket (`adapter.v2._ForwardBracket`).
 """
 
 import json
