@@ -568,7 +568,7 @@ def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
 @pytest.mark.parametrize("bit", range(8))
 def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
     value = torch.zeros((), dtype=dtype)
-    value.bitwise_xor_(connector._top_byte_bit(size, bit))
+    value.bitwise_xor_(connector.drill._top_byte_bit(size, bit))
     assert value.item() % (1 << 8 * size) == 1 << (8 * (size - 1) + bit)
 
 
