@@ -22,7 +22,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 from helpers import REPO  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from random_models import make_llama  # noqa: E402
@@ -102,12 +102,12 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", en
         return preempt(self, request, *args, **kwargs)
 
     environ = environ or {}
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV, *environ)}
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", config.POLICY_ENV, config.SUMMARY_ENV, *environ)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ[plugin.POLICY_ENV] = policy
+    os.environ[config.POLICY_ENV] = policy
     # A summary line only where a test asks for one (`Reports.interval`): with the default
     # of 60 s one would come whenever a slow run of a test passed a minute.
-    os.environ[plugin.SUMMARY_ENV] = "86400"
+    os.environ[config.SUMMARY_ENV] = "86400"
     os.environ.update(environ)
     Scheduler._preempt_request = counting_preempt
     lines = Lines()
@@ -333,15 +333,15 @@ def test_a_mixed_workload_raises_no_false_alarm(engine):
 @pytest.fixture
 def token_copy(engine, monkeypatch):
     """The canary checks tokens against its device copy of the token history
-    (`plugin.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
+    (`worker.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
     here the device is the CPU, and vLLM's own history is the oracle."""
     state = plugin.active()
-    copy = plugin.TokenCopy(*state._vllm.token_rows, state.canary.device)
+    copy = worker.TokenCopy(*state._vllm.token_rows, state.canary.device)
     monkeypatch.setattr(state, "_token_copy", copy)
     return copy
 
 
-def _assert_copy_holds_vllms_history(copy: plugin.TokenCopy) -> None:
+def _assert_copy_holds_vllms_history(copy: worker.TokenCopy) -> None:
     """Each running request's context in the copy is what vLLM's host history holds."""
     batch = plugin.active().runner.input_batch
     rows = [row for row, request_id in enumerate(batch.req_ids) if request_id is not None]

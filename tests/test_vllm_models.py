@@ -23,7 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 from helpers import REPO  # noqa: E402
 from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, _params, _parse, _tokens, mixed_workload, started_engine  # noqa: E402
 
-from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 from random_models import make_model  # noqa: E402
@@ -212,7 +212,7 @@ def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
         ValueError,
         match=r"^kv-canary: the vLLM plugin watches KV cache groups of .*; this model has CrossAttentionSpec: unset KVCANARY_VLLM",
     ):
-        plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
+        worker.WorkerCanary(runner, config.Settings("log", config.MODES["all"]))
 
 
 def test_a_model_without_an_attention_group_is_refused_at_start():
@@ -221,7 +221,7 @@ def test_a_model_without_an_attention_group_is_refused_at_start():
     with pytest.raises(
         ValueError, match=r"^kv-canary: the vLLM plugin watches attention KV cache groups; this model has \['MambaSpec'\]: unset"
     ):
-        plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
+        worker.WorkerCanary(runner, config.Settings("log", config.MODES["all"]))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

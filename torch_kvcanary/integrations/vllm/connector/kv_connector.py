@@ -8,7 +8,7 @@ it sampled in that step and recomputes the blocks in place; with ``"fail"`` it e
 requests with an error and drops the bad blocks and those after them from the prefix cache.
 Under ``KVCANARY_VLLM=repair`` or ``quarantine`` this connector reports the blocks of the
 slots the canary flagged in the step (byte-only violations: the plugin stops the step on
-any other, see `plugin.WorkerCanary`).
+any other, see `worker.WorkerCanary`).
 
 It is configured the vLLM way, and the plugin registers it with vLLM's connector factory::
 
@@ -47,7 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.request import RequestStatus
 
 from ....canary import RECORD_FIELDS, Violation
-from .. import adapter, plugin
+from .. import adapter
+from ..config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
 from .drill import _INTEGERS, Drill, _top_byte_bit
 from .stats import CanaryPromMetrics, CanaryStats
 from .transfer import DiskTransfer
@@ -72,13 +73,13 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
 class KvCanaryConnector(KVConnectorBase_V1):
     """The canary's KV connector; see the module's docstring. The plugin hands each worker's
-    connector its `plugin.WorkerCanary` (`watch`)."""
+    connector its `worker.WorkerCanary` (`watch`)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
         self._transfer = DiskTransfer(self.inner) if type(self.inner).__name__ in DiskTransfer.CONNECTORS else None
-        self.canary: plugin.WorkerCanary | None = None
+        self.canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it
         self.stats = CanaryStats()
         self.drill: Drill | None = None
         groups = kv_cache_config.kv_cache_groups
@@ -90,7 +91,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     # The plugin's side -----------------------------------------------------------
 
-    def watch(self, canary: plugin.WorkerCanary) -> None:
+    def watch(self, canary) -> None:
         """Called by the plugin once the worker's canary is built."""
         self.canary = canary
         self.drill = Drill(canary.drill) if canary.drill else None
@@ -102,7 +103,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self.stats.add_violations(violations)
 
     def _reports_blocks(self) -> bool:
-        return self.canary is not None and self.canary.policy in plugin.CONNECTOR_POLICIES
+        return self.canary is not None and self.canary.policy in CONNECTOR_POLICIES
 
     # Worker side -----------------------------------------------------------------
 
@@ -416,13 +417,11 @@ def _inner_config(vllm_config):
         return None
     if not isinstance(inner, dict) or "kv_connector" not in inner:
         raise ValueError(
-            f"kv-canary: {plugin.CONNECTOR}'s kv_connector_extra_config[{INNER!r}] must be the kv_transfer_config of the "
+            f"kv-canary: {CONNECTOR}'s kv_connector_extra_config[{INNER!r}] must be the kv_transfer_config of the "
             f'connector it wraps, e.g. {{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, got {inner!r}'
         )
-    if inner["kv_connector"] == plugin.CONNECTOR:
-        raise ValueError(
-            f"kv-canary: {plugin.CONNECTOR} cannot wrap itself: name another connector in kv_connector_extra_config[{INNER!r}]"
-        )
+    if inner["kv_connector"] == CONNECTOR:
+        raise ValueError(f"kv-canary: {CONNECTOR} cannot wrap itself: name another connector in kv_connector_extra_config[{INNER!r}]")
     config = copy.copy(vllm_config)
     config.kv_transfer_config = KVTransferConfig(
         **{"engine_id": outer.engine_id, "kv_load_failure_policy": outer.kv_load_failure_policy, **inner}
@@ -436,9 +435,9 @@ def check_inner(inner: KVTransferConfig) -> None:
     at their first read. A producer (it saves, never loads) is delegated to whatever it is."""
     if inner.is_kv_consumer and inner.kv_connector not in DiskTransfer.CONNECTORS:
         raise ValueError(
-            f"kv-canary: {plugin.CONNECTOR} verifies the KV an inner connector loads for {', '.join(DiskTransfer.CONNECTORS)} only; "
+            f"kv-canary: {CONNECTOR} verifies the KV an inner connector loads for {', '.join(DiskTransfer.CONNECTORS)} only; "
             f'{inner.kv_connector} with "kv_role": "{inner.kv_role}" would load KV the canary has no records of: give it '
-            f'"kv_role": "kv_producer", or unset {plugin.POLICY_ENV} to serve it without the canary'
+            f'"kv_role": "kv_producer", or unset {POLICY_ENV} to serve it without the canary'
         )
 
 
@@ -453,16 +452,14 @@ def check_unwrapped(config: KVTransferConfig) -> None:
         inner = {"kv_connector": config.kv_connector, "kv_role": config.kv_role}
         if config.kv_connector_extra_config:
             inner["kv_connector_extra_config"] = config.kv_connector_extra_config
-        wrapped = {"kv_connector": plugin.CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
-        change = (
-            f"serve it as {plugin.CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
-        )
+        wrapped = {"kv_connector": CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
+        change = f"serve it as {CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
     else:
-        change = f'give it "kv_role": "kv_producer" ({plugin.CONNECTOR} verifies the loads of {", ".join(DiskTransfer.CONNECTORS)} only)'
+        change = f'give it "kv_role": "kv_producer" ({CONNECTOR} verifies the loads of {", ".join(DiskTransfer.CONNECTORS)} only)'
     raise ValueError(
         f'kv-canary: vLLM\'s KV connector {config.kv_connector} with "kv_role": "{config.kv_role}" loads KV into the cache outside '
         f"the model's forward, into slots the canary holds no records of, which it would report as corrupt: {change}, "
-        f"or unset {plugin.POLICY_ENV} to serve it without the canary"
+        f"or unset {POLICY_ENV} to serve it without the canary"
     )
 
 
