@@ -32,7 +32,7 @@ from .common import (
     Watcher,
     watch,
 )
-from .connectors import register_connector
+from .connectors import example_connector_folder, example_connector_requests, register_connector
 from .hooks import hook, runner, unwatchable
 from .v1 import Runner
 from .v2 import RunnerV2
@@ -41,5 +41,5 @@ from .versions import SUPPORTED, SUPPORTED_SERIES, is_supported, vllm_version
 __all__ = [
     "LOGGER", "NULL_SLOT", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
     "AttentionLayer", "KvCacheGroup", "Plugin", "Runner", "RunnerV2", "Step", "TokenHistory", "Watcher",
-    "hook", "is_supported", "register_connector", "runner", "unwatchable", "vllm_version", "watch",
+    "example_connector_folder", "example_connector_requests", "hook", "is_supported", "register_connector", "runner", "unwatchable", "vllm_version", "watch",
 ]  # fmt: skip

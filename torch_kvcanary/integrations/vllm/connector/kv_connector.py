@@ -78,6 +78,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
+        self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self._transfer = DiskTransfer(self.inner) if type(self.inner).__name__ in DiskTransfer.CONNECTORS else None
         self.canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it
         self.stats = CanaryStats()
@@ -303,7 +304,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         failed: vLLM ends a request with an error for the blocks a connector reported (the
         canary's, or the inner connector's), and for a few failures of its own (a grammar
         rejecting the tokens, an encoder input it lost), which are counted too."""
-        if request.status == RequestStatus.FINISHED_ERROR and self._kv_transfer_config.kv_load_failure_policy == "fail":
+        if request.status == RequestStatus.FINISHED_ERROR and self._failure_policy == "fail":
             self.stats.data["requests_failed"] += 1
         if self.inner is None:
             return False, None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ....canary import FailReason, Violation
@@ -68,7 +69,8 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        violations = self._counter_cls(
+        counter_class = metric_types[Counter]  # vLLM's class for prometheus_client's counters
+        violations = counter_class(
             name="vllm:kv_canary_violations",
             documentation="KV cache slots the canary flagged, by reason (a slot failing two checks counts under both).",
             labelnames=[*labelnames, "reason"],
@@ -89,7 +91,7 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         }
         self._counts = {}
         for name in COUNTS:
-            counter = self._counter_cls(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
+            counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
             self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):

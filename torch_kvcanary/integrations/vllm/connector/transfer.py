@@ -8,6 +8,7 @@ import safetensors.torch
 import torch
 
 from ....canary import RECORD_FIELDS
+from .. import adapter
 
 _FOLD = RECORD_FIELDS.index("fold")
 
@@ -33,13 +34,10 @@ class DiskTransfer:
 
     def _requests(self) -> list:
         """The inner connector's requests of this step (``is_store``, ``token_ids``, ``slot_mapping``)."""
-        if not self.inner.has_connector_metadata():
-            return []
-        return list(self.inner._get_connector_metadata().requests)
+        return adapter.example_connector_requests(self.inner)
 
     def _path(self, request) -> str:
-        folder = self.inner._generate_foldername_debug(request.token_ids, request.mm_hashes, create_folder=True)
-        return os.path.join(folder, self.SIDECAR)
+        return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
 
     def store(self, canary) -> None:
         """Stores the records of the slots each saved request's files hold."""
