@@ -196,3 +196,31 @@ def test_only_the_adapter_reads_vllm_internals():
         if reads:
             found[path.relative_to(PACKAGE).as_posix()] = reads
     assert found == {}
+
+
+def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
+    """`KvCanary.invalidate`, which the vLLM connector breaks records with: the slots fail
+    verify on their bytes alone (token, position, chain and owner kept), however often they
+    are invalidated, until a record call writes them again; negative slots are skipped."""
+    import pytest
+    import torch
+
+    import torch_kvcanary as kc
+    from torch_kvcanary import FailReason, layouts
+
+    kv = torch.randn(2, 8, 16, 2, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
+    block = torch.arange(16, 32)
+    checks = dict(positions=torch.arange(16), tokens=torch.arange(200, 216), prev_slots=torch.cat([torch.tensor([-1]), block[:-1]]))
+    canary.record(block, tag=3, **checks)
+    before = canary.records.clone()
+    canary.invalidate(torch.tensor([-1, 18, 19, 19], dtype=torch.int32))
+    canary.invalidate(torch.tensor([19, 20]))  # a second time: still broken
+    assert canary.verify(block, 3, **checks).nonzero().flatten().tolist() == [2, 3, 4]
+    violations = canary.poll()
+    assert {v.slot for v in violations} == {18, 19, 20} and all(v.reasons == FailReason.VERIFY_REAL_KV_HASH_MISMATCH for v in violations)
+    assert torch.equal(canary.records[:, :3], before[:, :3]) and (canary.owners(block) == 3).all()
+    canary.record(block[2:5], tag=3, positions=checks["positions"][2:5], tokens=checks["tokens"][2:5], prev_slots=checks["prev_slots"][2:5])
+    assert not canary.verify(block, 3, **checks).any()
+    with pytest.raises(IndexError):
+        canary.invalidate(torch.tensor([canary.capacity]))
