@@ -82,7 +82,7 @@ def child(args) -> None:
         distributed_executor_backend="uni", enable_prefix_caching=True, kv_cache_memory_bytes=256 << 20,
         gpu_memory_utilization=0.05, max_num_seqs=args.requests,
     )  # fmt: skip
-    runner = plugin.active().runner
+    runner = plugin.active().model_runner
     canaries = {
         "off": None,
         "partial": worker.WorkerCanary(runner, config.Settings("log", HashMode.PARTIAL, every=args.every)),

@@ -387,7 +387,7 @@ def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy
 
 
 class _FakeRunner:
-    """The `adapter.Runner` facts the preconditions read."""
+    """The `adapter.RunnerView` facts the preconditions read."""
 
     is_v2 = False
 
@@ -433,7 +433,7 @@ class KvCanaryConnector:  # what the plugin recognises the connector by: its cla
 )
 def test_each_precondition_of_the_connector_policies(policy, runner, needs):
     state = object.__new__(worker.WorkerCanary)
-    state.policy, state.drill, state._vllm = policy, 0.01 if policy == "log" else 0.0, runner
+    state.policy, state.drill, state.runner_view = policy, 0.01 if policy == "log" else 0.0, runner
     with pytest.raises(ValueError, match=f"^kv-canary: KVCANARY_VLLM={policy}.* needs {needs}"):
         state._connector()
 
@@ -441,10 +441,10 @@ def test_each_precondition_of_the_connector_policies(policy, runner, needs):
 def test_without_a_connector_policy_the_connector_is_optional():
     state = object.__new__(worker.WorkerCanary)
     state.policy, state.drill = "log", 0.0
-    state._vllm = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
+    state.runner_view = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
     assert state._connector() is None
     ours = KvCanaryConnector()
-    state._vllm = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
+    state.runner_view = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
     assert state._connector() is ours  # its counters, whatever the policy
 
 

@@ -198,14 +198,14 @@ class Driver:
             self.step()
             rows = self.rows()
             if len(rows) == len(self.ids) and all(
-                state.runner.input_batch.num_computed_tokens_cpu[row] >= 2 * BLOCK_SIZE + 4 for row in rows.values()
+                state.model_runner.input_batch.num_computed_tokens_cpu[row] >= 2 * BLOCK_SIZE + 4 for row in rows.values()
             ):
                 return
         raise AssertionError(f"requests {self.ids} did not all reach decoding")
 
     def rows(self) -> dict[str, int]:
         """vLLM's internal id (ours plus a suffix) -> input-batch row, for our running requests."""
-        batch = plugin.active().runner.input_batch
+        batch = plugin.active().model_runner.input_batch
         return {rid: row for row, rid in enumerate(batch.req_ids) if rid is not None and rid.rsplit("-", 1)[0] in self.ids}
 
     def internal_id(self, request_id: str) -> str:
@@ -219,7 +219,7 @@ class Driver:
 
     def context(self, request_id: str) -> int:
         """The tokens of the request in the KV cache."""
-        return int(plugin.active().runner.input_batch.num_computed_tokens_cpu[self.rows()[self.internal_id(request_id)]])
+        return int(plugin.active().model_runner.input_batch.num_computed_tokens_cpu[self.rows()[self.internal_id(request_id)]])
 
     def finish(self) -> None:
         self.engine.abort_request(self.ids)
@@ -232,7 +232,7 @@ def test_the_plugin_watches_every_layer(engine):
     llm, _, _ = engine
     state = plugin.active()
     assert state is not None and state.policy == "log"
-    runner = state.runner
+    runner = state.model_runner
     context = runner.compilation_config.static_forward_context
     names = [n for n in context if hasattr(context[n], "kv_cache") and isinstance(context[n].kv_cache, torch.Tensor)]
     assert len(state.kv_caches) == 2 and {t.data_ptr() for t in state.kv_caches} == {context[n].kv_cache.data_ptr() for n in names}
@@ -274,7 +274,7 @@ def test_the_start_line_is_in_vllms_log(engine):
 def test_the_runners_the_plugin_watches(engine):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    assert adapter.unwatchable(plugin.active().runner) is None
+    assert adapter.unwatchable(plugin.active().model_runner) is None
 
     class OwnSteps(CPUModelRunner):  # the hooks are the instance's own: they wrap overrides too
         def _model_forward(self, *args, **kwargs):
@@ -336,14 +336,14 @@ def token_copy(engine, monkeypatch):
     (`worker.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
     here the device is the CPU, and vLLM's own history is the oracle."""
     state = plugin.active()
-    copy = worker.TokenCopy(*state._vllm.token_rows, state.canary.device)
+    copy = worker.TokenCopy(*state.runner_view.token_rows, state.canary.device)
     monkeypatch.setattr(state, "_token_copy", copy)
     return copy
 
 
 def _assert_copy_holds_vllms_history(copy: worker.TokenCopy) -> None:
     """Each running request's context in the copy is what vLLM's host history holds."""
-    batch = plugin.active().runner.input_batch
+    batch = plugin.active().model_runner.input_batch
     rows = [row for row, request_id in enumerate(batch.req_ids) if request_id is not None]
     assert rows
     for row in rows:
@@ -434,7 +434,7 @@ def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     for _ in range(4):  # the prompt's two chunks, then a decode step or two
         driver.step()
         victim = driver.internal_id(driver.ids[0])
-        length = state.runner.input_batch.num_computed_tokens_cpu[driver.rows()[victim]]
+        length = state.model_runner.input_batch.num_computed_tokens_cpu[driver.rows()[victim]]
         if length > 2 * BLOCK_SIZE:
             break
     assert 2 * BLOCK_SIZE < length < 3 * BLOCK_SIZE - 4
@@ -572,7 +572,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         monkeypatch.undo()
         llm.reset_prefix_cache()  # blocks written while the canary was off have no records
         state.on, state.faults = True, 0
-        adapter.watch(state.runner, state)
+        adapter.watch(state.model_runner, state)
 
 
 def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
@@ -672,7 +672,7 @@ def test_a_forward_the_hooks_do_not_see_stops_the_step(engine):
                 self._model_forward = hooked
 
     llm, lines, _ = engine
-    runner = plugin.active().runner
+    runner = plugin.active().model_runner
     driver = Driver(llm, "past")
     driver.add(_tokens(random.Random(12), 40), _params(20))
     driver.step()  # watched

@@ -63,7 +63,7 @@ def test_the_plugin_watches_each_group(model_engine):
     kinds, backends, _ = MODELS[kind]
     assert [group.kind for group in state.groups] == kinds
     assert {layer.backend for group in state.groups for layer in group.layers} <= backends
-    context = state.runner.compilation_config.static_forward_context
+    context = state.model_runner.compilation_config.static_forward_context
     # One canary over the distinct bytes: every layer's cache is one the canary watches.
     for group in state.groups:
         for layer in group.layers:
@@ -72,7 +72,7 @@ def test_the_plugin_watches_each_group(model_engine):
     if kind in ("gemma2", "llama4"):  # both groups' layers lie over one pool
         assert len(state.kv_caches) == 1 and len(state.canary.sources) == 2
     if kind == "qwen2_vl":  # the model gets M-RoPE's [3, tokens] positions, the canary the runner's 1-D ones
-        assert state.runner.uses_mrope and state.runner.mrope_positions.gpu.dim() == 2
+        assert state.model_runner.uses_mrope and state.model_runner.mrope_positions.gpu.dim() == 2
     if kind == "deepseek_v2":  # the latent, one source per layer
         assert all(kv.dim() == 3 and kv.shape[2] == 576 for kv in state.kv_caches)
         assert len(state.canary.sources) == len(state.kv_caches) == 2
@@ -230,7 +230,7 @@ def test_the_token_check_runs_where_the_runners_history_is_current(async_schedul
     # token into its history on the device before the next forward.
     v1 = types.SimpleNamespace(use_async_scheduling=async_scheduling)
     v2 = types.SimpleNamespace(vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=async_scheduling)))
-    assert adapter.Runner(v1).token_history_current is not async_scheduling
+    assert adapter.RunnerV1(v1).token_history_current is not async_scheduling
     assert adapter.RunnerV2(v2).async_scheduling is async_scheduling and adapter.RunnerV2(v2).token_history_current
 
 

@@ -105,7 +105,6 @@ def test_only_the_adapter_and_the_connector_import_vllm():
         "integrations/vllm/adapter/common.py",
         "integrations/vllm/adapter/connectors.py",
         "integrations/vllm/adapter/hooks.py",
-        "integrations/vllm/adapter/v1.py",
         "integrations/vllm/adapter/versions.py",
         "integrations/vllm/connector/kv_connector.py",
         "integrations/vllm/connector/stats.py",
@@ -180,7 +179,7 @@ def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
 
 
 def test_a_token_copy_follows_requests_across_rows():
-    # The host's tokens of each request (what `adapter.Runner.known_tokens` gives when it
+    # The host's tokens of each request (what `adapter.RunnerV1.known_tokens` gives when it
     # takes a row), and what the copy must hold row by row after each step.
     host = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4], "d": [-1, 3]}
     copy = worker.TokenCopy(3, 6, torch.device("cpu"))

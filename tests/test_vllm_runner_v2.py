@@ -62,8 +62,8 @@ llm = vllm.LLM(
     max_num_seqs=8, distributed_executor_backend="uni",
 )
 state = plugin.active()
-runner = state.runner
-print("RUNNER", type(runner).__module__, type(state._vllm).__name__, flush=True)
+runner = state.model_runner
+print("RUNNER", type(runner).__module__, type(state.runner_view).__name__, flush=True)
 greedy = lambda n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 tokens = lambda rng, n: [rng.randrange(2, 512) for _ in range(n)]
 
@@ -171,7 +171,7 @@ prefix = [rng.randrange(2, 500) for _ in range(70)]
 prompts = [{"prompt_token_ids": prefix + [rng.randrange(2, 500) for _ in range(10 + 23 * i)]} for i in range(8)]
 outputs = llm.generate(prompts, vllm.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), use_tqdm=False)
 print("KINDS", json.dumps(dict(
-    runner=type(state._vllm).__name__, groups=[group.kind for group in state.groups], stats=state.canary.stats(),
+    runner=type(state.runner_view).__name__, groups=[group.kind for group in state.groups], stats=state.canary.stats(),
     lengths=[len(o.outputs[0].token_ids) for o in outputs], cached=max(o.num_cached_tokens for o in outputs),
 )), flush=True)
 """

@@ -107,7 +107,7 @@ def register() -> None:
         )
     adapter.register_connector(CONNECTOR, f"{__package__}.connector", CONNECTOR)
     # A runner starts under the settings of its start (a process may start engines one after another).
-    hooks = adapter.Plugin(
+    hooks = adapter.PluginCallbacks(
         start=lambda model_runner: _start(model_runner, settings() or chosen), kv_cache_budget=kv_cache_budget, refusal=refusal
     )
     if adapter.hook(hooks):

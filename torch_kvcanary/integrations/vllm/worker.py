@@ -24,14 +24,14 @@ logger = logging.getLogger(adapter.LOGGER)
 
 
 @dataclass
-class _GroupBatch:
+class _GroupStep:
     """One watched KV cache group's entries of a step: the verified ones (each request's
     context still attended to, then under a block-packed backend the unwritten tail of its
     last block) and the written ones (``written_rows``: their input-batch rows, once recorded)."""
 
     group: adapter.KvCacheGroup
     written_slots: torch.Tensor
-    context_ranges: int  # the group's context in the step's plan
+    context_ranges: int  # the group's context set in `_CanaryStep.sets`
     written_rows: torch.Tensor | None = None
     # How many context entries sit at slots this forward writes (int64 [1]): verified after it.
     waiting: torch.Tensor | None = None
@@ -40,9 +40,9 @@ class _GroupBatch:
 
 
 @dataclass
-class _Batch:
+class _CanaryStep:
     """One step's scheduled requests and, per watched KV cache group, the entries the canary
-    saw for them. ``plan`` holds the step's sets as `step_plan` packs them, on the canary's
+    saw for them. ``sets`` holds the step's sets as `step_plan` packs them, on the canary's
     device (``bases``: where each set starts; ``counts``: its number of entries).
 
     The written entries are recorded request by request in the order of their first
@@ -56,7 +56,7 @@ class _Batch:
     num_tokens: int
     input_ids: torch.Tensor | None
     positions: torch.Tensor
-    plan: torch.Tensor
+    sets: torch.Tensor
     bases: list[int]
     counts: list[int]
     history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
@@ -64,13 +64,13 @@ class _Batch:
     written: torch.Tensor  # every slot the forward writes, in any group, sorted
     history: adapter.TokenHistory | None  # where the context's tokens are checked against
     violations: int | None  # the canary's count of violations when the step began (block-packed backends)
-    groups: list[_GroupBatch] = field(default_factory=list)
+    groups: list[_GroupStep] = field(default_factory=list)
 
     def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Range set ``index``'s `kvcanary::context_slots` arguments (offsets, starts, number
-        of entries), views of `plan`."""
+        of entries), views of `sets`."""
         rows, base = len(self.req_ids), self.bases[index]
-        return self.plan[base : base + rows + 1], self.plan[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
+        return self.sets[base : base + rows + 1], self.sets[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
 
     def in_record_order(self, values: torch.Tensor) -> torch.Tensor:
         """The step's written entries ``values`` (one per token, in batch order) in the order
@@ -78,9 +78,9 @@ class _Batch:
         return values if self.recorded_in_batch_order else values[self.indices(_RECORD_ORDER)]
 
     def indices(self, index: int) -> torch.Tensor:
-        """Index set ``index``'s values, a view of `plan`."""
+        """Index set ``index``'s values, a view of `sets`."""
         base = self.bases[index]
-        return self.plan[base : base + self.counts[index]]
+        return self.sets[base : base + self.counts[index]]
 
 
 # The sets of a step's plan (`step_plan`, whose schema says what each holds), in order; each
@@ -93,8 +93,9 @@ class WorkerCanary:
     """The canary of one vLLM model runner: `canary` (one `KvCanary` over the distinct
     bytes of every attention layer: K and V, or MLA's latent), `kv_caches` (the distinct
     layer tensors it watches, in group and layer order), `groups` (the watched KV cache
-    groups, `adapter.KvCacheGroup`), `runner` and `block_table` (vLLM's, of the first
-    watched group), `policy` (one of `POLICIES`, read by each step), `connector` (this
+    groups, `adapter.KvCacheGroup`), `model_runner` (vLLM's) and `runner_view` (the adapter's
+    view of it, `adapter.RunnerView`), `block_table` (vLLM's, of the first watched group),
+    `policy` (one of `POLICIES`, read by each step), `connector` (this
     worker's `CONNECTOR`, or None), `drill` (the fault drills' probability per step),
     `reports` (what the log has said about violations), `faults` (exceptions of the plugin's
     own code in a step) and `on` (False once such a fault turned it off).
@@ -104,8 +105,8 @@ class WorkerCanary:
     time), so one canary covers them all, slot = block * block_size + offset, and each
     group verifies and records through its own block table and slot mapping."""
 
-    def __init__(self, runner, chosen: Settings):
-        self.runner = runner
+    def __init__(self, model_runner, chosen: Settings):
+        self.model_runner = model_runner
         self.policy = chosen.policy
         self.drill = chosen.drill
         self.reports = Reports(chosen.summary_seconds)
@@ -113,9 +114,9 @@ class WorkerCanary:
         self._steps = 0
         self.faults = 0
         self.on = True
-        self._vllm = adapter.runner(runner)
+        self.runner_view = adapter.runner_view(model_runner)
         self.connector = self._connector()
-        unwatched = self._vllm.unwatched_group_kinds()
+        unwatched = self.runner_view.unwatched_group_kinds()
         if unwatched:
             raise ValueError(
                 f"kv-canary: the vLLM plugin watches KV cache groups of {', '.join(adapter.WATCHED_SPECS)} and skips "
@@ -123,21 +124,23 @@ class WorkerCanary:
             )
         # A drafter's layers are watched where its writes are seen before the step is recorded,
         # and no KV connector of ours needs the step's verdict right after the forward.
-        self.watches_drafter = self._vllm.drafter_writes_seen and self.connector is None and bool(self._vllm.drafter_layer_names())
-        self.groups = self._vllm.kv_cache_groups(drafter=self.watches_drafter)
+        self.watches_drafter = (
+            self.runner_view.drafter_writes_seen and self.connector is None and bool(self.runner_view.drafter_layer_names())
+        )
+        self.groups = self.runner_view.kv_cache_groups(drafter=self.watches_drafter)
         if not self.groups:
             raise ValueError(
                 f"kv-canary: the vLLM plugin watches attention KV cache groups; this model has "
-                f"{self._vllm.kv_cache_group_kinds()}: unset {POLICY_ENV} to serve it without the canary"
+                f"{self.runner_view.kv_cache_group_kinds()}: unset {POLICY_ENV} to serve it without the canary"
             )
         block_sizes = sorted({group.block_size for group in self.groups})
         if len(block_sizes) != 1:
             raise ValueError(
                 f"kv-canary: the vLLM plugin watches KV cache groups of one block size, this model's are "
-                f"{self._vllm.kv_cache_group_kinds()} in blocks of {block_sizes}: unset {POLICY_ENV} to serve it without the canary"
+                f"{self.runner_view.kv_cache_group_kinds()} in blocks of {block_sizes}: unset {POLICY_ENV} to serve it without the canary"
             )
         self.layer_names = [layer.name for group in self.groups for layer in group.layers]
-        layout = self._vllm.kv_cache_layout
+        layout = self.runner_view.kv_cache_layout
         self.block_table = self.groups[0].block_table
         self.block_size = block_sizes[0]
         self.kv_caches: list[torch.Tensor] = []
@@ -150,16 +153,16 @@ class WorkerCanary:
             backends.add(layer.backend)
             sources += self._sources(layer, layout)
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
-        self._check_tokens = self._vllm.token_history_current
-        self._token_copy = TokenCopy(*self._vllm.token_rows, self.canary.device) if self._vllm.token_history_on_host else None
+        self._check_tokens = self.runner_view.token_history_current
+        self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.token_history_on_host else None
         # Tensor-parallel ranks poll together, so that under "raise" they all stop.
-        self._group = self._vllm.tensor_parallel_group() if self._vllm.tensor_parallel_size > 1 else None
+        self._group = self.runner_view.tensor_parallel_group() if self.runner_view.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
-        self._batch: _Batch | None = None
+        self._step: _CanaryStep | None = None
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
-        # The step's flagged slots, or the batch they are gathered from when first asked for.
-        self._flagged: torch.Tensor | _Batch = self._no_slots
+        # The step's flagged slots, or the step they are gathered from when first asked for.
+        self._flagged: torch.Tensor | _CanaryStep = self._no_slots
         if self.connector is not None:
             self.connector.watch(self)
         logger.info("%s", self._start_line(layout))
@@ -170,12 +173,12 @@ class WorkerCanary:
         repair and quarantine report blocks to vLLM's scheduler, which maps them back to
         requests only with synchronous scheduling and one KV cache group, and acts on them
         by the connector's kv_load_failure_policy."""
-        connector = self._vllm.kv_connector()
+        connector = self.runner_view.kv_connector()
         ours = connector if type(connector).__name__ == CONNECTOR else None
         if connector is not None and ours is None:
             from .connector import check_unwrapped  # imports vLLM's connector classes, which a configured connector has loaded
 
-            check_unwrapped(self._vllm.kv_transfer_config)
+            check_unwrapped(self.runner_view.kv_transfer_config)
         needs = []
         if self.policy in CONNECTOR_POLICIES or self.drill:
             failure_policy = CONNECTOR_POLICIES.get(self.policy, "recompute")
@@ -184,17 +187,17 @@ class WorkerCanary:
                     f"vLLM's KV connector to be {CONNECTOR} (--kv-transfer-config "
                     f'\'{{"kv_connector": "{CONNECTOR}", "kv_role": "kv_both", "kv_load_failure_policy": "{failure_policy}"}}\')'
                 )
-        if self._vllm.is_v2 and (ours is not None or self.policy in CONNECTOR_POLICIES or self.drill):
+        if self.runner_view.is_v2 and (ours is not None or self.policy in CONNECTOR_POLICIES or self.drill):
             needs.append("Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)")
         if self.policy in CONNECTOR_POLICIES:
             failure_policy = CONNECTOR_POLICIES[self.policy]
-            if ours is not None and self._vllm.kv_load_failure_policy != failure_policy:
+            if ours is not None and self.runner_view.kv_load_failure_policy != failure_policy:
                 needs.append(
-                    f'"kv_load_failure_policy": "{failure_policy}" in the kv_transfer_config, not "{self._vllm.kv_load_failure_policy}"'
+                    f'"kv_load_failure_policy": "{failure_policy}" in the kv_transfer_config, not "{self.runner_view.kv_load_failure_policy}"'
                 )
-            if self._vllm.async_scheduling:
+            if self.runner_view.async_scheduling:
                 needs.append("synchronous scheduling (--no-async-scheduling, or async_scheduling=False)")
-            kinds = self._vllm.kv_cache_group_kinds()
+            kinds = self.runner_view.kv_cache_group_kinds()
             if len(kinds) != 1:
                 needs.append(f"a model with one KV cache group, this one has {len(kinds)} ({', '.join(kinds)})")
         if needs:
@@ -223,14 +226,14 @@ class WorkerCanary:
 
     def _start_line(self, layout: str) -> str:
         """What this worker watches, and the memory the canary holds."""
-        kinds = self._vllm.kv_cache_group_kinds()
-        budget = self._vllm.kv_cache_budget
+        kinds = self.runner_view.kv_cache_group_kinds()
+        budget = self.runner_view.kv_cache_budget
         if budget is None:
             source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
         else:
             source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
         watched = sum(layer.drafter for group in self.groups for layer in group.layers)
-        unwatched = len(self._vllm.drafter_layer_names()) - watched
+        unwatched = len(self.runner_view.drafter_layer_names()) - watched
         drafter = f"; {watched} of them the speculative drafter's, recorded once it has proposed" if watched else ""
         if unwatched:
             if self.watches_drafter:
@@ -242,7 +245,7 @@ class WorkerCanary:
             drafter += f"; {unwatched} layers of the speculative drafter not watched: {why}"
         copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
         return (
-            f"kv-canary: watching {self._vllm.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
+            f"kv-canary: watching {self.runner_view.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
             f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
             f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
             f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
@@ -251,7 +254,7 @@ class WorkerCanary:
 
     # The step -----------------------------------------------------------------------
 
-    def begin_step(self, read_step) -> _Batch | None:
+    def begin_step(self, read_step) -> _CanaryStep | None:
         """Before the forward: verify every scheduled request's context. ``read_step``
         returns the forward's `adapter.Step`. None when the canary is off (or has just
         turned off)."""
@@ -262,18 +265,18 @@ class WorkerCanary:
             return self._begin_step(read_step())
         return None
 
-    def end_step(self, batch: _Batch | None) -> None:
+    def end_step(self, step: _CanaryStep | None) -> None:
         """After the forward: record the slots it wrote, then poll once."""
-        if batch is None or not self.on:
+        if step is None or not self.on:
             return
         with self._guarded():
-            self._end_step(batch)
-            self._flagged = batch
+            self._end_step(step)
+            self._flagged = step
 
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step's forward (int64, on the
         canary's device; empty before its forward has ended), gathered when asked for."""
-        if isinstance(self._flagged, _Batch):
+        if isinstance(self._flagged, _CanaryStep):
             self._flagged = _flagged_slots(self._flagged)
         return self._flagged
 
@@ -289,84 +292,84 @@ class WorkerCanary:
                 raise
             self.faults += 1
             self.on = False
-            self._batch = None
-            adapter.watch(self.runner, None)
+            self._step = None
+            adapter.watch(self.model_runner, None)
             logger.exception(
                 "kv-canary: the canary's own code failed in an engine step; it is off in this worker from here on, "
                 "and vLLM keeps serving without it (report this traceback)"
             )
 
-    def _begin_step(self, step: adapter.Step) -> _Batch:
+    def _begin_step(self, forward: adapter.Step) -> _CanaryStep:
         """Plans the step on the device from one copy of its ranges, O(requests) host values,
         then verifies each group's context."""
-        firsts = np.stack([group.first_attended(step.num_computed) for group in self.groups])
+        firsts = np.stack([group.first_attended(forward.num_computed) for group in self.groups])
         planned = step_plan(
-            torch.from_numpy(step.num_computed), torch.from_numpy(step.num_scheduled), torch.from_numpy(firsts),
+            torch.from_numpy(forward.num_computed), torch.from_numpy(forward.num_scheduled), torch.from_numpy(firsts),
             block_size=self.block_size, blocks_packed=self._blocks_packed,
         )  # fmt: skip
-        device = step.positions.device
-        written = step.slot_mappings[0] if len(step.slot_mappings) == 1 else torch.cat(step.slot_mappings)
-        batch = _Batch(
-            step.request_ids, step.num_tokens, step.input_ids, step.positions,
-            planned.plan.to(device, non_blocking=True), planned.bases, planned.counts, step.history_rows,
+        device = forward.positions.device
+        written = forward.slot_mappings[0] if len(forward.slot_mappings) == 1 else torch.cat(forward.slot_mappings)
+        step = _CanaryStep(
+            forward.request_ids, forward.num_tokens, forward.input_ids, forward.positions,
+            planned.plan.to(device, non_blocking=True), planned.bases, planned.counts, forward.history_rows,
             recorded_in_batch_order=planned.in_batch_order,
             written=torch.sort(written.to(torch.int64)).values,
-            history=self._token_history(step, device),
+            history=self._token_history(forward, device),
             violations=self._violations() if self._blocks_packed else None,
         )  # fmt: skip
-        self._batch = batch
-        if len(step.block_copies):
-            self._follow_block_copies(step.block_copies)
-        for index, (group, slot_mapping) in enumerate(zip(self.groups, step.slot_mappings)):
-            batch.groups.append(self._begin_group(group, batch, _CONTEXT + index, slot_mapping))
-        return batch
+        self._step = step
+        if len(forward.block_copies):
+            self._follow_block_copies(forward.block_copies)
+        for index, (group, slot_mapping) in enumerate(zip(self.groups, forward.slot_mappings)):
+            step.groups.append(self._begin_group(group, step, _CONTEXT + index, slot_mapping))
+        return step
 
-    def _token_history(self, step: adapter.Step, device: torch.device) -> adapter.TokenHistory | None:
+    def _token_history(self, forward: adapter.Step, device: torch.device) -> adapter.TokenHistory | None:
         """Where the context's tokens are checked against: the runner's token history where
         it lives on the canary's device and holds every context token, or the canary's
         `TokenCopy` of one the runner keeps on the host; None: tokens are not checked."""
         if self._token_copy is not None:
-            return self._token_copy.follow(step.request_ids, self._vllm.known_tokens)
-        return self._vllm.token_history(device) if self._check_tokens else None
+            return self._token_copy.follow(forward.request_ids, self.runner_view.known_tokens)
+        return self.runner_view.token_history(device) if self._check_tokens else None
 
-    def _slots(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int):
+    def _slots(self, group: adapter.KvCacheGroup, step: _CanaryStep, ranges: int):
         """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
         (slots, positions, prev_slots, rows). The range check reads offsets on the host, so it
         runs only where they are (the CPU)."""
-        offsets, starts, count = batch.ranges(ranges)
+        offsets, starts, count = step.ranges(ranges)
         table = group.device_block_table
         return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, -1, table.device.type == "cpu")
 
-    def _begin_group(self, group: adapter.KvCacheGroup, batch: _Batch, ranges: int, slot_mapping: torch.Tensor) -> _GroupBatch:
+    def _begin_group(self, group: adapter.KvCacheGroup, step: _CanaryStep, ranges: int, slot_mapping: torch.Tensor) -> _GroupStep:
         """Verifies one group's context of every scheduled request: the positions its tokens
         still attend to (a sliding window's or a local chunk's blocks below them may be free),
         then under a block-packed backend the unwritten tail of each request's last block."""
-        entries = _GroupBatch(group, slot_mapping, context_ranges=ranges)
-        if batch.counts[ranges]:
-            entries.waiting = self._verify_context(entries, batch, deferred=False).waiting
-        if batch.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
-            slots, _, _, rows = self._slots(group, batch, _TAIL)
-            entries.checks.append((slots, rows, self.canary.verify(slots)))
-        return entries
+        group_step = _GroupStep(group, slot_mapping, context_ranges=ranges)
+        if step.counts[ranges]:
+            group_step.waiting = self._verify_context(group_step, step, deferred=False).waiting
+        if step.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
+            slots, _, _, rows = self._slots(group, step, _TAIL)
+            group_step.checks.append((slots, rows, self.canary.verify(slots)))
+        return group_step
 
-    def _verify_context(self, entries: _GroupBatch, batch: _Batch, *, deferred: bool):
+    def _verify_context(self, group_step: _GroupStep, step: _CanaryStep, *, deferred: bool):
         """One group's context verified in one call (`KvCanary.verify_context`). A request
-        may read, as context, a block another request of this batch writes in this very
+        may read, as context, a block another request of this step writes in this very
         forward (the scheduler caches a block's hash when it schedules its tokens, so a later
         request of the same step hits it): such slots are verified after the forward, once
         recorded (``deferred``). The chain of a request's first attended position leads into
         blocks a window may have freed: it is not checked there (the null slot is the
         canary's padding slot). Under ``every`` > 1 each request's newest block and the
         step's turn of blocks are verified."""
-        offsets, starts, count = batch.ranges(entries.context_ranges)
-        history = batch.history
+        offsets, starts, count = step.ranges(group_step.context_ranges)
+        history = step.history
         found = self.canary.verify_context(
-            entries.group.device_block_table, offsets, starts, block_size=self.block_size, num_entries=count,
-            written=batch.written, deferred=deferred, every=self.every, turn=self._steps % self.every,
+            group_step.group.device_block_table, offsets, starts, block_size=self.block_size, num_entries=count,
+            written=step.written, deferred=deferred, every=self.every, turn=self._steps % self.every,
             history=None if history is None else history.tokens, history_known=None if history is None else history.known,
-            history_rows=None if history is None else batch.history_rows, cut_slot=adapter.NULL_SLOT,
+            history_rows=None if history is None else step.history_rows, cut_slot=adapter.NULL_SLOT,
         )  # fmt: skip
-        entries.checks.append((found.slots, found.rows, found.flagged))
+        group_step.checks.append((found.slots, found.rows, found.flagged))
         return found
 
     def _follow_block_copies(self, copies: np.ndarray) -> None:
@@ -378,52 +381,52 @@ class WorkerCanary:
         if self.reports.logged:
             self.reports.rewritten(destination.tolist())
 
-    def _end_step(self, batch: _Batch) -> None:
-        if batch.num_tokens:
-            positions = batch.in_record_order(batch.positions[: batch.num_tokens])
-            tokens = batch.in_record_order(batch.input_ids[: batch.num_tokens]) if batch.input_ids is not None else None
-            for entries in batch.groups:
-                self._record(entries, batch, positions, tokens)
-            if self._token_copy is not None and tokens is not None and batch.groups:
-                self._token_copy.record(batch.groups[0].written_rows, positions, tokens)
+    def _end_step(self, step: _CanaryStep) -> None:
+        if step.num_tokens:
+            positions = step.in_record_order(step.positions[: step.num_tokens])
+            tokens = step.in_record_order(step.input_ids[: step.num_tokens]) if step.input_ids is not None else None
+            for group_step in step.groups:
+                self._record(group_step, step, positions, tokens)
+            if self._token_copy is not None and tokens is not None and step.groups:
+                self._token_copy.record(step.groups[0].written_rows, positions, tokens)
         self.canary.poll(group=self._group)
-        self._batch = None
+        self._step = None
         self._steps += 1
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _record(self, entries: _GroupBatch, batch: _Batch, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
+    def _record(self, group_step: _GroupStep, step: _CanaryStep, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
         """Records the slots the forward wrote in one group (in the step's record order),
         chained through the slot of each one's previous position, then verifies its deferred
         context."""
-        _, _, prev_slots, rows = self._slots(entries.group, batch, _WRITTEN)
-        entries.written_slots, entries.written_rows = batch.in_record_order(entries.written_slots), batch.in_record_order(rows)
-        self.canary.record(entries.written_slots, positions=positions, tokens=tokens, prev_slots=batch.in_record_order(prev_slots))
+        _, _, prev_slots, rows = self._slots(group_step.group, step, _WRITTEN)
+        group_step.written_slots, group_step.written_rows = step.in_record_order(group_step.written_slots), step.in_record_order(rows)
+        self.canary.record(group_step.written_slots, positions=positions, tokens=tokens, prev_slots=step.in_record_order(prev_slots))
         if self._blocks_packed:
-            self._refold_blocks_written(entries, batch)
-        if entries.waiting is not None and self._may_defer(entries.waiting):
-            self._verify_context(entries, batch, deferred=True)
+            self._refold_blocks_written(group_step, step)
+        if group_step.waiting is not None and self._may_defer(group_step.waiting):
+            self._verify_context(group_step, step, deferred=True)
         if self.reports.logged:
-            self.reports.rewritten(entries.written_slots.tolist())
+            self.reports.rewritten(group_step.written_slots.tolist())
 
     def _may_defer(self, waiting: torch.Tensor) -> bool:
         """Whether a group's context has entries left for after the forward: always on a
         device (reading the count would sync), and only if it has where the device is the host."""
         return waiting.device.type != "cpu" or bool(waiting.item())
 
-    def _refold_blocks_written(self, entries: _GroupBatch, batch: _Batch) -> None:
+    def _refold_blocks_written(self, group_step: _GroupStep, step: _CanaryStep) -> None:
         """Under a block-packed backend writing a slot changes the bytes of its block's other
         slots, so every slot of a block the forward wrote gets its fold recomputed, its
         token, position and chain kept (`KvCanary.refold`; the slots just recorded get the
         same fold again). A slot verify flagged in this step keeps its record, so that it is
         reported again while it is read; whether there is one is read from the canary's
         counters, on the host (block-packed backends run on the CPU)."""
-        if not batch.counts[_BLOCKS_WRITTEN]:
+        if not step.counts[_BLOCKS_WRITTEN]:
             return
-        slots = self._slots(entries.group, batch, _BLOCKS_WRITTEN)[0]
-        if self._violations() != batch.violations:
-            slots = torch.where(torch.isin(slots, _flagged_slots(batch)), -1, slots)
+        slots = self._slots(group_step.group, step, _BLOCKS_WRITTEN)[0]
+        if self._violations() != step.violations:
+            slots = torch.where(torch.isin(slots, _flagged_slots(step)), -1, slots)
         self.canary.refold(slots)
 
     def _violations(self) -> int:
@@ -434,20 +437,20 @@ class WorkerCanary:
     def requests_of(self, violation: Violation) -> list[str]:
         """The vLLM request ids of this step behind ``violation``: those whose context entry
         at its slot verify flagged, else every request whose block table holds the slot."""
-        batch = self._batch
-        if batch is None:
+        step = self._step
+        if step is None:
             return []
         flagged: set[int] = set()
         holding: set[int] = set()
-        for entries in batch.groups:
-            for slots, rows, answer in entries.checks:
+        for group_step in step.groups:
+            for slots, rows, answer in group_step.checks:
                 at_slot = slots == violation.slot
                 holding.update(rows[at_slot].tolist())
                 flagged.update(rows[at_slot & answer].tolist())
-            if entries.written_rows is not None:
-                holding.update(entries.written_rows[entries.written_slots == violation.slot].tolist())
+            if group_step.written_rows is not None:
+                holding.update(group_step.written_rows[group_step.written_slots == violation.slot].tolist())
         rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
-        return [batch.req_ids[row] for row in sorted(rows)]
+        return [step.req_ids[row] for row in sorted(rows)]
 
     def line(self, violation: Violation) -> str:
         """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
@@ -528,9 +531,9 @@ class TokenCopy:
         self.tokens[rows, positions] = tokens.to(torch.int32)
 
 
-def _flagged_slots(batch: _Batch) -> torch.Tensor:
-    """The distinct slots the verify calls of ``batch`` flagged."""
-    flagged = [slots[answer] for entries in batch.groups for slots, _, answer in entries.checks]
+def _flagged_slots(step: _CanaryStep) -> torch.Tensor:
+    """The distinct slots the verify calls of ``step`` flagged."""
+    flagged = [slots[answer] for group_step in step.groups for slots, _, answer in group_step.checks]
     if not flagged:
         return torch.zeros(0, dtype=torch.int64)
     return torch.unique(torch.cat(flagged))

@@ -1,9 +1,10 @@
 """What the adapter's modules share: the values the hooks hand the plugin (`Step`,
-`TokenHistory`, `KvCacheGroup`), what they ask of it (`Watcher`, `Plugin`), the attributes
+`TokenHistory`, `KvCacheGroup`), what they ask of it (`Watcher`, `PluginCallbacks`), the attributes
 they keep on vLLM's objects, and the helpers both runners' hooks use."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -36,7 +37,7 @@ class Step:
     runner's input batch, request ``request_ids[i]``; the tokens of the forward are laid
     out row by row (``num_scheduled[i]`` of row ``i``), ``positions[t]`` is token ``t``'s
     position in its sequence, and ``slot_mappings[g][t]`` the slot token ``t`` is written to
-    in watched KV cache group ``g`` (`Runner.kv_cache_groups` order)."""
+    in watched KV cache group ``g`` (`RunnerView.kv_cache_groups` order)."""
 
     request_ids: list[str]
     num_scheduled: np.ndarray  # int64, tokens this forward runs per row
@@ -70,7 +71,7 @@ class Watcher(Protocol):
     the function that reads the forward's `Step` from the runner, so that reading it runs
     inside the watcher's own error handling. ``end_step`` comes right after the forward, or,
     where ``watches_drafter``, once the speculative drafter has written its layers too
-    (`Runner.drafter_writes_seen`)."""
+    (`RunnerView.drafter_writes_seen`)."""
 
     watches_drafter: bool
 
@@ -141,7 +142,7 @@ class KvCacheGroup:
 
 
 @dataclass(frozen=True)
-class Plugin:
+class PluginCallbacks:
     """What the hooks ask of the plugin.
 
     ``start(runner)``: the watcher of a model runner that has just allocated its KV cache.
@@ -199,3 +200,152 @@ def watched_group_indices(model_runner) -> list[int]:
     """The indices of the runner's KV cache groups of a `WATCHED_SPECS` kind."""
     groups = model_runner.kv_cache_config.kv_cache_groups
     return [i for i, group in enumerate(groups) if type(group.kv_cache_spec).__name__ in WATCHED_SPECS]
+
+
+class RunnerView(abc.ABC):
+    """One vLLM model runner whose KV cache is allocated, as the plugin reads it:
+    ``model_runner`` (vLLM's). `RunnerV1` and `RunnerV2` read what differs between Model
+    Runner V1 and V2; `hooks.runner_view` gives the right one for a runner."""
+
+    is_v2: bool
+
+    def __init__(self, model_runner):
+        self.model_runner = model_runner
+
+    @property
+    def name(self) -> str:
+        """The runner's class, ``module.qualname``."""
+        return qualified_name(type(self.model_runner))
+
+    @property
+    def kv_cache_budget(self) -> tuple[int, int] | None:
+        """(bytes the worker found for the KV cache, bytes it reported to vLLM for it), or
+        None when vLLM sized the cache without asking this worker."""
+        return getattr(self.model_runner, BUDGET, None)
+
+    @property
+    @abc.abstractmethod
+    def async_scheduling(self) -> bool:
+        """Whether vLLM schedules the next step before this one's forward has finished."""
+
+    @property
+    @abc.abstractmethod
+    def token_history_current(self) -> bool:
+        """Whether the token history (`token_history`) holds every context token when a forward starts."""
+
+    @property
+    @abc.abstractmethod
+    def token_history_on_host(self) -> bool:
+        """Whether the runner keeps its token history on the host while its model runs on a
+        device: the canary then keeps a copy on the device (`worker.TokenCopy`)."""
+
+    @abc.abstractmethod
+    def token_history(self, device: torch.device) -> TokenHistory | None:
+        """The runner's token history where it lives on ``device``, else None."""
+
+    @property
+    @abc.abstractmethod
+    def drafter_writes_seen(self) -> bool:
+        """Whether a watcher's step can end after the speculative drafter has written its
+        layers (`Watcher.watches_drafter`)."""
+
+    @abc.abstractmethod
+    def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
+        """KV cache group ``group``'s block size, device block table and block table object (`KvCacheGroup`)."""
+
+    @property
+    def kv_transfer_config(self):
+        """vLLM's ``kv_transfer_config`` (a ``KVTransferConfig``), None when none is set."""
+        return self.model_runner.vllm_config.kv_transfer_config
+
+    @property
+    def kv_load_failure_policy(self) -> str | None:
+        """vLLM's ``kv_transfer_config.kv_load_failure_policy`` ("recompute" or "fail"), None without a KV connector."""
+        config = self.model_runner.vllm_config.kv_transfer_config
+        return None if config is None or config.kv_connector is None else config.kv_load_failure_policy
+
+    def kv_connector(self):
+        """This worker's KV connector (vLLM builds it before the KV cache), or None."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+    @property
+    def kv_cache_layout(self) -> str:
+        """vLLM's name of the layout its caches are in (a `layouts.VLLM_LAYOUTS` key, or a legacy alias)."""
+        return self.model_runner.cache_config.get_resolved_kv_cache_layout().name
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.model_runner.parallel_config.tensor_parallel_size
+
+    def tensor_parallel_group(self):
+        """The CPU process group of this worker's tensor-parallel ranks."""
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().cpu_group
+
+    def kv_cache_group_kinds(self) -> list[str]:
+        """The kind of each of the model's KV cache groups (its spec's class name)."""
+        return [type(group.kv_cache_spec).__name__ for group in self.model_runner.kv_cache_config.kv_cache_groups]
+
+    def unwatched_group_kinds(self) -> list[str]:
+        """The kinds of the model's KV cache groups the plugin neither watches nor skips."""
+        return [kind for kind in self.kv_cache_group_kinds() if kind not in WATCHED_SPECS and kind not in SKIPPED_SPECS]
+
+    def kv_cache_groups(self, *, drafter: bool = False) -> list[KvCacheGroup]:
+        """The watched KV cache groups (`WATCHED_SPECS`), each with the attention layers of the
+        served model in layer order, then with ``drafter`` those of `drafter_layer_names` in
+        the group (a group of none of the served model's layers is not watched)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        indices = watched_group_indices(self.model_runner)
+        if not indices:
+            return []
+        groups = self.model_runner.kv_cache_config.kv_cache_groups
+        context = self.model_runner.compilation_config.static_forward_context
+        served = self._served_layer_names()
+        watched = []
+        for index in indices:
+            spec = groups[index].kv_cache_spec
+            names = sorted((name for name in groups[index].layer_names if name in served), key=extract_layer_index)
+            if not names:
+                continue
+            drafters = (
+                sorted((name for name in groups[index].layer_names if name not in served), key=extract_layer_index) if drafter else []
+            )
+            layers = [
+                AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name(), drafter=name in drafters)
+                for name in names + drafters
+            ]
+            block_size, device_block_table, block_table = self._block_table(index)
+            watched.append(
+                KvCacheGroup(
+                    index,
+                    type(spec).__name__,
+                    layers,
+                    block_size,
+                    device_block_table,
+                    block_table,
+                    sliding_window=getattr(spec, "sliding_window", None),
+                    attention_chunk_size=getattr(spec, "attention_chunk_size", None),
+                )
+            )
+        return watched
+
+    def drafter_layer_names(self) -> list[str]:
+        """The layers of the watched KV cache groups that are not the served model's: a
+        speculative drafter's (a draft model, EAGLE, MTP), which write the pool outside the
+        model's forward, when the drafter proposes."""
+        indices = watched_group_indices(self.model_runner)
+        if not indices:
+            return []
+        served = self._served_layer_names()
+        groups = self.model_runner.kv_cache_config.kv_cache_groups
+        return sorted(name for index in indices for name in groups[index].layer_names if name not in served)
+
+    def _served_layer_names(self) -> set[str]:
+        """The attention layers of the model the runner serves (its ``get_model()``)."""
+        return {
+            module.layer_name for module in self.model_runner.get_model().modules() if isinstance(getattr(module, "layer_name", None), str)
+        }

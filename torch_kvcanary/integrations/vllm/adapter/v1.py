@@ -1,5 +1,5 @@
 """Model Runner V1 (`V1_RUNNER`; vLLM's V1 CPU runner subclasses it): its hooks, the `Step`
-of its forward, and `Runner`, the plugin's view of it."""
+of its forward, and `RunnerV1`, the plugin's view of it."""
 
 from __future__ import annotations
 
@@ -7,16 +7,12 @@ import numpy as np
 import torch
 
 from .common import (
-    BUDGET,
     FORWARD_SEEN,
     HOOKED,
-    SKIPPED_SPECS,
     V1_RUNNER,
-    WATCHED_SPECS,
     WATCHER,
-    AttentionLayer,
-    KvCacheGroup,
-    Plugin,
+    PluginCallbacks,
+    RunnerView,
     Step,
     TokenHistory,
     forward_unseen,
@@ -33,7 +29,7 @@ _SCHEDULED = "_kvcanary_step"
 _PENDING = "_kvcanary_pending"
 
 
-def hook_model_runner(model_runner, plugin: Plugin) -> None:
+def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
     """Model Runner V1, on the instance: a step's forward runs between the watcher's
     ``begin_step`` and ``end_step``; where the watcher waits for the speculative drafter,
     which proposes in ``sample_tokens``, the step ends after that (or, if sampling never
@@ -43,7 +39,7 @@ def hook_model_runner(model_runner, plugin: Plugin) -> None:
     class does: a subclass's overrides, and other plugins' patches of the class, made
     before or after this hook, run inside them. A step whose tokens reached the model
     without passing ``_model_forward`` (a runner that runs its model some other way) stops
-    the engine with ``plugin.refusal`` at that step, so the canary is never silently off."""
+    the engine with ``callbacks.refusal`` at that step, so the canary is never silently off."""
     if model_runner.__dict__.get(HOOKED, False):
         return
     initialize_kv_cache = inner_method(model_runner, "initialize_kv_cache")
@@ -54,7 +50,7 @@ def hook_model_runner(model_runner, plugin: Plugin) -> None:
     def initialize_kv_cache_with_canary(kv_cache_config, is_profiling=False, *args, **kwargs):
         initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
         if not is_profiling:
-            watch(model_runner, plugin.start(model_runner))
+            watch(model_runner, callbacks.start(model_runner))
 
     def execute_model_with_canary(scheduler_output, *args, **kwargs):
         setattr(model_runner, _SCHEDULED, scheduler_output)
@@ -64,7 +60,7 @@ def hook_model_runner(model_runner, plugin: Plugin) -> None:
         finally:
             setattr(model_runner, _SCHEDULED, None)
         if forward_unseen(model_runner, scheduler_output):
-            raise plugin.refusal(
+            raise callbacks.refusal(
                 f"the vLLM plugin did not see the model forward of an engine step of {qualified_name(type(model_runner))}: "
                 f"its execute_model ran the step's tokens without {V1_RUNNER}._model_forward, where the plugin watches each forward"
             )
@@ -132,25 +128,12 @@ def keeps_token_history_on_host(model_runner) -> bool:
     return model_runner.input_batch.token_ids_cpu_tensor.device != torch.device(model_runner.device)
 
 
-class Runner:
-    """One vLLM model runner whose KV cache is allocated, as the plugin reads it:
-    ``model_runner`` (vLLM's Model Runner V1; `runner` gives the right view of any)."""
+class RunnerV1(RunnerView):
+    """A Model Runner V1 (`V1_RUNNER`), as the plugin reads it: its input batch holds the
+    requests by row, with a block table object per KV cache group and the token history on
+    the host (`token_history_on_host` where the model runs on a device)."""
 
     is_v2 = False
-
-    def __init__(self, model_runner):
-        self.model_runner = model_runner
-
-    @property
-    def name(self) -> str:
-        """The runner's class, ``module.qualname``."""
-        return qualified_name(type(self.model_runner))
-
-    @property
-    def kv_cache_budget(self) -> tuple[int, int] | None:
-        """(bytes the worker found for the KV cache, bytes it reported to vLLM for it), or
-        None when vLLM sized the cache without asking this worker."""
-        return getattr(self.model_runner, BUDGET, None)
 
     @property
     def async_scheduling(self) -> bool:
@@ -183,23 +166,6 @@ class Runner:
         context = int(batch.num_computed_tokens_cpu[row])
         return torch.where(batch.is_token_ids_tensor[row, :context], batch.token_ids_cpu_tensor[row, :context], -1)
 
-    @property
-    def kv_transfer_config(self):
-        """vLLM's ``kv_transfer_config`` (a ``KVTransferConfig``), None when none is set."""
-        return self.model_runner.vllm_config.kv_transfer_config
-
-    @property
-    def kv_load_failure_policy(self) -> str | None:
-        """vLLM's ``kv_transfer_config.kv_load_failure_policy`` ("recompute" or "fail"), None without a KV connector."""
-        config = self.model_runner.vllm_config.kv_transfer_config
-        return None if config is None or config.kv_connector is None else config.kv_load_failure_policy
-
-    def kv_connector(self):
-        """This worker's KV connector (vLLM builds it before the KV cache), or None."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        return get_kv_transfer_group() if has_kv_transfer_group() else None
-
     def context(self) -> tuple[list[str], np.ndarray]:
         """The request ids of the input batch's rows and, per row, its tokens in the KV cache."""
         batch = self.model_runner.input_batch
@@ -207,91 +173,11 @@ class Runner:
         return request_ids, batch.num_computed_tokens_cpu[: len(request_ids)].astype(np.int64)
 
     @property
-    def kv_cache_layout(self) -> str:
-        """vLLM's name of the layout its caches are in (a `layouts.VLLM_LAYOUTS` key, or a legacy alias)."""
-        return self.model_runner.cache_config.get_resolved_kv_cache_layout().name
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.model_runner.parallel_config.tensor_parallel_size
-
-    def tensor_parallel_group(self):
-        """The CPU process group of this worker's tensor-parallel ranks."""
-        from vllm.distributed import get_tp_group
-
-        return get_tp_group().cpu_group
-
-    def kv_cache_group_kinds(self) -> list[str]:
-        """The kind of each of the model's KV cache groups (its spec's class name)."""
-        return [type(group.kv_cache_spec).__name__ for group in self.model_runner.kv_cache_config.kv_cache_groups]
-
-    def unwatched_group_kinds(self) -> list[str]:
-        """The kinds of the model's KV cache groups the plugin neither watches nor skips."""
-        return [kind for kind in self.kv_cache_group_kinds() if kind not in WATCHED_SPECS and kind not in SKIPPED_SPECS]
-
-    def kv_cache_groups(self, *, drafter: bool = False) -> list[KvCacheGroup]:
-        """The watched KV cache groups (`WATCHED_SPECS`), each with the attention layers of the
-        served model in layer order, then with ``drafter`` those of `drafter_layer_names` in
-        the group (a group of none of the served model's layers is not watched)."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        indices = watched_group_indices(self.model_runner)
-        if not indices:
-            return []
-        groups = self.model_runner.kv_cache_config.kv_cache_groups
-        context = self.model_runner.compilation_config.static_forward_context
-        served = self._served_layer_names()
-        watched = []
-        for index in indices:
-            spec = groups[index].kv_cache_spec
-            names = sorted((name for name in groups[index].layer_names if name in served), key=extract_layer_index)
-            if not names:
-                continue
-            drafters = (
-                sorted((name for name in groups[index].layer_names if name not in served), key=extract_layer_index) if drafter else []
-            )
-            layers = [
-                AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name(), drafter=name in drafters)
-                for name in names + drafters
-            ]
-            block_size, device_block_table, block_table = self._block_table(index)
-            watched.append(
-                KvCacheGroup(
-                    index,
-                    type(spec).__name__,
-                    layers,
-                    block_size,
-                    device_block_table,
-                    block_table,
-                    sliding_window=getattr(spec, "sliding_window", None),
-                    attention_chunk_size=getattr(spec, "attention_chunk_size", None),
-                )
-            )
-        return watched
-
-    @property
     def drafter_writes_seen(self) -> bool:
         """Whether a watcher's step can end after the speculative drafter has written its
         layers (`Watcher.watches_drafter`): V1's drafter proposes in ``sample_tokens``,
         which the hooks wrap."""
         return True
-
-    def drafter_layer_names(self) -> list[str]:
-        """The layers of the watched KV cache groups that are not the served model's: a
-        speculative drafter's (a draft model, EAGLE, MTP), which write the pool outside the
-        model's forward, when the drafter proposes."""
-        indices = watched_group_indices(self.model_runner)
-        if not indices:
-            return []
-        served = self._served_layer_names()
-        groups = self.model_runner.kv_cache_config.kv_cache_groups
-        return sorted(name for index in indices for name in groups[index].layer_names if name not in served)
-
-    def _served_layer_names(self) -> set[str]:
-        """The attention layers of the model the runner serves (its ``get_model()``)."""
-        return {
-            module.layer_name for module in self.model_runner.get_model().modules() if isinstance(getattr(module, "layer_name", None), str)
-        }
 
     def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
         """KV cache group ``group``'s block size, device block table and block table object

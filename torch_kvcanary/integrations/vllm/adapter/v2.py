@@ -11,7 +11,8 @@ from .common import (
     HOOKED,
     V2_RUNNER,
     WATCHER,
-    Plugin,
+    PluginCallbacks,
+    RunnerView,
     Step,
     TokenHistory,
     Watcher,
@@ -21,10 +22,9 @@ from .common import (
     watch,
     watched_group_indices,
 )
-from .v1 import Runner
 
 
-def hook_model_runner(model_runner, plugin: Plugin) -> None:
+def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
     """Model Runner V2, on the instance: once it has allocated its KV cache (not in a
     profiling run), its watcher is started and its KV connector wrapped (`_ForwardBracket`),
     so that every forward of an engine step runs between the watcher's ``begin_step`` and
@@ -41,13 +41,13 @@ def hook_model_runner(model_runner, plugin: Plugin) -> None:
         initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
         if not is_profiling:
             model_runner.kv_connector = _ForwardBracket(model_runner.kv_connector, model_runner)
-            watch(model_runner, plugin.start(model_runner))
+            watch(model_runner, callbacks.start(model_runner))
 
     def execute_model_with_canary(scheduler_output, *args, **kwargs):
         setattr(model_runner, FORWARD_SEEN, False)
         output = execute_model(scheduler_output, *args, **kwargs)
         if forward_unseen(model_runner, scheduler_output):
-            raise plugin.refusal(
+            raise callbacks.refusal(
                 f"the vLLM plugin did not see the model forward of an engine step of {qualified_name(type(model_runner))}: "
                 f"its execute_model ran the step's tokens without its KV connector's pre_forward ({V2_RUNNER}'s bracket "
                 "of every forward), where the plugin watches each forward"
@@ -117,7 +117,7 @@ def step_v2(model_runner, scheduler_output, input_batch) -> Step:
     )  # fmt: skip
 
 
-class RunnerV2(Runner):
+class RunnerV2(RunnerView):
     """A Model Runner V2 (`V2_RUNNER`), as the plugin reads it. V2 keeps a request's state by
     request-state index and gathers, before each forward, the block tables attention reads
     into persistent buffers in input-batch order; the forward's `Step` comes from V2's
@@ -155,6 +155,3 @@ class RunnerV2(Runner):
         (`Step.history_rows`), on the runner's device."""
         history = self.model_runner.req_states.all_token_ids.gpu
         return TokenHistory(history, None) if history.device == device else None
-
-    def context(self) -> tuple[list[str], np.ndarray]:
-        raise NotImplementedError("kv-canary: the KV connector reads Model Runner V1's input batch")

@@ -366,7 +366,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         so that the canary flags a slot there until a forward writes it again."""
         canary = self.canary
         flagged_blocks = set((flagged // canary.block_size).tolist())
-        request_ids, _ = adapter.runner(canary.runner).context()
+        request_ids, _ = canary.runner_view.context()
         stale = []
         for group in canary.groups:
             for row in range(len(request_ids)):
@@ -386,7 +386,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         drill, canary = self.drill, self.canary
         if drill.rng.random() >= drill.probability:
             return
-        _, context = adapter.runner(canary.runner).context()
+        _, context = canary.runner_view.context()
         rows = np.flatnonzero(context > 0)
         if not len(rows):
             return
