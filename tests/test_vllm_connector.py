@@ -406,8 +406,9 @@ class _FakeRunner:
         return list(self._kinds)
 
 
-class KvCanaryConnector:  # what the plugin recognises the connector by: its class name
-    pass
+def _ours():
+    """An instance of the connector's class, unbuilt: what the plugin recognises the connector by is its class."""
+    return object.__new__(connector.KvCanaryConnector)
 
 
 @pytest.mark.parametrize(
@@ -415,17 +416,17 @@ class KvCanaryConnector:  # what the plugin recognises the connector by: its cla
     [
         (
             "repair",
-            _FakeRunner(KvCanaryConnector(), async_scheduling=True),
+            _FakeRunner(_ours(), async_scheduling=True),
             r"synchronous scheduling \(--no-async-scheduling, or async_scheduling=False\)",
         ),
         (
             "repair",
-            _FakeRunner(KvCanaryConnector(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
+            _FakeRunner(_ours(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
             r"a model with one KV cache group, this one has 2 \(SlidingWindowSpec, FullAttentionSpec\)",
         ),
         (
             "quarantine",
-            _FakeRunner(KvCanaryConnector(), failure_policy="recompute"),
+            _FakeRunner(_ours(), failure_policy="recompute"),
             r'"kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
         ),
         ("log", _FakeRunner(None), "vLLM's KV connector to be KvCanaryConnector"),  # with a drill
@@ -443,7 +444,7 @@ def test_without_a_connector_policy_the_connector_is_optional():
     state.policy, state.drill = "log", 0.0
     state.runner_view = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
     assert state._connector() is None
-    ours = KvCanaryConnector()
+    ours = _ours()
     state.runner_view = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
     assert state._connector() is ours  # its counters, whatever the policy
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -103,7 +104,11 @@ class WorkerCanary:
     The KV cache groups of a model share one pool of blocks (vLLM's hybrid allocator
     overlays their layers on the same tensors, and gives each block to one group at a
     time), so one canary covers them all, slot = block * block_size + offset, and each
-    group verifies and records through its own block table and slot mapping."""
+    group verifies and records through its own block table and slot mapping.
+
+    The KV connector (`connector.KvCanaryConnector`) works through this object's methods:
+    `stats`, `step_flagged_slots`, `invalidate_from_flagged_blocks`, `context_slot`,
+    `first_element`, `records`, `record_loaded` and `invalidate`."""
 
     def __init__(self, model_runner, chosen: Settings):
         self.model_runner = model_runner
@@ -174,7 +179,7 @@ class WorkerCanary:
         requests only with synchronous scheduling and one KV cache group, and acts on them
         by the connector's kv_load_failure_policy."""
         connector = self.runner_view.kv_connector()
-        ours = connector if type(connector).__name__ == CONNECTOR else None
+        ours = connector if connector is not None and _is_canary_connector(connector) else None
         if connector is not None and ours is None:
             from .connector import check_unwrapped  # imports vLLM's connector classes, which a configured connector has loaded
 
@@ -279,6 +284,72 @@ class WorkerCanary:
         if isinstance(self._flagged, _CanaryStep):
             self._flagged = _flagged_slots(self._flagged)
         return self._flagged
+
+    # What the KV connector asks --------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The canary's counters (`KvCanary.stats`)."""
+        return self.canary.stats()
+
+    def invalidate_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
+        """Breaks the records of every slot from each affected request's first flagged
+        block on (a request of the input batch whose blocks hold a slot of ``flagged``), in
+        every watched group, so that verify flags a slot there until a forward writes it
+        again. Model Runner V1 (`adapter.RunnerV1.context`), which the KV connector needs."""
+        flagged_blocks = set((flagged // self.block_size).tolist())
+        request_ids, _ = self.runner_view.context()
+        stale = []
+        for group in self.groups:
+            for row in range(len(request_ids)):
+                blocks = group.row_blocks(row)
+                bad = np.flatnonzero(np.isin(blocks, list(flagged_blocks)))
+                if len(bad):
+                    stale.append(blocks[bad[0] :])
+        if not stale:
+            return
+        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self.canary.device)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).reshape(-1)
+        self.canary.invalidate(slots[(slots != adapter.NULL_SLOT) & (slots < self.canary.capacity)])
+
+    def context_slot(self, rng: random.Random) -> int | None:
+        """A slot, chosen with ``rng``, that a request of the input batch reads as context
+        in the first watched group; None when no request has context. Model Runner V1
+        (`adapter.RunnerV1.context`), which the KV connector needs."""
+        _, context = self.runner_view.context()
+        rows = np.flatnonzero(context > 0)
+        if not len(rows):
+            return None
+        row = int(rng.choice(rows))
+        group = self.groups[0]
+        position = rng.randrange(int(group.first_attended(context[row : row + 1])[0]), int(context[row]))
+        device = self.canary.device
+        return int(group.slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
+
+    def first_element(self, slot: int) -> torch.Tensor:
+        """The first element of ``slot``'s bytes in the canary's first source (a view into
+        the KV cache), which every fold reads."""
+        view = self.canary.sources[0].as_view()
+        token = view[slot // view.shape[1], slot % view.shape[1]]
+        return token[(0,) * token.dim()]
+
+    def records(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records of ``slots`` (int64 ``[len(slots), 4]``, `RECORD_FIELDS`), a copy on the canary's device."""
+        return self.canary.records[slots.to(self.canary.device, torch.int64)]
+
+    def record_loaded(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Records ``slots``, which a KV connector has just loaded with the first tokens of a
+        request (``tokens``, one per slot): positions from 0, each slot chained through the
+        one before. Their records, as `records` gives them."""
+        device = self.canary.device
+        slots = slots.to(device, torch.int64)
+        prev_slots = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), slots[:-1]])
+        positions = torch.arange(len(slots), device=device)
+        self.canary.record(slots, positions=positions, tokens=tokens.to(device, torch.int64), prev_slots=prev_slots)
+        return self.records(slots)
+
+    def invalidate(self, slots: torch.Tensor) -> None:
+        """Breaks the records of ``slots`` (`KvCanary.invalidate`): verify flags each until a forward writes it again."""
+        self.canary.invalidate(slots.to(self.canary.device, torch.int64))
 
     @contextlib.contextmanager
     def _guarded(self):
@@ -529,6 +600,15 @@ class TokenCopy:
     def record(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """After a step's forward: the token at each (input-batch row, position) it wrote."""
         self.tokens[rows, positions] = tokens.to(torch.int32)
+
+
+def _is_canary_connector(connector) -> bool:
+    """Whether ``connector`` is a `connector.KvCanaryConnector` (an instance of that class,
+    not of one named like it). The import loads vLLM's connector classes, which a configured
+    connector has loaded already."""
+    from .connector import KvCanaryConnector
+
+    return isinstance(connector, KvCanaryConnector)
 
 
 def _flagged_slots(step: _CanaryStep) -> torch.Tensor:

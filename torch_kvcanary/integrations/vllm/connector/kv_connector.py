@@ -38,7 +38,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -46,10 +45,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from ....canary import RECORD_FIELDS, Violation
+from ....canary import Violation
 from .. import adapter
 from ..config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
-from .drill import _INTEGERS, Drill, _top_byte_bit
+from .drill import Drill
 from .stats import CanaryPromMetrics, CanaryStats
 from .transfer import DiskTransfer
 
@@ -57,8 +56,6 @@ logger = logging.getLogger(adapter.LOGGER)
 
 INNER = "inner"
 """The key of ``kv_connector_extra_config`` that holds the inner connector's ``kv_transfer_config``."""
-
-_FOLD = RECORD_FIELDS.index("fold")
 
 
 @dataclass
@@ -80,7 +77,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self._transfer = DiskTransfer(self.inner) if type(self.inner).__name__ in DiskTransfer.CONNECTORS else None
-        self.canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it
+        self.worker_canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it (`watch`)
         self.stats = CanaryStats()
         self.drill: Drill | None = None
         groups = kv_cache_config.kv_cache_groups
@@ -93,10 +90,10 @@ class KvCanaryConnector(KVConnectorBase_V1):
     # The plugin's side -----------------------------------------------------------
 
     def watch(self, canary) -> None:
-        """Called by the plugin once the worker's canary is built."""
-        self.canary = canary
+        """Called by the plugin once the worker's canary (`worker.WorkerCanary`) is built."""
+        self.worker_canary = canary
         self.drill = Drill(canary.drill) if canary.drill else None
-        counters = canary.canary.stats()
+        counters = canary.stats()
         self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
 
     def count(self, violations: list[Violation]) -> None:
@@ -104,7 +101,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self.stats.add_violations(violations)
 
     def _reports_blocks(self) -> bool:
-        return self.canary is not None and self.canary.policy in CONNECTOR_POLICIES
+        return self.worker_canary is not None and self.worker_canary.policy in CONNECTOR_POLICIES
 
     # Worker side -----------------------------------------------------------------
 
@@ -118,7 +115,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self._steps += 1
         if self.inner is not None:
             self.inner.bind_connector_metadata(connector_metadata.inner)
-        if self._forward and self.drill is not None and self.canary is not None and self.canary.on:
+        if self._forward and self.drill is not None and self.worker_canary is not None and self.worker_canary.on:
             self._run_drill()
 
     def clear_connector_metadata(self) -> None:
@@ -132,16 +129,16 @@ class KvCanaryConnector(KVConnectorBase_V1):
         landed bytes or the request do not match, so that the step reports their blocks."""
         if self.inner is None:
             return
-        if self._transfer is None or self.canary is None or not self.canary.on:
+        if self._transfer is None or self.worker_canary is None or not self.worker_canary.on:
             self.inner.start_load_kv(forward_context, **kwargs)
             return
         try:
             self.inner.start_load_kv(forward_context, **kwargs)
         except Exception:  # a load that raised: every block it was loading is a load error
             logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
-            self._count_landed(self._transfer.land(self.canary.canary, failed=True))
+            self._count_landed(self._transfer.land(self.worker_canary, failed=True))
             return
-        self._count_landed(self._transfer.land(self.canary.canary))
+        self._count_landed(self._transfer.land(self.worker_canary))
 
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
@@ -161,8 +158,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         saved slots are stored beside them (the forward's slots are recorded by now)."""
         if self.inner is not None:
             self.inner.wait_for_save()
-        if self._transfer is not None and self.canary is not None and self.canary.on:
-            self._transfer.store(self.canary.canary)
+        if self._transfer is not None and self.worker_canary is not None and self.worker_canary.on:
+            self._transfer.store(self.worker_canary)
 
     def get_finished(self, finished_req_ids: set[str]):
         return self.inner.get_finished(finished_req_ids) if self.inner is not None else (None, None)
@@ -178,22 +175,22 @@ class KvCanaryConnector(KVConnectorBase_V1):
         block on are invalidated, so that a request reading them before they are
         recomputed is flagged too."""
         errors = set(self.inner.get_block_ids_with_load_errors()) if self.inner is not None else set()
-        if not self._forward or self.canary is None:
+        if not self._forward or self.worker_canary is None:
             return errors
-        flagged = self.canary.step_flagged_slots()
+        flagged = self.worker_canary.step_flagged_slots()
         self._catch_drills(flagged)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
-            self._invalidate(flagged)
-            if self.canary.policy == "repair":
+            self.worker_canary.invalidate_from_flagged_blocks(flagged)
+            if self.worker_canary.policy == "repair":
                 self.stats.data["blocks_repaired"] += len(blocks)
             errors |= blocks
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The counters since the last call (vLLM calls it every step)."""
-        if self.canary is not None and self.canary.on:
-            counters = self.canary.canary.stats()
+        if self.worker_canary is not None and self.worker_canary.on:
+            counters = self.worker_canary.stats()
             self.stats.data["slots_verified"] += counters["slots_verified"] - self._verified
             self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
@@ -360,53 +357,16 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     # The canary's work -----------------------------------------------------------
 
-    def _invalidate(self, flagged: torch.Tensor) -> None:
-        """Breaks the fold of every record from each affected request's first flagged block
-        on (a request of the step whose blocks hold a flagged slot), in every watched group,
-        so that the canary flags a slot there until a forward writes it again."""
-        canary = self.canary
-        flagged_blocks = set((flagged // canary.block_size).tolist())
-        request_ids, _ = canary.runner_view.context()
-        stale = []
-        for group in canary.groups:
-            for row in range(len(request_ids)):
-                blocks = group.row_blocks(row)
-                bad = np.flatnonzero(np.isin(blocks, list(flagged_blocks)))
-                if len(bad):
-                    stale.append(blocks[bad[0] :])
-        if not stale:
-            return
-        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(flagged.device)
-        slots = (blocks[:, None] * canary.block_size + torch.arange(canary.block_size, device=blocks.device)).reshape(-1)
-        slots = slots[(slots != adapter.NULL_SLOT) & (slots < canary.canary.capacity)]
-        canary.canary.records[slots, _FOLD] ^= 1
-
     def _run_drill(self) -> None:
-        """With the drill's probability, flips one byte of a slot a request of this step reads."""
-        drill, canary = self.drill, self.canary
-        if drill.rng.random() >= drill.probability:
-            return
-        _, context = canary.runner_view.context()
-        rows = np.flatnonzero(context > 0)
-        if not len(rows):
-            return
-        row = int(drill.rng.choice(rows))
-        position = drill.rng.randrange(int(canary.groups[0].first_attended(context[row : row + 1])[0]), int(context[row]))
-        device = canary.canary.device
-        slot = int(canary.groups[0].slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
-        view = canary.canary.sources[0].as_view()
-        token = view[slot // view.shape[1], slot % view.shape[1]]
-        first = token[(0,) * token.dim()]  # the slot's first element, which every fold reads
-        first.view(_INTEGERS[first.element_size()]).bitwise_xor_(_top_byte_bit(first.element_size(), drill.rng.randrange(8)))
-        drill.pending[slot] = self._steps
-        self.stats.data["drills_injected"] += 1
+        if self.drill.run(self.worker_canary, self._steps):
+            self.stats.data["drills_injected"] += 1
 
     def _catch_drills(self, flagged: torch.Tensor) -> None:
         if self.drill is None or not self.drill.pending:
             return
-        for slot in set(flagged.tolist()) & set(self.drill.pending):
+        for steps in self.drill.caught(set(flagged.tolist()), self._steps):
             self.stats.data["drills_caught"] += 1
-            self.stats.data["drill_steps_to_catch"] += self._steps - self.drill.pending.pop(slot)
+            self.stats.data["drill_steps_to_catch"] += steps
 
 
 def _inner_config(vllm_config):

@@ -10,8 +10,6 @@ import torch
 from ....canary import RECORD_FIELDS
 from .. import adapter
 
-_FOLD = RECORD_FIELDS.index("fold")
-
 
 class DiskTransfer:
     """Verified transfers through a connector that stores a request's blocks in a folder of
@@ -40,33 +38,31 @@ class DiskTransfer:
         return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
 
     def store(self, canary) -> None:
-        """Stores the records of the slots each saved request's files hold."""
+        """Stores the records of the slots each saved request's files hold, from the
+        worker's canary (`worker.WorkerCanary`)."""
         for request in self._requests():
             if request.is_store:
-                records = canary.records[request.slot_mapping.to(canary.device, torch.int64)]
+                records = canary.records(request.slot_mapping)
                 safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
 
     def land(self, canary, *, failed: bool = False) -> tuple[int, int]:
-        """Adopts the records of every slot the inner connector loaded in this step,
-        breaking those that do not match (all of them when the load ``failed``): (slots
-        verified, slots that failed)."""
+        """Has the worker's canary (`worker.WorkerCanary`) record every slot the inner
+        connector loaded in this step, and invalidate those whose records do not match
+        the stored ones (all of them when the load ``failed``): (slots verified, slots that
+        failed)."""
         verified = bad_count = 0
         for request in self._requests():
             if request.is_store:
                 continue
-            slots = request.slot_mapping.to(canary.device, torch.int64)
+            slots = request.slot_mapping.to(torch.int64)
             count = len(slots)
-            positions = torch.arange(count, device=canary.device)
-            tokens = request.token_ids[:count].to(canary.device, torch.int64)
-            prev_slots = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=canary.device), slots[:-1]])
-            canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
+            landed = canary.record_loaded(slots, request.token_ids[:count])
             stored = None if failed else self._stored(request, count)
-            landed = canary.records[slots]
             if stored is None:
-                bad = torch.ones(count, dtype=torch.bool, device=canary.device)
+                bad = torch.ones(count, dtype=torch.bool, device=landed.device)
             else:
                 bad = (landed != stored.to(landed.device)).any(dim=1)
-            canary.records[slots[bad], _FOLD] ^= 1
+            canary.invalidate(slots[bad.to(slots.device)])
             verified += count
             bad_count += int(bad.sum())
         return verified, bad_count
