@@ -60,7 +60,7 @@ the unwritten rows of each request's last block are verified too, and every slot
 block the forward wrote gets its fold recomputed (`KvCanary.refold`). The context's
 tokens are checked against the runner's token history: V2's, on its device; V1's where it
 lives on the canary's device (vLLM's CPU build, whose scheduling is synchronous); and where
-V1 keeps it on the host (a GPU), against the canary's `TokenCopy` of it on the device.
+V1 keeps it on the host (a GPU), against the canary's `worker.TokenCopy` of it on the device.
 
 An exception of the plugin's own code in a step (not a violation) stops the engine under
 ``raise``; under ``log`` it is logged once at ERROR with its traceback and the canary turns
@@ -68,6 +68,8 @@ itself off in that worker, which keeps serving.
 
 Everything the plugin reads from or hooks into vLLM goes through `adapter`, which also says
 which vLLM versions it supports: with ``KVCANARY_VLLM`` set, any other version is refused.
+This module is the entry point; the switches are `config`'s, the worker's canary is
+`worker.WorkerCanary`, what the log says is `reports`', and the KV connector is `connector`'s.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def _start(model_runner, chosen: Settings) -> WorkerCanary:
 def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int, fixed_bytes: int = 0) -> int:
     """The bytes of ``available`` (what a worker found for its KV cache) by which vLLM may
     size the KV cache, so that the cache and its canary fit in ``available`` together: the
-    canary's fixed part (``fixed_bytes`` besides its tables: a `TokenCopy`) comes off the
+    canary's fixed part (``fixed_bytes`` besides its tables: a `worker.TokenCopy`) comes off the
     top, and the rest is split between a slot's KV bytes and its `SLOT_BYTES`. vLLM gives
     the cache at most the budget, in whole blocks."""
     fixed = KvCanary.device_bytes(0) + fixed_bytes
