@@ -1,6 +1,7 @@
 """What the adapter's modules share: the values the hooks hand the plugin (`Step`,
-`TokenHistory`, `KvCacheGroup`), what they ask of it (`Watcher`, `PluginCallbacks`), the attributes
-they keep on vLLM's objects, and the helpers both runners' hooks use."""
+`TokenHistory`, `KvCacheGroup`), what they ask of it (`Watcher`, `PluginCallbacks`), the
+attributes they keep on vLLM's objects, the helpers both runners' hooks use, and what the
+plugin reads of either runner (`RunnerView`)."""
 
 from __future__ import annotations
 
