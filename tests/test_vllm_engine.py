@@ -261,7 +261,7 @@ def test_the_start_line_is_in_vllms_log(engine):
     watching = [line for line in llm.startup_log.splitlines() if "kv-canary: watching" in line]
     (line,) = watching  # vLLM's format: process and pid, level, time, file and line
     pattern = (
-        r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[plugin\.py:\d+\] kv-canary: watching "
+        r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] kv-canary: watching "
         r"vllm\.v1\.worker\.cpu_model_runner\.CPUModelRunner: 1 KV cache group \(FullAttentionSpec\), 2 layers \(2 caches, LBHNC\), "
         rf"{NUM_BLOCKS * BLOCK_SIZE} slots in blocks of {BLOCK_SIZE}; mode ALL, policy log; "
         r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache$"
@@ -556,7 +556,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         raise ZeroDivisionError("a fault injected into the plugin")
 
     assert lines.take() == []
-    monkeypatch.setattr(plugin, "step_plan", fault)
+    monkeypatch.setattr(worker, "step_plan", fault)
     try:
         outputs = llm.generate(prompts, [_params(30, i) for i in range(3)], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
@@ -643,7 +643,7 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
 
-    monkeypatch.setattr(plugin, "step_plan", fault)
+    monkeypatch.setattr(worker, "step_plan", fault)
     state.policy = "raise"
     try:
         with pytest.raises(Exception) as raised:
