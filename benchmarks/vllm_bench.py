@@ -75,18 +75,18 @@ def child(args) -> None:
     from vllm import LLM
 
     from torch_kvcanary import HashMode
-    from torch_kvcanary.integrations.vllm import adapter, plugin
+    from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker
 
     llm = LLM(
         model=args.model_dir, dtype="bfloat16", max_model_len=1024, block_size=32, enforce_eager=True,
         distributed_executor_backend="uni", enable_prefix_caching=True, kv_cache_memory_bytes=256 << 20,
         gpu_memory_utilization=0.05, max_num_seqs=args.requests,
     )  # fmt: skip
-    runner = plugin.active().runner
+    runner = plugin.active().model_runner
     canaries = {
         "off": None,
-        "partial": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.PARTIAL, every=args.every)),
-        "all": plugin.WorkerCanary(runner, plugin.Settings("log", HashMode.ALL, every=args.every)),
+        "partial": worker.WorkerCanary(runner, config.Settings("log", HashMode.PARTIAL, every=args.every)),
+        "all": worker.WorkerCanary(runner, config.Settings("log", HashMode.ALL, every=args.every)),
     }
     prompts, params = workload(args.requests, args.prompt_len, args.output_len)
     rates = {setting: [] for setting in SETTINGS}
@@ -110,7 +110,7 @@ def step_time_child(args) -> None:
     import torch
     from vllm import LLM
 
-    from torch_kvcanary.integrations.vllm import plugin
+    from torch_kvcanary.integrations.vllm import plugin, worker
 
     longest = max(args.prompt_lens) + args.output_len
     llm = LLM(
@@ -122,7 +122,7 @@ def step_time_child(args) -> None:
     begin_step, end_step = watcher.begin_step, watcher.end_step
     seconds: list[float] = []
     phases: list[dict[str, float]] = []  # per step, the seconds of each of `PHASES`
-    _time_phases(watcher, plugin, phases)
+    _time_phases(watcher, worker, phases)
 
     def timed(method, first: bool):
         def call(arg):
@@ -171,7 +171,7 @@ PLUGIN_RANGE = "kvcanary_vllm_plugin"
 PHASES = ("plan", "context", "expand", "verify", "record", "refold", "poll")
 
 
-def _time_phases(watcher, plugin, phases: list[dict[str, float]]) -> None:
+def _time_phases(watcher, worker, phases: list[dict[str, float]]) -> None:
     """Wraps the calls of `PHASES` so that each adds its seconds to the current step's entry of ``phases``."""
 
     def timed(call, name: str):
@@ -184,7 +184,7 @@ def _time_phases(watcher, plugin, phases: list[dict[str, float]]) -> None:
 
         return wrapper
 
-    plugin.step_plan = timed(plugin.step_plan, "plan")
+    worker.step_plan = timed(worker.step_plan, "plan")
     watcher._slots = timed(watcher._slots, "expand")
     watcher.canary.verify_context = timed(watcher.canary.verify_context, "context")
     for name in ("verify", "record", "refold", "poll"):

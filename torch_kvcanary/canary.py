@@ -493,6 +493,19 @@ class KvCanary:
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots}) from None
 
+    def invalidate(self, slots: torch.Tensor) -> None:
+        """Make `verify` flag ``slots`` (a fold mismatch) until a `record` call writes them
+        again: for slots the engine knows to be bad or stale (blocks it was told to
+        recompute, KV loaded that does not match what was stored with it). Each fold is
+        recomputed from the slot's bytes as they are now (`refold`) and then changed, so it
+        differs from the fold of those bytes however many times a slot is invalidated; the
+        token, position, chain and owner are kept. ``slots`` are int32 or int64 on the
+        canary's device; negative ones are skipped, the others must lie in
+        ``[0, capacity)`` (IndexError). Eager (the range check syncs)."""
+        self.refold(slots)
+        kept = slots.reshape(-1).long()
+        self._records[torch.unique(kept[kept >= 0]), _FOLD] ^= 1
+
     def _check_slot_tensor(self, value, name: str) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor, got {getattr(value, 'dtype', type(value).__name__)}")

@@ -16,7 +16,7 @@ import torch_kvcanary as kc
 from benchmarks import upstream_baseline
 from torch_kvcanary import digest as digest_units
 from torch_kvcanary import layouts, ops, paged_step
-from torch_kvcanary.integrations.vllm import plugin
+from torch_kvcanary.integrations.vllm import config, plugin
 from torch_kvcanary.transfer import verify_transfer
 
 U8 = torch.zeros(4, 2, 64, dtype=torch.uint8)  # a good view: 4 pages of 2 slots of 64 bytes
@@ -956,7 +956,7 @@ def test_vllm_plugin_refuses_bad_settings(monkeypatch, policy, mode, message):
     monkeypatch.setenv("KVCANARY_VLLM", policy)
     monkeypatch.setenv("KVCANARY_VLLM_MODE", mode)
     with pytest.raises(ValueError, match="^kv-canary: " + message.replace("(", r"\(").replace(")", r"\)")):
-        plugin.settings()
+        config.settings()
     with pytest.raises(ValueError, match="^kv-canary: "):
         plugin.register()
 
@@ -967,7 +967,7 @@ def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
     monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
     message = f"^kv-canary: KVCANARY_VLLM_SUMMARY_S must be a number of seconds >= 0 \\(0: after every step\\), got '{value}'$"
     with pytest.raises(ValueError, match=message):
-        plugin.settings()
+        config.settings()
     with pytest.raises(ValueError, match=message):
         plugin.register()
 
@@ -978,7 +978,7 @@ def test_vllm_plugin_refuses_a_drill_probability_out_of_range(monkeypatch, value
     monkeypatch.setenv("KVCANARY_VLLM_DRILL", value)
     message = rf"^kv-canary: KVCANARY_VLLM_DRILL must be a probability per step in \[0, 1\] \(0 or unset: no drills\), got '{value}'$"
     with pytest.raises(ValueError, match=message):
-        plugin.settings()
+        config.settings()
     with pytest.raises(ValueError, match=message):
         plugin.register()
 
@@ -989,4 +989,4 @@ def test_vllm_plugin_refuses_bad_every(monkeypatch, value):
     monkeypatch.setenv("KVCANARY_VLLM_EVERY", value)
     message = f"^kv-canary: KVCANARY_VLLM_EVERY must be an int >= 1 \\(1: every context slot at every step\\), got '{value}'$"
     with pytest.raises(ValueError, match=message):
-        plugin.settings()
+        config.settings()

@@ -34,7 +34,7 @@ from test_vllm_engine import (  # noqa: E402
 from vllm_serve import Server  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations.vllm import connector, plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import config, connector, plugin, worker  # noqa: E402
 
 # K and V of float32, twice bf16's bytes; the canary's records beside them.
 FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
@@ -47,7 +47,7 @@ def connector_engine(model, policy: str, *, failure_policy: str | None = None, e
     configured with ``failure_policy`` (by default the one ``policy`` needs), vLLM's stats
     on (its Prometheus metrics in ``prometheus_client.REGISTRY``)."""
     transfer = {
-        "kv_connector": plugin.CONNECTOR,
+        "kv_connector": config.CONNECTOR,
         "kv_role": "kv_both",
         "kv_load_failure_policy": failure_policy or FAILURE_POLICY.get(policy, "recompute"),
     }
@@ -134,10 +134,10 @@ def repair_engine(tiny_llama):
 def test_the_connector_is_registered_under_its_class_name(repair_engine):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    assert connector.KvCanaryConnector.__name__ == plugin.CONNECTOR
-    assert KVConnectorFactory.get_connector_class_by_name(plugin.CONNECTOR) is connector.KvCanaryConnector
+    assert connector.KvCanaryConnector.__name__ == config.CONNECTOR
+    assert KVConnectorFactory.get_connector_class_by_name(config.CONNECTOR) is connector.KvCanaryConnector
     plugin.register()  # again: nothing happens
-    assert KVConnectorFactory.get_connector_class_by_name(plugin.CONNECTOR) is connector.KvCanaryConnector
+    assert KVConnectorFactory.get_connector_class_by_name(config.CONNECTOR) is connector.KvCanaryConnector
 
 
 def test_without_an_inner_connector_scheduling_is_unchanged(repair_engine):
@@ -294,7 +294,7 @@ def test_a_mapping_violation_under_repair_stops_the_step(repair_engine):
 
 
 def test_a_drill_is_caught_and_repaired(tiny_llama):
-    environ = {plugin.DRILL_ENV: "0.5"}
+    environ = {config.DRILL_ENV: "0.5"}
     with connector_engine(tiny_llama, "repair", environ=environ) as (llm, lines, _):
         assert "policy repair through KvCanaryConnector, drills with probability 0.5 per step;" in llm.startup_log
         ours = _worker_connector()
@@ -377,7 +377,7 @@ def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy
 
 
 class _FakeRunner:
-    """The `adapter.Runner` facts the preconditions read."""
+    """The `adapter.RunnerView` facts the preconditions read."""
 
     is_v2 = False
 
@@ -396,8 +396,9 @@ class _FakeRunner:
         return list(self._kinds)
 
 
-class KvCanaryConnector:  # what the plugin recognises the connector by: its class name
-    pass
+def _ours():
+    """An instance of the connector's class, unbuilt: what the plugin recognises the connector by is its class."""
+    return object.__new__(connector.KvCanaryConnector)
 
 
 @pytest.mark.parametrize(
@@ -405,36 +406,36 @@ class KvCanaryConnector:  # what the plugin recognises the connector by: its cla
     [
         (
             "repair",
-            _FakeRunner(KvCanaryConnector(), async_scheduling=True),
+            _FakeRunner(_ours(), async_scheduling=True),
             r"synchronous scheduling \(--no-async-scheduling, or async_scheduling=False\)",
         ),
         (
             "repair",
-            _FakeRunner(KvCanaryConnector(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
+            _FakeRunner(_ours(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
             r"a model with one KV cache group, this one has 2 \(SlidingWindowSpec, FullAttentionSpec\)",
         ),
         (
             "quarantine",
-            _FakeRunner(KvCanaryConnector(), failure_policy="recompute"),
+            _FakeRunner(_ours(), failure_policy="recompute"),
             r'"kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
         ),
         ("log", _FakeRunner(None), "vLLM's KV connector to be KvCanaryConnector"),  # with a drill
     ],
 )
 def test_each_precondition_of_the_connector_policies(policy, runner, needs):
-    state = object.__new__(plugin.WorkerCanary)
-    state.policy, state.drill, state._vllm = policy, 0.01 if policy == "log" else 0.0, runner
+    state = object.__new__(worker.WorkerCanary)
+    state.policy, state.drill, state.runner_view = policy, 0.01 if policy == "log" else 0.0, runner
     with pytest.raises(ValueError, match=f"^kv-canary: KVCANARY_VLLM={policy}.* needs {needs}"):
         state._connector()
 
 
 def test_without_a_connector_policy_the_connector_is_optional():
-    state = object.__new__(plugin.WorkerCanary)
+    state = object.__new__(worker.WorkerCanary)
     state.policy, state.drill = "log", 0.0
-    state._vllm = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
+    state.runner_view = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
     assert state._connector() is None
-    ours = KvCanaryConnector()
-    state._vllm = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
+    ours = _ours()
+    state.runner_view = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
     assert state._connector() is ours  # its counters, whatever the policy
 
 
@@ -452,7 +453,7 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-    monkeypatch.setenv(plugin.POLICY_ENV, "log")
+    monkeypatch.setenv(config.POLICY_ENV, "log")
     plugin.register()  # the connector's name, as in every process vLLM starts with the plugin on
 
     assert connector.CanaryStats().is_empty()
@@ -463,7 +464,7 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
     assert total.data["violations"]["verify_real_kv_hash"] == 5 and total.data["violations"]["verify_token"] == 1
     assert (total.data["slots_verified"], total.data["slots_recorded"], total.data["blocks_repaired"]) == (150, 7, 1)
     # vLLM's periodic stats log: the payload rebuilt by the connector class, over two steps.
-    logging = KVConnectorLogging(KVTransferConfig(kv_connector=plugin.CONNECTOR, kv_role="kv_both"))
+    logging = KVConnectorLogging(KVTransferConfig(kv_connector=config.CONNECTOR, kv_role="kv_both"))
     logging.observe(total.to_dict())
     logging.observe(_stats(verify_real_kv_hash=1, requests_failed=2).to_dict())
     said = []
@@ -485,13 +486,13 @@ def _server(model, policy: str, failure_policy: str, drill: float, tokens_per_st
     each a process of its own, on 127.0.0.1) on the float32 model with the plugin under
     ``policy`` and `KvCanaryConnector`, fault drills of probability ``drill``, and at most
     ``tokens_per_step`` tokens a step."""
-    transfer = json.dumps({"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both", "kv_load_failure_policy": failure_policy})
+    transfer = json.dumps({"kv_connector": config.CONNECTOR, "kv_role": "kv_both", "kv_load_failure_policy": failure_policy})
     options = (
         "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(8 << 20),
         "--enforce-eager", "--enable-prefix-caching", "--no-async-scheduling", "--max-num-batched-tokens", str(tokens_per_step),
         "--kv-transfer-config", transfer,
     )  # fmt: skip
-    return Server(model, {plugin.POLICY_ENV: policy, plugin.DRILL_ENV: str(drill)}, options)
+    return Server(model, {config.POLICY_ENV: policy, config.DRILL_ENV: str(drill)}, options)
 
 
 def _tokens_of(answer: dict) -> list[int] | None:
@@ -558,7 +559,7 @@ def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
 @pytest.mark.parametrize("bit", range(8))
 def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
     value = torch.zeros((), dtype=dtype)
-    value.bitwise_xor_(connector._top_byte_bit(size, bit))
+    value.bitwise_xor_(connector.drill._top_byte_bit(size, bit))
     assert value.item() % (1 << 8 * size) == 1 << (8 * (size - 1) + bit)
 
 
@@ -596,7 +597,7 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
     storage.mkdir()
     inner = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     transfer = {
-        "kv_connector": plugin.CONNECTOR,
+        "kv_connector": config.CONNECTOR,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {connector.INNER: inner},
@@ -679,7 +680,7 @@ def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny
     while error is not None and not isinstance(error, ValueError):
         error = error.__cause__ or error.__context__
     assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
-    wrapped = {"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {connector.INNER: both}}
+    wrapped = {"kv_connector": config.CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {connector.INNER: both}}
     assert str(error) == (
         'kv-canary: vLLM\'s KV connector ExampleConnector with "kv_role": "kv_both" loads KV into the cache outside the '
         "model's forward, into slots the canary holds no records of, which it would report as corrupt: serve it as "
@@ -711,7 +712,7 @@ def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_
     def transfer(role: str) -> dict:
         inner = {"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
         return {
-            "kv_connector": plugin.CONNECTOR,
+            "kv_connector": config.CONNECTOR,
             "kv_role": role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"inner": inner},

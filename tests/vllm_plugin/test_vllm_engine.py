@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24
@@ -93,12 +93,12 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", en
         return preempt(self, request, *args, **kwargs)
 
     environ = environ or {}
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", plugin.POLICY_ENV, plugin.SUMMARY_ENV, *environ)}
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", config.POLICY_ENV, config.SUMMARY_ENV, *environ)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ[plugin.POLICY_ENV] = policy
+    os.environ[config.POLICY_ENV] = policy
     # A summary line only where a test asks for one (`Reports.interval`): with the default
     # of 60 s one would come whenever a slow run of a test passed a minute.
-    os.environ[plugin.SUMMARY_ENV] = "86400"
+    os.environ[config.SUMMARY_ENV] = "86400"
     os.environ.update(environ)
     Scheduler._preempt_request = counting_preempt
     lines = Lines()
@@ -189,14 +189,14 @@ class Driver:
             self.step()
             rows = self.rows()
             if len(rows) == len(self.ids) and all(
-                state.runner.input_batch.num_computed_tokens_cpu[row] >= 2 * BLOCK_SIZE + 4 for row in rows.values()
+                state.model_runner.input_batch.num_computed_tokens_cpu[row] >= 2 * BLOCK_SIZE + 4 for row in rows.values()
             ):
                 return
         raise AssertionError(f"requests {self.ids} did not all reach decoding")
 
     def rows(self) -> dict[str, int]:
         """vLLM's internal id (ours plus a suffix) -> input-batch row, for our running requests."""
-        batch = plugin.active().runner.input_batch
+        batch = plugin.active().model_runner.input_batch
         return {rid: row for row, rid in enumerate(batch.req_ids) if rid is not None and rid.rsplit("-", 1)[0] in self.ids}
 
     def internal_id(self, request_id: str) -> str:
@@ -210,7 +210,7 @@ class Driver:
 
     def context(self, request_id: str) -> int:
         """The tokens of the request in the KV cache."""
-        return int(plugin.active().runner.input_batch.num_computed_tokens_cpu[self.rows()[self.internal_id(request_id)]])
+        return int(plugin.active().model_runner.input_batch.num_computed_tokens_cpu[self.rows()[self.internal_id(request_id)]])
 
     def finish(self) -> None:
         self.engine.abort_request(self.ids)
@@ -223,7 +223,7 @@ def test_the_plugin_watches_every_layer(engine):
     llm, _, _ = engine
     state = plugin.active()
     assert state is not None and state.policy == "log"
-    runner = state.runner
+    runner = state.model_runner
     context = runner.compilation_config.static_forward_context
     names = [n for n in context if hasattr(context[n], "kv_cache") and isinstance(context[n].kv_cache, torch.Tensor)]
     assert len(state.kv_caches) == 2 and {t.data_ptr() for t in state.kv_caches} == {context[n].kv_cache.data_ptr() for n in names}
@@ -252,7 +252,7 @@ def test_the_start_line_is_in_vllms_log(engine):
     watching = [line for line in llm.startup_log.splitlines() if "kv-canary: watching" in line]
     (line,) = watching  # vLLM's format: process and pid, level, time, file and line
     pattern = (
-        r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[plugin\.py:\d+\] kv-canary: watching "
+        r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] kv-canary: watching "
         r"vllm\.v1\.worker\.cpu_model_runner\.CPUModelRunner: 1 KV cache group \(FullAttentionSpec\), 2 layers \(2 caches, LBHNC\), "
         rf"{NUM_BLOCKS * BLOCK_SIZE} slots in blocks of {BLOCK_SIZE}; mode ALL, policy log; "
         r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache$"
@@ -265,7 +265,7 @@ def test_the_start_line_is_in_vllms_log(engine):
 def test_the_runners_the_plugin_watches(engine):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    assert adapter.unwatchable(plugin.active().runner) is None
+    assert adapter.unwatchable(plugin.active().model_runner) is None
 
     class OwnSteps(CPUModelRunner):  # the hooks are the instance's own: they wrap overrides too
         def _model_forward(self, *args, **kwargs):
@@ -328,17 +328,17 @@ def test_a_mixed_workload_raises_no_false_alarm(engine):
 @pytest.fixture
 def token_copy(engine, monkeypatch):
     """The canary checks tokens against its device copy of the token history
-    (`plugin.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
+    (`worker.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
     here the device is the CPU, and vLLM's own history is the oracle."""
     state = plugin.active()
-    copy = plugin.TokenCopy(*state._vllm.token_rows, state.canary.device)
+    copy = worker.TokenCopy(*state.runner_view.token_rows, state.canary.device)
     monkeypatch.setattr(state, "_token_copy", copy)
     return copy
 
 
-def _assert_copy_holds_vllms_history(copy: plugin.TokenCopy) -> None:
+def _assert_copy_holds_vllms_history(copy: worker.TokenCopy) -> None:
     """Each running request's context in the copy is what vLLM's host history holds."""
-    batch = plugin.active().runner.input_batch
+    batch = plugin.active().model_runner.input_batch
     rows = [row for row, request_id in enumerate(batch.req_ids) if request_id is not None]
     assert rows
     for row in rows:
@@ -429,7 +429,7 @@ def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     for _ in range(4):  # the prompt's two chunks, then a decode step or two
         driver.step()
         victim = driver.internal_id(driver.ids[0])
-        length = state.runner.input_batch.num_computed_tokens_cpu[driver.rows()[victim]]
+        length = state.model_runner.input_batch.num_computed_tokens_cpu[driver.rows()[victim]]
         if length > 2 * BLOCK_SIZE:
             break
     assert 2 * BLOCK_SIZE < length < 3 * BLOCK_SIZE - 4
@@ -551,7 +551,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         raise ZeroDivisionError("a fault injected into the plugin")
 
     assert lines.take() == []
-    monkeypatch.setattr(plugin, "step_plan", fault)
+    monkeypatch.setattr(worker, "step_plan", fault)
     try:
         outputs = llm.generate(prompts, [_params(30, i) for i in range(3)], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
@@ -567,7 +567,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         monkeypatch.undo()
         llm.reset_prefix_cache()  # blocks written while the canary was off have no records
         state.on, state.faults = True, 0
-        adapter.watch(state.runner, state)
+        adapter.watch(state.model_runner, state)
 
 
 def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
@@ -638,7 +638,7 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
 
-    monkeypatch.setattr(plugin, "step_plan", fault)
+    monkeypatch.setattr(worker, "step_plan", fault)
     state.policy = "raise"
     try:
         with pytest.raises(Exception) as raised:
@@ -667,7 +667,7 @@ def test_a_forward_the_hooks_do_not_see_stops_the_step(engine):
                 self._model_forward = hooked
 
     llm, lines, _ = engine
-    runner = plugin.active().runner
+    runner = plugin.active().model_runner
     driver = Driver(llm, "past")
     driver.add(_tokens(random.Random(12), 40), _params(20))
     driver.step()  # watched

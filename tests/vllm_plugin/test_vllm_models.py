@@ -22,7 +22,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 from random_models import make_model  # noqa: E402
 from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, _params, _parse, _tokens, mixed_workload, started_engine  # noqa: E402
 
-from torch_kvcanary.integrations.vllm import adapter, plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
 
 # Each kind: its KV cache groups as the plugin sees them, its layers' attention backends,
 # and the KV bytes per slot over its layers, for a budget of `BLOCKS` blocks (a hybrid
@@ -59,7 +59,7 @@ def test_the_plugin_watches_each_group(model_engine):
     kinds, backends, _ = MODELS[kind]
     assert [group.kind for group in state.groups] == kinds
     assert {layer.backend for group in state.groups for layer in group.layers} <= backends
-    context = state.runner.compilation_config.static_forward_context
+    context = state.model_runner.compilation_config.static_forward_context
     # One canary over the distinct bytes: every layer's cache is one the canary watches.
     for group in state.groups:
         for layer in group.layers:
@@ -68,7 +68,7 @@ def test_the_plugin_watches_each_group(model_engine):
     if kind in ("gemma2", "llama4"):  # both groups' layers lie over one pool
         assert len(state.kv_caches) == 1 and len(state.canary.sources) == 2
     if kind == "qwen2_vl":  # the model gets M-RoPE's [3, tokens] positions, the canary the runner's 1-D ones
-        assert state.runner.uses_mrope and state.runner.mrope_positions.gpu.dim() == 2
+        assert state.model_runner.uses_mrope and state.model_runner.mrope_positions.gpu.dim() == 2
     if kind == "deepseek_v2":  # the latent, one source per layer
         assert all(kv.dim() == 3 and kv.shape[2] == 576 for kv in state.kv_caches)
         assert len(state.canary.sources) == len(state.kv_caches) == 2
@@ -172,7 +172,7 @@ def test_the_positions_a_windowed_group_still_attends_to(window, chunk, computed
 
 
 def _fake_runner(*, multimodal: bool, prompt_embeds: bool = False):
-    """The parts of a V1 model runner `adapter._step` reads, for two requests of 3 and 2 tokens."""
+    """The parts of a V1 model runner `adapter.v1._step` reads, for two requests of 3 and 2 tokens."""
     table = types.SimpleNamespace(slot_mapping=types.SimpleNamespace(gpu=torch.arange(100, 110)))
     spec = type("FullAttentionSpec", (), {})()
     return types.SimpleNamespace(
@@ -193,12 +193,12 @@ def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids
     runner = _fake_runner(multimodal=True)
     scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, kv_cache_block_copies=None)
     mrope_positions = torch.zeros(3, 7, dtype=torch.int64)  # [3, tokens]: what the model gets
-    step = adapter._step(runner, scheduled, None, mrope_positions)
+    step = adapter.v1._step(runner, scheduled, None, mrope_positions)
     assert step.positions.tolist() == [7, 8, 9, 4, 5]
     assert step.input_ids.tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
     assert [s.tolist() for s in step.slot_mappings] == [[100, 101, 102, 103, 104]]
     # Prompt embeddings have no token ids to record.
-    assert adapter._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
+    assert adapter.v1._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
 
 
 def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
@@ -208,7 +208,7 @@ def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
         ValueError,
         match=r"^kv-canary: the vLLM plugin watches KV cache groups of .*; this model has CrossAttentionSpec: unset KVCANARY_VLLM",
     ):
-        plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
+        worker.WorkerCanary(runner, config.Settings("log", config.MODES["all"]))
 
 
 def test_a_model_without_an_attention_group_is_refused_at_start():
@@ -217,7 +217,7 @@ def test_a_model_without_an_attention_group_is_refused_at_start():
     with pytest.raises(
         ValueError, match=r"^kv-canary: the vLLM plugin watches attention KV cache groups; this model has \['MambaSpec'\]: unset"
     ):
-        plugin.WorkerCanary(runner, plugin.Settings("log", plugin.MODES["all"]))
+        worker.WorkerCanary(runner, config.Settings("log", config.MODES["all"]))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -226,7 +226,7 @@ def test_the_token_check_runs_where_the_runners_history_is_current(async_schedul
     # token into its history on the device before the next forward.
     v1 = types.SimpleNamespace(use_async_scheduling=async_scheduling)
     v2 = types.SimpleNamespace(vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=async_scheduling)))
-    assert adapter.Runner(v1).token_history_current is not async_scheduling
+    assert adapter.RunnerV1(v1).token_history_current is not async_scheduling
     assert adapter.RunnerV2(v2).async_scheduling is async_scheduling and adapter.RunnerV2(v2).token_history_current
 
 
@@ -258,7 +258,7 @@ def test_model_runner_v2s_forward_bracket():
 
     runner = types.SimpleNamespace()
     adapter.watch(runner, Watcher())
-    bracket = adapter._ForwardBracket(Connector(), runner)
+    bracket = adapter.v2._ForwardBracket(Connector(), runner)
     real, dummy = types.SimpleNamespace(total_num_scheduled_tokens=3), types.SimpleNamespace(total_num_scheduled_tokens=0)
     bracket.pre_forward(real, None, attn_metadata=None)
     bracket.finish_forward()

@@ -20,7 +20,7 @@ from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
 
 # Each option set: the engine's options over test_vllm_engine's, the KV budget's factor (a
 # float32 cache holds twice the bytes per slot), and what shows it in effect, from the
-# plugin's canary (`plugin.WorkerCanary`) and vLLM's config.
+# plugin's canary (`worker.WorkerCanary`) and vLLM's config.
 OPTIONS = {
     "fp8 KV cache": (dict(kv_cache_dtype="fp8"), 1, lambda state, config: state.kv_caches[0].element_size() == 1),
     "float16": (dict(dtype="float16"), 1, lambda state, config: state.kv_caches[0].dtype == torch.float16),

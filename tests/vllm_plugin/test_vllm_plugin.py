@@ -15,7 +15,8 @@ from helpers import REPO
 import torch_kvcanary as kc
 from torch_kvcanary import HashMode
 from torch_kvcanary.canary import KvCanary
-from torch_kvcanary.integrations.vllm import adapter, plugin
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker
+from torch_kvcanary.integrations.vllm.reports import Reports
 
 
 @pytest.mark.parametrize("value", [None, ""])
@@ -25,7 +26,7 @@ def test_off_unless_set(monkeypatch, value):
     else:
         monkeypatch.setenv("KVCANARY_VLLM", value)
     monkeypatch.setenv("KVCANARY_VLLM_MODE", "nonsense")  # not read when the plugin is off
-    assert plugin.settings() is None
+    assert config.settings() is None
     modules = set(sys.modules)
     plugin.register()
     assert not any(name == "vllm" or name.startswith("vllm.") for name in set(sys.modules) - modules)
@@ -41,7 +42,7 @@ def test_settings(monkeypatch, policy, mode, expected):
         monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
     else:
         monkeypatch.setenv("KVCANARY_VLLM_MODE", mode)
-    assert plugin.settings() == plugin.Settings(policy, expected)
+    assert config.settings() == config.Settings(policy, expected)
 
 
 @pytest.mark.parametrize("policy, failure_policy", [("repair", "recompute"), ("quarantine", "fail")])
@@ -49,8 +50,8 @@ def test_the_connector_policies(monkeypatch, policy, failure_policy):
     monkeypatch.setenv("KVCANARY_VLLM", policy)
     monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
     monkeypatch.delenv("KVCANARY_VLLM_DRILL", raising=False)
-    assert plugin.settings() == plugin.Settings(policy, HashMode.ALL)
-    assert plugin.CONNECTOR_POLICIES[policy] == failure_policy
+    assert config.settings() == config.Settings(policy, HashMode.ALL)
+    assert config.CONNECTOR_POLICIES[policy] == failure_policy
 
 
 @pytest.mark.parametrize("value, probability", [(None, 0.0), ("", 0.0), ("0", 0.0), ("0.001", 0.001), ("1", 1.0)])
@@ -60,7 +61,7 @@ def test_drill_probability(monkeypatch, value, probability):
         monkeypatch.delenv("KVCANARY_VLLM_DRILL", raising=False)
     else:
         monkeypatch.setenv("KVCANARY_VLLM_DRILL", value)
-    assert plugin.settings().drill == probability
+    assert config.settings().drill == probability
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.33.0", "0.33.2+cpu", "0.33.0rc1", "0.33.1.dev5+g1234abc"])
@@ -100,7 +101,14 @@ def test_only_the_adapter_and_the_connector_import_vllm():
     }
     # The connector subclasses vLLM's public KV connector base; vLLM imports it when a
     # kv_transfer_config names it, never the plugin's entry point.
-    assert importers == {"integrations/vllm/adapter.py", "integrations/vllm/connector.py"}
+    assert importers == {
+        "integrations/vllm/adapter/common.py",
+        "integrations/vllm/adapter/connectors.py",
+        "integrations/vllm/adapter/hooks.py",
+        "integrations/vllm/adapter/versions.py",
+        "integrations/vllm/connector/kv_connector.py",
+        "integrations/vllm/connector/stats.py",
+    }
 
 
 @pytest.mark.parametrize("value, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])
@@ -110,7 +118,7 @@ def test_summary_seconds(monkeypatch, value, seconds):
         monkeypatch.delenv("KVCANARY_VLLM_SUMMARY_S", raising=False)
     else:
         monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
-    assert plugin.settings().summary_seconds == seconds
+    assert config.settings().summary_seconds == seconds
 
 
 @pytest.mark.parametrize("value, every", [(None, 1), ("", 1), ("1", 1), ("8", 8)])
@@ -120,7 +128,7 @@ def test_every(monkeypatch, value, every):
         monkeypatch.delenv("KVCANARY_VLLM_EVERY", raising=False)
     else:
         monkeypatch.setenv("KVCANARY_VLLM_EVERY", value)
-    assert plugin.settings().every == every
+    assert config.settings().every == every
 
 
 @pytest.mark.parametrize("capacity", [1, 7, 4096])
@@ -154,7 +162,7 @@ def test_the_kv_cache_budget_leaves_room_for_the_canary(block_size, kv_bytes_per
 
 
 def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
-    reports = plugin.Reports(interval=10.0)
+    reports = Reports(interval=10.0)
     assert reports.summary(100.0) is None  # the clock starts
     assert reports.first_detection(5) and reports.first_detection(9)
     assert not reports.first_detection(5) and not reports.first_detection(5) and not reports.first_detection(9)
@@ -171,10 +179,10 @@ def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
 
 
 def test_a_token_copy_follows_requests_across_rows():
-    # The host's tokens of each request (what `adapter.Runner.known_tokens` gives when it
+    # The host's tokens of each request (what `adapter.RunnerV1.known_tokens` gives when it
     # takes a row), and what the copy must hold row by row after each step.
     host = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4], "d": [-1, 3]}
-    copy = plugin.TokenCopy(3, 6, torch.device("cpu"))
+    copy = worker.TokenCopy(3, 6, torch.device("cpu"))
 
     def follow(request_ids):
         history = copy.follow(request_ids, lambda row: torch.tensor(host[request_ids[row]], dtype=torch.int32))

@@ -5,7 +5,7 @@ V2 runs its bookkeeping kernels in Triton, and vLLM's CPU build here has Triton 
 backend, so vLLM turns Triton off and V2 cannot run. Triton's interpreter (``TRITON_INTERPRET=1``)
 runs Triton kernels on CPU tensors in Python: with it, and vLLM's Triton gates satisfied in
 the test's process only (`TRITON_ON_CPU`), V2's CPU runner serves, and the plugin watches it
-through V2's own forward bracket (`adapter._ForwardBracket`).
+through V2's own forward bracket (`adapter.v2._ForwardBracket`).
 """
 
 import json
@@ -60,8 +60,8 @@ llm = vllm.LLM(
     max_num_seqs=8, distributed_executor_backend="uni",
 )
 state = plugin.active()
-runner = state.runner
-print("RUNNER", type(runner).__module__, type(state._vllm).__name__, flush=True)
+runner = state.model_runner
+print("RUNNER", type(runner).__module__, type(state.runner_view).__name__, flush=True)
 greedy = lambda n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 tokens = lambda rng, n: [rng.randrange(2, 512) for _ in range(n)]
 
@@ -164,7 +164,7 @@ prefix = [rng.randrange(2, 500) for _ in range(70)]
 prompts = [{"prompt_token_ids": prefix + [rng.randrange(2, 500) for _ in range(10 + 23 * i)]} for i in range(8)]
 outputs = llm.generate(prompts, vllm.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), use_tqdm=False)
 print("KINDS", json.dumps(dict(
-    runner=type(state._vllm).__name__, groups=[group.kind for group in state.groups], stats=state.canary.stats(),
+    runner=type(state.runner_view).__name__, groups=[group.kind for group in state.groups], stats=state.canary.stats(),
     lengths=[len(o.outputs[0].token_ids) for o in outputs], cached=max(o.num_cached_tokens for o in outputs),
     prefix_caching=llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
 )), flush=True)

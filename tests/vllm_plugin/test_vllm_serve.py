@@ -19,7 +19,7 @@ from random_models import VOCAB_SIZE, make_model  # noqa: E402
 from vllm_serve import Server, mixed_prompts, soak  # noqa: E402
 
 # The soak (about 15 s of requests here): 1,000, enough for a request to read, in one step,
-# a block another request of the step writes (recorded in the right order, `plugin._Batch`).
+# a block another request of the step writes (recorded in the right order, `worker._CanaryStep`).
 SOAK_REQUESTS = 1000
 # What the worker's resident memory may grow by over the soak: the allocator's and vLLM's
 # own caches settle within the first requests; a leak per request or per step would not.

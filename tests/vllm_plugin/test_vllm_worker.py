@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 from helpers import REPO  # noqa: E402
 from random_models import make_eagle, make_llama, make_model  # noqa: E402
 
-from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
+from torch_kvcanary.integrations.vllm import config  # noqa: E402
 
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
@@ -110,7 +110,7 @@ def test_speculative_decoding_raises_no_false_alarm(tiny_llama, tmp_path, method
     else:  # a random EAGLE head of one layer: it drafts from the target's hidden states, all rejected
         speculative = {"method": "eagle", "model": str(make_eagle(tmp_path / "eagle")), "num_speculative_tokens": 3}
     if method == "draft_model_with_connector":  # the connector needs each step's verdict right after the forward
-        connector = {"kv_connector": plugin.CONNECTOR, "kv_role": "kv_both"}
+        connector = {"kv_connector": config.CONNECTOR, "kv_role": "kv_both"}
     env = dict(
         KVCANARY_VLLM="log",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -126,7 +126,7 @@ def test_speculative_decoding_raises_no_false_alarm(tiny_llama, tmp_path, method
         watched += f"; {drafter_layers} of them the speculative drafter's, recorded once it has proposed"
     if connector:
         watched += (
-            f"; 2 layers of the speculative drafter not watched: {plugin.CONNECTOR} needs each step's verdict right after the forward"
+            f"; 2 layers of the speculative drafter not watched: {config.CONNECTOR} needs each step's verdict right after the forward"
         )
     assert f"{watched}), " in start, start
     (result,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("SPECULATIVE ")]

@@ -8,7 +8,7 @@ it sampled in that step and recomputes the blocks in place; with ``"fail"`` it e
 requests with an error and drops the bad blocks and those after them from the prefix cache.
 Under ``KVCANARY_VLLM=repair`` or ``quarantine`` this connector reports the blocks of the
 slots the canary flagged in the step (byte-only violations: the plugin stops the step on
-any other, see `plugin.WorkerCanary`).
+any other, see `worker.WorkerCanary`).
 
 It is configured the vLLM way, and the plugin registers it with vLLM's connector factory::
 
@@ -35,13 +35,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import safetensors.torch
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -49,105 +45,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from ...canary import RECORD_FIELDS, FailReason, Violation
-from . import adapter, plugin
+from ....canary import Violation
+from .. import adapter
+from ..config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
+from .drill import Drill
+from .stats import CanaryPromMetrics, CanaryStats
+from .transfer import DiskTransfer
 
 logger = logging.getLogger(adapter.LOGGER)
 
 INNER = "inner"
 """The key of ``kv_connector_extra_config`` that holds the inner connector's ``kv_transfer_config``."""
-
-_FOLD = RECORD_FIELDS.index("fold")
-_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-REASONS = tuple(label for reason in FailReason for label in reason.labels)
-"""The violation reasons the counters are kept by (SGLang's labels)."""
-COUNTS = (
-    "slots_verified",
-    "slots_recorded",
-    "blocks_repaired",
-    "requests_failed",
-    "drills_injected",
-    "drills_caught",
-    "drill_steps_to_catch",
-    "transfer_slots_verified",
-    "transfer_slots_failed",
-)
-"""The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
-from each caught drill's flip to its detection, summed; ``transfer_slots_*``: slots an inner
-connector loaded, verified against the records stored with them, and those that failed)."""
-
-
-@dataclass
-class CanaryStats(KVConnectorStats):
-    """The canary's counters since they were last taken, in vLLM's connector stats:
-    ``data["violations"]`` by reason (`REASONS`) and ``data[name]`` for each of `COUNTS`.
-    Added up over the workers (`aggregate`) and over a logging interval."""
-
-    def __post_init__(self):
-        if not self.data:
-            self.reset()
-
-    def reset(self):
-        self.data = {"violations": dict.fromkeys(REASONS, 0), **dict.fromkeys(COUNTS, 0)}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for reason, count in other.data["violations"].items():
-            self.data["violations"][reason] = self.data["violations"].get(reason, 0) + count
-        for name in COUNTS:
-            self.data[name] += other.data[name]
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        """The line vLLM's stats log prints: the nonzero violation counts, then every counter."""
-        violations = {f"kv_canary_violations_{reason}": n for reason, n in self.data["violations"].items() if n}
-        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}}
-
-    def is_empty(self) -> bool:
-        return not any(self.data["violations"].values()) and not any(self.data[name] for name in COUNTS)
-
-    def add_violations(self, violations: list[Violation]) -> None:
-        for violation in violations:
-            for label in violation.reasons.labels:
-                self.data["violations"][label] += 1
-
-
-class CanaryPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kv_canary_*`` counters in vLLM's ``/metrics``, per engine: violations by
-    ``reason``, and one counter for each of `COUNTS`."""
-
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        violations = self._counter_cls(
-            name="vllm:kv_canary_violations",
-            documentation="KV cache slots the canary flagged, by reason (a slot failing two checks counts under both).",
-            labelnames=[*labelnames, "reason"],
-        )
-        self._violations = {
-            engine: {reason: violations.labels(*values, reason) for reason in REASONS} for engine, values in per_engine_labelvalues.items()
-        }
-        documentation = {
-            "slots_verified": "KV cache slots the canary verified before a forward read them.",
-            "slots_recorded": "KV cache slots the canary recorded after a forward wrote them.",
-            "blocks_repaired": "KV cache blocks reported to vLLM for recompute (KVCANARY_VLLM=repair).",
-            "requests_failed": "Requests vLLM ended with an error for blocks the canary reported (KVCANARY_VLLM=quarantine).",
-            "drills_injected": "Fault drills: bytes of live cached blocks flipped (KVCANARY_VLLM_DRILL).",
-            "drills_caught": "Fault drills the canary caught.",
-            "drill_steps_to_catch": "Engine steps from each caught drill's flip to its detection, summed.",
-            "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
-            "transfer_slots_failed": "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors).",
-        }
-        self._counts = {}
-        for name in COUNTS:
-            counter = self._counter_cls(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
-            self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        for reason, count in transfer_stats_data["violations"].items():
-            if count:
-                self._violations[engine_idx][reason].inc(count)
-        for name in COUNTS:
-            if transfer_stats_data[name]:
-                self._counts[name][engine_idx].inc(transfer_stats_data[name])
 
 
 @dataclass
@@ -160,27 +68,16 @@ class KvCanaryMetadata(KVConnectorMetadata):
     inner: KVConnectorMetadata | None = None
 
 
-@dataclass
-class Drill:
-    """Fault drills: before a step's forward, with ``probability``, one bit of a slot that
-    a request of the step reads flips (in the top byte of its first element in the first
-    source, which every fold covers). ``pending`` maps each flipped slot to the step it flipped in, until the canary
-    flags it."""
-
-    probability: float
-    rng: random.Random = field(default_factory=random.Random)
-    pending: dict[int, int] = field(default_factory=dict)
-
-
 class KvCanaryConnector(KVConnectorBase_V1):
     """The canary's KV connector; see the module's docstring. The plugin hands each worker's
-    connector its `plugin.WorkerCanary` (`watch`)."""
+    connector its `worker.WorkerCanary` (`watch`)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
+        self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self._transfer = DiskTransfer(self.inner) if type(self.inner).__name__ in DiskTransfer.CONNECTORS else None
-        self.canary: plugin.WorkerCanary | None = None
+        self.worker_canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it (`watch`)
         self.stats = CanaryStats()
         self.drill: Drill | None = None
         groups = kv_cache_config.kv_cache_groups
@@ -192,11 +89,11 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     # The plugin's side -----------------------------------------------------------
 
-    def watch(self, canary: plugin.WorkerCanary) -> None:
-        """Called by the plugin once the worker's canary is built."""
-        self.canary = canary
+    def watch(self, canary) -> None:
+        """Called by the plugin once the worker's canary (`worker.WorkerCanary`) is built."""
+        self.worker_canary = canary
         self.drill = Drill(canary.drill) if canary.drill else None
-        counters = canary.canary.stats()
+        counters = canary.stats()
         self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
 
     def count(self, violations: list[Violation]) -> None:
@@ -204,7 +101,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self.stats.add_violations(violations)
 
     def _reports_blocks(self) -> bool:
-        return self.canary is not None and self.canary.policy in plugin.CONNECTOR_POLICIES
+        return self.worker_canary is not None and self.worker_canary.policy in CONNECTOR_POLICIES
 
     # Worker side -----------------------------------------------------------------
 
@@ -218,7 +115,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self._steps += 1
         if self.inner is not None:
             self.inner.bind_connector_metadata(connector_metadata.inner)
-        if self._forward and self.drill is not None and self.canary is not None and self.canary.on:
+        if self._forward and self.drill is not None and self.worker_canary is not None and self.worker_canary.on:
             self._run_drill()
 
     def clear_connector_metadata(self) -> None:
@@ -232,16 +129,16 @@ class KvCanaryConnector(KVConnectorBase_V1):
         landed bytes or the request do not match, so that the step reports their blocks."""
         if self.inner is None:
             return
-        if self._transfer is None or self.canary is None or not self.canary.on:
+        if self._transfer is None or self.worker_canary is None or not self.worker_canary.on:
             self.inner.start_load_kv(forward_context, **kwargs)
             return
         try:
             self.inner.start_load_kv(forward_context, **kwargs)
         except Exception:  # a load that raised: every block it was loading is a load error
             logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
-            self._count_landed(self._transfer.land(self.canary.canary, failed=True))
+            self._count_landed(self._transfer.land(self.worker_canary, failed=True))
             return
-        self._count_landed(self._transfer.land(self.canary.canary))
+        self._count_landed(self._transfer.land(self.worker_canary))
 
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
@@ -261,8 +158,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         saved slots are stored beside them (the forward's slots are recorded by now)."""
         if self.inner is not None:
             self.inner.wait_for_save()
-        if self._transfer is not None and self.canary is not None and self.canary.on:
-            self._transfer.store(self.canary.canary)
+        if self._transfer is not None and self.worker_canary is not None and self.worker_canary.on:
+            self._transfer.store(self.worker_canary)
 
     def get_finished(self, finished_req_ids: set[str]):
         return self.inner.get_finished(finished_req_ids) if self.inner is not None else (None, None)
@@ -278,22 +175,22 @@ class KvCanaryConnector(KVConnectorBase_V1):
         block on are invalidated, so that a request reading them before they are
         recomputed is flagged too."""
         errors = set(self.inner.get_block_ids_with_load_errors()) if self.inner is not None else set()
-        if not self._forward or self.canary is None:
+        if not self._forward or self.worker_canary is None:
             return errors
-        flagged = self.canary.step_flagged_slots()
+        flagged = self.worker_canary.step_flagged_slots()
         self._catch_drills(flagged)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
-            self._invalidate(flagged)
-            if self.canary.policy == "repair":
+            self.worker_canary.invalidate_from_flagged_blocks(flagged)
+            if self.worker_canary.policy == "repair":
                 self.stats.data["blocks_repaired"] += len(blocks)
             errors |= blocks
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The counters since the last call (vLLM calls it every step)."""
-        if self.canary is not None and self.canary.on:
-            counters = self.canary.canary.stats()
+        if self.worker_canary is not None and self.worker_canary.on:
+            counters = self.worker_canary.stats()
             self.stats.data["slots_verified"] += counters["slots_verified"] - self._verified
             self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
@@ -404,7 +301,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         failed: vLLM ends a request with an error for the blocks a connector reported (the
         canary's, or the inner connector's), and for a few failures of its own (a grammar
         rejecting the tokens, an encoder input it lost), which are counted too."""
-        if request.status == RequestStatus.FINISHED_ERROR and self._kv_transfer_config.kv_load_failure_policy == "fail":
+        if request.status == RequestStatus.FINISHED_ERROR and self._failure_policy == "fail":
             self.stats.data["requests_failed"] += 1
         if self.inner is None:
             return False, None
@@ -460,131 +357,16 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     # The canary's work -----------------------------------------------------------
 
-    def _invalidate(self, flagged: torch.Tensor) -> None:
-        """Breaks the fold of every record from each affected request's first flagged block
-        on (a request of the step whose blocks hold a flagged slot), in every watched group,
-        so that the canary flags a slot there until a forward writes it again."""
-        canary = self.canary
-        flagged_blocks = set((flagged // canary.block_size).tolist())
-        request_ids, _ = adapter.runner(canary.runner).context()
-        stale = []
-        for group in canary.groups:
-            for row in range(len(request_ids)):
-                blocks = group.row_blocks(row)
-                bad = np.flatnonzero(np.isin(blocks, list(flagged_blocks)))
-                if len(bad):
-                    stale.append(blocks[bad[0] :])
-        if not stale:
-            return
-        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(flagged.device)
-        slots = (blocks[:, None] * canary.block_size + torch.arange(canary.block_size, device=blocks.device)).reshape(-1)
-        slots = slots[(slots != adapter.NULL_SLOT) & (slots < canary.canary.capacity)]
-        canary.canary.records[slots, _FOLD] ^= 1
-
     def _run_drill(self) -> None:
-        """With the drill's probability, flips one byte of a slot a request of this step reads."""
-        drill, canary = self.drill, self.canary
-        if drill.rng.random() >= drill.probability:
-            return
-        _, context = adapter.runner(canary.runner).context()
-        rows = np.flatnonzero(context > 0)
-        if not len(rows):
-            return
-        row = int(drill.rng.choice(rows))
-        position = drill.rng.randrange(int(canary.groups[0].first_attended(context[row : row + 1])[0]), int(context[row]))
-        device = canary.canary.device
-        slot = int(canary.groups[0].slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
-        view = canary.canary.sources[0].as_view()
-        token = view[slot // view.shape[1], slot % view.shape[1]]
-        first = token[(0,) * token.dim()]  # the slot's first element, which every fold reads
-        first.view(_INTEGERS[first.element_size()]).bitwise_xor_(_top_byte_bit(first.element_size(), drill.rng.randrange(8)))
-        drill.pending[slot] = self._steps
-        self.stats.data["drills_injected"] += 1
+        if self.drill.run(self.worker_canary, self._steps):
+            self.stats.data["drills_injected"] += 1
 
     def _catch_drills(self, flagged: torch.Tensor) -> None:
         if self.drill is None or not self.drill.pending:
             return
-        for slot in set(flagged.tolist()) & set(self.drill.pending):
+        for steps in self.drill.caught(set(flagged.tolist()), self._steps):
             self.stats.data["drills_caught"] += 1
-            self.stats.data["drill_steps_to_catch"] += self._steps - self.drill.pending.pop(slot)
-
-
-class DiskTransfer:
-    """Verified transfers through a connector that stores a request's blocks in a folder of
-    its own (vLLM's ``ExampleConnector``: one file per layer, in a folder named by the hash
-    of the request's tokens). The canary's records are relocation-invariant (token,
-    position, chain and fold do not depend on the slot), so the producer stores the records
-    of the saved slots beside them (`SIDECAR`), and the consumer, once the inner connector
-    has loaded a request's blocks, records the landed slots with the request's tokens and
-    positions and compares them with what was stored: a slot whose fold, token, position or
-    chain differs (a changed byte, blocks swapped, another request's file), or whose stored
-    records are missing or unreadable, has its record's fold broken, so that the canary
-    flags it before the forward reads it and the connector reports its block as a load error
-    (recomputed under repair, failed under quarantine)."""
-
-    CONNECTORS = ("ExampleConnector",)
-    SIDECAR = "kv_canary.safetensors"
-
-    def __init__(self, inner: KVConnectorBase_V1):
-        self.inner = inner
-
-    def _requests(self) -> list:
-        """The inner connector's requests of this step (``is_store``, ``token_ids``, ``slot_mapping``)."""
-        if not self.inner.has_connector_metadata():
-            return []
-        return list(self.inner._get_connector_metadata().requests)
-
-    def _path(self, request) -> str:
-        folder = self.inner._generate_foldername_debug(request.token_ids, request.mm_hashes, create_folder=True)
-        return os.path.join(folder, self.SIDECAR)
-
-    def store(self, canary) -> None:
-        """Stores the records of the slots each saved request's files hold."""
-        for request in self._requests():
-            if request.is_store:
-                records = canary.records[request.slot_mapping.to(canary.device, torch.int64)]
-                safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
-
-    def land(self, canary, *, failed: bool = False) -> tuple[int, int]:
-        """Adopts the records of every slot the inner connector loaded in this step,
-        breaking those that do not match (all of them when the load ``failed``): (slots
-        verified, slots that failed)."""
-        verified = bad_count = 0
-        for request in self._requests():
-            if request.is_store:
-                continue
-            slots = request.slot_mapping.to(canary.device, torch.int64)
-            count = len(slots)
-            positions = torch.arange(count, device=canary.device)
-            tokens = request.token_ids[:count].to(canary.device, torch.int64)
-            prev_slots = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=canary.device), slots[:-1]])
-            canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots)
-            stored = None if failed else self._stored(request, count)
-            landed = canary.records[slots]
-            if stored is None:
-                bad = torch.ones(count, dtype=torch.bool, device=canary.device)
-            else:
-                bad = (landed != stored.to(landed.device)).any(dim=1)
-            canary.records[slots[bad], _FOLD] ^= 1
-            verified += count
-            bad_count += int(bad.sum())
-        return verified, bad_count
-
-    def _stored(self, request, count: int) -> torch.Tensor | None:
-        """The records stored with the request's blocks; None when missing, unreadable or of another length."""
-        try:
-            stored = safetensors.torch.load_file(self._path(request))["records"]
-        except Exception:
-            return None
-        return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None
-
-
-def _top_byte_bit(size: int, bit: int) -> int:
-    """Bit ``bit`` of the most significant byte of a ``size``-byte integer (for a float: its
-    sign or exponent bits, so that a drill changes the value a lot), as a value of the
-    signed integer type of that size (uint8 for one byte)."""
-    mask = 1 << (8 * (size - 1) + bit)
-    return mask - (1 << 8 * size) if size > 1 and mask >= 1 << (8 * size - 1) else mask
+            self.stats.data["drill_steps_to_catch"] += steps
 
 
 def _inner_config(vllm_config):
@@ -596,13 +378,11 @@ def _inner_config(vllm_config):
         return None
     if not isinstance(inner, dict) or "kv_connector" not in inner:
         raise ValueError(
-            f"kv-canary: {plugin.CONNECTOR}'s kv_connector_extra_config[{INNER!r}] must be the kv_transfer_config of the "
+            f"kv-canary: {CONNECTOR}'s kv_connector_extra_config[{INNER!r}] must be the kv_transfer_config of the "
             f'connector it wraps, e.g. {{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, got {inner!r}'
         )
-    if inner["kv_connector"] == plugin.CONNECTOR:
-        raise ValueError(
-            f"kv-canary: {plugin.CONNECTOR} cannot wrap itself: name another connector in kv_connector_extra_config[{INNER!r}]"
-        )
+    if inner["kv_connector"] == CONNECTOR:
+        raise ValueError(f"kv-canary: {CONNECTOR} cannot wrap itself: name another connector in kv_connector_extra_config[{INNER!r}]")
     config = copy.copy(vllm_config)
     config.kv_transfer_config = KVTransferConfig(
         **{"engine_id": outer.engine_id, "kv_load_failure_policy": outer.kv_load_failure_policy, **inner}
@@ -616,9 +396,9 @@ def check_inner(inner: KVTransferConfig) -> None:
     at their first read. A producer (it saves, never loads) is delegated to whatever it is."""
     if inner.is_kv_consumer and inner.kv_connector not in DiskTransfer.CONNECTORS:
         raise ValueError(
-            f"kv-canary: {plugin.CONNECTOR} verifies the KV an inner connector loads for {', '.join(DiskTransfer.CONNECTORS)} only; "
+            f"kv-canary: {CONNECTOR} verifies the KV an inner connector loads for {', '.join(DiskTransfer.CONNECTORS)} only; "
             f'{inner.kv_connector} with "kv_role": "{inner.kv_role}" would load KV the canary has no records of: give it '
-            f'"kv_role": "kv_producer", or unset {plugin.POLICY_ENV} to serve it without the canary'
+            f'"kv_role": "kv_producer", or unset {POLICY_ENV} to serve it without the canary'
         )
 
 
@@ -633,16 +413,14 @@ def check_unwrapped(config: KVTransferConfig) -> None:
         inner = {"kv_connector": config.kv_connector, "kv_role": config.kv_role}
         if config.kv_connector_extra_config:
             inner["kv_connector_extra_config"] = config.kv_connector_extra_config
-        wrapped = {"kv_connector": plugin.CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
-        change = (
-            f"serve it as {plugin.CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
-        )
+        wrapped = {"kv_connector": CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
+        change = f"serve it as {CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
     else:
-        change = f'give it "kv_role": "kv_producer" ({plugin.CONNECTOR} verifies the loads of {", ".join(DiskTransfer.CONNECTORS)} only)'
+        change = f'give it "kv_role": "kv_producer" ({CONNECTOR} verifies the loads of {", ".join(DiskTransfer.CONNECTORS)} only)'
     raise ValueError(
         f'kv-canary: vLLM\'s KV connector {config.kv_connector} with "kv_role": "{config.kv_role}" loads KV into the cache outside '
         f"the model's forward, into slots the canary holds no records of, which it would report as corrupt: {change}, "
-        f"or unset {plugin.POLICY_ENV} to serve it without the canary"
+        f"or unset {POLICY_ENV} to serve it without the canary"
     )
 
 

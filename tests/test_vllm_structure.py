@@ -1,0 +1,226 @@
+"""The package's structure, read from its source files (no vLLM needed): no module imports
+itself through others, and only the vLLM adapter subpackage
+(`torch_kvcanary/integrations/vllm/adapter/`) reads vLLM's internals."""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "torch_kvcanary"
+ADAPTER = PACKAGE / "integrations" / "vllm" / "adapter"
+INTEGRATIONS = PACKAGE / "integrations"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules an import statement of ``module`` runs: for ``from X import
+    name``, X.name where that is a module, else X."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in known}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    if node.level:
+        base = module.split(".")
+        if not is_package:
+            base = base[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    found = set()
+    for alias in node.names:
+        if f"{source}.{alias.name}" in known:
+            found.add(f"{source}.{alias.name}")
+        elif source in known:
+            found.add(source)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of the package and those of the package it imports, at module level or
+    inside a function alike."""
+    modules = _modules()
+    known = set(modules)
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        is_package = path.name == "__init__.py"
+        graph[module] = set().union(*(_imported(node, module, is_package, known) for node in ast.walk(tree))) - {module}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph``, as the modules along it, or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in sorted(graph[module]):
+            found = visit(imported)
+            if found is not None:
+                return found
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        found = visit(module)
+        if found is not None:
+            return found
+    return None
+
+
+def test_the_import_graph_is_read():
+    graph = _import_graph()
+    vllm = "torch_kvcanary.integrations.vllm"
+    assert f"{vllm}.worker" in graph[f"{vllm}.plugin"]
+    assert f"{vllm}.connector" in graph[f"{vllm}.worker"]  # inside a function
+    assert "torch_kvcanary.canary" in graph[f"{vllm}.connector.kv_connector"]
+
+
+def test_no_import_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    cycle = _cycle(_import_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _vllm_private_imports(tree: ast.AST) -> list[str]:
+    """vLLM's private modules and private names that ``tree`` imports."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules, names = [node.module], [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "vllm" and (any(_private(part) for part in parts) or any(_private(name) for name in names)):
+                found.append(f"line {node.lineno}: {module} {names}")
+    return found
+
+
+def _own_names(tree: ast.Module) -> dict[str, set[str]]:
+    """Per class of the module: the names it defines itself (methods, class attributes,
+    ``self.X = ...`` in its methods), with those of the module's classes it derives from."""
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def defined(cls: ast.ClassDef) -> set[str]:
+        names = set()
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
+                if node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes and base.id != cls.name:
+                names |= defined(classes[base.id])
+        return names
+
+    return {name: defined(cls) for name, cls in classes.items()}
+
+
+def _foreign_private_reads(tree: ast.Module) -> list[str]:
+    """Private attributes that ``tree`` reaches on objects other than its own classes'
+    instances: ``x._name`` for any ``x`` but ``self`` or ``cls``, ``self._name`` where the
+    enclosing class does not define ``_name`` (a base class's, such as vLLM's), and
+    getattr/setattr/hasattr/delattr of a private name."""
+    own = _own_names(tree)
+    found = []
+
+    def check(node: ast.AST, cls: str | None) -> None:
+        if isinstance(node, ast.ClassDef):
+            cls = node.name
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if not mine or cls not in own or node.attr not in own[cls]:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr", "hasattr", "delattr"):
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            check(child, cls)
+
+    check(tree, None)
+    return found
+
+
+def test_the_private_reads_are_found():
+    source = """
+class Ours(Base):
+    def __init__(self):
+        self._mine = 1
+
+    def _helper(self):
+        return self._mine, self._theirs, other._private, getattr(other, "_hidden"), super()._base()
+"""
+    found = _foreign_private_reads(ast.parse(source))
+    assert [line.split(": ", 1)[1] for line in found] == ["self._theirs", "other._private", "getattr(other, '_hidden')", "super()._base"]
+    tree = ast.parse("import vllm._custom_ops\nfrom vllm.v1 import _private\nfrom vllm.config import VllmConfig\nimport vllm\n")
+    assert len(_vllm_private_imports(tree)) == 2
+
+
+def test_only_the_adapter_reads_vllm_internals():
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if ADAPTER in path.parents:
+            continue
+        tree = ast.parse(path.read_text())
+        reads = _vllm_private_imports(tree)
+        if INTEGRATIONS in path.parents:  # the modules that hold vLLM's objects
+            reads += _foreign_private_reads(tree)
+        if reads:
+            found[path.relative_to(PACKAGE).as_posix()] = reads
+    assert found == {}
+
+
+def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
+    """`KvCanary.invalidate`, which the vLLM connector breaks records with: the slots fail
+    verify on their bytes alone (token, position, chain and owner kept), however often they
+    are invalidated, until a record call writes them again; negative slots are skipped."""
+    import pytest
+    import torch
+
+    import torch_kvcanary as kc
+    from torch_kvcanary import FailReason, layouts
+
+    kv = torch.randn(2, 8, 16, 2, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
+    block = torch.arange(16, 32)
+    checks = dict(positions=torch.arange(16), tokens=torch.arange(200, 216), prev_slots=torch.cat([torch.tensor([-1]), block[:-1]]))
+    canary.record(block, tag=3, **checks)
+    before = canary.records.clone()
+    canary.invalidate(torch.tensor([-1, 18, 19, 19], dtype=torch.int32))
+    canary.invalidate(torch.tensor([19, 20]))  # a second time: still broken
+    assert canary.verify(block, 3, **checks).nonzero().flatten().tolist() == [2, 3, 4]
+    violations = canary.poll()
+    assert {v.slot for v in violations} == {18, 19, 20} and all(v.reasons == FailReason.VERIFY_REAL_KV_HASH_MISMATCH for v in violations)
+    assert torch.equal(canary.records[:, :3], before[:, :3]) and (canary.owners(block) == 3).all()
+    canary.record(block[2:5], tag=3, positions=checks["positions"][2:5], tokens=checks["tokens"][2:5], prev_slots=checks["prev_slots"][2:5])
+    assert not canary.verify(block, 3, **checks).any()
+    with pytest.raises(IndexError):
+        canary.invalidate(torch.tensor([canary.capacity]))

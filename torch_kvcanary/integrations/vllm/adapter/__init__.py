@@ -1,0 +1,47 @@
+"""Every vLLM internal the plugin touches, and the vLLM versions they are read off.
+
+The plugin decides what is verified, recorded and reported; this subpackage is its only way
+into vLLM's internals: it wraps the worker's and the model runner's methods (`hook`), refuses
+a model runner it cannot watch, turns each model forward into a `Step`, reads a runner's KV
+cache layers, block table and token history (`RunnerView`: `RunnerV1`, `RunnerV2`), reaches vLLM's KV
+connector machinery (`connectors`), and names the logger whose lines reach vLLM's log
+(`LOGGER`). How a layer's bytes split into K and V is `layouts.vllm`'s.
+
+* `versions`: the vLLM series supported (`SUPPORTED_SERIES`, `is_supported`);
+* `common`: what the runners' hooks share and hand the plugin;
+* `v1`, `v2`: Model Runner V1's and V2's hooks, `Step` and view;
+* `hooks`: the worker's hooks, which check and hook its runner and size its KV cache;
+* `connectors`: vLLM's KV connector internals.
+
+Nothing here imports vLLM at module level: the plugin's entry point runs in every process
+vLLM starts and must cost nothing while the plugin is off.
+"""
+
+from .common import (
+    LOGGER,
+    NULL_SLOT,
+    SKIPPED_SPECS,
+    V1_RUNNER,
+    V2_RUNNER,
+    WATCHED_SPECS,
+    AttentionLayer,
+    KvCacheGroup,
+    PluginCallbacks,
+    RunnerView,
+    Step,
+    TokenHistory,
+    Watcher,
+    watch,
+)
+from .connectors import example_connector_folder, example_connector_requests, register_connector
+from .hooks import hook, runner_view, unwatchable
+from .v1 import RunnerV1
+from .v2 import RunnerV2
+from .versions import SUPPORTED, SUPPORTED_SERIES, is_supported, vllm_version
+
+__all__ = [
+    "LOGGER", "NULL_SLOT", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
+    "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
+    "example_connector_folder", "example_connector_requests", "hook", "is_supported", "register_connector", "runner_view",
+    "unwatchable", "vllm_version", "watch",
+]  # fmt: skip

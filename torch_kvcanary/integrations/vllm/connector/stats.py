@@ -1,0 +1,103 @@
+"""The connector's counters: `CanaryStats` in vLLM's connector stats (its stats log line),
+`CanaryPromMetrics` in its ``/metrics`` (``vllm:kv_canary_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from ....canary import FailReason, Violation
+
+REASONS = tuple(label for reason in FailReason for label in reason.labels)
+"""The violation reasons the counters are kept by (SGLang's labels)."""
+COUNTS = (
+    "slots_verified",
+    "slots_recorded",
+    "blocks_repaired",
+    "requests_failed",
+    "drills_injected",
+    "drills_caught",
+    "drill_steps_to_catch",
+    "transfer_slots_verified",
+    "transfer_slots_failed",
+)
+"""The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
+from each caught drill's flip to its detection, summed; ``transfer_slots_*``: slots an inner
+connector loaded, verified against the records stored with them, and those that failed)."""
+
+
+@dataclass
+class CanaryStats(KVConnectorStats):
+    """The canary's counters since they were last taken, in vLLM's connector stats:
+    ``data["violations"]`` by reason (`REASONS`) and ``data[name]`` for each of `COUNTS`.
+    Added up over the workers (`aggregate`) and over a logging interval."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {"violations": dict.fromkeys(REASONS, 0), **dict.fromkeys(COUNTS, 0)}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for reason, count in other.data["violations"].items():
+            self.data["violations"][reason] = self.data["violations"].get(reason, 0) + count
+        for name in COUNTS:
+            self.data[name] += other.data[name]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The line vLLM's stats log prints: the nonzero violation counts, then every counter."""
+        violations = {f"kv_canary_violations_{reason}": n for reason, n in self.data["violations"].items() if n}
+        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}}
+
+    def is_empty(self) -> bool:
+        return not any(self.data["violations"].values()) and not any(self.data[name] for name in COUNTS)
+
+    def add_violations(self, violations: list[Violation]) -> None:
+        for violation in violations:
+            for label in violation.reasons.labels:
+                self.data["violations"][label] += 1
+
+
+class CanaryPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kv_canary_*`` counters in vLLM's ``/metrics``, per engine: violations by
+    ``reason``, and one counter for each of `COUNTS`."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter_class = metric_types[Counter]  # vLLM's class for prometheus_client's counters
+        violations = counter_class(
+            name="vllm:kv_canary_violations",
+            documentation="KV cache slots the canary flagged, by reason (a slot failing two checks counts under both).",
+            labelnames=[*labelnames, "reason"],
+        )
+        self._violations = {
+            engine: {reason: violations.labels(*values, reason) for reason in REASONS} for engine, values in per_engine_labelvalues.items()
+        }
+        documentation = {
+            "slots_verified": "KV cache slots the canary verified before a forward read them.",
+            "slots_recorded": "KV cache slots the canary recorded after a forward wrote them.",
+            "blocks_repaired": "KV cache blocks reported to vLLM for recompute (KVCANARY_VLLM=repair).",
+            "requests_failed": "Requests vLLM ended with an error for blocks the canary reported (KVCANARY_VLLM=quarantine).",
+            "drills_injected": "Fault drills: bytes of live cached blocks flipped (KVCANARY_VLLM_DRILL).",
+            "drills_caught": "Fault drills the canary caught.",
+            "drill_steps_to_catch": "Engine steps from each caught drill's flip to its detection, summed.",
+            "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
+            "transfer_slots_failed": "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors).",
+        }
+        self._counts = {}
+        for name in COUNTS:
+            counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
+            self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for reason, count in transfer_stats_data["violations"].items():
+            if count:
+                self._violations[engine_idx][reason].inc(count)
+        for name in COUNTS:
+            if transfer_stats_data[name]:
+                self._counts[name][engine_idx].inc(transfer_stats_data[name])

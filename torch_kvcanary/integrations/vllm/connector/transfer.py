@@ -1,0 +1,76 @@
+"""Verified transfers of KV through an inner connector that stores it on disk."""
+
+from __future__ import annotations
+
+import os
+
+import safetensors.torch
+import torch
+
+from ....canary import RECORD_FIELDS
+from .. import adapter
+
+
+class DiskTransfer:
+    """Verified transfers through a connector that stores a request's blocks in a folder of
+    its own (vLLM's ``ExampleConnector``: one file per layer, in a folder named by the hash
+    of the request's tokens). The canary's records are relocation-invariant (token,
+    position, chain and fold do not depend on the slot), so the producer stores the records
+    of the saved slots beside them (`SIDECAR`), and the consumer, once the inner connector
+    has loaded a request's blocks, records the landed slots with the request's tokens and
+    positions and compares them with what was stored: a slot whose fold, token, position or
+    chain differs (a changed byte, blocks swapped, another request's file), or whose stored
+    records are missing or unreadable, has its record's fold broken, so that the canary
+    flags it before the forward reads it and the connector reports its block as a load error
+    (recomputed under repair, failed under quarantine)."""
+
+    CONNECTORS = ("ExampleConnector",)
+    SIDECAR = "kv_canary.safetensors"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def _requests(self) -> list:
+        """The inner connector's requests of this step (``is_store``, ``token_ids``, ``slot_mapping``)."""
+        return adapter.example_connector_requests(self.inner)
+
+    def _path(self, request) -> str:
+        return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
+
+    def store(self, canary) -> None:
+        """Stores the records of the slots each saved request's files hold, from the
+        worker's canary (`worker.WorkerCanary`)."""
+        for request in self._requests():
+            if request.is_store:
+                records = canary.records(request.slot_mapping)
+                safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
+
+    def land(self, canary, *, failed: bool = False) -> tuple[int, int]:
+        """Has the worker's canary (`worker.WorkerCanary`) record every slot the inner
+        connector loaded in this step, and invalidate those whose records do not match
+        the stored ones (all of them when the load ``failed``): (slots verified, slots that
+        failed)."""
+        verified = bad_count = 0
+        for request in self._requests():
+            if request.is_store:
+                continue
+            slots = request.slot_mapping.to(torch.int64)
+            count = len(slots)
+            landed = canary.record_loaded(slots, request.token_ids[:count])
+            stored = None if failed else self._stored(request, count)
+            if stored is None:
+                bad = torch.ones(count, dtype=torch.bool, device=landed.device)
+            else:
+                bad = (landed != stored.to(landed.device)).any(dim=1)
+            canary.invalidate(slots[bad.to(slots.device)])
+            verified += count
+            bad_count += int(bad.sum())
+        return verified, bad_count
+
+    def _stored(self, request, count: int) -> torch.Tensor | None:
+        """The records stored with the request's blocks; None when missing, unreadable or of another length."""
+        try:
+            stored = safetensors.torch.load_file(self._path(request))["records"]
+        except Exception:
+            return None
+        return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None

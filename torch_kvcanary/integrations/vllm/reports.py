@@ -1,0 +1,115 @@
+"""What the log says about violations: one line per corrupted slot at its first detection
+(`Reports`), later detections counted into a summary line, and the policy applied to a
+step's lines (`report`)."""
+
+from __future__ import annotations
+
+import logging
+
+from ...canary import FailReason, KvCorruptionError, Violation, ViolationKind
+from ...policy import apply_policy
+from . import adapter
+from .config import CONNECTOR_POLICIES, POLICY_ENV
+
+logger = logging.getLogger(adapter.LOGGER)
+
+LAUNCH_TAG = "vllm"
+
+
+class Reports:
+    """What the log says about violations: each corrupted slot once, at its first detection
+    (until a forward rewrites it); its later detections are counted, and `summary` gives a
+    line of them at most every ``interval`` seconds (0: whenever there are any)."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.logged: set[int] = set()  # slots logged and not rewritten since
+        self.slots_logged = 0
+        self.repeats = 0  # later detections since the last summary
+        self.repeated_slots: set[int] = set()
+        self.ring_dropped = 0  # violations lost to a full ring since the last summary
+        self._since: float | None = None  # when the last summary came
+
+    def first_detection(self, slot: int) -> bool:
+        """Whether ``slot`` is to be logged now; counted as a later detection if not."""
+        if slot in self.logged:
+            self.repeats += 1
+            self.repeated_slots.add(slot)
+            return False
+        self.logged.add(slot)
+        self.slots_logged += 1
+        return True
+
+    def dropped(self, count: int) -> None:
+        self.ring_dropped += count
+
+    def rewritten(self, slots: list[int]) -> None:
+        """Slots a forward has written: a violation there again is a new one."""
+        self.logged.difference_update(slots)
+
+    def summary(self, now: float) -> str | None:
+        """The summary line, when there is something to say and ``interval`` has passed."""
+        if self._since is None:
+            self._since = now
+        if not (self.repeats or self.ring_dropped) or now - self._since < self.interval:
+            return None
+        line = (
+            f"kv_canary summary: launch_tag={LAUNCH_TAG} seconds={now - self._since:.1f} "
+            f"repeated_detections={self.repeats} repeated_slots={len(self.repeated_slots)} "
+            f"slots_logged={self.slots_logged} ring_dropped={self.ring_dropped}"
+        )
+        self.repeats, self.ring_dropped, self._since = 0, 0, now
+        self.repeated_slots.clear()
+        return line
+
+
+_UNREPAIRABLE = (
+    "kv-canary: {setting} hands vLLM the blocks whose bytes alone are wrong; a wrong position, token, chain or owner "
+    "(vLLM's block table, slot mapping or token history disagree with what was written), or a violation the ring "
+    "dropped, is not one vLLM's scheduler can see or fix, so the step stops"
+)
+
+
+def _byte_only(violation: Violation) -> bool:
+    """Whether only the slot's bytes failed (its fold), with its token, position and chain intact."""
+    return violation.kind == ViolationKind.VERIFY and violation.reasons == FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+
+
+def violation_line(violation: Violation, requests: list[str]) -> str:
+    """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
+    return f"{violation.line(LAUNCH_TAG)} request_id={','.join(requests) or 'none'}"
+
+
+def report(policy: str, violations: list[Violation], lines: dict[int, str], dropped: int, reports: Reports) -> None:
+    """The policy over one line per slot (``lines``, by slot) of a poll's ``violations``,
+    ``dropped`` of them lost to a full ring: under "log" only the slots detected for the
+    first time, the others counted into ``reports``. Under repair and quarantine the
+    connector reports the flagged blocks to vLLM, and the violations are logged as under
+    "log", unless one is not byte-only (or the ring dropped some, which might be): vLLM's
+    scheduler cannot see a wrong position, token, chain or owner (its own block table, slot
+    mapping or token history disagree with what was written), so they stop the step as
+    under "raise". With no violation (another tensor-parallel rank found some; the ranks
+    poll together), under "raise" this rank stops too, with a line saying where to look."""
+    if not violations:
+        if policy == "raise":
+            line = (
+                f"kv_canary: launch_tag={LAUNCH_TAG} violations on another tensor-parallel rank (see its lines); this rank's checks passed"
+            )
+            raise KvCorruptionError([line], violations)
+        return
+    applied = policy
+    if policy in CONNECTOR_POLICIES:
+        unrepairable = dropped or not all(_byte_only(v) for v in violations)
+        applied = "raise" if unrepairable else "log"
+        if unrepairable:
+            lines = {-1: _UNREPAIRABLE.format(setting=f"{POLICY_ENV}={policy}"), **lines}
+    if applied == "log":
+        reports.dropped(dropped)
+        lines = {slot: line for slot, line in lines.items() if reports.first_detection(slot)}
+    apply_policy(
+        applied,
+        violations,
+        lines=lambda: list(lines.values()),
+        error=lambda text: KvCorruptionError(text, violations),
+        log=logger,
+    )

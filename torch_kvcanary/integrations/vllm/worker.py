@@ -1,0 +1,632 @@
+"""The canary of one vLLM model runner (`WorkerCanary`): what it watches, and each engine
+step's verify, record and poll around the model forward; `TokenCopy`, its device copy of
+a token history the runner keeps on the host."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ... import layouts
+from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...ops import STEP_SETS, step_plan
+from . import adapter
+from .config import CONNECTOR, CONNECTOR_POLICIES, DRILL_ENV, POLICY_ENV, Settings
+from .reports import LAUNCH_TAG, Reports, report, violation_line
+
+logger = logging.getLogger(adapter.LOGGER)
+
+
+@dataclass
+class _GroupStep:
+    """One watched KV cache group's entries of a step: the verified ones (each request's
+    context still attended to, then under a block-packed backend the unwritten tail of its
+    last block) and the written ones (``written_rows``: their input-batch rows, once recorded)."""
+
+    group: adapter.KvCacheGroup
+    written_slots: torch.Tensor
+    context_ranges: int  # the group's context set in `_CanaryStep.sets`
+    written_rows: torch.Tensor | None = None
+    # How many context entries sit at slots this forward writes (int64 [1]): verified after it.
+    waiting: torch.Tensor | None = None
+    # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
+    checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class _CanaryStep:
+    """One step's scheduled requests and, per watched KV cache group, the entries the canary
+    saw for them. ``sets`` holds the step's sets as `step_plan` packs them, on the canary's
+    device (``bases``: where each set starts; ``counts``: its number of entries).
+
+    The written entries are recorded request by request in the order of their first
+    written position: a request may read, as context, a block another request of the same
+    step writes (the scheduler caches a block's hash when it schedules its tokens), and then
+    its first entry chains through a slot that other request writes in the same call; the
+    other request's first written position is lower, so it is recorded first. (Runs of a
+    CUDA record call are applied concurrently, so there the two still race: `docs/vllm.md`.)"""
+
+    req_ids: list[str]
+    num_tokens: int
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    sets: torch.Tensor
+    bases: list[int]
+    counts: list[int]
+    history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
+    recorded_in_batch_order: bool  # the record order is the batch's own
+    written: torch.Tensor  # every slot the forward writes, in any group, sorted
+    history: adapter.TokenHistory | None  # where the context's tokens are checked against
+    violations: int | None  # the canary's count of violations when the step began (block-packed backends)
+    groups: list[_GroupStep] = field(default_factory=list)
+
+    def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Range set ``index``'s `kvcanary::context_slots` arguments (offsets, starts, number
+        of entries), views of `sets`."""
+        rows, base = len(self.req_ids), self.bases[index]
+        return self.sets[base : base + rows + 1], self.sets[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
+
+    def in_record_order(self, values: torch.Tensor) -> torch.Tensor:
+        """The step's written entries ``values`` (one per token, in batch order) in the order
+        they are recorded."""
+        return values if self.recorded_in_batch_order else values[self.indices(_RECORD_ORDER)]
+
+    def indices(self, index: int) -> torch.Tensor:
+        """Index set ``index``'s values, a view of `sets`."""
+        base = self.bases[index]
+        return self.sets[base : base + self.counts[index]]
+
+
+# The sets of a step's plan (`step_plan`, whose schema says what each holds), in order; each
+# group's context follows them. Range sets are expanded on the device through a block table;
+# the record order (an index set) holds the indices themselves.
+_WRITTEN, _TAIL, _BLOCKS_WRITTEN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, STEP_SETS
+
+
+class WorkerCanary:
+    """The canary of one vLLM model runner: `canary` (one `KvCanary` over the distinct
+    bytes of every attention layer: K and V, or MLA's latent), `kv_caches` (the distinct
+    layer tensors it watches, in group and layer order), `groups` (the watched KV cache
+    groups, `adapter.KvCacheGroup`), `model_runner` (vLLM's) and `runner_view` (the adapter's
+    view of it, `adapter.RunnerView`), `block_table` (vLLM's, of the first watched group),
+    `policy` (one of `POLICIES`, read by each step), `connector` (this
+    worker's `CONNECTOR`, or None), `drill` (the fault drills' probability per step),
+    `reports` (what the log has said about violations), `faults` (exceptions of the plugin's
+    own code in a step) and `on` (False once such a fault turned it off).
+
+    The KV cache groups of a model share one pool of blocks (vLLM's hybrid allocator
+    overlays their layers on the same tensors, and gives each block to one group at a
+    time), so one canary covers them all, slot = block * block_size + offset, and each
+    group verifies and records through its own block table and slot mapping.
+
+    The KV connector (`connector.KvCanaryConnector`) works through this object's methods:
+    `stats`, `step_flagged_slots`, `invalidate_from_flagged_blocks`, `context_slot`,
+    `first_element`, `records`, `record_loaded` and `invalidate`."""
+
+    def __init__(self, model_runner, chosen: Settings):
+        self.model_runner = model_runner
+        self.policy = chosen.policy
+        self.drill = chosen.drill
+        self.reports = Reports(chosen.summary_seconds)
+        self.every = chosen.every
+        self._steps = 0
+        self.faults = 0
+        self.on = True
+        self.runner_view = adapter.runner_view(model_runner)
+        self.connector = self._connector()
+        unwatched = self.runner_view.unwatched_group_kinds()
+        if unwatched:
+            raise ValueError(
+                f"kv-canary: the vLLM plugin watches KV cache groups of {', '.join(adapter.WATCHED_SPECS)} and skips "
+                f"{', '.join(adapter.SKIPPED_SPECS)}; this model has {', '.join(unwatched)}: unset {POLICY_ENV} to serve it without the canary"
+            )
+        # A drafter's layers are watched where its writes are seen before the step is recorded,
+        # and no KV connector of ours needs the step's verdict right after the forward.
+        self.watches_drafter = (
+            self.runner_view.drafter_writes_seen and self.connector is None and bool(self.runner_view.drafter_layer_names())
+        )
+        self.groups = self.runner_view.kv_cache_groups(drafter=self.watches_drafter)
+        if not self.groups:
+            raise ValueError(
+                f"kv-canary: the vLLM plugin watches attention KV cache groups; this model has "
+                f"{self.runner_view.kv_cache_group_kinds()}: unset {POLICY_ENV} to serve it without the canary"
+            )
+        block_sizes = sorted({group.block_size for group in self.groups})
+        if len(block_sizes) != 1:
+            raise ValueError(
+                f"kv-canary: the vLLM plugin watches KV cache groups of one block size, this model's are "
+                f"{self.runner_view.kv_cache_group_kinds()} in blocks of {block_sizes}: unset {POLICY_ENV} to serve it without the canary"
+            )
+        self.layer_names = [layer.name for group in self.groups for layer in group.layers]
+        layout = self.runner_view.kv_cache_layout
+        self.block_table = self.groups[0].block_table
+        self.block_size = block_sizes[0]
+        self.kv_caches: list[torch.Tensor] = []
+        sources, backends = [], set()
+        for layer in (layer for group in self.groups for layer in group.layers):
+            kv_cache = layer.kv_cache
+            if any(_same_view(kv_cache, seen) for seen in self.kv_caches):
+                continue  # a layer that shares another layer's cache, or another group's layer over the same pool
+            self.kv_caches.append(kv_cache)
+            backends.add(layer.backend)
+            sources += self._sources(layer, layout)
+        self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
+        self._check_tokens = self.runner_view.token_history_current
+        self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.token_history_on_host else None
+        # Tensor-parallel ranks poll together, so that under "raise" they all stop.
+        self._group = self.runner_view.tensor_parallel_group() if self.runner_view.tensor_parallel_size > 1 else None
+        self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
+        self._step: _CanaryStep | None = None
+        self._ring_overflow = 0
+        self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
+        # The step's flagged slots, or the step they are gathered from when first asked for.
+        self._flagged: torch.Tensor | _CanaryStep = self._no_slots
+        if self.connector is not None:
+            self.connector.watch(self)
+        logger.info("%s", self._start_line(layout))
+
+    def _connector(self):
+        """This worker's `CONNECTOR`, or None; refuses another KV connector that loads KV
+        (`connector.check_unwrapped`), and a policy or a drill it cannot serve:
+        repair and quarantine report blocks to vLLM's scheduler, which maps them back to
+        requests only with synchronous scheduling and one KV cache group, and acts on them
+        by the connector's kv_load_failure_policy."""
+        connector = self.runner_view.kv_connector()
+        ours = connector if connector is not None and _is_canary_connector(connector) else None
+        if connector is not None and ours is None:
+            from .connector import check_unwrapped  # imports vLLM's connector classes, which a configured connector has loaded
+
+            check_unwrapped(self.runner_view.kv_transfer_config)
+        needs = []
+        if self.policy in CONNECTOR_POLICIES or self.drill:
+            failure_policy = CONNECTOR_POLICIES.get(self.policy, "recompute")
+            if ours is None:
+                needs.append(
+                    f"vLLM's KV connector to be {CONNECTOR} (--kv-transfer-config "
+                    f'\'{{"kv_connector": "{CONNECTOR}", "kv_role": "kv_both", "kv_load_failure_policy": "{failure_policy}"}}\')'
+                )
+        if self.runner_view.is_v2 and (ours is not None or self.policy in CONNECTOR_POLICIES or self.drill):
+            needs.append("Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)")
+        if self.policy in CONNECTOR_POLICIES:
+            failure_policy = CONNECTOR_POLICIES[self.policy]
+            if ours is not None and self.runner_view.kv_load_failure_policy != failure_policy:
+                needs.append(
+                    f'"kv_load_failure_policy": "{failure_policy}" in the kv_transfer_config, not "{self.runner_view.kv_load_failure_policy}"'
+                )
+            if self.runner_view.async_scheduling:
+                needs.append("synchronous scheduling (--no-async-scheduling, or async_scheduling=False)")
+            kinds = self.runner_view.kv_cache_group_kinds()
+            if len(kinds) != 1:
+                needs.append(f"a model with one KV cache group, this one has {len(kinds)} ({', '.join(kinds)})")
+        if needs:
+            wanted = f"{POLICY_ENV}={self.policy}" + (f" with {DRILL_ENV}={self.drill}" if self.drill else "")
+            raise ValueError(
+                f"kv-canary: {wanted} needs {'; '.join(needs)}: change that, or unset {POLICY_ENV} to serve without the canary"
+            )
+        return ours
+
+    def _sources(self, layer: adapter.AttentionLayer, layout: str) -> tuple:
+        """The fold sources of one layer's cache: MLA's latent rows, or K and V."""
+        kv_cache = layer.kv_cache
+        if layer.backend in layouts.VLLM_MLA_BACKENDS:
+            if kv_cache.dim() != 3 or kv_cache.shape[1] != self.block_size:
+                raise ValueError(
+                    f"kv-canary: vLLM MLA layer {layer.name} is {tuple(kv_cache.shape)}, not the token-major "
+                    f"[num_blocks, {self.block_size}, latent] layer the plugin can watch"
+                )
+            return layouts.vllm_mla(kv_cache)
+        if kv_cache.dim() != 4 or kv_cache.shape[2] != self.block_size:
+            raise ValueError(
+                f"kv-canary: vLLM layer {layer.name} ({layer.backend}) is {tuple(kv_cache.shape)}, not a packed "
+                f"[num_blocks, num_kv_heads, {self.block_size}, 2 * head_size] layer the plugin can watch"
+            )
+        return layouts.vllm(kv_cache, layout=layout, backend=layer.backend)
+
+    def _start_line(self, layout: str) -> str:
+        """What this worker watches, and the memory the canary holds."""
+        kinds = self.runner_view.kv_cache_group_kinds()
+        budget = self.runner_view.kv_cache_budget
+        if budget is None:
+            source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
+        else:
+            source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
+        watched = sum(layer.drafter for group in self.groups for layer in group.layers)
+        unwatched = len(self.runner_view.drafter_layer_names()) - watched
+        drafter = f"; {watched} of them the speculative drafter's, recorded once it has proposed" if watched else ""
+        if unwatched:
+            if self.watches_drafter:
+                why = "in a KV cache group of the drafter's own"
+            elif self.connector is not None:
+                why = f"{CONNECTOR} needs each step's verdict right after the forward"
+            else:
+                why = "it proposes after the step"
+            drafter += f"; {unwatched} layers of the speculative drafter not watched: {why}"
+        copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
+        return (
+            f"kv-canary: watching {self.runner_view.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
+            f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
+            f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
+            f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
+            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}"
+        )
+
+    # The step -----------------------------------------------------------------------
+
+    def begin_step(self, read_step) -> _CanaryStep | None:
+        """Before the forward: verify every scheduled request's context. ``read_step``
+        returns the forward's `adapter.Step`. None when the canary is off (or has just
+        turned off)."""
+        self._flagged = self._no_slots
+        if not self.on:
+            return None
+        with self._guarded():
+            return self._begin_step(read_step())
+        return None
+
+    def end_step(self, step: _CanaryStep | None) -> None:
+        """After the forward: record the slots it wrote, then poll once."""
+        if step is None or not self.on:
+            return
+        with self._guarded():
+            self._end_step(step)
+            self._flagged = step
+
+    def step_flagged_slots(self) -> torch.Tensor:
+        """The distinct slots verify flagged in the current step's forward (int64, on the
+        canary's device; empty before its forward has ended), gathered when asked for."""
+        if isinstance(self._flagged, _CanaryStep):
+            self._flagged = _flagged_slots(self._flagged)
+        return self._flagged
+
+    # What the KV connector asks --------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The canary's counters (`KvCanary.stats`)."""
+        return self.canary.stats()
+
+    def invalidate_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
+        """Breaks the records of every slot from each affected request's first flagged
+        block on (a request of the input batch whose blocks hold a slot of ``flagged``), in
+        every watched group, so that verify flags a slot there until a forward writes it
+        again. Model Runner V1 (`adapter.RunnerV1.context`), which the KV connector needs."""
+        flagged_blocks = set((flagged // self.block_size).tolist())
+        request_ids, _ = self.runner_view.context()
+        stale = []
+        for group in self.groups:
+            for row in range(len(request_ids)):
+                blocks = group.row_blocks(row)
+                bad = np.flatnonzero(np.isin(blocks, list(flagged_blocks)))
+                if len(bad):
+                    stale.append(blocks[bad[0] :])
+        if not stale:
+            return
+        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self.canary.device)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).reshape(-1)
+        self.canary.invalidate(slots[(slots != adapter.NULL_SLOT) & (slots < self.canary.capacity)])
+
+    def context_slot(self, rng: random.Random) -> int | None:
+        """A slot, chosen with ``rng``, that a request of the input batch reads as context
+        in the first watched group; None when no request has context. Model Runner V1
+        (`adapter.RunnerV1.context`), which the KV connector needs."""
+        _, context = self.runner_view.context()
+        rows = np.flatnonzero(context > 0)
+        if not len(rows):
+            return None
+        row = int(rng.choice(rows))
+        group = self.groups[0]
+        position = rng.randrange(int(group.first_attended(context[row : row + 1])[0]), int(context[row]))
+        device = self.canary.device
+        return int(group.slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
+
+    def first_element(self, slot: int) -> torch.Tensor:
+        """The first element of ``slot``'s bytes in the canary's first source (a view into
+        the KV cache), which every fold reads."""
+        view = self.canary.sources[0].as_view()
+        token = view[slot // view.shape[1], slot % view.shape[1]]
+        return token[(0,) * token.dim()]
+
+    def records(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records of ``slots`` (int64 ``[len(slots), 4]``, `RECORD_FIELDS`), a copy on the canary's device."""
+        return self.canary.records[slots.to(self.canary.device, torch.int64)]
+
+    def record_loaded(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Records ``slots``, which a KV connector has just loaded with the first tokens of a
+        request (``tokens``, one per slot): positions from 0, each slot chained through the
+        one before. Their records, as `records` gives them."""
+        device = self.canary.device
+        slots = slots.to(device, torch.int64)
+        prev_slots = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), slots[:-1]])
+        positions = torch.arange(len(slots), device=device)
+        self.canary.record(slots, positions=positions, tokens=tokens.to(device, torch.int64), prev_slots=prev_slots)
+        return self.records(slots)
+
+    def invalidate(self, slots: torch.Tensor) -> None:
+        """Breaks the records of ``slots`` (`KvCanary.invalidate`): verify flags each until a forward writes it again."""
+        self.canary.invalidate(slots.to(self.canary.device, torch.int64))
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """Runs a step's own code: under "raise" anything it raises stops the step (and a
+        `KvCorruptionError` is how a violation does); under "log" an exception of its own
+        turns the canary off, so that it never takes the engine down."""
+        try:
+            yield
+        except Exception as error:
+            if self.policy == "raise" or isinstance(error, KvCorruptionError):
+                raise
+            self.faults += 1
+            self.on = False
+            self._step = None
+            adapter.watch(self.model_runner, None)
+            logger.exception(
+                "kv-canary: the canary's own code failed in an engine step; it is off in this worker from here on, "
+                "and vLLM keeps serving without it (report this traceback)"
+            )
+
+    def _begin_step(self, forward: adapter.Step) -> _CanaryStep:
+        """Plans the step on the device from one copy of its ranges, O(requests) host values,
+        then verifies each group's context."""
+        firsts = np.stack([group.first_attended(forward.num_computed) for group in self.groups])
+        planned = step_plan(
+            torch.from_numpy(forward.num_computed), torch.from_numpy(forward.num_scheduled), torch.from_numpy(firsts),
+            block_size=self.block_size, blocks_packed=self._blocks_packed,
+        )  # fmt: skip
+        device = forward.positions.device
+        written = forward.slot_mappings[0] if len(forward.slot_mappings) == 1 else torch.cat(forward.slot_mappings)
+        step = _CanaryStep(
+            forward.request_ids, forward.num_tokens, forward.input_ids, forward.positions,
+            planned.plan.to(device, non_blocking=True), planned.bases, planned.counts, forward.history_rows,
+            recorded_in_batch_order=planned.in_batch_order,
+            written=torch.sort(written.to(torch.int64)).values,
+            history=self._token_history(forward, device),
+            violations=self._violations() if self._blocks_packed else None,
+        )  # fmt: skip
+        self._step = step
+        if len(forward.block_copies):
+            self._follow_block_copies(forward.block_copies)
+        for index, (group, slot_mapping) in enumerate(zip(self.groups, forward.slot_mappings)):
+            step.groups.append(self._begin_group(group, step, _CONTEXT + index, slot_mapping))
+        return step
+
+    def _token_history(self, forward: adapter.Step, device: torch.device) -> adapter.TokenHistory | None:
+        """Where the context's tokens are checked against: the runner's token history where
+        it lives on the canary's device and holds every context token, or the canary's
+        `TokenCopy` of one the runner keeps on the host; None: tokens are not checked."""
+        if self._token_copy is not None:
+            return self._token_copy.follow(forward.request_ids, self.runner_view.known_tokens)
+        return self.runner_view.token_history(device) if self._check_tokens else None
+
+    def _slots(self, group: adapter.KvCacheGroup, step: _CanaryStep, ranges: int):
+        """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
+        (slots, positions, prev_slots, rows). The range check reads offsets on the host, so it
+        runs only where they are (the CPU)."""
+        offsets, starts, count = step.ranges(ranges)
+        table = group.device_block_table
+        return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, -1, table.device.type == "cpu")
+
+    def _begin_group(self, group: adapter.KvCacheGroup, step: _CanaryStep, ranges: int, slot_mapping: torch.Tensor) -> _GroupStep:
+        """Verifies one group's context of every scheduled request: the positions its tokens
+        still attend to (a sliding window's or a local chunk's blocks below them may be free),
+        then under a block-packed backend the unwritten tail of each request's last block."""
+        group_step = _GroupStep(group, slot_mapping, context_ranges=ranges)
+        if step.counts[ranges]:
+            group_step.waiting = self._verify_context(group_step, step, deferred=False).waiting
+        if step.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
+            slots, _, _, rows = self._slots(group, step, _TAIL)
+            group_step.checks.append((slots, rows, self.canary.verify(slots)))
+        return group_step
+
+    def _verify_context(self, group_step: _GroupStep, step: _CanaryStep, *, deferred: bool):
+        """One group's context verified in one call (`KvCanary.verify_context`). A request
+        may read, as context, a block another request of this step writes in this very
+        forward (the scheduler caches a block's hash when it schedules its tokens, so a later
+        request of the same step hits it): such slots are verified after the forward, once
+        recorded (``deferred``). The chain of a request's first attended position leads into
+        blocks a window may have freed: it is not checked there (the null slot is the
+        canary's padding slot). Under ``every`` > 1 each request's newest block and the
+        step's turn of blocks are verified."""
+        offsets, starts, count = step.ranges(group_step.context_ranges)
+        history = step.history
+        found = self.canary.verify_context(
+            group_step.group.device_block_table, offsets, starts, block_size=self.block_size, num_entries=count,
+            written=step.written, deferred=deferred, every=self.every, turn=self._steps % self.every,
+            history=None if history is None else history.tokens, history_known=None if history is None else history.known,
+            history_rows=None if history is None else step.history_rows, cut_slot=adapter.NULL_SLOT,
+        )  # fmt: skip
+        group_step.checks.append((found.slots, found.rows, found.flagged))
+        return found
+
+    def _follow_block_copies(self, copies: np.ndarray) -> None:
+        """vLLM copied these whole blocks, every layer, before the forward (copy-on-write of a
+        partial prefix hit): their slots' records go with their bytes."""
+        offsets = np.arange(self.block_size, dtype=np.int64)
+        source, destination = ((copies[:, [i]] * self.block_size + offsets).reshape(-1) for i in (0, 1))
+        self.canary.copy_records(*(torch.from_numpy(slots).to(self.canary.device) for slots in (source, destination)))
+        if self.reports.logged:
+            self.reports.rewritten(destination.tolist())
+
+    def _end_step(self, step: _CanaryStep) -> None:
+        if step.num_tokens:
+            positions = step.in_record_order(step.positions[: step.num_tokens])
+            tokens = step.in_record_order(step.input_ids[: step.num_tokens]) if step.input_ids is not None else None
+            for group_step in step.groups:
+                self._record(group_step, step, positions, tokens)
+            if self._token_copy is not None and tokens is not None and step.groups:
+                self._token_copy.record(step.groups[0].written_rows, positions, tokens)
+        self.canary.poll(group=self._group)
+        self._step = None
+        self._steps += 1
+        summary = self.reports.summary(time.monotonic())
+        if summary is not None:
+            logger.warning("%s", summary)
+
+    def _record(self, group_step: _GroupStep, step: _CanaryStep, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """Records the slots the forward wrote in one group (in the step's record order),
+        chained through the slot of each one's previous position, then verifies its deferred
+        context."""
+        _, _, prev_slots, rows = self._slots(group_step.group, step, _WRITTEN)
+        group_step.written_slots, group_step.written_rows = step.in_record_order(group_step.written_slots), step.in_record_order(rows)
+        self.canary.record(group_step.written_slots, positions=positions, tokens=tokens, prev_slots=step.in_record_order(prev_slots))
+        if self._blocks_packed:
+            self._refold_blocks_written(group_step, step)
+        if group_step.waiting is not None and self._may_defer(group_step.waiting):
+            self._verify_context(group_step, step, deferred=True)
+        if self.reports.logged:
+            self.reports.rewritten(group_step.written_slots.tolist())
+
+    def _may_defer(self, waiting: torch.Tensor) -> bool:
+        """Whether a group's context has entries left for after the forward: always on a
+        device (reading the count would sync), and only if it has where the device is the host."""
+        return waiting.device.type != "cpu" or bool(waiting.item())
+
+    def _refold_blocks_written(self, group_step: _GroupStep, step: _CanaryStep) -> None:
+        """Under a block-packed backend writing a slot changes the bytes of its block's other
+        slots, so every slot of a block the forward wrote gets its fold recomputed, its
+        token, position and chain kept (`KvCanary.refold`; the slots just recorded get the
+        same fold again). A slot verify flagged in this step keeps its record, so that it is
+        reported again while it is read; whether there is one is read from the canary's
+        counters, on the host (block-packed backends run on the CPU)."""
+        if not step.counts[_BLOCKS_WRITTEN]:
+            return
+        slots = self._slots(group_step.group, step, _BLOCKS_WRITTEN)[0]
+        if self._violations() != step.violations:
+            slots = torch.where(torch.isin(slots, _flagged_slots(step)), -1, slots)
+        self.canary.refold(slots)
+
+    def _violations(self) -> int:
+        return self.canary.stats()["violations"]
+
+    # Reports ------------------------------------------------------------------------
+
+    def requests_of(self, violation: Violation) -> list[str]:
+        """The vLLM request ids of this step behind ``violation``: those whose context entry
+        at its slot verify flagged, else every request whose block table holds the slot."""
+        step = self._step
+        if step is None:
+            return []
+        flagged: set[int] = set()
+        holding: set[int] = set()
+        for group_step in step.groups:
+            for slots, rows, answer in group_step.checks:
+                at_slot = slots == violation.slot
+                holding.update(rows[at_slot].tolist())
+                flagged.update(rows[at_slot & answer].tolist())
+            if group_step.written_rows is not None:
+                holding.update(group_step.written_rows[group_step.written_slots == violation.slot].tolist())
+        rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
+        return [step.req_ids[row] for row in sorted(rows)]
+
+    def line(self, violation: Violation) -> str:
+        """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
+        return violation_line(violation, self.requests_of(violation))
+
+    def slot_lines(self, violations: list[Violation]) -> dict[int, str]:
+        """One line per slot of ``violations``: its first violation, with the reasons of all
+        of them and every request behind any of them."""
+        by_slot: dict[int, list[Violation]] = {}
+        for violation in violations:
+            by_slot.setdefault(violation.slot, []).append(violation)
+        lines = {}
+        for slot, found in by_slot.items():
+            reasons = found[0].reasons
+            requests: list[str] = []
+            for violation in found:
+                reasons |= violation.reasons
+                requests += [r for r in self.requests_of(violation) if r not in requests]
+            lines[slot] = violation_line(dataclasses.replace(found[0], reasons=reasons), requests)
+        return lines
+
+    def _report(self, violations: list[Violation]) -> None:
+        """The canary's violations of a poll, one line per slot, under this worker's policy
+        (`reports.report`), counted by the connector first. Called with no violation of its
+        own when another tensor-parallel rank found some (the ranks poll together)."""
+        if not violations:
+            report(self.policy, violations, {}, 0, self.reports)
+            return
+        lines = self.slot_lines(violations)
+        overflow = self.canary.stats()["ring_overflow"]
+        dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
+        if self.connector is not None:
+            self.connector.count(violations)
+        report(self.policy, violations, lines, dropped, self.reports)
+
+
+class TokenCopy:
+    """A device copy of a token history the runner keeps on the host (Model Runner V1 on a
+    GPU), so that the context's tokens are checked on the device without host work per
+    slot: int32 ``tokens[row, position]`` by input-batch row, -1 where not known (the token
+    check skips those). A request's context is copied from the host when it takes a row
+    (`adapter.Runner.known_tokens`: exact there, under async scheduling too), its row is
+    moved on the device when vLLM moves the request to another row, and each step's tokens
+    are written on the device from its input ids after the forward (`record`), as the
+    runner's own history would hold them under synchronous scheduling."""
+
+    def __init__(self, rows: int, length: int, device: torch.device):
+        self.tokens = torch.full((rows, length), -1, dtype=torch.int32, device=device)
+        self._row_of: dict[str, int] = {}  # each request's row at the last step
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes
+
+    def follow(self, request_ids: list[str], known_tokens) -> adapter.TokenHistory:
+        """Before a step's verify, with the input batch's request ids row by row: the rows
+        of requests that moved are moved, those of requests that joined are copied from
+        ``known_tokens(row)`` (the rest of the row set to -1)."""
+        moved_from, moved_to, joined = [], [], []
+        for row, request_id in enumerate(request_ids):
+            before = self._row_of.get(request_id)
+            if before is None:
+                joined.append(row)
+            elif before != row:
+                moved_from.append(before)
+                moved_to.append(row)
+        if moved_to:  # whole rows; all sources are read before any destination is written
+            self.tokens[moved_to] = self.tokens[moved_from]
+        for row in joined:
+            tokens = known_tokens(row)
+            self.tokens[row, len(tokens) :].fill_(-1)
+            self.tokens[row, : len(tokens)].copy_(tokens, non_blocking=True)
+        self._row_of = dict(zip(request_ids, range(len(request_ids))))
+        return adapter.TokenHistory(self.tokens, None)
+
+    def record(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """After a step's forward: the token at each (input-batch row, position) it wrote."""
+        self.tokens[rows, positions] = tokens.to(torch.int32)
+
+
+def _is_canary_connector(connector) -> bool:
+    """Whether ``connector`` is a `connector.KvCanaryConnector` (an instance of that class,
+    not of one named like it). The import loads vLLM's connector classes, which a configured
+    connector has loaded already."""
+    from .connector import KvCanaryConnector
+
+    return isinstance(connector, KvCanaryConnector)
+
+
+def _flagged_slots(step: _CanaryStep) -> torch.Tensor:
+    """The distinct slots the verify calls of ``step`` flagged."""
+    flagged = [slots[answer] for group_step in step.groups for slots, _, answer in group_step.checks]
+    if not flagged:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.unique(torch.cat(flagged))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two layer tensors are the same view of the same bytes."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.2f} GiB"
