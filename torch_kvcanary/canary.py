@@ -27,6 +27,7 @@ from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, fo
 _MASK64 = (1 << 64) - 1
 RECORD_FIELDS = ("token", "position", "chain", "fold")
 """The columns of `KvCanary.records`, SGLang's canary-buffer order."""
+_FOLD = RECORD_FIELDS.index("fold")
 
 _VIOLATION_FIELDS = 8
 
@@ -279,7 +280,7 @@ class KvCanary:
     @property
     def fingerprints(self) -> torch.Tensor:
         """The fold column of `records`."""
-        return self._records[:, RECORD_FIELDS.index("fold")]
+        return self._records[:, _FOLD]
 
     def record(
         self,

@@ -123,12 +123,3 @@ def fold(
         return torch.ops.kvcanary.fold(views, slots, read_bytes, check_bounds)
     except (ValueError, RuntimeError) as error:
         raise refusal(error, {"slots": slots}) from None
-
-
-def __getattr__(name: str):
-    # The vLLM plugin's names from paged_step.py, until it imports them from there.
-    if name in ("STEP_SETS", "step_plan"):
-        from . import paged_step
-
-        return getattr(paged_step, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import torch
 
 from ... import layouts
 from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
-from ...ops import STEP_SETS, step_plan
+from ...paged_step import STEP_SETS, StepSet, step_plan
 from . import adapter
 from .config import CONNECTOR, CONNECTOR_POLICIES, DRILL_ENV, POLICY_ENV, Settings
 from .reports import LAUNCH_TAG, Reports, report, violation_line
@@ -76,18 +76,12 @@ class _CanaryStep:
     def in_record_order(self, values: torch.Tensor) -> torch.Tensor:
         """The step's written entries ``values`` (one per token, in batch order) in the order
         they are recorded."""
-        return values if self.recorded_in_batch_order else values[self.indices(_RECORD_ORDER)]
+        return values if self.recorded_in_batch_order else values[self.indices(StepSet.RECORD_ORDER)]
 
     def indices(self, index: int) -> torch.Tensor:
         """Index set ``index``'s values, a view of `sets`."""
         base = self.bases[index]
         return self.sets[base : base + self.counts[index]]
-
-
-# The sets of a step's plan (`step_plan`, whose schema says what each holds), in order; each
-# group's context follows them. Range sets are expanded on the device through a block table;
-# the record order (an index set) holds the indices themselves.
-_WRITTEN, _TAIL, _BLOCKS_WRITTEN, _RECORD_ORDER, _CONTEXT = 0, 1, 2, 3, STEP_SETS
 
 
 class WorkerCanary:
@@ -392,7 +386,8 @@ class WorkerCanary:
         if len(forward.block_copies):
             self._follow_block_copies(forward.block_copies)
         for index, (group, slot_mapping) in enumerate(zip(self.groups, forward.slot_mappings)):
-            step.groups.append(self._begin_group(group, step, _CONTEXT + index, slot_mapping))
+            # Each group's context follows the step's sets.
+            step.groups.append(self._begin_group(group, step, STEP_SETS + index, slot_mapping))
         return step
 
     def _token_history(self, forward: adapter.Step, device: torch.device) -> adapter.TokenHistory | None:
@@ -418,8 +413,8 @@ class WorkerCanary:
         group_step = _GroupStep(group, slot_mapping, context_ranges=ranges)
         if step.counts[ranges]:
             group_step.waiting = self._verify_context(group_step, step, deferred=False).waiting
-        if step.counts[_TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
-            slots, _, _, rows = self._slots(group, step, _TAIL)
+        if step.counts[StepSet.TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
+            slots, _, _, rows = self._slots(group, step, StepSet.TAIL)
             group_step.checks.append((slots, rows, self.canary.verify(slots)))
         return group_step
 
@@ -471,7 +466,7 @@ class WorkerCanary:
         """Records the slots the forward wrote in one group (in the step's record order),
         chained through the slot of each one's previous position, then verifies its deferred
         context."""
-        _, _, prev_slots, rows = self._slots(group_step.group, step, _WRITTEN)
+        _, _, prev_slots, rows = self._slots(group_step.group, step, StepSet.WRITTEN)
         group_step.written_slots, group_step.written_rows = step.in_record_order(group_step.written_slots), step.in_record_order(rows)
         self.canary.record(group_step.written_slots, positions=positions, tokens=tokens, prev_slots=step.in_record_order(prev_slots))
         if self._blocks_packed:
@@ -493,9 +488,9 @@ class WorkerCanary:
         same fold again). A slot verify flagged in this step keeps its record, so that it is
         reported again while it is read; whether there is one is read from the canary's
         counters, on the host (block-packed backends run on the CPU)."""
-        if not step.counts[_BLOCKS_WRITTEN]:
+        if not step.counts[StepSet.BLOCKS_WRITTEN]:
             return
-        slots = self._slots(group_step.group, step, _BLOCKS_WRITTEN)[0]
+        slots = self._slots(group_step.group, step, StepSet.BLOCKS_WRITTEN)[0]
         if self._violations() != step.violations:
             slots = torch.where(torch.isin(slots, _flagged_slots(step)), -1, slots)
         self.canary.refold(slots)
