@@ -5,7 +5,8 @@ itself through others, and only the vLLM adapter subpackage
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 PACKAGE = REPO / "torch_kvcanary"
 ADAPTER = PACKAGE / "integrations" / "vllm" / "adapter"
 INTEGRATIONS = PACKAGE / "integrations"
