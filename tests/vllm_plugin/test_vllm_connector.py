@@ -20,15 +20,15 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from test_vllm_engine import (  # noqa: E402
+from engine_driver import (  # noqa: E402
     BLOCK_SIZE,
     CANARY_BYTES_PER_SLOT,
     KV_BYTES_PER_SLOT,
     NUM_BLOCKS,
     Driver,
-    _parse,
-    _tokens,
     mixed_workload,
+    parse_violations,
+    random_tokens,
     started_engine,
 )
 from vllm_serve import Server  # noqa: E402
@@ -82,8 +82,8 @@ def _greedy(max_tokens: int):
 
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    prefix = _tokens(rng, BLOCK_SIZE + 7)  # one block shared by every request
-    return [prefix + _tokens(rng, 40 + 17 * i) for i in range(3)]
+    prefix = random_tokens(rng, BLOCK_SIZE + 7)  # one block shared by every request
+    return [prefix + random_tokens(rng, 40 + 17 * i) for i in range(3)]
 
 
 def _run_to_end(driver: Driver, max_steps: int = 400) -> dict[str, object]:
@@ -199,7 +199,7 @@ def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repa
     block = _flip(driver, victim, 1)  # the victim's own second block
     driver.step()
     assert reported.take() == {block}  # one block of 32 slots, reported to vLLM's scheduler
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found and all(reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block for reasons, slot, _ in found)
     # vLLM rolled the victim back to the start of the block and recomputes it from there.
     assert scheduled.num_computed_tokens == BLOCK_SIZE
@@ -228,7 +228,7 @@ def test_without_the_repair_the_flipped_bit_changes_the_answer(repair_engine, mo
     _flip(driver, driver.ids[1], 1)
     outputs = _run_to_end(driver)
     answers = [outputs[r].outputs[0].token_ids for r in driver.ids]
-    assert answers[1] != clean[1] and _parse(lines.take())
+    assert answers[1] != clean[1] and parse_violations(lines.take())
     llm.reset_prefix_cache()  # the flipped block's bytes stay wrong
 
 
@@ -267,7 +267,7 @@ def test_a_mapping_violation_under_repair_stops_the_step(repair_engine):
     driver = Driver(llm, "mapping")
     rng = random.Random(14)
     for _ in range(2):
-        driver.add(_tokens(rng, 75), _greedy(200))
+        driver.add(random_tokens(rng, 75), _greedy(200))
     driver.run_until_decoding()
     assert lines.take() == []
     victim, other = driver.ids
@@ -318,7 +318,7 @@ def test_a_drill_is_caught_and_repaired(tiny_llama):
         assert _metric("vllm:kv_canary_drills_injected_total") - injected == 1
         assert _metric("vllm:kv_canary_drills_caught_total") - caught == 1
         assert _metric("vllm:kv_canary_drill_steps_to_catch_total") == 0  # caught in the step that flipped it
-        assert len(_parse(lines.take())) >= 1
+        assert len(parse_violations(lines.take())) >= 1
 
 
 # Quarantine -----------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_quarantine_fails_only_the_affected_request(tiny_llama, monkeypatch):
         for other in driver.ids[:2]:
             assert outputs[other].outputs[0].finish_reason == "length" and len(outputs[other].outputs[0].token_ids) == 80
         assert _metric("vllm:kv_canary_requests_failed_total") - failed_before == 1
-        assert _parse(lines.take())
+        assert parse_violations(lines.take())
         # The engine keeps serving.
         (after,) = llm.generate([{"prompt_token_ids": _prompts(17)[0]}], _greedy(8), use_tqdm=False)
         assert len(after.outputs[0].token_ids) == 8
@@ -541,8 +541,8 @@ def test_vllm_serve_quarantine_fails_only_the_affected_requests(tiny_llama):
     # request of several steps is drilled and fails; one answered by its first forward
     # (its whole prompt in one step, one token) has no context to drill, and completes.
     rng = random.Random(19)
-    long = [_tokens(rng, 50) for _ in range(2)]
-    short = [_tokens(rng, 20) for _ in range(3)]
+    long = [random_tokens(rng, 50) for _ in range(2)]
+    short = [random_tokens(rng, 20) for _ in range(3)]
     with _server(tiny_llama, "quarantine", "fail", drill=1.0, tokens_per_step=512) as server:
         answers = _concurrently(server, long + short, [20] * len(long) + [1] * len(short))
         assert [answer.get("error", 200) for answer in answers] == [500] * len(long) + [200] * len(short)
@@ -603,7 +603,7 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
         "kv_connector_extra_config": {connector.INNER: inner},
     }
     rng = random.Random(20)
-    prompt, other = _tokens(rng, 2 * BLOCK_SIZE + 10), _tokens(rng, 2 * BLOCK_SIZE + 10)
+    prompt, other = random_tokens(rng, 2 * BLOCK_SIZE + 10), random_tokens(rng, 2 * BLOCK_SIZE + 10)
     with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer) as (llm, lines, _):
         ours = _worker_connector()
         assert type(ours.inner).__name__ == "ExampleConnector"
@@ -643,7 +643,7 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
             if fault == "truncated file":  # the inner connector's load raised: logged, with its traceback
                 assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
                 said = said[1:]
-            assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in _parse(said))
+            assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in parse_violations(said))
 
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
@@ -667,7 +667,7 @@ def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny
     storage.mkdir()
     extra = {"shared_storage_path": str(storage)}
     producer = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra}
-    prompt = _tokens(random.Random(22), 2 * BLOCK_SIZE + 10)
+    prompt = random_tokens(random.Random(22), 2 * BLOCK_SIZE + 10)
     with connector_engine(tiny_llama, "log", kv_transfer_config=producer) as (llm, lines, _):
         llm.generate([{"prompt_token_ids": prompt}], _greedy(8), use_tqdm=False)
         assert lines.take() == []
@@ -718,7 +718,7 @@ def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_
             "kv_connector_extra_config": {"inner": inner},
         }
 
-    prompt = _tokens(random.Random(21), 2 * BLOCK_SIZE + 10)
+    prompt = random_tokens(random.Random(21), 2 * BLOCK_SIZE + 10)
     with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_producer")) as (llm, lines, _):
         (produced,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
         assert lines.take() == []
@@ -732,4 +732,4 @@ def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_
         assert _metric("vllm:kv_canary_transfer_slots_failed_total") - failed == 1
         assert len(reported.take()) == 1  # the block of the flipped token, recomputed
         assert consumed.outputs[0].token_ids == produced.outputs[0].token_ids
-        assert [reasons for reasons, _, _ in _parse(lines.take())] == [["verify_real_kv_hash"]]
+        assert [reasons for reasons, _, _ in parse_violations(lines.take())] == [["verify_real_kv_hash"]]

@@ -6,13 +6,9 @@ splits prompts and preempts requests. Faults are injected between ``llm_engine.s
 calls and must be reported at the next step, naming the request.
 """
 
-import contextlib
-import io
 import logging
-import os
 import random
 import re
-import sys
 
 import pytest
 import torch
@@ -20,203 +16,28 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 
-import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
-
-BLOCK_SIZE = 32
-NUM_BLOCKS = 24
-PER_STEP = 64
-LINE = re.compile(r"^kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
-SUMMARY = re.compile(
-    r"^kv_canary summary: launch_tag=vllm seconds=\S+ repeated_detections=(\d+) repeated_slots=(\d+) slots_logged=(\d+) ring_dropped=(\d+)$"
+from engine_driver import (  # noqa: E402
+    BLOCK_SIZE,
+    KV_BUDGET,
+    KV_BYTES_PER_SLOT,
+    NUM_BLOCKS,
+    SUMMARY,
+    Driver,
+    mixed_workload,
+    parse_violations,
+    random_tokens,
+    sampling_params,
+    started_engine,
 )
 
-# The KV cache budget: NUM_BLOCKS blocks of K and V (2 layers, 2 KV heads of 64 bf16) and the
-# canary over them (a record of four int64 and an int64 owner tag per slot; a ring of 1024
-# rows of eight int64, and its counters, which need far less than a block of slack).
-KV_BYTES_PER_SLOT = 2 * 2 * 2 * 64 * 2
-CANARY_BYTES_PER_SLOT = 5 * 8
-KV_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
-
-
-class Lines(logging.Handler):
-    """The plugin's WARNING and ERROR records."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    @property
-    def lines(self) -> list[str]:
-        return [record.getMessage() for record in self.records]
-
-    def take(self) -> list[str]:
-        lines, self.records = self.lines, []
-        return lines
-
-
-@contextlib.contextmanager
-def vllm_log():
-    """What vLLM's own log handler writes meanwhile. vLLM configures its logging when an
-    engine starts, with a handler named "vllm" on ``sys.stdout``, or has done so already
-    (pytest's capture handlers, which it attaches to the non-propagating ``vllm`` logger
-    too, keep their streams)."""
-    log = io.StringIO()
-    streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers if handler.name == "vllm"}
-    try:
-        with contextlib.redirect_stdout(log):
-            yield log
-    finally:
-        for handler in logging.getLogger("vllm").handlers:
-            if handler.stream is log:
-                handler.setStream(streams.get(handler, sys.stdout))
-
-
-@contextlib.contextmanager
-def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", environ: dict[str, str] | None = None, **options):
-    """An in-process engine on ``model`` with the plugin on under ``policy`` (and the
-    plugin's other variables of ``environ`` set while it starts), and the plugin's
-    WARNING and ERROR lines (`Lines`) and the requests vLLM preempts meanwhile: (llm, lines,
-    preemptions). ``options`` override the engine's (prefix caching and chunked prefill of
-    `PER_STEP` tokens a step in blocks of `BLOCK_SIZE`); ``llm.startup_log`` is what vLLM
-    logged while it started."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    preemptions = []
-    preempt = Scheduler._preempt_request
-
-    def counting_preempt(self, request, *args, **kwargs):
-        preemptions.append(request.request_id)
-        return preempt(self, request, *args, **kwargs)
-
-    environ = environ or {}
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", config.POLICY_ENV, config.SUMMARY_ENV, *environ)}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ[config.POLICY_ENV] = policy
-    # A summary line only where a test asks for one (`Reports.interval`): with the default
-    # of 60 s one would come whenever a slow run of a test passed a minute.
-    os.environ[config.SUMMARY_ENV] = "86400"
-    os.environ.update(environ)
-    Scheduler._preempt_request = counting_preempt
-    lines = Lines()
-    llm = None
-    settings = dict(
-        dtype="bfloat16",
-        max_model_len=512,
-        block_size=BLOCK_SIZE,
-        kv_cache_memory_bytes=kv_budget,
-        gpu_memory_utilization=0.05,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=PER_STEP,
-        max_num_seqs=8,
-    )
-    try:
-        with vllm_log() as startup_log:
-            llm = vllm.LLM(model=str(model), **{**settings, **options})
-        llm.startup_log = startup_log.getvalue()
-        plugin.logger.addHandler(lines)  # once vLLM has configured its logging, which clears its children's handlers
-        yield llm, lines, preemptions
-    finally:
-        Scheduler._preempt_request = preempt
-        plugin.logger.removeHandler(lines)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        # Another engine may start in this process: this one's state goes, also after a start that failed.
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-        ensure_kv_transfer_shutdown()  # vLLM builds a worker's KV connector once per process
-        cleanup_dist_env_and_memory()
+import torch_kvcanary as kc  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, plugin, worker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     with started_engine(tiny_llama) as started:
         yield started
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, 512) for _ in range(n)]
-
-
-def _params(max_tokens: int, kind: int = 0):
-    settings = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.3, top_k=20, repetition_penalty=1.2)]
-    return vllm.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **settings[kind % 3])
-
-
-def _parse(lines):
-    parsed = []
-    for line in lines:
-        match = LINE.match(line)
-        assert match, f"not a violation line: {line}"
-        parsed.append((match.group(1).split("+"), int(match.group(2)), match.group(3).split(",")))
-    return parsed
-
-
-class Driver:
-    """Adds requests and steps the engine, one step at a time."""
-
-    def __init__(self, llm, name: str):
-        self.llm, self.name = llm, name
-        self.engine = llm.llm_engine
-        self.ids: list[str] = []
-
-    def add(self, prompt: list[int], params) -> str:
-        request_id = f"{self.name}-{len(self.ids)}"
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        self.ids.append(request_id)
-        return request_id
-
-    def step(self) -> list:
-        return self.engine.step()
-
-    def run_until_decoding(self, max_steps: int = 40) -> None:
-        """Steps until every request of this driver is running and has decoded a few tokens."""
-        state = plugin.active()
-        for _ in range(max_steps):
-            self.step()
-            rows = self.rows()
-            if len(rows) == len(self.ids) and all(
-                state.model_runner.input_batch.num_computed_tokens_cpu[row] >= 2 * BLOCK_SIZE + 4 for row in rows.values()
-            ):
-                return
-        raise AssertionError(f"requests {self.ids} did not all reach decoding")
-
-    def rows(self) -> dict[str, int]:
-        """vLLM's internal id (ours plus a suffix) -> input-batch row, for our running requests."""
-        batch = plugin.active().model_runner.input_batch
-        return {rid: row for row, rid in enumerate(batch.req_ids) if rid is not None and rid.rsplit("-", 1)[0] in self.ids}
-
-    def internal_id(self, request_id: str) -> str:
-        return next(rid for rid in self.rows() if rid.rsplit("-", 1)[0] == request_id)
-
-    def blocks(self, request_id: str, group: int = 0) -> list[int]:
-        """The request's blocks in watched KV cache group ``group``."""
-        table = plugin.active().groups[group].block_table
-        row = self.rows()[self.internal_id(request_id)]
-        return table.block_table.np[row, : table.num_blocks_per_row[row]].tolist()
-
-    def context(self, request_id: str) -> int:
-        """The tokens of the request in the KV cache."""
-        return int(plugin.active().model_runner.input_batch.num_computed_tokens_cpu[self.rows()[self.internal_id(request_id)]])
-
-    def finish(self) -> None:
-        self.engine.abort_request(self.ids)
-        for _ in range(3):
-            self.step()
-        self.llm.reset_prefix_cache()
 
 
 def test_the_plugin_watches_every_layer(engine):
@@ -278,49 +99,6 @@ def test_the_runners_the_plugin_watches(engine):
     assert "cannot watch builtins.object: it watches vLLM's Model Runner V1" in adapter.unwatchable(object())
 
 
-def mixed_workload(llm, lines, preemptions, params=_params) -> None:
-    """Ten requests sharing a prefix of two blocks, with prompts longer than a step's tokens
-    and more KV than the cache holds: the canary verifies every step and reports nothing,
-    while the prefix cache is hit (where vLLM keeps prefix caching on for the model), prompts
-    are chunked and requests preempted. ``params``
-    gives request ``i``'s sampling (`_params` by default: greedy and random, in turns)."""
-    state = plugin.active()
-    before = state.canary.stats()
-    shared = []
-    begin_step = state.begin_step
-
-    def watching(*args, **kwargs):
-        batch = begin_step(*args, **kwargs)
-        for group in state.groups:
-            tables, counts = group.block_table.block_table.np, group.block_table.num_blocks_per_row
-            # Block 0 is vLLM's null block, which stands for the blocks a window has freed.
-            seen = [set(tables[r, : max(counts[r] - 1, 0)].tolist()) - {0} for r in range(len(batch.req_ids))]
-            shared.append(max((len([s for s in seen if b in s]) for s in seen for b in s), default=0))
-        return batch
-
-    state.begin_step = watching
-    try:
-        rng = random.Random(1)
-        prefix = _tokens(rng, 2 * BLOCK_SIZE + 5)  # two full blocks shared by every request
-        prompts = [prefix + _tokens(rng, 10 + 23 * i) for i in range(10)]
-        outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], [params(60 + 25 * (i % 4), i) for i in range(10)], use_tqdm=False
-        )
-    finally:
-        state.begin_step = begin_step
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [60 + 25 * (i % 4) for i in range(10)]
-    after = state.canary.stats()
-    assert lines.take() == []
-    assert after["violations"] == before["violations"] == 0
-    assert after["slots_verified"] - before["slots_verified"] > 10_000
-    assert preemptions, "the KV space was meant to be small enough to preempt"
-    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
-        assert max(shared) >= 2, "the shared prefix was meant to hit the prefix cache"
-    else:  # vLLM turns it off for some models on some hosts (tests/helpers.py, ISA_SKIP_REASONS)
-        assert max(shared) == 1, "without prefix caching no block lies in two requests' tables"
-    assert max(len(p) for p in prompts) > PER_STEP  # chunked prefill
-
-
 def test_a_mixed_workload_raises_no_false_alarm(engine):
     mixed_workload(*engine)
 
@@ -357,7 +135,7 @@ def test_a_flipped_bit_names_its_request(engine):
     driver = Driver(llm, "flip")
     rng = random.Random(2)
     for i in range(3):
-        driver.add(_tokens(rng, 70 + 9 * i), _params(200, i))
+        driver.add(random_tokens(rng, 70 + 9 * i), sampling_params(200, i))
     driver.run_until_decoding()
     assert lines.take() == []
     victim = driver.ids[1]
@@ -365,7 +143,7 @@ def test_a_flipped_bit_names_its_request(engine):
     layer = plugin.active().kv_caches[1]
     layer.view(torch.int16)[block, 1, 5, 77] ^= 1 << 9  # one bit of head 1
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found, "the flipped bit was not reported"
     for reasons, slot, requests in found:
         assert reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block and requests == [driver.internal_id(victim)]
@@ -392,7 +170,7 @@ def test_sampled_verification_finds_a_flipped_bit_within_every_steps(engine):
     llm, lines, _ = engine
     state = plugin.active()
     driver = Driver(llm, "sampled")
-    driver.add(_tokens(random.Random(11), 5 * BLOCK_SIZE + 3), _params(200))
+    driver.add(random_tokens(random.Random(11), 5 * BLOCK_SIZE + 3), sampling_params(200))
     driver.run_until_decoding()
     assert lines.take() == []
     every = 4
@@ -405,7 +183,7 @@ def test_sampled_verification_finds_a_flipped_bit_within_every_steps(engine):
             cell[3] ^= 1
         for step in range(1, 2 * every + 1):
             driver.step()
-            for _, slot, requests in _parse(lines.take()):
+            for _, slot, requests in parse_violations(lines.take()):
                 assert slot // BLOCK_SIZE in blocks and requests == [driver.internal_id(driver.ids[0])]
                 latencies.setdefault(slot // BLOCK_SIZE, step)
     finally:
@@ -424,7 +202,7 @@ def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     # already hold bytes of the written ones, and are watched too.
     llm, lines, _ = engine
     driver = Driver(llm, "tail")
-    driver.add(_tokens(random.Random(6), 2 * BLOCK_SIZE + 3), _params(200, 2))
+    driver.add(random_tokens(random.Random(6), 2 * BLOCK_SIZE + 3), sampling_params(200, 2))
     state = plugin.active()
     for _ in range(4):  # the prompt's two chunks, then a decode step or two
         driver.step()
@@ -437,7 +215,7 @@ def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     assert lines.take() == []
     state.kv_caches[0].view(torch.int16)[last, 0, BLOCK_SIZE - 1, 3] ^= 1 << 14
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found and all(slot // BLOCK_SIZE == last and requests == [victim] for _, slot, requests in found)
     driver.finish()
 
@@ -450,7 +228,7 @@ def _block_table_pointing_at_another_requests_block(llm, lines, _) -> None:
     driver = Driver(llm, "table")
     rng = random.Random(3)
     for _ in range(2):
-        driver.add(_tokens(rng, 75), _params(200, 0))
+        driver.add(random_tokens(rng, 75), sampling_params(200, 0))
     driver.run_until_decoding()
     assert lines.take() == []
     victim, other = driver.ids
@@ -459,7 +237,7 @@ def _block_table_pointing_at_another_requests_block(llm, lines, _) -> None:
     own = state.block_table.block_table.np[row, 1]
     state.block_table.block_table.np[row, 1] = driver.blocks(other)[1]  # bytes intact
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     state.block_table.block_table.np[row, 1] = own
     assert found, "the wrong block table entry was not reported"
     assert {r for reasons, _, requests in found for r in requests} == {driver.internal_id(victim)}
@@ -474,7 +252,7 @@ def test_a_token_copy_follows_the_requests_and_catches_a_wrong_block(engine, tok
     driver = Driver(llm, "copy")
     rng = random.Random(21)
     for i in range(4):
-        driver.add(_tokens(rng, 50 + 20 * i), _params(60 + 40 * i, 0))
+        driver.add(random_tokens(rng, 50 + 20 * i), sampling_params(60 + 40 * i, 0))
     driver.run_until_decoding()
     for _ in range(3):
         driver.step()
@@ -493,7 +271,7 @@ def test_a_block_freed_and_rewritten_while_still_read(engine):
     driver = Driver(llm, "reuse")
     rng = random.Random(4)
     for _ in range(2):
-        driver.add(_tokens(rng, 80), _params(200, 1))
+        driver.add(random_tokens(rng, 80), sampling_params(200, 1))
     driver.run_until_decoding()
     assert lines.take() == []
     victim = driver.ids[0]
@@ -508,7 +286,7 @@ def test_a_block_freed_and_rewritten_while_still_read(engine):
         slots, positions=positions, tokens=torch.full_like(slots, 7), prev_slots=torch.cat([torch.tensor([-1]), slots[:-1]])
     )
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found, "the rewritten block was not reported"
     assert {r for _, _, requests in found for r in requests} == {driver.internal_id(victim)}
     assert {slot // BLOCK_SIZE for _, slot, _ in found} == {block, driver.blocks(victim)[1]}  # and the chain into the next block
@@ -524,7 +302,7 @@ def test_a_block_another_request_writes_while_still_read(engine):
     driver = Driver(llm, "steal")
     rng = random.Random(7)
     for i in range(2):
-        driver.add(_tokens(rng, 70 + 5 * i), _params(200, 0))
+        driver.add(random_tokens(rng, 70 + 5 * i), sampling_params(200, 0))
     driver.run_until_decoding()
     assert lines.take() == []
     victim, writer = (driver.internal_id(r) for r in driver.ids)
@@ -533,7 +311,7 @@ def test_a_block_another_request_writes_while_still_read(engine):
     last = state.block_table.num_blocks_per_row[row] - 1
     state.block_table.block_table.np[row, last] = driver.blocks(driver.ids[0])[0]
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found, "the rewritten block was not reported in the step that wrote it"
     named = {r for _, _, requests in found for r in requests}
     assert victim in named and named <= {victim, writer}
@@ -545,7 +323,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
     llm, lines, _ = engine
     state = plugin.active()
     rng = random.Random(8)
-    prompts = [{"prompt_token_ids": _tokens(rng, 40 + 20 * i)} for i in range(3)]
+    prompts = [{"prompt_token_ids": random_tokens(rng, 40 + 20 * i)} for i in range(3)]
 
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
@@ -553,14 +331,14 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
     assert lines.take() == []
     monkeypatch.setattr(worker, "step_plan", fault)
     try:
-        outputs = llm.generate(prompts, [_params(30, i) for i in range(3)], use_tqdm=False)
+        outputs = llm.generate(prompts, [sampling_params(30, i) for i in range(3)], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
         assert not state.on and state.faults == 1
         (error,) = lines.records
         assert error.levelno == logging.ERROR and error.getMessage().startswith("kv-canary: the canary's own code failed")
         assert isinstance(error.exc_info[1], ZeroDivisionError)  # with its traceback
         stats = state.canary.stats()
-        llm.generate(prompts[:1], _params(10), use_tqdm=False)
+        llm.generate(prompts[:1], sampling_params(10), use_tqdm=False)
         assert state.canary.stats() == stats and len(lines.records) == 1  # off from here on
     finally:
         lines.take()
@@ -580,8 +358,8 @@ def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
 
     llm, lines, _ = engine
     state = plugin.active()
-    prompt = _tokens(random.Random(11), 100)
-    llm.generate([{"prompt_token_ids": prompt}], _params(2), use_tqdm=False)
+    prompt = random_tokens(random.Random(11), 100)
+    llm.generate([{"prompt_token_ids": prompt}], sampling_params(2), use_tqdm=False)
     records = state.canary.records
     (first,) = ((records[:, 0] == prompt[32]) & (records[:, 1] == 32)).nonzero().flatten().tolist()
     source = first // BLOCK_SIZE
@@ -591,7 +369,7 @@ def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
     copies = [[KVCacheBlockCopy(src_block_id=source, dst_block_id=block.block_id)]]
     monkeypatch.setattr(manager, "take_kv_cache_block_copies", lambda: (copies.pop(), []) if copies else take())
     try:
-        llm.generate([{"prompt_token_ids": _tokens(random.Random(12), 20)}], _params(2), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": random_tokens(random.Random(12), 20)}], sampling_params(2), use_tqdm=False)
         assert copies == []  # the scheduler took the copy
         src = torch.arange(BLOCK_SIZE) + source * BLOCK_SIZE
         dst = torch.arange(BLOCK_SIZE) + block.block_id * BLOCK_SIZE
@@ -612,7 +390,7 @@ def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()
     driver = Driver(llm, "raise")
-    driver.add(_tokens(random.Random(5), 70), _params(200))
+    driver.add(random_tokens(random.Random(5), 70), sampling_params(200))
     driver.run_until_decoding()
     block = driver.blocks(driver.ids[0])[0]
     state.kv_caches[0].view(torch.int16)[block, 0, 3, 3] ^= 1
@@ -633,7 +411,7 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
     llm, lines, _ = engine
     state = plugin.active()
     driver = Driver(llm, "own-fault")
-    driver.add(_tokens(random.Random(9), 40), _params(20))
+    driver.add(random_tokens(random.Random(9), 40), sampling_params(20))
 
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
@@ -669,7 +447,7 @@ def test_a_forward_the_hooks_do_not_see_stops_the_step(engine):
     llm, lines, _ = engine
     runner = plugin.active().model_runner
     driver = Driver(llm, "past")
-    driver.add(_tokens(random.Random(12), 40), _params(20))
+    driver.add(random_tokens(random.Random(12), 40), sampling_params(20))
     driver.step()  # watched
     runner.__class__ = PastTheHook
     try:

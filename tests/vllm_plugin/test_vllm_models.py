@@ -19,8 +19,17 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
+from engine_driver import (  # noqa: E402
+    BLOCK_SIZE,
+    CANARY_BYTES_PER_SLOT,
+    Driver,
+    mixed_workload,
+    parse_violations,
+    random_tokens,
+    sampling_params,
+    started_engine,
+)
 from random_models import make_model  # noqa: E402
-from test_vllm_engine import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, _params, _parse, _tokens, mixed_workload, started_engine  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
 
@@ -105,7 +114,7 @@ def test_a_flipped_byte_names_its_request(model_engine):
     driver = Driver(llm, "flip")
     rng = random.Random(2)
     for i in range(3):
-        driver.add(_tokens(rng, 70 + 9 * i), _params(200, i))
+        driver.add(random_tokens(rng, 70 + 9 * i), sampling_params(200, i))
     driver.run_until_decoding()
     assert lines.take() == []
     victim = driver.ids[1]
@@ -118,7 +127,7 @@ def test_a_flipped_byte_names_its_request(model_engine):
     else:  # K and V planes per head: row `row` of head 1's K plane
         kv[block, 1, row, 77] ^= 1 << 9
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found, "the flipped byte was not reported"
     for reasons, slot, requests in found:
         assert reasons == ["verify_real_kv_hash"] and slot // state.block_size == block
@@ -135,7 +144,7 @@ def test_a_block_table_pointing_at_another_requests_block(model_engine):
     driver = Driver(llm, "table")
     rng = random.Random(3)
     for _ in range(2):
-        driver.add(_tokens(rng, 75), _params(200, 0))
+        driver.add(random_tokens(rng, 75), sampling_params(200, 0))
     driver.run_until_decoding()
     assert lines.take() == []
     victim, other = driver.ids
@@ -144,7 +153,7 @@ def test_a_block_table_pointing_at_another_requests_block(model_engine):
     row = driver.rows()[driver.internal_id(victim)]
     table[row, index] = driver.blocks(other, group)[index]  # bytes intact
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     table[row, index] = own
     assert found, "the wrong block table entry was not reported"
     assert {r for _, _, requests in found for r in requests} == {driver.internal_id(victim)}

@@ -13,8 +13,8 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
+from engine_driver import KV_BUDGET, Driver, parse_violations, random_tokens, sampling_params, started_engine  # noqa: E402
 from helpers import HOST_AMX, HOST_AVX512, needs_isa  # noqa: E402
-from test_vllm_engine import KV_BUDGET, Driver, _params, _parse, _tokens, started_engine  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
 
@@ -52,9 +52,9 @@ def test_a_clean_workload_raises_no_false_alarm(options_engine):
     llm, lines, _ = options_engine
     before = plugin.active().canary.stats()
     rng = random.Random(1)
-    prefix = _tokens(rng, 150)
-    prompts = [{"prompt_token_ids": prefix + _tokens(rng, 10 + 23 * i)} for i in range(8)]
-    outputs = llm.generate(prompts, [_params(40 + 20 * (i % 3), i) for i in range(8)], use_tqdm=False)
+    prefix = random_tokens(rng, 150)
+    prompts = [{"prompt_token_ids": prefix + random_tokens(rng, 10 + 23 * i)} for i in range(8)]
+    outputs = llm.generate(prompts, [sampling_params(40 + 20 * (i % 3), i) for i in range(8)], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40 + 20 * (i % 3) for i in range(8)]
     several = llm.generate(prompts[:3], vllm.SamplingParams(n=3, max_tokens=24, temperature=1.0, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs) for o in several] == [3, 3, 3]
@@ -72,14 +72,14 @@ def test_a_flipped_bit_names_its_request(options_engine):
     driver = Driver(llm, "flip")
     rng = random.Random(2)
     for i in range(3):
-        driver.add(_tokens(rng, 140 + 9 * i), _params(200, i))
+        driver.add(random_tokens(rng, 140 + 9 * i), sampling_params(200, i))
     driver.run_until_decoding()
     assert lines.take() == []
     victim = driver.ids[1]
     block = driver.blocks(victim)[0]
     state.kv_caches[1].view(torch.uint8)[block, 1, 5, 100] ^= 1 << 6  # one bit of head 1, in bf16, fp16, fp32 or fp8
     driver.step()
-    found = _parse(lines.take())
+    found = parse_violations(lines.take())
     assert found, "the flipped bit was not reported"
     for reasons, slot, requests in found:
         assert reasons == ["verify_real_kv_hash"] and slot // state.block_size == block and requests == [driver.internal_id(victim)]
