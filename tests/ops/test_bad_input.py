@@ -961,26 +961,26 @@ def test_vllm_plugin_refuses_bad_settings(monkeypatch, policy, mode, message):
         plugin.register()
 
 
-@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
-def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
-    monkeypatch.setenv("KVCANARY_VLLM", "log")
-    monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
-    message = f"^kv-canary: KVCANARY_VLLM_SUMMARY_S must be a number of seconds >= 0 \\(0: after every step\\), got '{value}'$"
+def _assert_vllm_settings_refused(monkeypatch, environ: dict[str, str], message: str) -> None:
+    """Both the plugin's settings and its registration refuse ``environ`` with ``message``."""
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         config.settings()
     with pytest.raises(ValueError, match=message):
         plugin.register()
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
+def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
+    message = f"^kv-canary: KVCANARY_VLLM_SUMMARY_S must be a number of seconds >= 0 \\(0: after every step\\), got '{value}'$"
+    _assert_vllm_settings_refused(monkeypatch, {"KVCANARY_VLLM": "log", "KVCANARY_VLLM_SUMMARY_S": value}, message)
 
 
 @pytest.mark.parametrize("value", ["-0.1", "1.5", "nan", "often"])
 def test_vllm_plugin_refuses_a_drill_probability_out_of_range(monkeypatch, value):
-    monkeypatch.setenv("KVCANARY_VLLM", "repair")
-    monkeypatch.setenv("KVCANARY_VLLM_DRILL", value)
     message = rf"^kv-canary: KVCANARY_VLLM_DRILL must be a probability per step in \[0, 1\] \(0 or unset: no drills\), got '{value}'$"
-    with pytest.raises(ValueError, match=message):
-        config.settings()
-    with pytest.raises(ValueError, match=message):
-        plugin.register()
+    _assert_vllm_settings_refused(monkeypatch, {"KVCANARY_VLLM": "repair", "KVCANARY_VLLM_DRILL": value}, message)
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])

@@ -247,3 +247,14 @@ def mixed_workload(llm, lines, preemptions, params=sampling_params) -> None:
     else:  # vLLM turns it off for some models on some hosts (tests/helpers.py, ISA_SKIP_REASONS)
         assert max(shared) == 1, "without prefix caching no block lies in two requests' tables"
     assert max(len(p) for p in prompts) > PER_STEP  # chunked prefill
+
+
+def decoding(llm, lines: Lines, label: str, prompts: list[list[int]], params: list) -> Driver:
+    """A driver whose requests (a prompt and a sampling each) all run and decode, with no
+    report on the way: where a test injects its fault."""
+    driver = Driver(llm, label)
+    for prompt, sampling in zip(prompts, params, strict=True):
+        driver.add(prompt, sampling)
+    driver.run_until_decoding()
+    assert lines.take() == []
+    return driver

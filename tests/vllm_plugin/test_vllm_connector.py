@@ -26,6 +26,7 @@ from engine_driver import (  # noqa: E402
     KV_BYTES_PER_SLOT,
     NUM_BLOCKS,
     Driver,
+    decoding,
     mixed_workload,
     parse_violations,
     random_tokens,
@@ -264,12 +265,9 @@ def test_a_mapping_violation_under_repair_stops_the_step(repair_engine):
     # A block-table entry pointing at another request's block: every byte intact, so vLLM's
     # scheduler, which maps blocks by that same table, could not repair it.
     llm, lines, _ = repair_engine
-    driver = Driver(llm, "mapping")
     rng = random.Random(14)
-    for _ in range(2):
-        driver.add(random_tokens(rng, 75), _greedy(200))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 75) for _ in range(2)]
+    driver = decoding(llm, lines, "mapping", prompts, [_greedy(200) for _ in range(2)])
     victim, other = driver.ids
     state = plugin.active()
     row = driver.rows()[driver.internal_id(victim)]

@@ -23,6 +23,7 @@ from engine_driver import (  # noqa: E402
     NUM_BLOCKS,
     SUMMARY,
     Driver,
+    decoding,
     mixed_workload,
     parse_violations,
     random_tokens,
@@ -132,12 +133,9 @@ def test_a_mixed_workload_checked_against_a_token_copy_raises_no_false_alarm(eng
 
 def test_a_flipped_bit_names_its_request(engine):
     llm, lines, _ = engine
-    driver = Driver(llm, "flip")
     rng = random.Random(2)
-    for i in range(3):
-        driver.add(random_tokens(rng, 70 + 9 * i), sampling_params(200, i))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 70 + 9 * i) for i in range(3)]
+    driver = decoding(llm, lines, "flip", prompts, [sampling_params(200, i) for i in range(3)])
     victim = driver.ids[1]
     block = driver.blocks(victim)[1]
     layer = plugin.active().kv_caches[1]
@@ -225,12 +223,9 @@ def test_a_block_table_pointing_at_another_requests_block(engine):
 
 
 def _block_table_pointing_at_another_requests_block(llm, lines, _) -> None:
-    driver = Driver(llm, "table")
     rng = random.Random(3)
-    for _ in range(2):
-        driver.add(random_tokens(rng, 75), sampling_params(200, 0))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 75) for _ in range(2)]
+    driver = decoding(llm, lines, "table", prompts, [sampling_params(200, 0) for _ in range(2)])
     victim, other = driver.ids
     state = plugin.active()
     row = driver.rows()[driver.internal_id(victim)]
@@ -268,12 +263,9 @@ def test_a_token_copy_follows_the_requests_and_catches_a_wrong_block(engine, tok
 
 def test_a_block_freed_and_rewritten_while_still_read(engine):
     llm, lines, _ = engine
-    driver = Driver(llm, "reuse")
     rng = random.Random(4)
-    for _ in range(2):
-        driver.add(random_tokens(rng, 80), sampling_params(200, 1))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 80) for _ in range(2)]
+    driver = decoding(llm, lines, "reuse", prompts, [sampling_params(200, 1) for _ in range(2)])
     victim = driver.ids[0]
     state = plugin.active()
     block = driver.blocks(victim)[0]
@@ -299,12 +291,9 @@ def test_a_block_another_request_writes_while_still_read(engine):
     # block at the victim's first block, so the writer's next token lands there in the same
     # forward that reads it for the victim.
     llm, lines, _ = engine
-    driver = Driver(llm, "steal")
     rng = random.Random(7)
-    for i in range(2):
-        driver.add(random_tokens(rng, 70 + 5 * i), sampling_params(200, 0))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 70 + 5 * i) for i in range(2)]
+    driver = decoding(llm, lines, "steal", prompts, [sampling_params(200, 0) for i in range(2)])
     victim, writer = (driver.internal_id(r) for r in driver.ids)
     state = plugin.active()
     row = driver.rows()[writer]
@@ -394,16 +383,8 @@ def test_raise_stops_the_step(engine):
     driver.run_until_decoding()
     block = driver.blocks(driver.ids[0])[0]
     state.kv_caches[0].view(torch.int16)[block, 0, 3, 3] ^= 1
-    state.policy = "raise"
-    try:
-        with pytest.raises(Exception) as raised:
-            driver.step()
-    finally:
-        state.policy = "log"
-    error = raised.value
-    while error is not None and not isinstance(error, kc.KvCorruptionError):
-        error = error.__cause__ or error.__context__
-    assert isinstance(error, kc.KvCorruptionError), f"{type(raised.value).__name__} did not come from a KvCorruptionError"
+    raised = _step_under_raise(driver)
+    error = _raised_from(raised, kc.KvCorruptionError)
     assert all(driver.internal_id(driver.ids[0]) in line for line in error.lines)
 
 
@@ -417,16 +398,8 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
         raise ZeroDivisionError("a fault injected into the plugin")
 
     monkeypatch.setattr(worker, "step_plan", fault)
-    state.policy = "raise"
-    try:
-        with pytest.raises(Exception) as raised:
-            driver.step()
-    finally:
-        state.policy = "log"
-    error = raised.value
-    while error is not None and not isinstance(error, ZeroDivisionError):
-        error = error.__cause__ or error.__context__
-    assert isinstance(error, ZeroDivisionError), f"{type(raised.value).__name__} did not come from the injected fault"
+    raised = _step_under_raise(driver)
+    _raised_from(raised, ZeroDivisionError)
     assert state.on and state.faults == 0 and lines.take() == []
 
 
@@ -469,3 +442,22 @@ def _chain(error: BaseException):
     while error is not None:
         yield error
         error = error.__cause__ or error.__context__
+
+
+def _step_under_raise(driver: Driver) -> BaseException:
+    """What the driver's next step raises under the raise policy (it must raise)."""
+    state = plugin.active()
+    state.policy = "raise"
+    try:
+        with pytest.raises(Exception) as raised:
+            driver.step()
+    finally:
+        state.policy = "log"
+    return raised.value
+
+
+def _raised_from(error: BaseException, kind: type[BaseException]) -> BaseException:
+    """The exception of type ``kind`` that ``error`` was raised from, or during."""
+    found = [e for e in _chain(error) if isinstance(e, kind)]
+    assert found, f"{type(error).__name__} did not come from a {kind.__name__}"
+    return found[0]

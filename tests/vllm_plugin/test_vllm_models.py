@@ -23,6 +23,7 @@ from engine_driver import (  # noqa: E402
     BLOCK_SIZE,
     CANARY_BYTES_PER_SLOT,
     Driver,
+    decoding,
     mixed_workload,
     parse_violations,
     random_tokens,
@@ -111,12 +112,9 @@ def _newest_context_position(driver: Driver, request_id: str, group: int) -> int
 def test_a_flipped_byte_names_its_request(model_engine):
     _, llm, lines, _ = model_engine
     state = plugin.active()
-    driver = Driver(llm, "flip")
     rng = random.Random(2)
-    for i in range(3):
-        driver.add(random_tokens(rng, 70 + 9 * i), sampling_params(200, i))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 70 + 9 * i) for i in range(3)]
+    driver = decoding(llm, lines, "flip", prompts, [sampling_params(200, i) for i in range(3)])
     victim = driver.ids[1]
     position = _newest_context_position(driver, victim, 0)  # in the first group: a window's or a chunk's
     block, row = driver.blocks(victim, 0)[position // state.block_size], position % state.block_size
@@ -141,12 +139,9 @@ def test_a_block_table_pointing_at_another_requests_block(model_engine):
     _, llm, lines, _ = model_engine
     state = plugin.active()
     group = len(state.groups) - 1  # the full-attention group of Gemma 2 and Llama 4, the only group elsewhere
-    driver = Driver(llm, "table")
     rng = random.Random(3)
-    for _ in range(2):
-        driver.add(random_tokens(rng, 75), sampling_params(200, 0))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    prompts = [random_tokens(rng, 75) for _ in range(2)]
+    driver = decoding(llm, lines, "table", prompts, [sampling_params(200, 0) for _ in range(2)])
     victim, other = driver.ids
     index, own = _last_full_block(driver, victim, group)
     table = state.groups[group].block_table.block_table.np

@@ -54,14 +54,19 @@ def test_the_connector_policies(monkeypatch, policy, failure_policy):
     assert config.CONNECTOR_POLICIES[policy] == failure_policy
 
 
+def _settings_with(monkeypatch, policy: str, name: str, value: str | None) -> config.Settings:
+    """The plugin's settings with KVCANARY_VLLM=policy and ``name`` set to ``value`` (None: unset)."""
+    monkeypatch.setenv("KVCANARY_VLLM", policy)
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    return config.settings()
+
+
 @pytest.mark.parametrize("value, probability", [(None, 0.0), ("", 0.0), ("0", 0.0), ("0.001", 0.001), ("1", 1.0)])
 def test_drill_probability(monkeypatch, value, probability):
-    monkeypatch.setenv("KVCANARY_VLLM", "repair")
-    if value is None:
-        monkeypatch.delenv("KVCANARY_VLLM_DRILL", raising=False)
-    else:
-        monkeypatch.setenv("KVCANARY_VLLM_DRILL", value)
-    assert config.settings().drill == probability
+    assert _settings_with(monkeypatch, "repair", "KVCANARY_VLLM_DRILL", value).drill == probability
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.33.0", "0.33.2+cpu", "0.33.0rc1", "0.33.1.dev5+g1234abc"])
@@ -113,22 +118,12 @@ def test_only_the_adapter_and_the_connector_import_vllm():
 
 @pytest.mark.parametrize("value, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])
 def test_summary_seconds(monkeypatch, value, seconds):
-    monkeypatch.setenv("KVCANARY_VLLM", "log")
-    if value is None:
-        monkeypatch.delenv("KVCANARY_VLLM_SUMMARY_S", raising=False)
-    else:
-        monkeypatch.setenv("KVCANARY_VLLM_SUMMARY_S", value)
-    assert config.settings().summary_seconds == seconds
+    assert _settings_with(monkeypatch, "log", "KVCANARY_VLLM_SUMMARY_S", value).summary_seconds == seconds
 
 
 @pytest.mark.parametrize("value, every", [(None, 1), ("", 1), ("1", 1), ("8", 8)])
 def test_every(monkeypatch, value, every):
-    monkeypatch.setenv("KVCANARY_VLLM", "log")
-    if value is None:
-        monkeypatch.delenv("KVCANARY_VLLM_EVERY", raising=False)
-    else:
-        monkeypatch.setenv("KVCANARY_VLLM_EVERY", value)
-    assert config.settings().every == every
+    assert _settings_with(monkeypatch, "log", "KVCANARY_VLLM_EVERY", value).every == every
 
 
 @pytest.mark.parametrize("capacity", [1, 7, 4096])
