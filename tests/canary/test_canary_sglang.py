@@ -3,7 +3,6 @@ scenario of prefill chunks, decode steps and bugs, the same records bit for bit 
 write, and the same violation rows (with the same reason bits) after every verify."""
 
 import pytest
-import sglang_reference
 import torch
 from helpers import DEVICES
 
@@ -97,9 +96,8 @@ def _context(req):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_scenario_matches_sglang(device, page_size):
-    sg = sglang_reference.load()
-    pair = Pair(sg, device, page_size)
+def test_scenario_matches_sglang(sglang, device, page_size):
+    pair = Pair(sglang, device, page_size)
     a = {"slots": list(range(1, 9)), "tokens": [11, 12, 13, 14, 15, 16, 17, 18]}
     b = {"slots": [40, 41, 42, 43, 60], "tokens": [21, 22, 23, 24, 25]}
     # Prefill: A's first chunk (5 tokens) and B's whole prompt (4 tokens) in one call.
@@ -142,10 +140,9 @@ def test_scenario_matches_sglang(device, page_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_requests_chain_like_sglang(device):
+def test_many_requests_chain_like_sglang(sglang, device):
     """Random prefill chunks and decode steps of many requests over a shuffled pool."""
-    sg = sglang_reference.load()
-    pair = Pair(sg, device, page_size=2)
+    pair = Pair(sglang, device, page_size=2)
     gen = torch.Generator().manual_seed(3)
     free = (torch.randperm(CAPACITY - 1, generator=gen) + 1).tolist()
     requests = [{"slots": [], "tokens": []} for _ in range(6)]

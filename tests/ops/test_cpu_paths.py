@@ -22,12 +22,6 @@ PER_PATH_TESTS = [
 ]
 
 
-@pytest.fixture
-def cpu_path():
-    """The path this process takes."""
-    return torch.ops.kvcanary.cpu_isa()
-
-
 def test_the_path_taken(cpu_path):
     # The one KVCANARY_CPU_ISA names (test_every_path's children), else the best one.
     forced = os.environ.get("KVCANARY_CPU_ISA")
