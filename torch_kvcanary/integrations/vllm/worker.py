@@ -102,9 +102,12 @@ class WorkerCanary:
 
     The KV connector (`connector.KvCanaryConnector`) works through this object's methods:
     `stats`, `step_flagged_slots`, `invalidate_from_flagged_blocks`, `context_slot`,
-    `first_element`, `records`, `record_loaded` and `invalidate`."""
+    `first_element`, `records`, `record_loaded` and `invalidate`.
 
-    def __init__(self, model_runner, chosen: Settings):
+    ``runner_view`` reads the runner in place of the adapter's view of a vLLM runner (a
+    benchmark's buffers: `benchmarks.engine_step`)."""
+
+    def __init__(self, model_runner, chosen: Settings, *, runner_view: adapter.RunnerView | None = None):
         self.model_runner = model_runner
         self.policy = chosen.policy
         self.drill = chosen.drill
@@ -113,7 +116,7 @@ class WorkerCanary:
         self._steps = 0
         self.faults = 0
         self.on = True
-        self.runner_view = adapter.runner_view(model_runner)
+        self.runner_view = adapter.runner_view(model_runner) if runner_view is None else runner_view
         self.connector = self._connector()
         unwatched = self.runner_view.unwatched_group_kinds()
         if unwatched:

@@ -1,0 +1,220 @@
+"""``python -m benchmarks.engine_step`` (from a checkout): the vLLM plugin's host work per
+engine step, without vLLM, as the number of layers, requests and context tokens grows.
+
+The plugin's own step code (`worker.WorkerCanary.begin_step` and ``end_step``) runs on
+buffers shaped as vLLM's model runners hold them, which `BenchRunner` hands it in place of a
+runner: per watched layer a packed ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+cache (FLASH_ATTN's split of K and V, so no block-packed work), one KV cache group with its
+block table, and per step the rows' scheduled and computed tokens, positions, input ids and
+slot mapping. ``--runner v1`` keeps the token history by input-batch row with a mask of the
+positions it holds (V1 on vLLM's CPU build); ``v2`` by request-state row through an index
+mapping, with every position known (V2).
+
+Each cell first records every request's context in one prefill step, then times decode
+steps (one token per request). Printed per cell, as medians over the steps:
+
+* ``wall``: the plugin's step (before and after the forward), in microseconds;
+* ``host``: its time outside torch's ops (Python, numpy and the op calls' dispatch), from a
+  second pass under torch's profiler: what the host does per step where a GPU runs the ops
+  asynchronously (`host_work`);
+* ``ops``: the number of torch ops the plugin calls per step, the canary's and others.
+
+A cell whose step would read more than ``--budget-gib`` of the pool is left out (it says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from torch_kvcanary.integrations.vllm import adapter, worker
+from torch_kvcanary.integrations.vllm.config import Settings
+from torch_kvcanary.sources import HashMode
+
+BLOCK_SIZE = 16
+HEAD_SIZE = 32
+NUM_KV_HEADS = 1
+BACKEND = "FLASH_ATTN"
+LAYOUT = "BLNHC"  # vLLM's NHD order of a packed layer: [num_blocks, block_size, heads, C] in memory
+PLUGIN_RANGE = "kvcanary_engine_step"
+
+
+class BenchRunner(adapter.RunnerView):
+    """The plugin's view of a model runner that is not vLLM's: the layers, block table and
+    token history of `StepBuffers`."""
+
+    def __init__(self, buffers: StepBuffers):
+        super().__init__(model_runner=buffers)
+        self.buffers = buffers
+        self.is_v2 = buffers.runner == "v2"
+
+    name = "benchmarks.engine_step.BenchRunner"
+    async_scheduling = False
+    token_history_current = True
+    token_history_on_host = False
+    drafter_writes_seen = False
+    kv_cache_layout = LAYOUT
+    tensor_parallel_size = 1
+    kv_cache_budget = None
+
+    def kv_connector(self):
+        return None
+
+    def kv_cache_group_kinds(self) -> list[str]:
+        return ["FullAttentionSpec"]
+
+    def drafter_layer_names(self) -> list[str]:
+        return []
+
+    def kv_cache_groups(self, *, drafter: bool = False) -> list[adapter.KvCacheGroup]:
+        layers = [adapter.AttentionLayer(f"layers.{i}.attn", cache, BACKEND) for i, cache in enumerate(self.buffers.caches)]
+        return [adapter.KvCacheGroup(0, "FullAttentionSpec", layers, BLOCK_SIZE, self.buffers.block_table)]
+
+    def _block_table(self, group: int):
+        return BLOCK_SIZE, self.buffers.block_table, None
+
+    def token_history(self, device: torch.device) -> adapter.TokenHistory:
+        return adapter.TokenHistory(self.buffers.history, self.buffers.history_known)
+
+
+class StepBuffers:
+    """A runner's persistent buffers for ``requests`` requests of ``context`` tokens each over
+    ``layers`` layers: request r owns blocks 1 + r * blocks_per_request onwards (block 0 is
+    vLLM's null block), and under V2 its token history row is ``state_rows[r]``."""
+
+    def __init__(self, runner: str, layers: int, requests: int, context: int, decode_steps: int):
+        self.runner = runner
+        self.requests, self.context = requests, context
+        longest = context + decode_steps + 1
+        self.blocks_per_request = -(-longest // BLOCK_SIZE)
+        num_blocks = 1 + requests * self.blocks_per_request
+        generator = torch.Generator().manual_seed(0)
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE)
+        self.caches = [
+            torch.randint(-(1 << 15), 1 << 15, shape, generator=generator, dtype=torch.int16).view(torch.float16).permute(0, 2, 1, 3)
+            for _ in range(layers)
+        ]
+        rows = torch.arange(requests)[:, None] * self.blocks_per_request + 1
+        self.block_table = (rows + torch.arange(self.blocks_per_request)).to(torch.int32)
+        self.tokens = torch.randint(0, 32000, (requests, longest), generator=generator, dtype=torch.int32)
+        if runner == "v2":
+            self.state_rows = torch.randperm(requests, generator=generator)
+            self.history = torch.zeros_like(self.tokens)
+            self.history[self.state_rows] = self.tokens
+            self.history_known = None
+        else:
+            self.state_rows = None
+            self.history = self.tokens.clone()
+            self.history_known = torch.zeros(self.tokens.shape, dtype=torch.bool)
+        self.computed = np.zeros(requests, dtype=np.int64)
+
+    def step(self, scheduled: int) -> adapter.Step:
+        """The next forward: ``scheduled`` tokens of every request after those it has."""
+        request_ids = [f"request-{r}" for r in range(self.requests)]
+        computed = self.computed.copy()
+        positions = torch.from_numpy((computed[:, None] + np.arange(scheduled)).reshape(-1))
+        rows = torch.arange(self.requests).repeat_interleave(scheduled)
+        input_ids = self.tokens[rows, positions]
+        blocks = self.block_table[rows, positions // BLOCK_SIZE].to(torch.int64)
+        slot_mapping = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+        if self.history_known is not None:
+            self.history_known[rows, positions] = True  # V1 holds a token once it is scheduled
+        self.computed += scheduled
+        num_scheduled = np.full(self.requests, scheduled, dtype=np.int64)
+        return adapter.Step(request_ids, num_scheduled, computed, input_ids, positions, [slot_mapping], history_rows=self.state_rows)
+
+
+def run_cell(runner: str, layers: int, requests: int, context: int, mode: str, steps: int) -> dict:
+    buffers = StepBuffers(runner, layers, requests, context, decode_steps=2 * steps + 2)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode[mode]), runner_view=BenchRunner(buffers))
+
+    def plugin_step(scheduled: int) -> float:
+        start = time.perf_counter()
+        with torch.profiler.record_function(PLUGIN_RANGE):
+            step = canary.begin_step(lambda: buffers.step(scheduled))
+        with torch.profiler.record_function(PLUGIN_RANGE):
+            canary.end_step(step)
+        return time.perf_counter() - start
+
+    plugin_step(context)  # the prefill: every request's context, recorded
+    plugin_step(1)  # warms up
+    wall = statistics.median(plugin_step(1) for _ in range(steps))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(steps):
+            plugin_step(1)
+    events = profile.events()
+    ops = sum(1 for event in events if event.cpu_parent is not None and event.cpu_parent.name == PLUGIN_RANGE) / steps
+    violations = canary.stats()["violations"]
+    if violations:
+        raise SystemExit(f"the clean workload found {violations} violations: the benchmark's buffers are wrong")
+    return {
+        "runner": runner, "layers": layers, "requests": requests, "context": context, "mode": mode,
+        "wall_us": wall * 1e6, "host_us": statistics.median(host_work(events)), "ops_per_step": ops,
+    }  # fmt: skip
+
+
+def host_work(events) -> list[float]:
+    """Per step, the microseconds the plugin's ranges (`PLUGIN_RANGE`, before and after the
+    forward) spend outside torch's ops."""
+    ranges = [event for event in events if event.name == PLUGIN_RANGE]
+    inside = {id(event): 0.0 for event in ranges}
+    for event in events:
+        parent = event.cpu_parent
+        if parent is not None and id(parent) in inside:
+            inside[id(parent)] += event.cpu_time_total
+    host = [event.cpu_time_total - inside[id(event)] for event in ranges]
+    return [before + after for before, after in zip(host[::2], host[1::2])]
+
+
+def _step_bytes(layers: int, requests: int, context: int) -> int:
+    return 2 * layers * requests * context * HEAD_SIZE * 2 * NUM_KV_HEADS
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [
+        "| runner | mode | layers | requests | context | wall us | host us | torch ops per step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['runner']} | {row['mode']} | {row['layers']} | {row['requests']} | {row['context']} | "
+            f"{row['wall_us']:.0f} | {row['host_us']:.0f} | {row['ops_per_step']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runner", nargs="+", choices=["v1", "v2"], default=["v1", "v2"])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 12, 80])
+    parser.add_argument("--requests", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[200, 2000])
+    parser.add_argument("--modes", nargs="+", choices=["PARTIAL", "ALL"], default=["PARTIAL", "ALL"])
+    parser.add_argument("--steps", type=int, default=7, help="decode steps timed per cell (and as many profiled)")
+    parser.add_argument("--budget-gib", type=float, default=4.0, help="leave out a cell whose pool exceeds this")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows = []
+    for runner, mode, layers, requests, context in itertools.product(args.runner, args.modes, args.layers, args.requests, args.contexts):
+        if _step_bytes(layers, requests, context) > args.budget_gib * (1 << 30):
+            print(f"left out: {runner} {mode} {layers} layers x {requests} requests x {context} tokens (pool over --budget-gib)")
+            continue
+        rows.append(run_cell(runner, layers, requests, context, mode, args.steps))
+        print(json.dumps(rows[-1]), flush=True)
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
