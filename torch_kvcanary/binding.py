@@ -6,6 +6,7 @@ SymInt[] read_bytes``, so that a call's host cost does not grow with the number 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +44,10 @@ def _bind_sources_fake(sources, read_bytes):
     return torch.empty(TABLE_HEADER_WORDS + LAYOUT_WORDS * len(sources), dtype=torch.int64, device="cpu")
 
 
+def _invalidate(table: torch.Tensor) -> None:
+    table[0] = 0  # the magic word (csrc/plan/bound_sources.h)
+
+
 def _signature(view: torch.Tensor) -> tuple:
     """What a bound table assumes of a source: where its data lies and how it is laid out."""
     return view.data_ptr(), tuple(view.shape), view.stride(), view.dtype, view.device
@@ -58,7 +63,8 @@ class SourceTable:
     while bound; `check` says whether it did (O(sources), for the places where a caller
     may rebind, never per step). `release` invalidates the table: a bound op then refuses
     it with a ``kv-canary:`` ValueError that says to bind again, as it refuses any tensor
-    that is not a live table. When an engine re-allocates its KV cache (vLLM re-initialising
+    that is not a live table; so does collecting this object, so that a table kept past its
+    owner is refused rather than read. When an engine re-allocates its KV cache (vLLM re-initialising
     it), the canary over the old cache is rebuilt over the new one, which binds again.
 
     A bound op's schema names the table, not the memory it points at, so torch.compile
@@ -77,6 +83,7 @@ class SourceTable:
         self._table = torch.ops.kvcanary.bind_sources(list(self._views), list(self._read_bytes))
         self._bound_as = tuple(_signature(v) for v in self._views)
         self._released = False
+        self._release_table = weakref.finalize(self, _invalidate, self._table)
 
     @property
     def table(self) -> torch.Tensor:
@@ -101,7 +108,7 @@ class SourceTable:
     def release(self) -> None:
         """Invalidates the table (a bound op refuses it from now on) and lets go of the
         sources. Idempotent."""
-        self._table[0] = 0  # the magic word (csrc/plan/bound_sources.h)
+        self._release_table()
         self._views = ()
         self._released = True
 

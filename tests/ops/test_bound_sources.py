@@ -290,6 +290,15 @@ def test_check_names_a_source_changed_since_binding():
         bound.check()
 
 
+def test_a_table_kept_past_its_owner_is_refused():
+    bound = kc.SourceTable([_pool((4, 2, 16), "cpu")], [16])
+    table = bound.table
+    assert torch.ops.kvcanary.fold.bound(table, torch.tensor([1])).tolist() != [0]
+    del bound  # the views go with their owner
+    with pytest.raises(RAW_OP_REFUSAL, match=f"kv-canary: sources_table is not a live table of bind_sources .*{BIND_AGAIN}"):
+        torch.ops.kvcanary.fold.bound(table, torch.tensor([1]))
+
+
 def test_a_canary_checks_its_sources():
     kv = _pool((2, 5, 4, 2, 32), "cpu")
     canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
