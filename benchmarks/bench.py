@@ -197,23 +197,53 @@ def call_overhead(min_run_time: float, baseline_library: str | None = None) -> d
 SOURCE_SERIES_LAYERS = (1, 12, 80)
 
 
-def call_overhead_by_sources(min_run_time: float) -> dict[int, float]:
-    """Microseconds per call of a 1-slot `fold` op over K and V of ``layers`` vLLM layers
+# The reads of the sources series: each source's read_bytes (ALL: 2 KiB of K or V, whose
+# folding grows with the sources), and 16 bytes (PARTIAL), where the kernel's work is small
+# beside the call's and what remains is the host's cost per call.
+SOURCE_SERIES_READS = {"ALL": None, "PARTIAL": 16}
+
+
+def call_overhead_by_sources(min_run_time: float) -> dict[str, dict[str, dict[int, float]]]:
+    """Microseconds per call of a 1-slot op over K and V of ``layers`` vLLM layers
     (`layouts.vllm`, packed ``[blocks, heads, block, 2 * head]``, 8 KV heads of 128 bf16, in
-    cache), by number of sources: the op's fixed cost grows with them, as each crosses into
-    the op as a tensor and is laid out. A step of the vLLM plugin makes a few such calls
-    over every watched layer. Medians of measurements taken in turns."""
+    cache), by read (SOURCE_SERIES_READS), form and number of sources. The forms:
+    ``Tensor[]`` (the `fold` op, the sources passed on every call: its fixed cost grows with
+    them, as each crosses into the op as a tensor and is laid out) and ``bound``
+    (`fold.bound` over the table `bind_sources` made once). A step of the vLLM plugin makes a
+    few such calls over every watched layer. Medians of measurements of all of them taken in
+    turns, in one process."""
     from torch_kvcanary import layouts
 
     layers = [torch.zeros(4, 8, 32, 256, dtype=torch.bfloat16) for _ in range(max(SOURCE_SERIES_LAYERS))]
     slot = torch.tensor([5])
-    op = torch.ops.kvcanary.fold.default
+    op, bound_op = torch.ops.kvcanary.fold.default, torch.ops.kvcanary.fold.bound
     stmts = {}
-    for count in SOURCE_SERIES_LAYERS:
-        sources = [s for layer in layers[:count] for s in layouts.vllm(layer, layout="LBHNC", backend="CPU_ATTN")]
-        views, read_bytes = [s.as_view() for s in sources], [s.read_bytes for s in sources]
-        stmts[len(sources)] = lambda views=views, read_bytes=read_bytes: op(views, slot, read_bytes, True)
-    return {sources: seconds * 1e6 for sources, seconds in _interleaved_medians(stmts, "cpu", min_run_time, rounds=10).items()}
+    for read, read_size in SOURCE_SERIES_READS.items():
+        for count in SOURCE_SERIES_LAYERS:
+            sources = [s for layer in layers[:count] for s in layouts.vllm(layer, layout="LBHNC", backend="CPU_ATTN")]
+            views, read_bytes = [s.as_view() for s in sources], [read_size or s.read_bytes for s in sources]
+            table = torch.ops.kvcanary.bind_sources(views, read_bytes)
+            if not torch.equal(bound_op(table, slot, True), op(views, slot, read_bytes, True)):
+                raise AssertionError("kv-canary: the bound fold folds differently")
+            stmts[read, "Tensor[]", len(sources)] = lambda views=views, read_bytes=read_bytes: op(views, slot, read_bytes, True)
+            stmts[read, "bound", len(sources)] = lambda table=table: bound_op(table, slot, True)
+    medians = _interleaved_medians(stmts, "cpu", min_run_time, rounds=10)
+    figures: dict[str, dict[str, dict[int, float]]] = {read: {"Tensor[]": {}, "bound": {}} for read in SOURCE_SERIES_READS}
+    for (read, form, sources), seconds in medians.items():
+        figures[read][form][sources] = seconds * 1e6
+    return figures
+
+
+def format_by_sources(figures: dict[str, dict[str, dict[int, float]]]) -> list[str]:
+    lines = []
+    for read, by_form in figures.items():
+        listed, bound = by_form["Tensor[]"], by_form["bound"]
+        read_bytes = "each source's read_bytes" if SOURCE_SERIES_READS[read] is None else f"{SOURCE_SERIES_READS[read]} B"
+        lines.append(
+            f"fold op of 1 slot by number of sources (K and V of vLLM layers, in cache; {read}: {read_bytes}), us per call, Tensor[] / bound: "
+            + ", ".join(f"{n} sources {listed[n]:.2f} / {bound[n]:.2f} ({listed[n] / bound[n]:.1f}x)" for n in listed)
+        )
+    return lines
 
 
 def format_call_overhead(times: dict[str, float]) -> str:
@@ -548,8 +578,7 @@ def run(args: argparse.Namespace) -> int:
         times = call_overhead(args.min_run_time, args.baseline_library)
         by_sources = call_overhead_by_sources(args.min_run_time)
         print(format_call_overhead(times))
-        print("fold op of 1 slot by number of sources (K and V of vLLM layers, in cache), us per call: "
-              + ", ".join(f"{n} sources {us:.2f}" for n, us in by_sources.items()))  # fmt: skip
+        print("\n".join(format_by_sources(by_sources)))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": info, "call_overhead_us": times, "fold_op_us_by_sources": by_sources}, f, indent=1)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/canary_records.h"
+#include "plan/bound_sources.h"
 
 // `import torch_kvcanary._C` loads this library, whose static initializers
 // register the ops; the module itself is empty. PyMODINIT_FUNC exports it from
@@ -29,6 +30,19 @@ constexpr const char* kSchemas[] = {
     // check_bounds (CPU, or eager CUDA) and give 0 otherwise.
     "fold(Tensor[] sources, Tensor slots, SymInt[] read_bytes, "
     "bool check_bounds=True) -> Tensor",
+    // bind_sources(sources, read_bytes) -> the sources' bound table: the
+    // sources checked once as fold checks them, on one device, and laid out
+    // in a contiguous int64 CPU tensor (plan/bound_sources.h) that each op's
+    // `.bound` overload below takes in place of `Tensor[] sources, SymInt[]
+    // read_bytes`, at a host cost that does not grow with the sources. The
+    // table holds the sources' data pointers and owns nothing: its owner keeps
+    // them alive and unchanged, and zeroes the table's first word to release
+    // it; a bound op refuses a tensor that is not a live table with
+    // ValueError. A bound op's schema names the table, not the sources, so a
+    // compiler cannot order it against writes to them: the Tensor[] forms are
+    // the ones for torch.compile.
+    "bind_sources(Tensor[] sources, SymInt[] read_bytes) -> Tensor",
+    "fold.bound(Tensor sources_table, Tensor slots, bool check_bounds=True) -> Tensor",
     // The canary (docs/spec.md, "The canary records"). records is int64
     // [capacity, 4] (token, position, chain, fold), owner_tags int64
     // [capacity], counters int64 [len(canary_counters())], ring int64
@@ -44,6 +58,9 @@ constexpr const char* kSchemas[] = {
     "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
     "Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
     "Tensor(d!) ring, bool check_bounds=True) -> ()",
+    "record.bound(Tensor sources_table, Tensor slots, Tensor? positions, Tensor? tokens, "
+    "Tensor? prev_slots, Tensor? tags, Tensor(a!) records, Tensor(b!) owner_tags, "
+    "Tensor(c!) counters, Tensor(d!) ring, bool check_bounds=True) -> ()",
     // verify -> bool tensor shaped like slots, True where a check failed; each
     // flagged entry appends a row to the ring. padding_slot (-1: none) is
     // never checked, and a chain through it is not checked.
@@ -51,11 +68,16 @@ constexpr const char* kSchemas[] = {
     "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
     "Tensor records, Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, "
     "int padding_slot=-1, bool check_bounds=True) -> Tensor",
+    "verify.bound(Tensor sources_table, Tensor slots, Tensor? positions, Tensor? tokens, "
+    "Tensor? prev_slots, Tensor? tags, Tensor records, Tensor owner_tags, Tensor(a!) counters, "
+    "Tensor(b!) ring, int padding_slot=-1, bool check_bounds=True) -> Tensor",
     // refold: records[s, fold] = the fold of slot s for each entry s >= 0 of
     // slots (int32 or int64), the record's other fields kept; for a backend
     // whose write to one slot changes the bytes of others. Slots past the
     // capacity raise IndexError when check_bounds and are skipped otherwise.
     "refold(Tensor[] sources, SymInt[] read_bytes, Tensor slots, Tensor(a!) records, "
+    "bool check_bounds=True) -> ()",
+    "refold.bound(Tensor sources_table, Tensor slots, Tensor(a!) records, "
     "bool check_bounds=True) -> ()",
     // The names of the canary's counters, in the order of its counters tensor.
     "canary_counters() -> str[]",
@@ -117,6 +139,12 @@ constexpr const char* kSchemas[] = {
     "Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, int every=1, int turn=0, "
     "bool deferred=False, int cut_slot=-1, int padding_slot=-1, bool check_bounds=True) -> "
     "(Tensor slots, Tensor rows, Tensor flagged, Tensor waiting)",
+    "verify_context.bound(Tensor sources_table, Tensor block_table, Tensor offsets, "
+    "Tensor starts, SymInt block_size, SymInt num_entries, Tensor? written, Tensor? history, "
+    "Tensor? history_known, Tensor? history_rows, Tensor records, Tensor owner_tags, "
+    "Tensor(a!) counters, Tensor(b!) ring, int every=1, int turn=0, bool deferred=False, "
+    "int cut_slot=-1, int padding_slot=-1, bool check_bounds=True) -> "
+    "(Tensor slots, Tensor rows, Tensor flagged, Tensor waiting)",
     // step_plan -> (plan, sets, in_batch_order): the host's plan of a paged
     // serving step, for its context_slots and verify_context calls. Per row
     // (request) r: c = computed[r] tokens in the cache, s = scheduled[r] run
@@ -158,7 +186,10 @@ STABLE_TORCH_LIBRARY(kvcanary, m) {
   }
 }
 
-// No tensor arguments: CompositeExplicitAutograd serves every call.
+// No tensor arguments, or host work on the sources' metadata alone (which
+// holds for any device, and for no sources): CompositeExplicitAutograd serves
+// every call.
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {
   m.impl("canary_counters", TORCH_BOX(&kvcanary::canary_counters));
+  m.impl("bind_sources", TORCH_BOX(&kvcanary::bind_sources));
 }

@@ -11,6 +11,7 @@ from importlib.metadata import version as _version
 
 # Importing the package registers every op's fake kernel, paged_step's among them.
 from . import digest, layouts, paged_step  # noqa: F401
+from .binding import SourceTable
 from .canary import ContextVerified, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
 from .ops import fold
@@ -41,6 +42,7 @@ __all__ = [
     "KvSource",
     "KvTransferError",
     "RealKvSource",
+    "SourceTable",
     "TransferCheck",
     "ViewSource",
     "Violation",

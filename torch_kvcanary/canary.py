@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from .binding import SourceTable, check_table_fake
 from .ops import c10_dtype_name, check_index_dtype, integer_view, may_check_bounds, refusal
 from .paged_step import _context_slots_fake
 from .policy import apply_policy, check_policy
@@ -186,6 +187,31 @@ def _verify_context_fake(
     return entries, torch.empty_like(entries), torch.empty_like(entries, dtype=torch.bool), block_table.new_empty((1,), dtype=torch.int64)
 
 
+# The bound overloads' fakes: the table's check, then those of the Tensor[] form over no sources.
+@torch.library.register_fake("kvcanary::record.bound")
+def _record_bound_fake(sources_table, slots, *args, **kwargs):
+    check_table_fake(sources_table)
+    _record_fake([], [], slots, *args, **kwargs)
+
+
+@torch.library.register_fake("kvcanary::refold.bound")
+def _refold_bound_fake(sources_table, slots, *args, **kwargs):
+    check_table_fake(sources_table)
+    _refold_fake([], [], slots, *args, **kwargs)
+
+
+@torch.library.register_fake("kvcanary::verify.bound")
+def _verify_bound_fake(sources_table, slots, *args, **kwargs):
+    check_table_fake(sources_table)
+    return _verify_fake([], [], slots, *args, **kwargs)
+
+
+@torch.library.register_fake("kvcanary::verify_context.bound")
+def _verify_context_bound_fake(sources_table, *args, **kwargs):
+    check_table_fake(sources_table)
+    return _verify_context_fake([], [], *args, **kwargs)
+
+
 class KvCanary:
     """SGLang's canary records for every slot of a KV cache, on the sources' device.
 
@@ -250,6 +276,9 @@ class KvCanary:
         active = active_sources(self.sources, self.mode)
         self._views = [integer_view(s.as_view()) for s in active]
         self._read_bytes = [folded_bytes(s, self.mode) for s in active]
+        # The sources bound once: every eager call passes this table, at a host cost that
+        # does not grow with the number of sources; compiled code passes the views.
+        self._bound = SourceTable(self._views, self._read_bytes)
         self._counter = _counter_index()
         self._records = torch.zeros(capacity, len(RECORD_FIELDS), dtype=torch.int64, device=self.device)
         self._owner_tags = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
@@ -306,8 +335,8 @@ class KvCanary:
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
         try:
-            torch.ops.kvcanary.record(
-                self._views, self._read_bytes, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
+            self._call(
+                torch.ops.kvcanary.record, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
                 self._records, self._owner_tags, self._counters, self._ring, may_check_bounds(slots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
@@ -332,8 +361,8 @@ class KvCanary:
         tags = None if tag is None else self._tag_tensor(tag)
         padding = -1 if self.padding_slot is None else self.padding_slot
         try:
-            return torch.ops.kvcanary.verify(
-                self._views, self._read_bytes, slots, positions, tokens, prev_slots, tags,
+            return self._call(
+                torch.ops.kvcanary.verify, slots, positions, tokens, prev_slots, tags,
                 self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
@@ -378,8 +407,8 @@ class KvCanary:
         """
         padding = -1 if self.padding_slot is None else self.padding_slot
         try:
-            found = torch.ops.kvcanary.verify_context(
-                self._views, self._read_bytes, block_table, offsets, starts, block_size, num_entries,
+            found = self._call(
+                torch.ops.kvcanary.verify_context, block_table, offsets, starts, block_size, num_entries,
                 written, history, history_known, history_rows, self._records, self._owner_tags, self._counters, self._ring,
                 every, turn, deferred, cut_slot, padding, may_check_bounds(block_table),
             )  # fmt: skip
@@ -389,6 +418,20 @@ class KvCanary:
                 raise TypeError(str(error)) from None
             raise refusal(error, {"block_table": block_table, "starts": starts, "history": history, "history_rows": history_rows}) from None
         return ContextVerified(*found)
+
+    def _call(self, op: torch._ops.OpOverloadPacket, *args):
+        """``op`` over this canary's sources: its bound overload over the bound table, or under
+        torch.compile its ``Tensor[]`` form, whose schema names the sources it reads."""
+        if torch.compiler.is_compiling():
+            return op(self._views, self._read_bytes, *args)
+        return op.bound(self._bound.table, *args)
+
+    def check_sources(self) -> None:
+        """Raises a ``kv-canary:`` ValueError when a source changed its data pointer, shape or
+        strides since this canary was built (`SourceTable.check`); the canary then reads the
+        old memory, so build a new one over the new cache. O(sources): for the places where
+        an engine may have re-allocated its cache, not per step."""
+        self._bound.check()
 
     def _tag_tensor(self, tag: torch.Tensor | int) -> torch.Tensor:
         if isinstance(tag, int) and tag == -1 and not isinstance(tag, bool):
@@ -490,7 +533,7 @@ class KvCanary:
         of range is skipped)."""
         self._check_slot_tensor(slots, "slots")
         try:
-            torch.ops.kvcanary.refold(self._views, self._read_bytes, slots, self._records, may_check_bounds(slots))
+            self._call(torch.ops.kvcanary.refold, slots, self._records, may_check_bounds(slots))
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots}) from None
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from . import _library  # noqa: F401  (loads the ops' libraries, which the fakes below register with)
+from .binding import check_table_fake
 from .sources import HashMode, KvSource, active_sources, as_mode, folded_bytes
 
 
@@ -84,6 +85,13 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
             raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
         if view.dim() < 2:
             raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
+    return slots.new_empty(slots.shape, dtype=torch.int64)
+
+
+@torch.library.register_fake("kvcanary::fold.bound")
+def _fold_bound_fake(sources_table, slots, check_bounds=True):
+    check_index_dtype(slots, "slots")
+    check_table_fake(sources_table)
     return slots.new_empty(slots.shape, dtype=torch.int64)
 
 

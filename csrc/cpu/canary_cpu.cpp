@@ -109,9 +109,9 @@ Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t 
   return flagged;
 }
 
-void refold_cpu(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
-                const Tensor& slots, Tensor& records, bool check_bounds) {
-  const CanaryPlan plan = make_refold_plan(sources, read_bytes, slots, records);
+void refold_cpu(const SourcesArg& sources, const Tensor& slots, Tensor& records,
+                bool check_bounds) {
+  const CanaryPlan plan = make_refold_plan(sources, slots, records);
   if (check_bounds) {
     check_entries_in_range(plan, kHostSearch);
   }
@@ -155,8 +155,8 @@ Tensor verify_chosen(const ContextVerifyInputs& in, const CanaryTables& tables,
       std::count_if(slot_values, slot_values + n, [](int64_t s) { return s >= 0; });
   const std::optional<Tensor> no_tags;
   if (chosen == n) {
-    return verify_cpu({in.sources, in.read_bytes, slots, positions, tokens, prev_slots, no_tags},
-                      tables, padding_slot, check_bounds);
+    return verify_cpu({in.sources, slots, positions, tokens, prev_slots, no_tags}, tables,
+                      padding_slot, check_bounds);
   }
   const Device device = slots.device();
   Tensor packed_slots = new_tensor({chosen}, ScalarType::Long, device);
@@ -181,10 +181,9 @@ Tensor verify_chosen(const ContextVerifyInputs& in, const CanaryTables& tables,
     if (out_tokens) out_tokens[k] = token_values[i];
     ++k;
   }
-  const Tensor packed_flagged =
-      verify_cpu({in.sources, in.read_bytes, packed_slots, packed_positions, packed_tokens,
-                  packed_prev_slots, no_tags},
-                 tables, padding_slot, check_bounds);
+  const Tensor packed_flagged = verify_cpu(
+      {in.sources, packed_slots, packed_positions, packed_tokens, packed_prev_slots, no_tags},
+      tables, padding_slot, check_bounds);
   Tensor flagged = new_tensor({n}, ScalarType::Bool, device);
   const bool* packed_answers = packed_flagged.const_data_ptr<bool>();
   bool* answers = flagged.mutable_data_ptr<bool>();
@@ -232,7 +231,11 @@ STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cpu>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cpu>));
   m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cpu>));
-  m.impl("refold", TORCH_BOX(&refold_cpu));
+  m.impl("refold", TORCH_BOX(&refold_op<refold_cpu>));
+  m.impl("record.bound", TORCH_BOX(&record_bound_op<record_cpu>));
+  m.impl("verify.bound", TORCH_BOX(&verify_bound_op<verify_cpu>));
+  m.impl("verify_context.bound", TORCH_BOX(&verify_context_bound_op<verify_context_cpu>));
+  m.impl("refold.bound", TORCH_BOX(&refold_bound_op<refold_cpu>));
 }
 
 }  // namespace kvcanary

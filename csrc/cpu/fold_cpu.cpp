@@ -17,9 +17,8 @@ int64_t task_size(const FoldPlan& plan) {
   return task_slots(bytes_per_slot);
 }
 
-Tensor fold_cpu(const std::vector<Tensor>& sources, const Tensor& slots,
-                const std::vector<int64_t>& read_bytes, bool check_bounds) {
-  const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);
+Tensor fold_cpu(const SourcesArg& sources, const Tensor& slots, bool check_bounds) {
+  const FoldPlan plan = make_fold_plan(sources, slots);
   const Tensor flat = in_memory_order(slots);
   if (check_bounds) {
     check_slots_in_range(flat, plan.capacity, kHostSearch);
@@ -47,6 +46,9 @@ void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out
   });
 }
 
-STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) { m.impl("fold", TORCH_BOX(&fold_cpu)); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
+  m.impl("fold", TORCH_BOX(&fold_op<fold_cpu>));
+  m.impl("fold.bound", TORCH_BOX(&fold_bound_op<fold_cpu>));
+}
 
 }  // namespace kvcanary

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <span>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -48,7 +49,7 @@ struct CudaCall {
 void fold_leading_groups(const CanaryPlan& plan, const Tensor& slots,
                          std::optional<Tensor>& partial_folds, FoldLaunchArgs& fold,
                          cudaStream_t stream) {
-  const std::vector<SourceLayout>& sources = plan.fold.sources;
+  const std::span<const SourceLayout> sources = plan.fold.sources;
   const int64_t n = plan.entries.inputs.num_entries;
   fold.capacity = plan.fold.capacity;
   fold.slots = plan.entries.inputs.slots;
@@ -119,9 +120,9 @@ Tensor verify_cuda(const CanaryInputs& in, const CanaryTables& tables, int64_t p
 
 // The slots folded with the fold's kernel into a new tensor, one launch per
 // kSourcesPerLaunch sources, then each fold written into its record.
-void refold_cuda(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
-                 const Tensor& slots, Tensor& records, bool check_bounds) {
-  const CanaryPlan plan = make_refold_plan(sources, read_bytes, slots, records);
+void refold_cuda(const SourcesArg& sources, const Tensor& slots, Tensor& records,
+                 bool check_bounds) {
+  const CanaryPlan plan = make_refold_plan(sources, slots, records);
   const torch::stable::accelerator::DeviceGuard guard(slots.get_device_index());
   const cudaStream_t stream = current_stream(slots.get_device_index());
   const EntryInputs& entries = plan.entries.inputs;
@@ -180,9 +181,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cuda(const ContextVeri
       c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr,
       waiting.mutable_data_ptr<int64_t>(), stream));
   const std::optional<Tensor> no_tags;
-  Tensor flagged = verify_cuda(
-      {in.sources, in.read_bytes, out.slots, out.positions, tokens, out.prev_slots, no_tags},
-      tables, padding_slot, check_bounds);
+  Tensor flagged =
+      verify_cuda({in.sources, out.slots, out.positions, tokens, out.prev_slots, no_tags}, tables,
+                  padding_slot, check_bounds);
   return {out.slots, out.rows, flagged, waiting};
 }
 
@@ -192,7 +193,11 @@ STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cuda>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cuda>));
   m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cuda>));
-  m.impl("refold", TORCH_BOX(&refold_cuda));
+  m.impl("refold", TORCH_BOX(&refold_op<refold_cuda>));
+  m.impl("record.bound", TORCH_BOX(&record_bound_op<record_cuda>));
+  m.impl("verify.bound", TORCH_BOX(&verify_bound_op<verify_cuda>));
+  m.impl("verify_context.bound", TORCH_BOX(&verify_context_bound_op<verify_context_cuda>));
+  m.impl("refold.bound", TORCH_BOX(&refold_bound_op<refold_cuda>));
 }
 
 }  // namespace kvcanary

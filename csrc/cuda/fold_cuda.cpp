@@ -15,9 +15,8 @@
 namespace kvcanary {
 namespace {
 
-Tensor fold_cuda(const std::vector<Tensor>& sources, const Tensor& slots,
-                 const std::vector<int64_t>& read_bytes, bool check_bounds) {
-  const FoldPlan plan = make_fold_plan(sources, slots, read_bytes);  // slots on a CUDA device
+Tensor fold_cuda(const SourcesArg& sources, const Tensor& slots, bool check_bounds) {
+  const FoldPlan plan = make_fold_plan(sources, slots);  // slots on a CUDA device
   const torch::stable::accelerator::DeviceGuard guard(slots.get_device_index());
   const Tensor flat = in_memory_order(slots);
   if (check_bounds) {
@@ -48,6 +47,9 @@ Tensor fold_cuda(const std::vector<Tensor>& sources, const Tensor& slots,
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) { m.impl("fold", TORCH_BOX(&fold_cuda)); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
+  m.impl("fold", TORCH_BOX(&fold_op<fold_cuda>));
+  m.impl("fold.bound", TORCH_BOX(&fold_bound_op<fold_cuda>));
+}
 
 }  // namespace kvcanary

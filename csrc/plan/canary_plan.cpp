@@ -110,15 +110,13 @@ int64_t check_tables(const CanaryTables& tables, const Tensor& slots, int64_t so
 }  // namespace
 
 CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables) {
-  FoldPlan fold = make_fold_plan(in.sources, in.slots, in.read_bytes);
+  FoldPlan fold = make_fold_plan(in.sources, in.slots);
   const int64_t capacity = check_tables(tables, in.slots, fold.capacity);
   return CanaryPlan{std::move(fold), capacity, make_entry_plan(in)};
 }
 
-CanaryPlan make_refold_plan(const std::vector<Tensor>& sources,
-                            const std::vector<int64_t>& read_bytes, const Tensor& slots,
-                            const Tensor& records) {
-  FoldPlan fold = make_fold_plan(sources, slots, read_bytes);
+CanaryPlan make_refold_plan(const SourcesArg& sources, const Tensor& slots, const Tensor& records) {
+  FoldPlan fold = make_fold_plan(sources, slots);
   check_table(records, "records", slots, {kRecordFields});
   const int64_t capacity = records.size(0);
   KVCANARY_CHECK_VALUE(fold.capacity < 0 || capacity <= fold.capacity, "the canary holds ",
@@ -126,7 +124,7 @@ CanaryPlan make_refold_plan(const std::vector<Tensor>& sources,
                        "; build the canary over these sources");
   const std::optional<Tensor> none;
   return CanaryPlan{std::move(fold), capacity,
-                    make_entry_plan({sources, read_bytes, slots, none, none, none, none})};
+                    make_entry_plan({sources, slots, none, none, none, none})};
 }
 
 void check_entries_in_range(const CanaryPlan& plan, const IndexSearch& search) {

@@ -15,11 +15,10 @@
 namespace kvcanary {
 
 // The inputs of a record or verify call, as the op receives them (the schema
-// in ops.cpp): the sources folded at each entry's slot, and the per-entry
-// inputs.
+// in ops.cpp): the sources folded at each entry's slot (a Tensor[] or a bound
+// table), and the per-entry inputs.
 struct CanaryInputs {
-  const std::vector<Tensor>& sources;
-  const std::vector<int64_t>& read_bytes;
+  SourcesArg sources;
   const Tensor& slots;
   const std::optional<Tensor>& positions;
   const std::optional<Tensor>& tokens;
@@ -43,14 +42,25 @@ using VerifyKernel = Tensor (*)(const CanaryInputs& in, const CanaryTables& tabl
                                 int64_t padding_slot, bool check_bounds);
 
 // The ops' C++ signatures (the schema in ops.cpp), written once: a backend
-// registers record_op<its record> and verify_op<its verify>.
+// registers record_op<its record> and verify_op<its verify>, and their bound
+// overloads record_bound_op<its record> and verify_bound_op<its verify>.
 template <RecordKernel record>
 void record_op(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
                const Tensor& slots, const std::optional<Tensor>& positions,
                const std::optional<Tensor>& tokens, const std::optional<Tensor>& prev_slots,
                const std::optional<Tensor>& tags, Tensor& records, Tensor& owner_tags,
                Tensor& counters, Tensor& ring, bool check_bounds) {
-  record({sources, read_bytes, slots, positions, tokens, prev_slots, tags},
+  record({{&sources, &read_bytes}, slots, positions, tokens, prev_slots, tags},
+         {records, owner_tags, counters, ring}, check_bounds);
+}
+
+template <RecordKernel record>
+void record_bound_op(const Tensor& sources_table, const Tensor& slots,
+                     const std::optional<Tensor>& positions, const std::optional<Tensor>& tokens,
+                     const std::optional<Tensor>& prev_slots, const std::optional<Tensor>& tags,
+                     Tensor& records, Tensor& owner_tags, Tensor& counters, Tensor& ring,
+                     bool check_bounds) {
+  record({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags},
          {records, owner_tags, counters, ring}, check_bounds);
 }
 
@@ -60,7 +70,17 @@ Tensor verify_op(const std::vector<Tensor>& sources, const std::vector<int64_t>&
                  const std::optional<Tensor>& tokens, const std::optional<Tensor>& prev_slots,
                  const std::optional<Tensor>& tags, const Tensor& records, const Tensor& owner_tags,
                  Tensor& counters, Tensor& ring, int64_t padding_slot, bool check_bounds) {
-  return verify({sources, read_bytes, slots, positions, tokens, prev_slots, tags},
+  return verify({{&sources, &read_bytes}, slots, positions, tokens, prev_slots, tags},
+                {records, owner_tags, counters, ring}, padding_slot, check_bounds);
+}
+
+template <VerifyKernel verify>
+Tensor verify_bound_op(const Tensor& sources_table, const Tensor& slots,
+                       const std::optional<Tensor>& positions, const std::optional<Tensor>& tokens,
+                       const std::optional<Tensor>& prev_slots, const std::optional<Tensor>& tags,
+                       const Tensor& records, const Tensor& owner_tags, Tensor& counters,
+                       Tensor& ring, int64_t padding_slot, bool check_bounds) {
+  return verify({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags},
                 {records, owner_tags, counters, ring}, padding_slot, check_bounds);
 }
 
@@ -68,8 +88,7 @@ Tensor verify_op(const std::vector<Tensor>& sources, const std::vector<int64_t>&
 // in ops.cpp): the sources, the context's ranges (as context_slots takes
 // them), and the choice of entries and tokens.
 struct ContextVerifyInputs {
-  const std::vector<Tensor>& sources;
-  const std::vector<int64_t>& read_bytes;
+  SourcesArg sources;
   const Tensor& block_table;
   const Tensor& offsets;
   const Tensor& starts;
@@ -100,10 +119,62 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_op(
     const std::optional<Tensor>& history_known, const std::optional<Tensor>& history_rows,
     const Tensor& records, const Tensor& owner_tags, Tensor& counters, Tensor& ring, int64_t every,
     int64_t turn, bool deferred, int64_t cut_slot, int64_t padding_slot, bool check_bounds) {
-  return verify_context(
-      {sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history,
-       history_known, history_rows, every, turn, deferred, cut_slot},
-      {records, owner_tags, counters, ring}, padding_slot, check_bounds);
+  return verify_context({{&sources, &read_bytes},
+                         block_table,
+                         offsets,
+                         starts,
+                         block_size,
+                         num_entries,
+                         written,
+                         history,
+                         history_known,
+                         history_rows,
+                         every,
+                         turn,
+                         deferred,
+                         cut_slot},
+                        {records, owner_tags, counters, ring}, padding_slot, check_bounds);
+}
+
+template <ContextVerifyKernel verify_context>
+std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_bound_op(
+    const Tensor& sources_table, const Tensor& block_table, const Tensor& offsets,
+    const Tensor& starts, int64_t block_size, int64_t num_entries,
+    const std::optional<Tensor>& written, const std::optional<Tensor>& history,
+    const std::optional<Tensor>& history_known, const std::optional<Tensor>& history_rows,
+    const Tensor& records, const Tensor& owner_tags, Tensor& counters, Tensor& ring, int64_t every,
+    int64_t turn, bool deferred, int64_t cut_slot, int64_t padding_slot, bool check_bounds) {
+  return verify_context({{.table = &sources_table},
+                         block_table,
+                         offsets,
+                         starts,
+                         block_size,
+                         num_entries,
+                         written,
+                         history,
+                         history_known,
+                         history_rows,
+                         every,
+                         turn,
+                         deferred,
+                         cut_slot},
+                        {records, owner_tags, counters, ring}, padding_slot, check_bounds);
+}
+
+// A backend's refold on either form of sources, and the op's two signatures.
+using RefoldKernel = void (*)(const SourcesArg& sources, const Tensor& slots, Tensor& records,
+                              bool check_bounds);
+
+template <RefoldKernel refold>
+void refold_op(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
+               const Tensor& slots, Tensor& records, bool check_bounds) {
+  refold({&sources, &read_bytes}, slots, records, check_bounds);
+}
+
+template <RefoldKernel refold>
+void refold_bound_op(const Tensor& sources_table, const Tensor& slots, Tensor& records,
+                     bool check_bounds) {
+  refold({.table = &sources_table}, slots, records, check_bounds);
 }
 
 // The per-entry inputs of one call as raw pointers, with the contiguous
@@ -128,9 +199,7 @@ struct CanaryPlan {
 CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables);
 
 // refold's checks: the sources, the records table and the slots.
-CanaryPlan make_refold_plan(const std::vector<Tensor>& sources,
-                            const std::vector<int64_t>& read_bytes, const Tensor& slots,
-                            const Tensor& records);
+CanaryPlan make_refold_plan(const SourcesArg& sources, const Tensor& slots, const Tensor& records);
 
 // check_bounds: IndexError for the first entry of slots, then of prev_slots
 // (when given), that is >= the canary's capacity.

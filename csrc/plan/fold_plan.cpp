@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "plan/bound_sources.h"
 #include "plan/checks.h"
 
 namespace kvcanary {
@@ -121,21 +122,40 @@ SourceLayout paged_layout(const Tensor& view, int64_t first_item_dim, const View
   return layout;
 }
 
-FoldPlan make_fold_plan(const std::vector<Tensor>& sources, const Tensor& slots,
-                        const std::vector<int64_t>& read_bytes) {
-  check_index_dtype(slots, "slots");
+FoldPlan lay_out_sources(const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
+                         const Tensor* slots) {
   KVCANARY_CHECK_VALUE(sources.size() == read_bytes.size(), "got ", sources.size(), " sources but ",
                        read_bytes.size(), " read_bytes; pass one read_bytes per source");
   FoldPlan plan;
-  plan.sources.reserve(sources.size());
+  plan.owned.reserve(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
     const Tensor& view = sources[i];
-    check_on_slots_device(view, slots, kPutOnOneDevice, "source ", i);
-    plan.sources.push_back(layout_source(view, static_cast<int64_t>(i), read_bytes[i]));
-    const int64_t capacity = plan.sources.back().page_size * view.sizes()[0];
+    if (slots != nullptr) {
+      check_on_slots_device(view, *slots, kPutOnOneDevice, "source ", i);
+    } else {
+      KVCANARY_CHECK_VALUE(view.device() == sources[0].device(), "source ", i, " is on ",
+                           device_of(view), " but source 0 is on ", device_of(sources[0]), "; ",
+                           kPutOnOneDevice);
+    }
+    plan.owned.push_back(layout_source(view, static_cast<int64_t>(i), read_bytes[i]));
+    const int64_t capacity = plan.owned.back().page_size * view.sizes()[0];
     plan.capacity = i == 0 ? capacity : std::min(plan.capacity, capacity);
   }
+  plan.sources = plan.owned;
   return plan;
+}
+
+FoldPlan make_fold_plan(const std::vector<Tensor>& sources, const Tensor& slots,
+                        const std::vector<int64_t>& read_bytes) {
+  check_index_dtype(slots, "slots");
+  return lay_out_sources(sources, read_bytes, &slots);
+}
+
+FoldPlan make_fold_plan(const SourcesArg& sources, const Tensor& slots) {
+  if (sources.table != nullptr) {
+    return bound_fold_plan(*sources.table, slots);
+  }
+  return make_fold_plan(*sources.views, slots, *sources.read_bytes);
 }
 
 }  // namespace kvcanary

@@ -126,8 +126,14 @@ def test_call_overhead_times_the_fold_and_the_op_per_call(tmp_path, capsys):
     figures = json.loads(path.read_text())
     times = figures["call_overhead_us"]
     assert set(times) == {"fold", "op"} and all(us > 0 for us in times.values())
-    by_sources = figures["fold_op_us_by_sources"]  # K and V of 1, 12 and 80 layers
-    assert set(by_sources) == {"2", "24", "160"} and all(us > 0 for us in by_sources.values())
-    first, second = capsys.readouterr().out.splitlines()
+    by_sources = figures["fold_op_us_by_sources"]  # by read and form: K and V of 1, 12 and 80 layers
+    assert {(read, form) for read in by_sources for form in by_sources[read]} == {
+        (r, f) for r in ("ALL", "PARTIAL") for f in ("Tensor[]", "bound")
+    }
+    for by_form in by_sources.values():
+        for us_by_count in by_form.values():
+            assert set(us_by_count) == {"2", "24", "160"} and all(us > 0 for us in us_by_count.values())
+    first, *by_read = capsys.readouterr().out.splitlines()
     assert first.startswith("fold of 256 slots (1 source of 256 B, in cache), us per call: fold ")
-    assert second.startswith("fold op of 1 slot by number of sources (K and V of vLLM layers, in cache), us per call: 2 sources ")
+    assert [line.split(";")[1].split(")")[0] for line in by_read] == [" ALL: each source's read_bytes", " PARTIAL: 16 B"]
+    assert all(", us per call, Tensor[] / bound: 2 sources " in line for line in by_read)

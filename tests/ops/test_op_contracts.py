@@ -462,9 +462,27 @@ HOST_PLANS = {
 CUDA_DEVICES = [device for device in DEVICES if device != "cpu"]  # with their skip mark where there is no GPU
 
 
+# The ops' bound overloads (`op.bound`: the sources as one table of bind_sources), each with
+# how its arguments follow from those of the op's Tensor[] form; and bind_sources itself,
+# host work whatever the sources' device.
+def _bound_args(args: tuple) -> tuple:
+    sources, read_bytes, *rest = args
+    return (torch.ops.kvcanary.bind_sources(sources, read_bytes), *rest)
+
+
+def _bound_fold_args(args: tuple) -> tuple:
+    sources, slots, read_bytes, check_bounds = args
+    return torch.ops.kvcanary.bind_sources(sources, read_bytes), slots, check_bounds
+
+
+BOUND = {"fold": _bound_fold_args, "record": _bound_args, "verify": _bound_args, "verify_context": _bound_args, "refold": _bound_args}
+BOUND_CASES = [case for case in OPS if case.op in BOUND]
+
+
 def test_every_op_is_in_a_table():
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcanary::")}
-    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_PLANS)
+    bound = {f"{op}.bound" for op in BOUND} | {"bind_sources"}
+    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_PLANS) | bound
 
 
 # --- the contracts ---------------------------------------------------------------------------
@@ -476,6 +494,22 @@ def test_opcheck(case, device):
     op = getattr(torch.ops.kvcanary, case.op).default
     for args in case.samples(device):
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BOUND_CASES, ids=[case.op for case in BOUND_CASES])
+def test_bound_opcheck(case, device):
+    op = getattr(torch.ops.kvcanary, case.op).bound
+    for args in case.samples(device):
+        torch.library.opcheck(op, BOUND[case.op](args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bind_sources_opcheck(device):
+    # Its table holds the sources' addresses, which opcheck's copies of them do not share: of
+    # the contracts, those that do not compare values apply.
+    for sources, _, read_bytes, _ in _fold_samples(device):
+        torch.library.opcheck(torch.ops.kvcanary.bind_sources.default, (sources, read_bytes), test_utils=HOST_QUERY_CHECKS)
 
 
 @pytest.mark.parametrize("name", sorted(HOST_PLANS))

@@ -51,7 +51,11 @@ def documented_schemas() -> dict[str, str]:
 def registered_schemas() -> dict[str, str]:
     """Every kvcanary op's schema as torch holds it, without the namespace."""
     names = [name.removeprefix("kvcanary::") for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcanary::")]
-    return {name: str(getattr(torch.ops.kvcanary, name).default._schema).removeprefix("kvcanary::") for name in names}
+    overloads = [(name, *name.partition(".")[::2]) for name in names]  # "record.bound": (record, bound)
+    return {
+        name: str(getattr(getattr(torch.ops.kvcanary, op), overload or "default")._schema).removeprefix("kvcanary::")
+        for name, op, overload in overloads
+    }
 
 
 def test_the_documented_schemas_are_the_registered_ones():
