@@ -15,6 +15,7 @@ with HTTP 200. `make test-vllm-pd` runs these.
 import json
 import os
 import textwrap
+import time
 import urllib.request
 
 import pytest
@@ -29,6 +30,8 @@ from vllm_serve import complete, mixed_prompts  # noqa: E402
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
 CLEAN_REQUESTS = 24
 MAX_TOKENS = 8
+# How long P holds a prompt's blocks for D, with the canary: short, so that a test outlives it.
+LEASE_S = 5
 # The prompts the faults hit: of one length (so that one's blocks can stand for another's), two blocks and more.
 FAULTED = [list(range(100 + 7 * k, 100 + 7 * k + 80)) for k in range(6)]
 
@@ -178,7 +181,7 @@ def clean(tiny_llama, workload, tmp_path_factory):
 def canary_pair(tiny_llama, tmp_path_factory):
     site = _fault_plugin(tmp_path_factory.mktemp("site-on"))
     arm = site / "arm"
-    with pd_pair(tiny_llama, policy="repair", env=_env(site, arm)) as (prefill, decode, proxy):
+    with pd_pair(tiny_llama, policy="repair", env=_env(site, arm), lease_s=LEASE_S) as (prefill, decode, proxy):
         yield prefill, decode, proxy, Faults(tiny_llama, prefill, decode, arm)
 
 
@@ -234,3 +237,35 @@ def test_missing_records_are_load_errors(clean, canary_pair):
     assert _tokens(answer) == faulted[4] and decode.alive()
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
     assert any("no records of its prefilled KV" in line[3] for line in decode.canary_lines())
+
+
+def test_a_request_read_after_its_lease_expired_is_a_load_error(clean, canary_pair):
+    """D reads P's blocks after P's lease on them expired: P freed them (free to be reused)
+    and dropped their records, so they are a load error, repaired (vLLM counts no failed
+    transfer for it: NIXL's read itself succeeds)."""
+    faulted = clean[1]
+    _, decode, _, faults = canary_pair
+    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
+    faults.forget()
+    params = faults.prefilled(FAULTED[5])
+    time.sleep(LEASE_S + 1)
+    faults.prefilled(FAULTED[0])  # a step on P after the lease: it frees the blocks and drops their records
+    answer = faults.decoded(FAULTED[5], params)
+    assert _tokens(answer) == faulted[5] and decode.alive()
+    assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
+    assert any("holds no records of it" in line[3] for line in decode.canary_lines())
+
+
+def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_path_factory):
+    faulted = clean[1]
+    site = _fault_plugin(tmp_path_factory.mktemp("site-quarantine"))
+    arm = site / "arm"
+    with pd_pair(tiny_llama, policy="quarantine", env=_env(site, arm)) as (prefill, decode, proxy):
+        faults = Faults(tiny_llama, prefill, decode, arm)
+        answer = faults.flip_on_decode(FAULTED[1])
+        assert "error" in answer, answer
+        assert decode.alive()
+        faults.forget()
+        assert [_tokens(complete(proxy.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED] == faulted
+        assert decode.metric("vllm:kv_canary_requests_failed_total") == 1
+        assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > 0
