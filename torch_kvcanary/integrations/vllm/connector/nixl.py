@@ -230,7 +230,9 @@ class NixlWorker:
         self.block_size = block_size
         self.server = RecordsServer(host, port)
         self._pending: dict[str, _Pending] = {}
-        self.verify_seconds = 0.0
+        self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
+        self.fetch_seconds = 0.0  # D: spent fetching P's records
+        self.verified_requests = 0
 
     def snapshot(self, canary, plan: NixlPlan) -> None:
         """P: holds the records of each request whose prompt the step completed (after its forward)."""
@@ -245,12 +247,14 @@ class NixlWorker:
 
     def fetch(self, plan: NixlPlan) -> None:
         """D: P's records of each load, before NIXL starts reading its blocks."""
+        begin = time.perf_counter()
         for load in plan.loads:
             if load.address is None or load.remote_request_id is None:
                 records, why = None, f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
             else:
                 records, why = fetch_records(load.address, load.remote_request_id)
             self._pending[load.request_id] = _Pending(load, records, why)
+        self.fetch_seconds += time.perf_counter() - begin
 
     def land(self, canary, finished_recving, failed_recving) -> tuple[set[int], int, int]:
         """D: records the slots of each request NIXL finished loading and compares them with
@@ -264,6 +268,7 @@ class NixlWorker:
             if pending is None or request_id in (failed_recving or ()):
                 continue
             bad_slots = self._verify(canary, pending)
+            self.verified_requests += 1
             verified += pending.load.end - pending.load.start
             failed += len(bad_slots)
             errors |= set((bad_slots // self.block_size).tolist())
@@ -298,6 +303,13 @@ class NixlWorker:
         return bad_slots
 
     def close(self) -> None:
+        if self.verified_requests:
+            logger.info(
+                "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us each fetching the prefill side's "
+                "records, %.0f us each recording and comparing",
+                self.verified_requests, 1e6 * self.fetch_seconds / self.verified_requests,
+                1e6 * self.verify_seconds / self.verified_requests,
+            )  # fmt: skip
         self.server.close()
 
 
