@@ -19,6 +19,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
@@ -269,3 +270,58 @@ def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_
         assert [_tokens(complete(proxy.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED] == faulted
         assert decode.metric("vllm:kv_canary_requests_failed_total") == 1
         assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > 0
+
+
+# The pieces on their own -------------------------------------------------------------------
+
+
+def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
+    from vllm_serve import _free_port
+
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    port = _free_port()
+    server = nixl.RecordsServer("127.0.0.1", port, max_age_s=60)
+    try:
+        records = torch.arange(12, dtype=torch.int64).view(3, 4)
+        server.hold("a", records)
+        got, why = nixl.fetch_records(f"127.0.0.1:{port}", "a")
+        assert why == "" and torch.equal(got, records)
+        assert nixl.fetch_records(f"127.0.0.1:{port}", "b") == (
+            None,
+            "the prefill side holds no records of it (its lease expired, or it was never snapshotted)",
+        )
+        server.release(["a"])
+        assert nixl.fetch_records(f"127.0.0.1:{port}", "a")[0] is None
+        server.max_age_s = 0
+        server.hold("c", records)
+        server.hold("d", records)  # drops c, held longer than max_age_s
+        assert server.get("c") is None and server.get("d") is not None
+    finally:
+        server.close()
+    got, why = nixl.fetch_records(f"127.0.0.1:{port}", "a", timeout=2)
+    assert got is None and why.startswith(f"the records server at 127.0.0.1:{port} failed: ")
+
+
+def test_slots_of_a_request_follow_its_blocks():
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    assert nixl.slots_of([5, 2], 6, 4).tolist() == [20, 21, 22, 23, 8, 9]
+
+
+def test_what_the_nixl_verification_cannot_watch_is_refused():
+    from types import SimpleNamespace
+
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    def config(tp):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+
+    nixl.check_nixl(config(1), {"records_port": 5700})
+    with pytest.raises(
+        ValueError,
+        match=r"^kv-canary: KvCanaryConnector verifies NixlConnector's transfers with one tensor- and pipeline-parallel rank per side only \(this server has tensor_parallel_size=2",
+    ):
+        nixl.check_nixl(config(2), {"records_port": 5700})
+    with pytest.raises(ValueError, match=r'^kv-canary: KvCanaryConnector wrapping NixlConnector serves .* set "records_port": PORT'):
+        nixl.check_nixl(config(1), {})

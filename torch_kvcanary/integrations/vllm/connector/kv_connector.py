@@ -208,11 +208,11 @@ class KvCanaryConnector(KVConnectorBase_V1):
         block on are invalidated, so that a request reading them before they are
         recomputed is flagged too."""
         errors = set(self.inner.get_block_ids_with_load_errors()) if self.inner is not None else set()
-        if self._nixl_errors:  # blocks that landed bad in this step (`_nixl_finished`), forward or not
+        if self._nixl_errors and self._reports_blocks():  # blocks that landed bad in this step (`_nixl_finished`), forward or not
             errors |= self._nixl_errors
             if self.worker_canary.policy == "repair":
                 self.stats.data["blocks_repaired"] += len(self._nixl_errors)
-            self._nixl_errors = set()
+        self._nixl_errors = set()  # under the other policies their broken records are flagged where they are read
         if not self._forward or self.worker_canary is None:
             return errors
         flagged = self.worker_canary.step_flagged_slots()
@@ -504,4 +504,5 @@ def _nixl_sides(vllm_config, role: KVConnectorRole, block_size: int | None):
         return nixl.NixlScheduler(block_size, f"{host}:{port}"), None
     if extra.get(nixl.PROGRESS_DELAY) is not None:
         nixl.delay_progress_thread(int(extra[nixl.PROGRESS_DELAY]))
-    return None, nixl.NixlWorker(block_size, host, port)
+    lease_s = config.kv_transfer_config.get_from_extra_config("kv_lease_duration", nixl.NIXL_LEASE_S)
+    return None, nixl.NixlWorker(block_size, host, port, max_age_s=2 * lease_s)

@@ -50,6 +50,8 @@ RECORDS_PORT = "records_port"
 """The key of KvCanaryConnector's ``kv_connector_extra_config`` naming the port of this server's records server."""
 PROGRESS_DELAY = "nixl_progress_delay_us"
 """The key of KvCanaryConnector's ``kv_connector_extra_config`` setting the delay of NIXL's progress thread."""
+NIXL_LEASE_S = 30
+"""NixlConnector's default ``kv_lease_duration``: how long P holds a request's blocks for D."""
 FETCH_TIMEOUT_S = 10.0
 """How long D waits for P's records of a request; past it, the request's blocks are load errors."""
 
@@ -151,8 +153,9 @@ class RecordsServer:
     ``{"request_id": ...}``; the answer one JSON line ``{"request_id": ..., "rows": n}``
     (``rows`` -1 when none is held) followed by the records, int64 ``[n, RECORD_FIELDS]``."""
 
-    def __init__(self, host: str, port: int):
-        self._held: dict[str, torch.Tensor] = {}
+    def __init__(self, host: str, port: int, max_age_s: float):
+        self.max_age_s = max_age_s
+        self._held: dict[str, tuple[float, torch.Tensor]] = {}
         self._lock = threading.Lock()
         held = self
 
@@ -171,20 +174,23 @@ class RecordsServer:
         threading.Thread(target=self._server.serve_forever, name="kv-canary-records", daemon=True).start()
 
     def hold(self, request_id: str, records: torch.Tensor) -> None:
+        """Holds ``records``; drops those held longer than ``max_age_s`` (a request NIXL
+        never reported sent, say one aborted after its prefill: its blocks are long freed)."""
+        now = time.monotonic()
         with self._lock:
-            self._held[request_id] = records
+            for stale in [key for key, (held, _) in self._held.items() if now - held > self.max_age_s]:
+                del self._held[stale]
+            self._held[request_id] = (now, records)
 
     def get(self, request_id: str) -> torch.Tensor | None:
         with self._lock:
-            return self._held.get(request_id)
+            held = self._held.get(request_id)
+        return None if held is None else held[1]
 
     def release(self, request_ids) -> None:
         with self._lock:
             for request_id in request_ids:
                 self._held.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._held)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -226,9 +232,9 @@ class _Pending:
 class NixlWorker:
     """The worker side: P's snapshots and server, D's fetches and verification."""
 
-    def __init__(self, block_size: int, host: str, port: int):
+    def __init__(self, block_size: int, host: str, port: int, max_age_s: float):
         self.block_size = block_size
-        self.server = RecordsServer(host, port)
+        self.server = RecordsServer(host, port, max_age_s)
         self._pending: dict[str, _Pending] = {}
         self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
         self.fetch_seconds = 0.0  # D: spent fetching P's records
@@ -351,7 +357,8 @@ def check_nixl(vllm_config, extra: dict) -> None:
         raise ValueError(
             f"kv-canary: {CONNECTOR} verifies NixlConnector's transfers with one tensor- and pipeline-parallel rank per "
             f"side only (this server has tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}): serve each side on one rank, or unset KVCANARY_VLLM"
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}): serve each side on one rank, or NixlConnector "
+            f"without {CONNECTOR}"
         )
     if not isinstance(extra.get(RECORDS_PORT), int):
         raise ValueError(
