@@ -31,7 +31,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm soak-vllm bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm test-vllm-pd soak-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -118,8 +118,21 @@ VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
 BENCH_ARGS ?=
 
 test-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(wildcard tests/vllm_plugin/test_vllm*.py)
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py))
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_REPORT)
+
+# Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/test_vllm_pd.py):
+# two `vllm serve` and a proxy on 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv.
+NIXL ?= nixl==1.5.1
+VLLM_PD_TESTS := tests/vllm_plugin/test_vllm_pd.py
+VLLM_PD_REPORT := $(VLLM_VENV)/test-vllm-pd.xml
+test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_PD_REPORT) $(VLLM_PD_TESTS)
+	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_PD_REPORT)
+
+$(VLLM_VENV)/.nixl: $(VLLM_VENV)/.deps
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check "$(NIXL)"
+	echo "$(NIXL)" > $@
 
 # A soak through `vllm serve` (tools/vllm_serve.py): 1,000 requests of mixed lengths sharing
 # prefixes with the canary on; fails on an error, a violation or a canary warning, and

@@ -73,15 +73,34 @@ class Server:
     start_timeout: float = 600.0
     port: int = field(default_factory=_free_port)
     log_path: Path | None = None
+    prefix: tuple = ()  # a command the server runs under (taskset)
 
     def __enter__(self) -> Server:
+        self.start()
+        return self.wait_healthy()
+
+    def start(self) -> None:
+        """Starts the server's process; `wait_healthy` waits for it to serve."""
         environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
         environment.update(self.env)
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
-        command = [sys.executable, __file__, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *self.options]
+        command = [
+            *self.prefix,
+            sys.executable,
+            __file__,
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.options,
+        ]
         self._process = subprocess.Popen(command, env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self) -> Server:
         deadline = time.monotonic() + self.start_timeout
         while not self._healthy():
             if self._process.poll() is not None:
@@ -117,17 +136,8 @@ class Server:
         return self._process.poll() is None and self._healthy()
 
     def complete(self, prompt: list[int], max_tokens: int, **params) -> dict:
-        """One greedy completion of the token ids ``prompt`` (OpenAI /v1/completions): its
-        JSON answer, or {"error": status, "body": text} for an HTTP error."""
-        body = dict(model=str(self.model), prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
-        request = urllib.request.Request(
-            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=600) as answer:
-                return json.loads(answer.read())
-        except urllib.error.HTTPError as error:
-            return {"error": error.code, "body": error.read().decode(errors="replace")}
+        """One greedy completion of the token ids ``prompt`` (`complete`)."""
+        return complete(self.url, self.model, prompt, max_tokens, **params)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as answer:
@@ -160,6 +170,18 @@ class Server:
         if len(starts) != 1:
             raise RuntimeError(f"expected one kv-canary start line in the server's log, found {len(starts)}")
         return starts[0]
+
+
+def complete(url: str, model: Path, prompt: list[int], max_tokens: int, **params) -> dict:
+    """One greedy completion of the token ids ``prompt`` by the server at ``url`` (OpenAI
+    /v1/completions): its JSON answer, or {"error": status, "body": text} for an HTTP error."""
+    body = dict(model=str(model), prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return {"error": error.code, "body": error.read().decode(errors="replace")}
 
 
 def resident_bytes(pid: int) -> int:

@@ -649,13 +649,15 @@ def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
     from vllm.config import KVTransferConfig
 
     connector.check_inner(KVTransferConfig(kv_connector="ExampleConnector", kv_role=role))  # verified
-    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"))  # saves only
+    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))  # verified (test_vllm_pd.py)
+    connector.check_inner(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"))  # saves only
     message = (
-        rf'^kv-canary: KvCanaryConnector verifies the KV an inner connector loads for ExampleConnector only; NixlConnector with "kv_role": "{role}" '
-        r'would load KV the canary has no records of: give it "kv_role": "kv_producer", or unset KVCANARY_VLLM to serve it without the canary$'
+        r"^kv-canary: KvCanaryConnector verifies the KV an inner connector loads for ExampleConnector, NixlConnector only; "
+        rf'LMCacheConnectorV1 with "kv_role": "{role}" would load KV the canary has no records of: give it "kv_role": "kv_producer", '
+        r"or unset KVCANARY_VLLM to serve it without the canary$"
     )
     with pytest.raises(ValueError, match=message):
-        connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
+        connector.check_inner(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
 
 
 def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny_llama, tmp_path):
@@ -691,14 +693,32 @@ def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny
 def test_a_connector_in_the_canarys_place_whose_loads_it_cannot_verify_is_refused(role):
     from vllm.config import KVTransferConfig
 
-    connector.check_unwrapped(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"))  # saves only
+    connector.check_unwrapped(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"))  # saves only
     message = (
-        rf'^kv-canary: vLLM\'s KV connector NixlConnector with "kv_role": "{role}" loads KV into the cache outside the model\'s forward, '
-        r'into slots the canary holds no records of, which it would report as corrupt: give it "kv_role": "kv_producer" '
-        r"\(KvCanaryConnector verifies the loads of ExampleConnector only\), or unset KVCANARY_VLLM to serve it without the canary$"
+        rf'^kv-canary: vLLM\'s KV connector LMCacheConnectorV1 with "kv_role": "{role}" loads KV into the cache outside the model\'s '
+        r'forward, into slots the canary holds no records of, which it would report as corrupt: give it "kv_role": "kv_producer" '
+        r"\(KvCanaryConnector verifies the loads of ExampleConnector, NixlConnector only\), or unset KVCANARY_VLLM to serve it without the canary$"
     )
     with pytest.raises(ValueError, match=message):
-        connector.check_unwrapped(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
+        connector.check_unwrapped(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
+
+
+def test_nixl_in_the_canarys_place_is_told_to_be_wrapped_with_a_records_port():
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(ValueError) as raised:
+        connector.check_unwrapped(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
+    wrapped = {
+        "kv_connector": config.CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {connector.INNER: {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+    }
+    assert str(raised.value) == (
+        'kv-canary: vLLM\'s KV connector NixlConnector with "kv_role": "kv_both" loads KV into the cache outside the '
+        "model's forward, into slots the canary holds no records of, which it would report as corrupt: serve it as "
+        f"KvCanaryConnector's inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}', "
+        'with "records_port": a free TCP port in its kv_connector_extra_config), or unset KVCANARY_VLLM to serve it without the canary'
+    )
 
 
 def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_path, monkeypatch):

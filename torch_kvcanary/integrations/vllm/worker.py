@@ -333,16 +333,29 @@ class WorkerCanary:
         """The records of ``slots`` (int64 ``[len(slots), 4]``, `RECORD_FIELDS`), a copy on the canary's device."""
         return self.canary.records[slots.to(self.canary.device, torch.int64)]
 
-    def record_loaded(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Records ``slots``, which a KV connector has just loaded with the first tokens of a
-        request (``tokens``, one per slot): positions from 0, each slot chained through the
-        one before. Their records, as `records` gives them."""
+    def record_loaded(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
+        """Records ``slots``, which a KV connector has just loaded with consecutive tokens of
+        a request (``tokens``, one per slot) from position ``start``: each slot chained
+        through the one before, the first through ``prev_slot`` (the slot of position
+        ``start - 1``, already recorded; -1 from position 0). Their records, as `records`
+        gives them."""
         device = self.canary.device
         slots = slots.to(device, torch.int64)
-        prev_slots = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), slots[:-1]])
-        positions = torch.arange(len(slots), device=device)
+        prev_slots = torch.cat([torch.full((1,), prev_slot, dtype=torch.int64, device=device), slots[:-1]])
+        positions = torch.arange(start, start + len(slots), device=device)
         self.canary.record(slots, positions=positions, tokens=tokens.to(device, torch.int64), prev_slots=prev_slots)
         return self.records(slots)
+
+    def refold_blocks(self, slots: torch.Tensor) -> None:
+        """Under a block-packed backend, recomputes the fold of every slot of the blocks
+        holding ``slots`` from their bytes, records kept (`KvCanary.refold`): a KV
+        connector that wrote whole blocks wrote the unrecorded slots past a prompt's end
+        too, and a block's slots are verified together. Nothing under other backends."""
+        if not self._blocks_packed or not len(slots):
+            return
+        blocks = torch.unique(slots.to(self.canary.device, torch.int64) // self.block_size)
+        offsets = torch.arange(self.block_size, device=blocks.device)
+        self.canary.refold((blocks[:, None] * self.block_size + offsets).flatten())
 
     def invalidate(self, slots: torch.Tensor) -> None:
         """Breaks the records of ``slots`` (`KvCanary.invalidate`): verify flags each until a forward writes it again."""

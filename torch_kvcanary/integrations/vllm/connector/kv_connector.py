@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm import envs
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -48,6 +49,7 @@ from vllm.v1.request import RequestStatus
 from ....canary import Violation
 from .. import adapter
 from ..config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
+from . import nixl
 from .drill import Drill
 from .stats import CanaryPromMetrics, CanaryStats
 from .transfer import DiskTransfer
@@ -62,10 +64,11 @@ INNER = "inner"
 class KvCanaryMetadata(KVConnectorMetadata):
     """What the scheduler side tells the workers each step: whether the step runs a
     forward (an empty step reads no KV, so the canary has nothing to report for it), and
-    the inner connector's metadata."""
+    the inner connector's metadata, and with NixlConnector inside what to snapshot and verify."""
 
     forward: bool
     inner: KVConnectorMetadata | None = None
+    nixl: nixl.NixlPlan | None = None
 
 
 class KvCanaryConnector(KVConnectorBase_V1):
@@ -74,15 +77,19 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        # The scheduler's block size: its block ids are slot // this (kernel blocks may be smaller).
+        self._block_size = groups[0].kv_cache_spec.block_size if groups else None
+        # Before the inner connector: NIXL's agent is configured when NixlConnector is built.
+        self._nixl_scheduler, self._nixl = _nixl_sides(vllm_config, role, self._block_size)
+        self._nixl_plan: nixl.NixlPlan | None = None
+        self._nixl_errors: set[int] = set()
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self._transfer = DiskTransfer(self.inner) if type(self.inner).__name__ in DiskTransfer.CONNECTORS else None
         self.worker_canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it (`watch`)
         self.stats = CanaryStats()
         self.drill: Drill | None = None
-        groups = kv_cache_config.kv_cache_groups
-        # The scheduler's block size: its block ids are slot // this (kernel blocks may be smaller).
-        self._block_size = groups[0].kv_cache_spec.block_size if groups else None
         self._forward = False
         self._steps = 0
         self._verified = self._recorded = 0
@@ -112,6 +119,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._forward = connector_metadata.forward
+        self._nixl_plan = connector_metadata.nixl
         self._steps += 1
         if self.inner is not None:
             self.inner.bind_connector_metadata(connector_metadata.inner)
@@ -129,6 +137,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         landed bytes or the request do not match, so that the step reports their blocks."""
         if self.inner is None:
             return
+        if self._verifies_nixl() and self._nixl_plan is not None:
+            self._nixl.fetch(self._nixl_plan)  # P's records, before NIXL starts reading the blocks
         if self._transfer is None or self.worker_canary is None or not self.worker_canary.on:
             self.inner.start_load_kv(forward_context, **kwargs)
             return
@@ -160,14 +170,37 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self.inner.wait_for_save()
         if self._transfer is not None and self.worker_canary is not None and self.worker_canary.on:
             self._transfer.store(self.worker_canary)
+        if self._verifies_nixl() and self._nixl_plan is not None:
+            self._nixl.snapshot(self.worker_canary, self._nixl_plan)
+
+    def _verifies_nixl(self) -> bool:
+        return self._nixl is not None and self.worker_canary is not None and self.worker_canary.on
 
     def get_finished(self, finished_req_ids: set[str]):
-        return self.inner.get_finished(finished_req_ids) if self.inner is not None else (None, None)
+        if self.inner is None:
+            return None, None
+        sending, recving = self.inner.get_finished(finished_req_ids)
+        self._nixl_finished(sending, recving, ())
+        return sending, recving
 
     def get_transfer_results(self, finished_req_ids: set[str]):
-        if self.inner is not None:
-            return self.inner.get_transfer_results(finished_req_ids)
-        return super().get_transfer_results(finished_req_ids)
+        if self.inner is None:
+            return super().get_transfer_results(finished_req_ids)
+        results = self.inner.get_transfer_results(finished_req_ids)
+        self._nixl_finished(results.finished_sending, results.finished_recving, results.failed_recving)
+        return results
+
+    def _nixl_finished(self, sending, recving, failed) -> None:
+        """P: drops the snapshots of the requests whose blocks were sent (or whose lease
+        expired). D: verifies the requests whose blocks landed, before vLLM marks their load
+        done; their bad blocks are this step's load errors."""
+        if not self._verifies_nixl():
+            return
+        self._nixl.release(sending)
+        if recving:
+            errors, verified, bad = self._nixl.land(self.worker_canary, recving, failed)
+            self._nixl_errors |= errors
+            self._count_landed((verified, bad))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The inner connector's, and under repair or quarantine the blocks of the slots the
@@ -175,6 +208,11 @@ class KvCanaryConnector(KVConnectorBase_V1):
         block on are invalidated, so that a request reading them before they are
         recomputed is flagged too."""
         errors = set(self.inner.get_block_ids_with_load_errors()) if self.inner is not None else set()
+        if self._nixl_errors and self._reports_blocks():  # blocks that landed bad in this step (`_nixl_finished`), forward or not
+            errors |= self._nixl_errors
+            if self.worker_canary.policy == "repair":
+                self.stats.data["blocks_repaired"] += len(self._nixl_errors)
+        self._nixl_errors = set()  # under the other policies their broken records are flagged where they are read
         if not self._forward or self.worker_canary is None:
             return errors
         flagged = self.worker_canary.step_flagged_slots()
@@ -247,6 +285,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         return self.inner.get_finished_count() if self.inner is not None else None
 
     def shutdown(self):
+        if self._nixl is not None:
+            self._nixl.close()
         return self.inner.shutdown() if self.inner is not None else None
 
     # Scheduler side --------------------------------------------------------------
@@ -280,12 +320,15 @@ class KvCanaryConnector(KVConnectorBase_V1):
         return self.inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if self._nixl_scheduler is not None:  # before NixlConnector, which clears the params' do_remote_prefill
+            self._nixl_scheduler.before_alloc(request, blocks, num_external_tokens)
         if self.inner is not None:
             self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         inner = self.inner.build_connector_meta(scheduler_output) if self.inner is not None else None
-        return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner)
+        plan = self._nixl_scheduler.plan(scheduler_output, self._kv_cache_manager) if self._nixl_scheduler is not None else None
+        return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner, nixl=plan)
 
     def on_new_request(self, request) -> None:
         if self.inner is not None:
@@ -305,7 +348,10 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self.stats.data["requests_failed"] += 1
         if self.inner is None:
             return False, None
-        return self.inner.request_finished(request, block_ids)
+        delay, params = self.inner.request_finished(request, block_ids)
+        if self._nixl_scheduler is not None:
+            self._nixl_scheduler.finished(request, params)
+        return delay, params
 
     def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads) -> bool:
         if self.inner is None:
@@ -390,13 +436,17 @@ def _inner_config(vllm_config):
     return config
 
 
+VERIFIED = (*DiskTransfer.CONNECTORS, *nixl.CONNECTORS)
+"""The inner connectors whose loads the canary verifies."""
+
+
 def check_inner(inner: KVTransferConfig) -> None:
     """Refuses an inner connector that would load KV the canary cannot verify: the slots it
     loads would hold no records of the canary's (or an earlier request's), and be reported
     at their first read. A producer (it saves, never loads) is delegated to whatever it is."""
-    if inner.is_kv_consumer and inner.kv_connector not in DiskTransfer.CONNECTORS:
+    if inner.is_kv_consumer and inner.kv_connector not in VERIFIED:
         raise ValueError(
-            f"kv-canary: {CONNECTOR} verifies the KV an inner connector loads for {', '.join(DiskTransfer.CONNECTORS)} only; "
+            f"kv-canary: {CONNECTOR} verifies the KV an inner connector loads for {', '.join(VERIFIED)} only; "
             f'{inner.kv_connector} with "kv_role": "{inner.kv_role}" would load KV the canary has no records of: give it '
             f'"kv_role": "kv_producer", or unset {POLICY_ENV} to serve it without the canary'
         )
@@ -409,14 +459,21 @@ def check_unwrapped(config: KVTransferConfig) -> None:
     producer (it saves, never loads) serves beside the canary as it is."""
     if not config.is_kv_consumer:
         return
-    if config.kv_connector in DiskTransfer.CONNECTORS:
+    if config.kv_connector in VERIFIED:
         inner = {"kv_connector": config.kv_connector, "kv_role": config.kv_role}
         if config.kv_connector_extra_config:
             inner["kv_connector_extra_config"] = config.kv_connector_extra_config
         wrapped = {"kv_connector": CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
-        change = f"serve it as {CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
+        port = (
+            f', with "{nixl.RECORDS_PORT}": a free TCP port in its kv_connector_extra_config'
+            if config.kv_connector in nixl.CONNECTORS
+            else ""
+        )
+        change = (
+            f"serve it as {CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}'{port})"
+        )
     else:
-        change = f'give it "kv_role": "kv_producer" ({CONNECTOR} verifies the loads of {", ".join(DiskTransfer.CONNECTORS)} only)'
+        change = f'give it "kv_role": "kv_producer" ({CONNECTOR} verifies the loads of {", ".join(VERIFIED)} only)'
     raise ValueError(
         f'kv-canary: vLLM\'s KV connector {config.kv_connector} with "kv_role": "{config.kv_role}" loads KV into the cache outside '
         f"the model's forward, into slots the canary holds no records of, which it would report as corrupt: {change}, "
@@ -431,3 +488,21 @@ def _inner_connector(vllm_config, role: KVConnectorRole, kv_cache_config) -> KVC
     check_inner(config.kv_transfer_config)
     connector_cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
     return connector_cls(config, role, kv_cache_config)
+
+
+def _nixl_sides(vllm_config, role: KVConnectorRole, block_size: int | None):
+    """With NixlConnector inside: (the scheduler side, None) or (None, the worker side)
+    (`nixl`), once its settings are checked and, when asked, NIXL's progress thread slowed;
+    (None, None) with another inner connector or none."""
+    config = _inner_config(vllm_config)
+    if config is None or config.kv_transfer_config.kv_connector not in nixl.CONNECTORS:
+        return None, None
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    nixl.check_nixl(vllm_config, extra)
+    host, port = envs.VLLM_NIXL_SIDE_CHANNEL_HOST, extra[nixl.RECORDS_PORT]
+    if role == KVConnectorRole.SCHEDULER:
+        return nixl.NixlScheduler(block_size, f"{host}:{port}"), None
+    if extra.get(nixl.PROGRESS_DELAY) is not None:
+        nixl.delay_progress_thread(int(extra[nixl.PROGRESS_DELAY]))
+    lease_s = config.kv_transfer_config.get_from_extra_config("kv_lease_duration", nixl.NIXL_LEASE_S)
+    return None, nixl.NixlWorker(block_size, host, port, max_age_s=2 * lease_s)

@@ -1,0 +1,327 @@
+"""Prefill/decode disaggregation through vLLM's NixlConnector, verified by KvCanaryConnector:
+a prefill and a decode `vllm serve` and the proxy between them on 127.0.0.1
+(`tools/vllm_pd.py`), serving a tiny random float32 model greedily.
+
+Clean requests sharing prefixes come out as a clean NIXL pair without the canary answers
+them, with the KV pulled over NIXL and nothing flagged. Then faults, each injected by a vLLM
+plugin of the test's own: a byte flipped in a block on the prefill side after the prefill
+and before the transfer; a byte flipped on the decode side after the transfer; the decode
+side told to read another request's blocks; records the prefill side no longer holds. Under
+``repair`` each is named as a load error and recomputed, the answer equals the clean one,
+and the decode server keeps serving; without the canary the same fault changes the answer
+with HTTP 200. `make test-vllm-pd` runs these.
+"""
+
+import json
+import os
+import textwrap
+import time
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
+
+from random_models import VOCAB_SIZE  # noqa: E402
+from vllm_pd import pd_pair  # noqa: E402
+from vllm_serve import complete, mixed_prompts  # noqa: E402
+
+# Clean requests: mixed lengths sharing prefixes, a few tokens each.
+CLEAN_REQUESTS = 24
+MAX_TOKENS = 8
+# How long P holds a prompt's blocks for D, with the canary: short, so that a test outlives it.
+LEASE_S = 5
+# The prompts the faults hit: of one length (so that one's blocks can stand for another's), two blocks and more.
+FAULTED = [list(range(100 + 7 * k, 100 + 7 * k + 80)) for k in range(6)]
+
+# A vLLM general plugin of the test's own, installed for the servers' processes through
+# PYTHONPATH (a distribution's metadata beside its module). It flips a byte of a block of
+# the KV cache NIXL registered (at its address, as NIXL reads and writes it): on the prefill
+# side when the test calls /collective_rpc (VLLM_SERVER_DEV_MODE=1), on the decode side in
+# the step NIXL reports a request's blocks landed, once the file ARM names "decode-flip".
+FAULT_PLUGIN = """
+import ctypes
+import os
+
+ARM = os.environ.get("KVCANARY_TEST_PD_ARM", "")
+
+
+def _nixl_worker():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    return getattr(connector, "inner", None) or connector
+
+
+def flip(worker, block_id):
+    base = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank][0]
+    byte = ctypes.c_uint8.from_address(base + int(block_id) * worker.block_stride_per_layer[0] + 3)
+    byte.value ^= 0x40  # the top byte of the block's first float32: its exponent
+    return int(block_id)
+
+
+def register():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    def kvcanary_test_flip_block(self, block_id):
+        return flip(_nixl_worker().connector_worker, block_id)
+
+    WorkerBase.kvcanary_test_flip_block = kvcanary_test_flip_block
+    landing = NixlConnector.get_transfer_results
+
+    def get_transfer_results(self, finished_req_ids):
+        recving = dict(self.connector_worker._recving_metadata)
+        results = landing(self, finished_req_ids)
+        if results.finished_recving and os.path.exists(ARM) and open(ARM).read() == "decode-flip":
+            os.remove(ARM)
+            for request_id in results.finished_recving:
+                flip(self.connector_worker, recving[request_id].local_block_ids[0][0])
+        return results
+
+    NixlConnector.get_transfer_results = get_transfer_results
+"""
+
+
+def _fault_plugin(directory):
+    (directory / "kvcanary_test_pd_faults.py").write_text(textwrap.dedent(FAULT_PLUGIN))
+    info = directory / "kvcanary_test_pd_faults-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-test-pd-faults\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nkvcanary_test_pd_faults = kvcanary_test_pd_faults:register\n")
+    return directory
+
+
+class Faults:
+    """The faults the plugin injects into a pair's servers, and the disaggregated requests
+    the test drives itself (P, then D with P's params) to inject between the two."""
+
+    def __init__(self, model, prefill, decode, arm):
+        self.model, self.prefill, self.decode, self.arm = model, prefill, decode, arm
+
+    def forget(self):
+        """Empties both servers' prefix caches: each fault's prompt is then pulled whole over NIXL."""
+        for server in (self.prefill, self.decode):
+            urllib.request.urlopen(urllib.request.Request(server.url + "/reset_prefix_cache", method="POST"), timeout=60).close()
+
+    def prefilled(self, prompt):
+        """P's answer's kv_transfer_params for ``prompt``."""
+        answer = complete(self.prefill.url, self.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        return answer["kv_transfer_params"]
+
+    def decoded(self, prompt, params):
+        return complete(self.decode.url, self.model, prompt, MAX_TOKENS, kv_transfer_params=params)
+
+    def flip_on_prefill(self, prompt):
+        """A byte of the prompt's first block flipped on P after its prefill, before D reads it."""
+        params = self.prefilled(prompt)
+        _rpc(self.prefill, "kvcanary_test_flip_block", str(params["remote_block_ids"][0][0]))
+        return self.decoded(prompt, params)
+
+    def flip_on_decode(self, prompt):
+        """A byte of the first block NIXL landed on D flipped after the transfer."""
+        self.arm.write_text("decode-flip")
+        answer = self.decoded(prompt, self.prefilled(prompt))
+        assert not self.arm.exists(), "the plugin did not flip the landed block"
+        return answer
+
+    def other_blocks(self, prompt, other):
+        """D told to read the blocks P prefilled for ``other`` (of the same length) as ``prompt``'s."""
+        theirs, params = self.prefilled(other), self.prefilled(prompt)
+        self.decoded(other, theirs)  # releases other's blocks on P, which stay cached
+        return self.decoded(prompt, {**params, "remote_block_ids": theirs["remote_block_ids"]})
+
+
+def _rpc(server, method: str, *args: str) -> list:
+    body = json.dumps({"method": method, "args": list(args)}).encode()
+    request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())["results"]
+
+
+def _tokens(answer) -> list[str]:
+    assert "error" not in answer, answer
+    return answer["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return mixed_prompts(CLEAN_REQUESTS, VOCAB_SIZE)
+
+
+def _env(site, arm):
+    """The servers' environment: the fault plugin first on the path this process has."""
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1", "KVCANARY_TEST_PD_ARM": str(arm)}
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_llama, workload, tmp_path_factory):
+    """NIXL without the canary: the clean answers of the workload and of the faulted
+    prompts, and what each fault makes of a faulted prompt's answer there."""
+    site = _fault_plugin(tmp_path_factory.mktemp("site-off"))
+    arm = site / "arm"
+    with pd_pair(tiny_llama, policy="off", env=_env(site, arm)) as (prefill, decode, proxy):
+        answers = [_tokens(complete(proxy.url, tiny_llama, prompt, n)) for prompt, n in workload]
+        faulted = [_tokens(complete(proxy.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED]
+        single = [_tokens(complete(prefill.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED]
+        faults = Faults(tiny_llama, prefill, decode, arm)
+        faults.forget()
+        silent = {
+            "flip on prefill": faults.flip_on_prefill(FAULTED[0]),
+            "flip on decode": faults.flip_on_decode(FAULTED[1]),
+            "other request's blocks": faults.other_blocks(FAULTED[2], FAULTED[3]),
+        }
+        assert decode.alive()
+    return answers, faulted, single, silent
+
+
+@pytest.fixture(scope="module")
+def canary_pair(tiny_llama, tmp_path_factory):
+    site = _fault_plugin(tmp_path_factory.mktemp("site-on"))
+    arm = site / "arm"
+    with pd_pair(tiny_llama, policy="repair", env=_env(site, arm), lease_s=LEASE_S) as (prefill, decode, proxy):
+        yield prefill, decode, proxy, Faults(tiny_llama, prefill, decode, arm)
+
+
+def test_without_the_canary_each_fault_changes_the_answer_silently(clean):
+    _, faulted, single, silent = clean
+    assert faulted == single  # disaggregated or not, a clean answer is the same
+    for index, (name, answer) in enumerate(silent.items()):
+        assert _tokens(answer) != faulted[index], f"{name}: the fault did not change the answer"
+
+
+def test_clean_requests_through_nixl_are_verified_and_unflagged(clean, canary_pair, tiny_llama, workload):
+    answers = clean[0]
+    prefill, decode, proxy, _ = canary_pair
+    got = [_tokens(complete(proxy.url, tiny_llama, prompt, n)) for prompt, n in workload]
+    assert got == answers
+    prompt_tokens = sum(len(prompt) for prompt, _ in workload)
+    # The KV was pulled over NIXL and verified: (nearly) every prompt token's slot, none failed.
+    assert decode.metric("vllm:kv_canary_transfer_slots_verified_total") > prompt_tokens // 2
+    assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") == 0
+    assert decode.metric("vllm:kv_canary_blocks_repaired_total") == 0
+    assert decode.metric("vllm:kv_canary_violations_total") == 0
+    assert not [line for line in decode.canary_lines() if line[2] == "WARNING"]
+
+
+@pytest.mark.parametrize("fault", ["flip on prefill", "flip on decode", "other request's blocks"])
+def test_each_fault_is_a_load_error_repaired_to_the_clean_answer(fault, clean, canary_pair):
+    faulted = clean[1]
+    _, decode, _, faults = canary_pair
+    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
+    index = ["flip on prefill", "flip on decode", "other request's blocks"].index(fault)
+    run = {
+        "flip on prefill": lambda: faults.flip_on_prefill(FAULTED[index]),
+        "flip on decode": lambda: faults.flip_on_decode(FAULTED[index]),
+        "other request's blocks": lambda: faults.other_blocks(FAULTED[index], FAULTED[index + 1]),
+    }[fault]
+    faults.forget()
+    answer = run()
+    assert _tokens(answer) == faulted[index]
+    assert decode.alive()
+    failed, repaired = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
+    assert failed > before[0] and repaired > before[1], (fault, before, failed, repaired)
+    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
+
+
+def test_missing_records_are_load_errors(clean, canary_pair):
+    """D told to read a request whose records P does not hold (another request id): a load error, repaired."""
+    faulted = clean[1]
+    _, decode, _, faults = canary_pair
+    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
+    faults.forget()
+    params = faults.prefilled(FAULTED[4])
+    answer = faults.decoded(FAULTED[4], {**params, "kv_canary_records": params["kv_canary_records"].rsplit(":", 1)[0] + ":1"})
+    assert _tokens(answer) == faulted[4] and decode.alive()
+    assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
+    assert any("no records of its prefilled KV" in line[3] for line in decode.canary_lines())
+
+
+def test_a_request_read_after_its_lease_expired_is_a_load_error(clean, canary_pair):
+    """D reads P's blocks after P's lease on them expired: P freed them (free to be reused)
+    and dropped their records, so they are a load error, repaired (vLLM counts no failed
+    transfer for it: NIXL's read itself succeeds)."""
+    faulted = clean[1]
+    _, decode, _, faults = canary_pair
+    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
+    faults.forget()
+    params = faults.prefilled(FAULTED[5])
+    time.sleep(LEASE_S + 1)
+    faults.prefilled(FAULTED[0])  # a step on P after the lease: it frees the blocks and drops their records
+    answer = faults.decoded(FAULTED[5], params)
+    assert _tokens(answer) == faulted[5] and decode.alive()
+    assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
+    assert any("holds no records of it" in line[3] for line in decode.canary_lines())
+
+
+def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_path_factory):
+    faulted = clean[1]
+    site = _fault_plugin(tmp_path_factory.mktemp("site-quarantine"))
+    arm = site / "arm"
+    with pd_pair(tiny_llama, policy="quarantine", env=_env(site, arm)) as (prefill, decode, proxy):
+        faults = Faults(tiny_llama, prefill, decode, arm)
+        answer = faults.flip_on_decode(FAULTED[1])
+        assert "error" in answer, answer
+        assert decode.alive()
+        faults.forget()
+        assert [_tokens(complete(proxy.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED] == faulted
+        assert decode.metric("vllm:kv_canary_requests_failed_total") == 1
+        assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > 0
+
+
+# The pieces on their own -------------------------------------------------------------------
+
+
+def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
+    from vllm_serve import _free_port
+
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    port = _free_port()
+    server = nixl.RecordsServer("127.0.0.1", port, max_age_s=60)
+    try:
+        records = torch.arange(12, dtype=torch.int64).view(3, 4)
+        server.hold("a", records)
+        got, why = nixl.fetch_records(f"127.0.0.1:{port}", "a")
+        assert why == "" and torch.equal(got, records)
+        assert nixl.fetch_records(f"127.0.0.1:{port}", "b") == (
+            None,
+            "the prefill side holds no records of it (its lease expired, or it was never snapshotted)",
+        )
+        server.release(["a"])
+        assert nixl.fetch_records(f"127.0.0.1:{port}", "a")[0] is None
+        server.max_age_s = 0
+        server.hold("c", records)
+        server.hold("d", records)  # drops c, held longer than max_age_s
+        assert server.get("c") is None and server.get("d") is not None
+    finally:
+        server.close()
+    got, why = nixl.fetch_records(f"127.0.0.1:{port}", "a", timeout=2)
+    assert got is None and why.startswith(f"the records server at 127.0.0.1:{port} failed: ")
+
+
+def test_slots_of_a_request_follow_its_blocks():
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    assert nixl.slots_of([5, 2], 6, 4).tolist() == [20, 21, 22, 23, 8, 9]
+
+
+def test_what_the_nixl_verification_cannot_watch_is_refused():
+    from types import SimpleNamespace
+
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    def config(tp):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+
+    nixl.check_nixl(config(1), {"records_port": 5700})
+    with pytest.raises(
+        ValueError,
+        match=r"^kv-canary: KvCanaryConnector verifies NixlConnector's transfers with one tensor- and pipeline-parallel rank per side only \(this server has tensor_parallel_size=2",
+    ):
+        nixl.check_nixl(config(2), {"records_port": 5700})
+    with pytest.raises(ValueError, match=r'^kv-canary: KvCanaryConnector wrapping NixlConnector serves .* set "records_port": PORT'):
+        nixl.check_nixl(config(1), {})

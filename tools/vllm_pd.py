@@ -1,0 +1,123 @@
+"""A prefill and a decode `vllm serve` (vLLM's CPU build) with vLLM's NixlConnector, and the
+proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and docs/vllm.md's
+commands start.
+
+    python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20]
+
+Each server runs on a core of its own where the host has two (``taskset``, and vLLM's
+``VLLM_CPU_OMP_THREADS_BIND``), with UCX on the loopback (``UCX_NET_DEVICES=lo``) and
+NIXL's side channel on 127.0.0.1. With the canary (``policy`` repair or quarantine) NIXL
+is ``KvCanaryConnector``'s inner connector; without it (``off``) NixlConnector serves alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pd_proxy import Proxy
+from vllm_serve import Server, _free_port, complete
+
+# A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
+PD_OPTIONS = (
+    "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(8 << 20),
+    "--max-num-seqs", "8", "--dtype", "float32", "--enable-prefix-caching", "--max-num-batched-tokens", "512",
+)  # fmt: skip
+# Requests in flight through the proxy at once (`main`).
+CONCURRENCY = 4
+# NIXL's progress thread polls UCX without pause unless told otherwise (`connector.nixl.delay_progress_thread`).
+PROGRESS_DELAY_US = 1000
+
+
+def nixl_config(*, canary: bool, records_port: int, failure_policy: str = "recompute", lease_s: int | None = None) -> dict:
+    """The ``--kv-transfer-config`` of a P/D server: NixlConnector with the KV cache in host
+    memory, pulling every prompt however short (``kv_recompute_threshold`` 0), holding P's
+    blocks for D ``lease_s`` seconds (NIXL's default: 30), inside KvCanaryConnector with the canary."""
+    extra = {"kv_recompute_threshold": 0, "num_threads": 1}
+    if lease_s is not None:
+        extra["kv_lease_duration"] = lease_s
+    inner = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu", "kv_connector_extra_config": extra}
+    if not canary:
+        return inner
+    return {
+        "kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": {"inner": inner, "records_port": records_port, "nixl_progress_delay_us": PROGRESS_DELAY_US},
+    }  # fmt: skip
+
+
+def _core(index: int) -> str | None:
+    """The core server ``index`` runs on, where the host has one per server."""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[index]) if len(cores) >= 2 else None
+
+
+def pd_server(model: Path, index: int, *, policy: str, env: dict | None = None, lease_s: int | None = None) -> Server:
+    """Server ``index`` (0: prefill, 1: decode) of a pair; ``policy`` "off" serves NIXL without the canary."""
+    canary = policy != "off"
+    environment = {
+        "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()), "KVCANARY_VLLM_SUMMARY_S": "0",
+    }  # fmt: skip
+    if canary:
+        environment["KVCANARY_VLLM"] = policy
+    core = _core(index)
+    if core is not None:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = core
+    environment.update(env or {})
+    failure = "fail" if policy == "quarantine" else "recompute"
+    config = nixl_config(canary=canary, records_port=_free_port(), failure_policy=failure, lease_s=lease_s)
+    options = (*PD_OPTIONS, "--kv-transfer-config", json.dumps(config))
+    prefix = ("taskset", "-c", core) if core is not None and shutil.which("taskset") else ()
+    return Server(model, environment, options, prefix=prefix)
+
+
+@contextlib.contextmanager
+def pd_pair(model: Path, *, policy: str = "repair", env: dict | None = None, lease_s: int | None = None):
+    """(prefill, decode, proxy), started and then stopped."""
+    prefill, decode = (pd_server(model, index, policy=policy, env=env, lease_s=lease_s) for index in (0, 1))
+    with contextlib.ExitStack() as stack:
+        for server in (prefill, decode):  # both start at once: each takes a minute on a core
+            server.start()
+            stack.push(server)
+        for server in (prefill, decode):
+            server.wait_healthy()
+        with Proxy(prefill.url, decode.url) as proxy:
+            yield prefill, decode, proxy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--policy", default="repair", choices=("repair", "quarantine", "off"))
+    parser.add_argument("--requests", type=int, default=20)
+    arguments = parser.parse_args()
+    from random_models import VOCAB_SIZE  # noqa: PLC0415
+    from vllm_serve import mixed_prompts  # noqa: PLC0415
+
+    prompts = mixed_prompts(arguments.requests, VOCAB_SIZE)
+    with pd_pair(arguments.model, policy=arguments.policy) as (prefill, decode, proxy):
+        print(f"prefill {prefill.url} (log {prefill.log_path}), decode {decode.url} (log {decode.log_path}), proxy {proxy.url}")
+        begin = time.perf_counter()
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            answers = list(pool.map(lambda request: complete(proxy.url, arguments.model, *request), prompts))
+        seconds = time.perf_counter() - begin
+        errors = [answer for answer in answers if "error" in answer]
+        tokens = sum(answer["usage"]["completion_tokens"] for answer in answers if "error" not in answer)
+        print(
+            f"policy {arguments.policy}: {len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s"
+        )
+        if arguments.policy != "off":
+            names = ("violations_total", "transfer_slots_verified_total", "transfer_slots_failed_total", "blocks_repaired_total")
+            print("decode side: " + ", ".join(f"{name} {decode.metric('vllm:kv_canary_' + name):.0f}" for name in names))
+    print("\n".join(line for line in decode.log_path.read_text().splitlines() if "kv-canary: verified" in line))
+
+
+if __name__ == "__main__":
+    main()
