@@ -303,6 +303,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.inner is not None:
             self.inner.bind_kv_cache_manager(kv_cache_manager)
+        if self._nixl_scheduler is not None:
+            self._nixl_scheduler.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.inner is None:
@@ -327,7 +329,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         inner = self.inner.build_connector_meta(scheduler_output) if self.inner is not None else None
-        plan = self._nixl_scheduler.plan(scheduler_output, self._kv_cache_manager) if self._nixl_scheduler is not None else None
+        plan = self._nixl_scheduler.plan(scheduler_output) if self._nixl_scheduler is not None else None
         return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner, nixl=plan)
 
     def on_new_request(self, request) -> None:

@@ -101,11 +101,13 @@ def slots_of(block_ids: list[int], count: int, block_size: int) -> torch.Tensor:
 
 class NixlScheduler:
     """The scheduler side: which requests P snapshots and D verifies, and P's address in
-    the params it hands over."""
+    the params it hands over. ``kv_cache_manager`` is the scheduler's, which vLLM binds to
+    the connector once it has built both."""
 
     def __init__(self, block_size: int, address: str):
         self.block_size = block_size
         self.address = address
+        self.kv_cache_manager = None
         self._prefills: dict[str, object] = {}  # P: requests whose prompt is not yet complete
         self._loads: list[Load] = []
 
@@ -126,14 +128,14 @@ class NixlScheduler:
                 )
             )  # fmt: skip
 
-    def plan(self, scheduler_output, kv_cache_manager) -> NixlPlan:
+    def plan(self, scheduler_output) -> NixlPlan:
         plan = NixlPlan(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, request in list(self._prefills.items()):
             count = scheduled.get(request_id, 0)
             if count and request.num_computed_tokens + count >= request.num_prompt_tokens:
-                block_ids = list(kv_cache_manager.get_block_ids(request_id)[0])
+                block_ids = list(self.kv_cache_manager.get_block_ids(request_id)[0])
                 plan.snapshots.append(Snapshot(request_id, block_ids, request.num_prompt_tokens))
                 del self._prefills[request_id]
         return plan
