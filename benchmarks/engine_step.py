@@ -16,7 +16,7 @@ steps (one token per request). Printed per cell, as medians over the steps:
 * ``wall``: the plugin's step (before and after the forward), in microseconds;
 * ``host``: its time outside torch's ops (Python, numpy and the op calls' dispatch), from a
   second pass under torch's profiler: what the host does per step where a GPU runs the ops
-  asynchronously (`host_work`);
+  asynchronously (`host_work.host_work`);
 * ``ops``: the number of torch ops the plugin calls per step, the canary's and others.
 
 A cell whose step would read more than ``--budget-gib`` of the pool is left out (it says so).
@@ -34,6 +34,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.host_work import host_work
 from torch_kvcanary.integrations.vllm import adapter, worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.sources import HashMode
@@ -156,21 +157,8 @@ def run_cell(runner: str, layers: int, requests: int, context: int, mode: str, s
         raise SystemExit(f"the clean workload found {violations} violations: the benchmark's buffers are wrong")
     return {
         "runner": runner, "layers": layers, "requests": requests, "context": context, "mode": mode,
-        "wall_us": wall * 1e6, "host_us": statistics.median(host_work(events)), "ops_per_step": ops,
+        "wall_us": wall * 1e6, "host_us": statistics.median(host_work(events, PLUGIN_RANGE)), "ops_per_step": ops,
     }  # fmt: skip
-
-
-def host_work(events) -> list[float]:
-    """Per step, the microseconds the plugin's ranges (`PLUGIN_RANGE`, before and after the
-    forward) spend outside torch's ops."""
-    ranges = [event for event in events if event.name == PLUGIN_RANGE]
-    inside = {id(event): 0.0 for event in ranges}
-    for event in events:
-        parent = event.cpu_parent
-        if parent is not None and id(parent) in inside:
-            inside[id(parent)] += event.cpu_time_total
-    host = [event.cpu_time_total - inside[id(event)] for event in ranges]
-    return [before + after for before, after in zip(host[::2], host[1::2])]
 
 
 def _step_bytes(layers: int, requests: int, context: int) -> int:

@@ -39,8 +39,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+# The checkout's tools/, and last (after the installed package) the checkout itself, for the
+# engine children this file runs as a script.
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.append(str(REPO))
 from random_models import TINY, make_llama  # noqa: E402
+
+from benchmarks.host_work import host_work  # noqa: E402
 
 MODELS = {
     "tiny": TINY,
@@ -156,7 +162,7 @@ def step_time_child(args) -> None:
             medians = {name: statistics.median(step[name] for step in phases) * 1e6 for name in PHASES}
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 run(prompt_len)
-            runs[prompt_len].append((wall, statistics.median(host_work(profile.events())), steps, medians))
+            runs[prompt_len].append((wall, statistics.median(host_work(profile.events(), PLUGIN_RANGE)), steps, medians))
     result = {
         n: [min(w for w, _, _, _ in found), min(h for _, h, _, _ in found), found[0][2], min(found, key=lambda run: run[0])[3]]
         for n, found in runs.items()
@@ -189,20 +195,6 @@ def _time_phases(watcher, worker, phases: list[dict[str, float]]) -> None:
     watcher.canary.verify_context = timed(watcher.canary.verify_context, "context")
     for name in ("verify", "record", "refold", "poll"):
         setattr(watcher.canary, name, timed(getattr(watcher.canary, name), name))
-
-
-def host_work(events) -> list[float]:
-    """Per engine step, the microseconds the plugin's ranges (`PLUGIN_RANGE`, its work before
-    and after the forward) spend outside torch's ops: its Python and numpy work, what the
-    host does per step where a GPU runs the ops asynchronously."""
-    ranges = [event for event in events if event.name == PLUGIN_RANGE]
-    inside = {id(event): 0.0 for event in ranges}
-    for event in events:
-        parent = event.cpu_parent
-        if parent is not None and id(parent) in inside:
-            inside[id(parent)] += event.cpu_time_total
-    host = [event.cpu_time_total - inside[id(event)] for event in ranges]
-    return [before + after for before, after in zip(host[::2], host[1::2])]
 
 
 def run_step_time(model_dir: Path, args) -> None:

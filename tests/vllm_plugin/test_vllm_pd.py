@@ -14,7 +14,6 @@ with HTTP 200. `make test-vllm-pd` runs these.
 
 import json
 import os
-import textwrap
 import time
 import urllib.request
 
@@ -24,6 +23,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
 
+from helpers import install_vllm_plugin  # noqa: E402
 from random_models import VOCAB_SIZE  # noqa: E402
 from vllm_pd import pd_pair  # noqa: E402
 from vllm_serve import complete, mixed_prompts  # noqa: E402
@@ -86,12 +86,7 @@ def register():
 
 
 def _fault_plugin(directory):
-    (directory / "kvcanary_test_pd_faults.py").write_text(textwrap.dedent(FAULT_PLUGIN))
-    info = directory / "kvcanary_test_pd_faults-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-test-pd-faults\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nkvcanary_test_pd_faults = kvcanary_test_pd_faults:register\n")
-    return directory
+    return install_vllm_plugin(directory, "kvcanary_test_pd_faults", FAULT_PLUGIN)
 
 
 class Faults:

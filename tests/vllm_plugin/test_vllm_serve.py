@@ -7,14 +7,13 @@ test's own, is reported once, naming the request that read it, and the server ke
 
 import json
 import re
-import textwrap
 import urllib.request
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import HOST_AMX, needs_isa  # noqa: E402
+from helpers import HOST_AMX, install_vllm_plugin, needs_isa  # noqa: E402
 from random_models import VOCAB_SIZE, make_model  # noqa: E402
 from vllm_serve import Server, mixed_prompts, soak  # noqa: E402
 
@@ -66,12 +65,7 @@ def register():
 
 
 def _fault_plugin(directory):
-    (directory / "kvcanary_test_faults.py").write_text(textwrap.dedent(FAULT_PLUGIN))
-    info = directory / "kvcanary_test_faults-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-test-faults\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nkvcanary_test_faults = kvcanary_test_faults:register\n")
-    return directory
+    return install_vllm_plugin(directory, "kvcanary_test_faults", FAULT_PLUGIN)
 
 
 def _rpc(server, method: str, *args: str) -> list:
