@@ -163,6 +163,43 @@ constexpr const char* kSchemas[] = {
     // whether c does not decrease (the record order is then the batch's).
     "step_plan(Tensor computed, Tensor scheduled, Tensor firsts, int block_size, "
     "bool blocks_packed) -> (Tensor plan, Tensor sets, Tensor in_batch_order)",
+    // paged_step: one paged serving step's canary work for all its KV cache
+    // groups, read from the engine's step buffers as they are (padded sizes
+    // allowed): request r < num_reqs runs tokens [q[r], q[r + 1]) of
+    // query_start_loc q (int32 or int64, >= num_reqs + 1 entries, q[0] = 0),
+    // c = seq_lens[r] - (q[r + 1] - q[r]) tokens precede them in the cache;
+    // token t < num_tokens has positions[t], input_ids[t] (None: no tokens)
+    // and, in group g, slot slot_mappings[g][t] (negative: padding, skipped);
+    // block_tables[g] row r is request r's (int32 or int64 [>= num_reqs,
+    // max_blocks], any strides). Group g attends from position f = 0, or
+    // max(0, c - sliding_windows[g] + 1), or c rounded down to chunk_sizes[g]
+    // (0: none). Record: every group's written tokens, requests in order of
+    // c (stable), each chained through the block-table slot of its position
+    // - 1, as record stores them. Verify: the context [f, c) of each request
+    // in each group, as verify_context checks it (chain through the slot of
+    // p - 1, or padding_slot at p = f > 0; the token from the history; under
+    // every > 1 the blocks of turn step % every and each request's last).
+    // phase 0 (after the forward) records, then verifies the context; a
+    // backend whose write to a slot changes its block's others calls twice:
+    // phase 1 (before the forward) verifies the context at slots the step
+    // does not write and the bytes of each request's unwritten tail [c + s,
+    // C) (C: c rounded up to the block), phase 2 (after) records, refolds
+    // every slot of the blocks written (but those flagged in this step) and
+    // verifies the context at written slots. Each ring row written gets its
+    // (step, group, request) at its index in origins (int64 [ring rows, 3]);
+    // last, mailbox (int64 [4]; pinned host memory on CUDA) gets (step,
+    // phase, the violations counter, the ring's write index when the step's
+    // first call began). A slot or previous slot past the capacity is a
+    // SLOT_OUT_OF_RANGE row, never a read. Raises ValueError before writing
+    // anything for arguments of the wrong dtype, shape, size or device, and on
+    // the CPU for query_start_loc out of order, seq_lens below a request's
+    // tokens or a request past its block table.
+    "paged_step(Tensor sources_table, Tensor[] block_tables, Tensor[] slot_mappings, "
+    "int[] sliding_windows, int[] chunk_sizes, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor positions, Tensor? input_ids, Tensor? history, Tensor? history_known, "
+    "Tensor? history_rows, Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
+    "Tensor(d!) ring, Tensor(e!) origins, Tensor(f!) mailbox, int num_reqs, int num_tokens, "
+    "int block_size, int phase, int step, int every=1, int padding_slot=-1) -> ()",
     // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
     // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
     "cpu_isa() -> str",

@@ -252,3 +252,102 @@ def verify_context(
         checked, fold_of(checked), positions=positions, tokens=tokens, prev_slots=prev_slots, padding_slot=padding_slot
     )
     return checked, rows, flags, waiting, ring
+
+
+# --- a paged serving step ------------------------------------------------------------------
+
+
+class PagedStep:
+    """kvcanary::paged_step (its contract is in csrc/ops.cpp) over `Records`, entry by
+    entry: ``tables[g]`` and ``slot_mappings[g]`` are group ``g``'s block table (lists of
+    blocks per row) and slot mapping, ``windows[g]`` and ``chunks[g]`` its sliding window and
+    attention chunk (0: none). `step` returns the ring rows of one call, each with its
+    (step, group, row); the flagged slots of a step's first phase stay for its refold."""
+
+    def __init__(self, records: Records, fold_of: Callable[[list[int]], list[int]], tables, slot_mappings, windows, chunks, block_size: int):
+        self.records, self.fold_of = records, fold_of
+        self.tables, self.slot_mappings = tables, slot_mappings
+        self.windows, self.chunks, self.block_size = windows, chunks, block_size
+        self.flagged: set[int] = set()
+
+    def slot(self, g: int, r: int, p: int) -> int:
+        table = self.tables[g][r]
+        if p < 0 or p // self.block_size >= len(table) or table[p // self.block_size] < 0:
+            return -1
+        return table[p // self.block_size] * self.block_size + p % self.block_size
+
+    def first(self, g: int, computed: int) -> int:
+        if self.windows[g]:
+            return max(0, computed - self.windows[g] + 1)
+        if self.chunks[g]:
+            return computed // self.chunks[g] * self.chunks[g]
+        return 0
+
+    def step(self, qsl, seq_lens, positions, input_ids, *, phase: int, step: int, every: int = 1, padding_slot=None,
+             history=None, known=None, history_rows=None) -> list[tuple[list[int], tuple[int, int, int]]]:  # fmt: skip
+        rows = len(seq_lens)
+        scheduled = [qsl[r + 1] - qsl[r] for r in range(rows)]
+        computed = [seq_lens[r] - scheduled[r] for r in range(rows)]
+        groups = range(len(self.tables))
+        num_tokens = qsl[rows] if rows else 0
+        written = {self.slot_mappings[g][t] for g in groups for t in range(num_tokens)}
+        out: list[tuple[list[int], tuple[int, int, int]]] = []
+        if phase != 2:
+            self.flagged = set()
+
+        def verify_context(deferred: bool, with_written: bool) -> None:
+            for g in groups:
+                starts = [self.first(g, computed[r]) for r in range(rows)]
+                lengths = [computed[r] - starts[r] for r in range(rows)]
+                checked, entry_rows, flags, _, ring = verify_context_oracle(
+                    self.records, self.fold_of, [self.tables[g][r] for r in range(rows)], lengths, starts, self.block_size,
+                    cut_slot=-1 if padding_slot is None else padding_slot, written=written if with_written else (),
+                    deferred=deferred, every=every, turn=step % every, history=history, known=known,
+                    history_rows=history_rows, padding_slot=padding_slot,
+                )  # fmt: skip
+                flagged_rows = [r for r, flag in zip(entry_rows, flags) if flag]
+                out.extend((row, (step, g, r)) for row, r in zip(ring, flagged_rows))
+
+        def record() -> None:
+            order = sorted(range(rows), key=lambda r: computed[r])
+            slots, pos, tokens, prev = [], [], [], []
+            for g in groups:
+                for r in order:
+                    for j in range(scheduled[r]):
+                        t = qsl[r] + j
+                        slots.append(self.slot_mappings[g][t])
+                        pos.append(positions[t])
+                        tokens.append(input_ids[t] if input_ids is not None else -1)
+                        prev.append(self.slot(g, r, computed[r] + j - 1))
+            self.records.record(slots, self.fold_of(slots), positions=pos, tokens=tokens, prev_slots=prev)
+
+        if phase == 0:
+            record()
+            verify_context(deferred=False, with_written=False)
+        elif phase == 1:
+            verify_context(deferred=False, with_written=True)
+            for g in groups:
+                for r in range(rows):
+                    end = -(-computed[r] // self.block_size) * self.block_size
+                    tail = [self.slot(g, r, p) for p in range(min(computed[r] + scheduled[r], end), end)]
+                    tail = [s for s in tail if s >= 0]
+                    _, ring = self.records.verify(tail, self.fold_of(tail), padding_slot=padding_slot)
+                    out.extend((row, (step, g, r)) for row in ring)
+            self.flagged = {row[1] for row, _ in out}
+        else:
+            record()
+            blocks = set()
+            for g in groups:
+                for r in range(rows):
+                    if scheduled[r]:
+                        start = computed[r] // self.block_size * self.block_size
+                        end = -(-(computed[r] + scheduled[r]) // self.block_size) * self.block_size
+                        blocks.update(self.slot(g, r, p) for p in range(start, end))
+            slots = sorted(s for s in blocks - self.flagged if s >= 0)
+            for s, fold in zip(slots, self.fold_of(slots)):
+                self.records.records[s][3] = fold
+            verify_context(deferred=True, with_written=True)
+        return out
+
+
+verify_context_oracle = verify_context

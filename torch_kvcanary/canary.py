@@ -31,6 +31,7 @@ RECORD_FIELDS = ("token", "position", "chain", "fold")
 _FOLD = RECORD_FIELDS.index("fold")
 
 _VIOLATION_FIELDS = 8
+_ORIGIN_FIELDS = 3  # a ring row's (step, group, row) of the paged step that wrote it
 
 SLOT_BYTES = 8 * (len(RECORD_FIELDS) + 1)
 """Device bytes a `KvCanary` holds per tracked slot: its record (four int64 fields) and its
@@ -88,11 +89,18 @@ class Violation:
     stored_chain: int
     expected_aux: int
     reasons: FailReason
+    # The paged step behind the row (`paged_step.PagedStep`): its step, KV cache group and
+    # row (request); -1 for rows of the other calls.
+    step: int = -1
+    group: int = -1
+    row: int = -1
 
     @classmethod
-    def from_row(cls, row: list[int]) -> Violation:
+    def from_row(cls, row: list[int], origin: list[int] = (-1, -1, -1)) -> Violation:
         kind, slot, position, stored_token, expected_token, stored_chain, expected_aux, bits = row
-        return cls(ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits))
+        return cls(
+            ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits), *origin
+        )
 
     def line(self, name: str) -> str:
         """SGLang's log line for this violation, with ``launch_tag=name``."""
@@ -284,7 +292,8 @@ class KvCanary:
         self._owner_tags = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._counters = torch.zeros(len(self._counter), dtype=torch.int64, device=self.device)
         self._ring = torch.zeros(ring_capacity, _VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
-        self._host = _HostReader(self._counters, self._ring)
+        self._origins = torch.full((ring_capacity, _ORIGIN_FIELDS), -1, dtype=torch.int64, device=self.device)
+        self._host = _HostReader(self._counters, self._ring, self._origins)
         self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self._ring_overflow_reported = 0
 
@@ -292,13 +301,13 @@ class KvCanary:
     def device_bytes(capacity: int, ring_capacity: int = 1024) -> int:
         """Device bytes a `KvCanary` of ``capacity`` slots holds: `SLOT_BYTES` per slot, plus
         what does not grow with the capacity (its violation ring, its counters and the
-        one-element "no tag")."""
-        return capacity * SLOT_BYTES + 8 * (ring_capacity * _VIOLATION_FIELDS + len(_counter_index()) + 1)
+        one-element "no tag"), its ring rows' origins among them."""
+        return capacity * SLOT_BYTES + 8 * (ring_capacity * (_VIOLATION_FIELDS + _ORIGIN_FIELDS) + len(_counter_index()) + 1)
 
     @property
     def nbytes(self) -> int:
         """Device bytes this canary's tensors hold (`device_bytes` of its capacity and ring)."""
-        return sum(t.nbytes for t in (self._records, self._owner_tags, self._counters, self._ring, self._no_tag))
+        return sum(t.nbytes for t in (self._records, self._owner_tags, self._counters, self._ring, self._origins, self._no_tag))
 
     @property
     def records(self) -> torch.Tensor:
@@ -454,9 +463,11 @@ class KvCanary:
         counters = self._host.counters()
         pending = counters[self._counter["ring_write"]]
         rows = self._host.ring_rows(min(pending, self.ring_capacity)) if pending else []
+        origins = self._host.origins(len(rows)) if rows else []
         if pending:
             self._counters[self._counter["ring_write"]].zero_()
-        violations = [Violation.from_row(row) for row in rows]
+            self._origins[: len(rows)].fill_(-1)
+        violations = [Violation.from_row(row, origin) for row, origin in zip(rows, origins)]
         dropped = pending - len(rows)
         local = pending
         elsewhere = _others_count(local, group, self.device) if group is not None else 0
@@ -570,12 +581,13 @@ class _HostReader:
     """Reads the counters and ring rows to the host. On CUDA it copies them through pinned
     buffers and waits on an event for that copy only, instead of a blocking copy."""
 
-    def __init__(self, counters: torch.Tensor, ring: torch.Tensor):
-        self._counters, self._ring = counters, ring
+    def __init__(self, counters: torch.Tensor, ring: torch.Tensor, origins: torch.Tensor):
+        self._counters, self._ring, self._origins = counters, ring, origins
         self._cuda = counters.device.type == "cuda"
         if self._cuda:
             self._pinned_counters = torch.empty(counters.shape, dtype=torch.int64, pin_memory=True)
             self._pinned_ring = torch.empty(ring.shape, dtype=torch.int64, pin_memory=True)
+            self._pinned_origins = torch.empty(origins.shape, dtype=torch.int64, pin_memory=True)
 
     def _read(self, device_tensor: torch.Tensor, pinned: torch.Tensor) -> list:
         if not self._cuda:
@@ -591,6 +603,9 @@ class _HostReader:
 
     def ring_rows(self, count: int) -> list[list[int]]:
         return self._read(self._ring[:count], self._pinned_ring[:count] if self._cuda else None)
+
+    def origins(self, count: int) -> list[list[int]]:
+        return self._read(self._origins[:count], self._pinned_origins[:count] if self._cuda else None)
 
 
 def _others_count(local: int, group, device: torch.device) -> int:

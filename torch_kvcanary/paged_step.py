@@ -152,3 +152,126 @@ def step_plan(computed: torch.Tensor, scheduled: torch.Tensor, firsts: torch.Ten
         raise refusal(error, {}) from None
     bases, counts = sets.tolist()
     return StepPlan(plan, bases, counts, bool(in_batch_order))
+
+
+class StepPhase(enum.IntEnum):
+    """Where a `PagedStep` call stands in the engine step: the C++ enum PagedStepPhase
+    (csrc/core/paged_step.h), name for name. A backend whose write to a slot changes its
+    block's other slots (``blocks_packed``) calls before and after the forward; any other
+    calls once, after it."""
+
+    WHOLE_STEP = 0
+    BEFORE_FORWARD = 1
+    AFTER_FORWARD = 2
+
+
+class MailboxWord(enum.IntEnum):
+    """The words of `PagedStep.mailbox`: the C++ enum MailboxWord (csrc/core/paged_step.h)."""
+
+    STEP = 0  # the step of the last call that finished (-1: none yet)
+    PHASE = 1  # and its phase
+    VIOLATIONS = 2  # the canary's violations counter after it
+    RING_START = 3  # the ring's write index when that step's first call began
+
+
+@torch.library.register_fake("kvcanary::paged_step")
+def _paged_step_fake(
+    sources_table, block_tables, slot_mappings, sliding_windows, chunk_sizes, query_start_loc, seq_lens, positions,
+    input_ids, history, history_known, history_rows, records, owner_tags, counters, ring, origins, mailbox,
+    num_reqs, num_tokens, block_size, phase, step, every=1, padding_slot=-1,
+):  # fmt: skip
+    # The checks of make_paged_step_plan (csrc/plan/paged_step_plan.cpp) that need no data.
+    if not len(block_tables) == len(slot_mappings) == len(sliding_windows) == len(chunk_sizes) >= 1:
+        raise ValueError("kv-canary: pass one block table, slot mapping, sliding window and chunk size per KV cache group")
+    for name, value in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("positions", positions)):
+        check_index_dtype(value, name)
+    for value in (*block_tables, *slot_mappings):
+        check_index_dtype(value, "block_tables and slot_mappings")
+    buffers = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions, "input_ids": input_ids}
+    for name, value in buffers.items():
+        if value is not None and value.device != records.device:
+            raise ValueError(
+                f"kv-canary: {name} is on {value.device} but the canary is on {records.device}; pass the step's buffers on the canary's device"
+            )
+
+
+class PagedStep:
+    """`kvcanary::paged_step` bound once to a canary and a paged engine's KV cache groups:
+    each call is one step's canary work for every group, read from the engine's own step
+    buffers, with no host work per layer, request or token and no wait on the device.
+
+    Args:
+        canary: the `KvCanary` whose records, counters and ring the step updates.
+        block_tables: per KV cache group, the engine's block table (int32 or int64
+            ``[>= requests, max_blocks]``; row ``r`` is request ``r``'s), a tensor it refills
+            in place each step.
+        slot_mappings: per group, the engine's slot mapping (``[>= tokens]``), likewise.
+        block_size: tokens per block.
+        sliding_windows, chunk_sizes: per group, its sliding window or attention chunk (0:
+            none); a group attends from the first position they leave (`StepPhase`).
+
+    ``mailbox`` (int64 ``[4]``, `MailboxWord`; pinned host memory on CUDA) is written last by
+    each call; `finished` and `violations` read it through a NumPy view, without a copy."""
+
+    def __init__(
+        self,
+        canary,
+        block_tables: list[torch.Tensor],
+        slot_mappings: list[torch.Tensor],
+        *,
+        block_size: int,
+        sliding_windows: list[int] | None = None,
+        chunk_sizes: list[int] | None = None,
+    ):
+        groups = len(block_tables)
+        sliding_windows = [0] * groups if sliding_windows is None else [int(w or 0) for w in sliding_windows]
+        chunk_sizes = [0] * groups if chunk_sizes is None else [int(c or 0) for c in chunk_sizes]
+        self.canary = canary
+        self.block_size = block_size
+        pinned = canary.device.type == "cuda"
+        self.mailbox = torch.full((len(MailboxWord),), -1, dtype=torch.int64, pin_memory=pinned)
+        self._mail = self.mailbox.numpy()
+        self._op = torch.ops.kvcanary.paged_step.default
+        self._groups = (canary._bound.table, list(block_tables), list(slot_mappings), sliding_windows, chunk_sizes)
+        self._tables = (canary._records, canary._owner_tags, canary._counters, canary._ring, canary._origins, self.mailbox)
+        self._padding = -1 if canary.padding_slot is None else canary.padding_slot
+
+    def __call__(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        *,
+        num_reqs: int,
+        num_tokens: int,
+        step: int,
+        phase: StepPhase = StepPhase.WHOLE_STEP,
+        every: int = 1,
+        history: torch.Tensor | None = None,
+        history_known: torch.Tensor | None = None,
+        history_rows: torch.Tensor | None = None,
+    ) -> None:
+        """Step ``step``'s canary work in phase ``phase`` (the contract is the schema's,
+        csrc/ops.cpp): request ``r < num_reqs`` runs tokens ``[query_start_loc[r],
+        query_start_loc[r + 1])`` and has ``seq_lens[r]`` tokens once the step is done;
+        token ``t`` has ``positions[t]`` and ``input_ids[t]``. The token history
+        (``history[history_rows[r], p]`` where ``history_known``) is checked as
+        `KvCanary.verify_context` checks it, and under ``every`` > 1 a rotating sample of the
+        context's blocks (the turn of ``step``). Pass the engine's whole buffers: no slicing."""
+        try:
+            self._op(
+                *self._groups, query_start_loc, seq_lens, positions, input_ids, history, history_known, history_rows,
+                *self._tables, num_reqs, num_tokens, self.block_size, phase, step, every, self._padding,
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as error:
+            raise refusal(error, {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions}) from None
+
+    def finished(self, step: int) -> bool:
+        """Whether the call of ``step`` (its last phase) has finished on the device."""
+        return self._mail[MailboxWord.STEP] >= step
+
+    @property
+    def violations(self) -> int:
+        """The canary's violations counter when the last finished call ended."""
+        return int(self._mail[MailboxWord.VIOLATIONS])

@@ -77,25 +77,6 @@ void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check
                  call.columns, call.folds);
 }
 
-// verify's side of the fold: each lane group's entries checked once folded,
-// their lines requested while the group before is hashed.
-struct VerifySide {
-  CpuVerifyTables tables;
-  const EntryColumns& columns;
-  const int64_t* folds;
-  int64_t padding_slot;
-  bool* flagged;
-
-  static int lines(const void* self, SlotSpan span, const void** out) {
-    const auto& v = *static_cast<const VerifySide*>(self);
-    return verify_lines(v.tables, v.columns, span, out);
-  }
-  static void after(const void* self, SlotSpan span) {
-    const auto& v = *static_cast<const VerifySide*>(self);
-    verify_span(v.tables, v.columns, v.folds, v.padding_slot, span, v.flagged);
-  }
-};
-
 Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t padding_slot,
                   bool check_bounds) {
   const CpuCall call = plan_call(args, tables, check_bounds, false);

@@ -32,16 +32,22 @@ Tensor fold_cpu(const SourcesArg& sources, const Tensor& slots, bool check_bound
 
 void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out,
                     const FoldSideWork& side) {
+  fold_slot_values_cpu(plan, flat_slots.const_data_ptr(),
+                       flat_slots.scalar_type() == ScalarType::Int, flat_slots.numel(), out, side);
+}
+
+void fold_slot_values_cpu(const FoldPlan& plan, const void* slots, bool slots_int32,
+                          int64_t num_slots, int64_t* out, const FoldSideWork& side) {
   const CpuPath& path = cpu_path();
   CpuFoldWork work{};
   work.sources = plan.sources.data();
   work.num_sources = static_cast<int>(plan.sources.size());
   work.capacity = plan.capacity;
-  work.slots = flat_slots.const_data_ptr();
-  work.slots_are_int32 = flat_slots.scalar_type() == ScalarType::Int;
+  work.slots = slots;
+  work.slots_are_int32 = slots_int32;
   work.out = out;
   work.side = side;
-  parallel_tasks(flat_slots.numel(), task_size(plan), [&](const auto& run_my_tasks) {
+  parallel_tasks(num_slots, task_size(plan), [&](const auto& run_my_tasks) {
     run_my_tasks([&](SlotSpan task, SlotSpan next) { path.fold_task(work, task, next); });
   });
 }

@@ -16,4 +16,9 @@ namespace kvcanary {
 void fold_slots_cpu(const FoldPlan& plan, const Tensor& flat_slots, int64_t* out,
                     const FoldSideWork& side = {});
 
+// The same over num_slots values at `slots` (int32 when slots_int32), which a
+// kernel has planned in host memory.
+void fold_slot_values_cpu(const FoldPlan& plan, const void* slots, bool slots_int32,
+                          int64_t num_slots, int64_t* out, const FoldSideWork& side = {});
+
 }  // namespace kvcanary

@@ -88,9 +88,10 @@ EntryPlan make_entry_plan(const CanaryInputs& call) {
   return plan;
 }
 
-// Checks the canary's tables and that the sources hold every slot of the
-// canary; returns its capacity.
-int64_t check_tables(const CanaryTables& tables, const Tensor& slots, int64_t sources_capacity) {
+}  // namespace
+
+int64_t check_canary_tables(const CanaryTables& tables, const Tensor& slots,
+                            int64_t sources_capacity) {
   check_table(tables.records, "records", slots, {kRecordFields});
   const int64_t capacity = tables.records.size(0);
   check_table(tables.owner_tags, "owner tags", slots, {});
@@ -107,11 +108,9 @@ int64_t check_tables(const CanaryTables& tables, const Tensor& slots, int64_t so
   return capacity;
 }
 
-}  // namespace
-
 CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables) {
   FoldPlan fold = make_fold_plan(in.sources, in.slots);
-  const int64_t capacity = check_tables(tables, in.slots, fold.capacity);
+  const int64_t capacity = check_canary_tables(tables, in.slots, fold.capacity);
   return CanaryPlan{std::move(fold), capacity, make_entry_plan(in)};
 }
 

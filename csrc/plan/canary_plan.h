@@ -194,6 +194,11 @@ struct CanaryPlan {
   EntryPlan entries;
 };
 
+// Checks the canary's tables (int64, contiguous, on the slots' device) and
+// that the sources hold every slot of the canary; returns its capacity.
+int64_t check_canary_tables(const CanaryTables& tables, const Tensor& slots,
+                            int64_t sources_capacity);
+
 // Checks the sources, the canary's tables (int64, contiguous, on the slots'
 // device, of one capacity that the sources hold) and the per-entry inputs.
 CanaryPlan make_canary_plan(const CanaryInputs& in, const CanaryTables& tables);

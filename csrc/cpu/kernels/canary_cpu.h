@@ -213,4 +213,23 @@ inline void verify_rows(const CpuVerifyTables& t, const EntryColumns& columns, c
   t.counters[kSlotsVerified] += checked;
 }
 
+// verify's side of the fold: each lane group's entries checked once folded,
+// their lines requested while the group before is hashed.
+struct VerifySide {
+  CpuVerifyTables tables;
+  const EntryColumns& columns;
+  const int64_t* folds;
+  int64_t padding_slot;
+  bool* flagged;
+
+  static int lines(const void* self, SlotSpan span, const void** out) {
+    const auto& v = *static_cast<const VerifySide*>(self);
+    return verify_lines(v.tables, v.columns, span, out);
+  }
+  static void after(const void* self, SlotSpan span) {
+    const auto& v = *static_cast<const VerifySide*>(self);
+    verify_span(v.tables, v.columns, v.folds, v.padding_slot, span, v.flagged);
+  }
+};
+
 }  // namespace kvcanary
