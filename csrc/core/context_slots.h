@@ -102,17 +102,23 @@ KVC_HOST_DEVICE bool is_written(const ContextChecks& k, int64_t slot) {
   return at < k.num_written && k.written[at] == slot;
 }
 
-// Whether position p of row r (inside its range) is checked this step: every
-// position when every <= 1; else those of a block whose index is the turn's
-// (block % every == turn) and those of the block of the row's last position,
-// the one its request wrote last.
-KVC_HOST_DEVICE bool in_turn(const ContextRanges& c, const ContextChecks& k, int64_t r, int64_t p) {
+// Whether position p of a range whose last position is `last` is checked this
+// step: every position when every <= 1; else those of a block whose index is
+// the turn's (block % every == turn) and those of the block of `last`, the
+// one its request wrote last.
+KVC_HOST_DEVICE bool position_in_turn(const ContextChecks& k, int64_t block_size, int64_t p,
+                                      int64_t last) {
   if (k.every <= 1) {
     return true;
   }
-  const int64_t block = p / c.block_size;
+  const int64_t block = p / block_size;
+  return block % k.every == k.turn || block == last / block_size;
+}
+
+// position_in_turn for position p of row r (inside its range).
+KVC_HOST_DEVICE bool in_turn(const ContextRanges& c, const ContextChecks& k, int64_t r, int64_t p) {
   const int64_t last = c.starts[r] + (c.offsets[r + 1] - c.offsets[r]) - 1;
-  return block % k.every == k.turn || block == last / c.block_size;
+  return position_in_turn(k, c.block_size, p, last);
 }
 
 // The history row of range row r; -1 when outside the history.

@@ -1,0 +1,124 @@
+"""PagedStep on CUDA (kvcanary::paged_step's CUDA kernel) equal to its CPU kernel: the random
+engine steps of test_paged_step.py (whose CPU calls are checked against the spec there) run
+on both, and after every call the two canaries' records, owner tags, counters, ring rows with
+their origins (as sorted lists: CUDA claims rows with atomics) and mailboxes are compared.
+Phase 0 only: the two-call phases are for block-packed CPU backends, refused on CUDA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_paged_step import MAX_BLOCKS, MAX_REQS, Engine, random_batch
+
+import torch_kvcanary as kc
+from torch_kvcanary import layouts
+from torch_kvcanary.paged_step import PagedStep, StepPhase
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="paged_step's CUDA kernel needs a CUDA device")
+
+RING_WRITE = torch.ops.kvcanary.canary_counters().index("ring_write")
+
+
+def ring_rows(canary) -> list[list[int]]:
+    """The ring rows since the last poll, each with its origin, sorted."""
+    n = min(int(canary._counters[RING_WRITE]), canary._ring.shape[0])
+    return sorted(r + o for r, o in zip(canary._ring[:n].tolist(), canary._origins[:n].tolist()))
+
+
+class Twin:
+    """Stands in for an Engine's PagedStep: each call runs the CPU op, then the CUDA op on
+    copies of the engine's bytes and step buffers, and compares the two canaries."""
+
+    def __init__(self, engine: Engine, device: str):
+        self.engine = engine
+        self.device = device
+        self.cpu = engine.step_op
+        self.mailbox = self.cpu.mailbox
+        self.kv = engine.kv.to(device)
+        self.canary = kc.KvCanary(
+            layouts.vllm(self.kv, layout="NHD"), mode=engine.mode, on_violation=None, padding_slot=engine.padding, ring_capacity=4096
+        )
+        self.tables = [t.to(device) for t in engine.tables]
+        self.mappings = [m.to(device) for m in engine.mappings]
+        windows, chunks = [w for w, _ in engine.groups], [c for _, c in engine.groups]
+        self.op = PagedStep(
+            self.canary, self.tables, self.mappings, block_size=engine.block_size, sliding_windows=windows, chunk_sizes=chunks
+        )
+        engine.step_op = self
+
+    def on_device(self, value):
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    def __call__(self, *buffers, **call):
+        self.cpu(*buffers, **call)
+        self.kv.copy_(self.engine.kv)
+        for mine, theirs in zip(self.tables + self.mappings, self.engine.tables + self.engine.mappings):
+            mine.copy_(theirs)
+        self.op(*map(self.on_device, buffers), **{k: self.on_device(v) for k, v in call.items()})
+        torch.cuda.synchronize()
+        cpu, cuda = self.engine.canary, self.canary
+        assert ring_rows(cuda) == ring_rows(cpu)
+        assert cuda._records.tolist() == cpu._records.tolist()
+        assert cuda._owner_tags.tolist() == cpu._owner_tags.tolist()
+        assert cuda._counters.tolist() == cpu._counters.tolist()
+        assert self.op.mailbox.tolist() == self.cpu.mailbox.tolist()
+        cuda.poll()  # as the engine polls the CPU canary after the call
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_steps_match_the_cpu(device, seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    kinds = [(0, 0), (rng.choice([1, 3, 2 * block_size + 1]), 0), (0, rng.choice([block_size, 2 * block_size]))]
+    groups = [kinds[0]] + rng.sample(kinds[1:], rng.randrange(3))
+    engine = Engine(
+        rng, block_size, groups, padding=rng.choice([None, 0]), mode=rng.choice(list(kc.HashMode)),
+        table_dtype=rng.choice([torch.int32, torch.int64]),
+    )  # fmt: skip
+    Twin(engine, device)
+    limit = MAX_BLOCKS * block_size
+    for _ in range(4):
+        engine.add(rng.randrange(1, min(limit, 40)))
+    for _ in range(8):
+        if rng.random() < 0.3 and len(engine.requests) < MAX_REQS * 4:
+            # a prefix hit, at times on a block its request writes in this very step
+            done = [r for r in engine.requests if r.computed and len(r.tokens) >= block_size]
+            engine.add(rng.randrange(block_size + 1, min(limit, 40)), prefix=rng.choice(done) if done and rng.random() < 0.5 else None)
+        batch = random_batch(engine, rng)
+        if not batch:
+            break
+        engine.run(batch, every=rng.choice([1, 1, 2, 3]), tokens=rng.choice(["history", "none"]))
+        if rng.random() < 0.5:  # damage a slot some request has recorded
+            victim = rng.choice([r for r in engine.requests if r.computed])
+            p = rng.randrange(victim.computed)
+            block = victim.blocks[0][p // block_size]
+            if block:
+                engine.slot_bytes(block * block_size + p % block_size)
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+def test_a_request_reads_a_block_another_writes_in_the_same_step(device):
+    # B, first in the batch, chains through the slot A writes in the same call: the CUDA
+    # kernel's dependent pass must record it after A, as the CPU does.
+    engine = Engine(random.Random(3), 4, [(0, 0), (3, 0)], padding=0)
+    Twin(engine, device)
+    a = engine.add(9)
+    engine.run([(a, 2)])
+    b = engine.add(9, prefix=a)
+    assert engine.run([(b, 1), (a, 2)]) == []
+    assert engine.run([(b, 1), (a, 1)]) == []
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+@pytest.mark.parametrize("phase", [StepPhase.BEFORE_FORWARD, StepPhase.AFTER_FORWARD])
+def test_the_block_packed_phases_are_refused(device, phase):
+    engine = Engine(random.Random(4), 4, [(0, 0)])
+    twin = Twin(engine, device)
+    before = twin.canary._counters.tolist()
+    buffers = [twin.on_device(b) for b in (engine.qsl, engine.seq_lens, engine.positions, engine.input_ids)]
+    with pytest.raises(ValueError, match="^kv-canary: .*block-packed CPU backends"):
+        twin.op(*buffers, num_reqs=0, num_tokens=0, step=0, phase=phase)
+    assert twin.canary._counters.tolist() == before
