@@ -10,7 +10,7 @@
 // record at its previous slot as the entries before it left it. Here:
 //  1. each entry gets a key, its place in that order; the last entry to
 //     record a slot (the greatest key, an atomicMax per slot) writes the
-//     slot's token, position, fold and owner: the record the CPU leaves;
+//     slot's record once every chain is known: the record the CPU leaves;
 //  2. a run (entries that each chain through the slot the entry before wrote,
 //     a request's tokens) has its chains computed serially from its first
 //     entry's, from the entries' inputs, as record does;
@@ -213,15 +213,13 @@ __global__ void __launch_bounds__(kStepThreads) run_heads_kernel(const Args a) {
   }
 }
 
-// Writes the chains of the run starting at entry e, whose chain is `chain`.
-__device__ void write_run(const Args& a, int64_t e, int64_t chain) {
-  const PagedStepScratch& s = a.scratch;
+// Computes the chains of the run starting at entry e, whose chain is `chain`,
+// into entry_chains. The loop is serial (each chain is the link of the one
+// before), so it touches only the entries' own arrays, read in order; the
+// records get the chains afterwards, in parallel (write_records_kernel).
+__device__ void chain_run(const Args& a, int64_t e, int64_t chain) {
   for (;;) {
-    s.entry_chains[e] = chain;
-    const int64_t slot = s.entry_slots[e];
-    if (s.writers[slot] == s.entry_keys[e]) {
-      a.records[slot * kRecordFields + kChain] = chain;
-    }
+    a.scratch.entry_chains[e] = chain;
     const int64_t t = e % a.num_tokens;
     if (t + 1 == a.num_tokens || !continues_run(a, e + 1)) {
       return;
@@ -233,26 +231,12 @@ __device__ void write_run(const Args& a, int64_t e, int64_t chain) {
   }
 }
 
-// Each slot's record from its last entry (all but the chain), and the chains
-// of the runs that wait on no other.
-__global__ void __launch_bounds__(kStepThreads) write_records_kernel(const Args a) {
+// The chains of the runs that wait on no other.
+__global__ void __launch_bounds__(kStepThreads) independent_runs_kernel(const Args a) {
   const PagedStepScratch& s = a.scratch;
   for (int64_t e = global_thread(); e < a.num_entries; e += grid_threads()) {
-    const int64_t key = s.entry_keys[e];
-    if (key < 0) {
-      continue;
-    }
-    const int64_t slot = s.entry_slots[e];
-    if (s.writers[slot] == key) {
-      const int64_t t = e % a.num_tokens;
-      int64_t* record = a.records + slot * kRecordFields;
-      record[kToken] = token_of(a, t);
-      record[kPosition] = position_of(a, t);
-      record[kFold] = s.folds[slot];
-      a.owner_tags[slot] = -1;
-    }
-    if (!continues_run(a, e) && s.entry_deps[e] < 0) {
-      write_run(a, e, s.entry_chains[e]);
+    if (s.entry_keys[e] >= 0 && !continues_run(a, e) && s.entry_deps[e] < 0) {
+      chain_run(a, e, s.entry_chains[e]);
     }
   }
 }
@@ -287,7 +271,25 @@ __global__ void __launch_bounds__(kSortThreads) dependent_runs_kernel(const Args
     const auto chain = static_cast<int64_t>(mix3<uint64_t>(
         static_cast<uint64_t>(s.entry_chains[w]), static_cast<uint64_t>(token_of(a, t)),
         static_cast<uint64_t>(position_of(a, t))));
-    write_run(a, e, chain);
+    chain_run(a, e, chain);
+  }
+}
+
+// Each slot's record from its last entry, once every chain is known.
+__global__ void __launch_bounds__(kStepThreads) write_records_kernel(const Args a) {
+  const PagedStepScratch& s = a.scratch;
+  for (int64_t e = global_thread(); e < a.num_entries; e += grid_threads()) {
+    const int64_t key = s.entry_keys[e];
+    if (key < 0 || s.writers[s.entry_slots[e]] != key) {
+      continue;
+    }
+    const int64_t slot = s.entry_slots[e], t = e % a.num_tokens;
+    int64_t* record = a.records + slot * kRecordFields;
+    record[kToken] = token_of(a, t);
+    record[kPosition] = position_of(a, t);
+    record[kChain] = s.entry_chains[e];
+    record[kFold] = s.folds[slot];
+    a.owner_tags[slot] = -1;
   }
 }
 
@@ -438,8 +440,9 @@ cudaError_t launch_paged_step(const PagedStepLaunchArgs& a, const SourceLayout* 
                          kThreadsPerBlock, 0, stream>>>(a, f);
   }
   run_heads_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
-  write_records_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
+  independent_runs_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
   dependent_runs_kernel<<<1, kSortThreads, 0, stream>>>(a);
+  write_records_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
   verify_context_kernel<<<grid_blocks(units, 1, kMaxStepBlocks), kStepThreads, 0, stream>>>(a);
   finish_kernel<<<1, 1, 0, stream>>>(a);
   return cudaGetLastError();
