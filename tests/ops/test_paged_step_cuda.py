@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from test_paged_step import MAX_BLOCKS, MAX_REQS, Engine, random_batch
+from test_paged_step import MAX_BLOCKS, MAX_REQS, MAX_TOKENS, Engine, random_batch
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -122,3 +122,29 @@ def test_the_block_packed_phases_are_refused(device, phase):
     with pytest.raises(ValueError, match="^kv-canary: .*block-packed CPU backends"):
         twin.op(*buffers, num_reqs=0, num_tokens=0, step=0, phase=phase)
     assert twin.canary._counters.tolist() == before
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+def test_any_step_values_are_read_safely(device):
+    # The CUDA op reads none of the step's values on the host, so it checks none: requests
+    # out of order, seq_lens below their tokens, positions past the block table and slots
+    # past the capacity are skipped or reported on the device, never read out of bounds.
+    engine = Engine(random.Random(10), 4, [(0, 0), (3, 0), (0, 8)], padding=0)
+    twin = Twin(engine, device)
+    gen = torch.Generator().manual_seed(10)
+
+    def noise(like: torch.Tensor, low: int, high: int) -> torch.Tensor:
+        return torch.randint(low, high, like.shape, generator=gen, dtype=like.dtype).to(device)
+
+    for step in range(20):
+        for table in twin.tables:
+            table.copy_(noise(table, -2, engine.num_blocks + 3))
+        for mapping in twin.mappings:
+            mapping.copy_(noise(mapping, -2, twin.canary.capacity + 5))
+        twin.op(
+            noise(engine.qsl, -3, MAX_TOKENS + 8), noise(engine.seq_lens, -5, 1 << 20), noise(engine.positions, -2, 100),
+            noise(engine.input_ids, -1, 1000), num_reqs=MAX_REQS + 1, num_tokens=MAX_TOKENS + 3, step=step,
+            history=engine.history.to(device), history_rows=noise(engine.history_rows, -2, MAX_REQS * 4 + 3),
+        )  # fmt: skip
+        torch.cuda.synchronize()
+    assert twin.op.finished(19)
