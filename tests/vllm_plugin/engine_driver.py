@@ -26,10 +26,11 @@ SUMMARY = re.compile(
 
 # The KV cache budget: NUM_BLOCKS blocks of K and V (2 layers, 2 KV heads of 64 bf16) and the
 # canary over them (a record of four int64 and an int64 owner tag per slot; a ring of 1024
-# rows of eight int64, and its counters, which need far less than a block of slack).
+# rows of eight int64 with an origin of three each, and its counters, which need far less
+# than a block of slack).
 KV_BYTES_PER_SLOT = 2 * 2 * 2 * 64 * 2
 CANARY_BYTES_PER_SLOT = 5 * 8
-KV_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
+KV_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 11 * 8 + 4096
 
 
 class Lines(logging.Handler):
@@ -222,7 +223,7 @@ def mixed_workload(llm, lines, preemptions, params=sampling_params) -> None:
         for group in state.groups:
             tables, counts = group.block_table.block_table.np, group.block_table.num_blocks_per_row
             # Block 0 is vLLM's null block, which stands for the blocks a window has freed.
-            seen = [set(tables[r, : max(counts[r] - 1, 0)].tolist()) - {0} for r in range(len(batch.req_ids))]
+            seen = [set(tables[r, : max(counts[r] - 1, 0)].tolist()) - {0} for r in range(len(batch.forward.request_ids))]
             shared.append(max((len([s for s in seen if b in s]) for s in seen for b in s), default=0))
         return batch
 

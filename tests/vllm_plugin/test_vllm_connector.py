@@ -38,7 +38,7 @@ import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import config, connector, plugin, worker  # noqa: E402
 
 # K and V of float32, twice bf16's bytes; the canary's records beside them.
-FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096
+FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 11 * 8 + 4096
 FAILURE_POLICY = {"repair": "recompute", "quarantine": "fail"}
 
 

@@ -54,7 +54,7 @@ BLOCKS = 16
 def model_engine(request, tmp_path_factory):
     kind = request.param
     model = make_model(tmp_path_factory.mktemp(kind), kind)
-    budget = (BLOCKS + 1) * BLOCK_SIZE * (MODELS[kind][2] + CANARY_BYTES_PER_SLOT) + 1024 * 8 * 8 + 4096  # a block of slack
+    budget = (BLOCKS + 1) * BLOCK_SIZE * (MODELS[kind][2] + CANARY_BYTES_PER_SLOT) + 1024 * 11 * 8 + 4096  # a block of slack
     with started_engine(model, kv_budget=budget) as (llm, lines, preemptions):
         llm.kv_budget = budget
         yield kind, llm, lines, preemptions
@@ -198,9 +198,8 @@ def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids
     scheduled = types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, kv_cache_block_copies=None)
     mrope_positions = torch.zeros(3, 7, dtype=torch.int64)  # [3, tokens]: what the model gets
     step = adapter.v1._step(runner, scheduled, None, mrope_positions)
-    assert step.positions.tolist() == [7, 8, 9, 4, 5]
-    assert step.input_ids.tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
-    assert [s.tolist() for s in step.slot_mappings] == [[100, 101, 102, 103, 104]]
+    assert step.positions[: step.num_tokens].tolist() == [7, 8, 9, 4, 5]  # the runner's buffers, not sliced
+    assert step.input_ids[: step.num_tokens].tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
     # Prompt embeddings have no token ids to record.
     assert adapter.v1._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
 

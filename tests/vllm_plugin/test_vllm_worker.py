@@ -296,8 +296,9 @@ def test_tensor_parallel_ranks_watch_their_heads_and_stop_together(tiny_llama, t
         match = re.search(r" slot_idx=(\d+) .* request_id=1(-\w+)?$", violation)
         assert process == "Worker_TP0" and match and int(match[1]) // 32 == slot // 32, violation
     else:
-        # Both ranks stop in the same step: rank 0 with its violation, rank 1 pointing at it.
+        # Rank 0 raises its violation and vLLM's executor stops the engine, rank 1 with it:
+        # the ranks exchange nothing in a step without violations.
         assert "RAISED EngineDeadError" in done.stdout, done.stdout[-3000:]
         errors = [line for line in done.stdout.splitlines() if "KvCorruptionError: " in line]
         assert any("Worker_TP0" in line and "kv_canary violation:" in line for line in errors), errors
-        assert any("Worker_TP1" in line and "violations on another tensor-parallel rank" in line for line in errors), errors
+        assert not any("Worker_TP1" in line for line in errors), errors

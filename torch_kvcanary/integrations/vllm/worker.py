@@ -9,14 +9,14 @@ import dataclasses
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ... import layouts
 from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
-from ...paged_step import STEP_SETS, StepSet, step_plan
+from ...paged_step import PagedStep, StepPhase
 from . import adapter
 from .config import CONNECTOR, CONNECTOR_POLICIES, DRILL_ENV, POLICY_ENV, Settings
 from .reports import LAUNCH_TAG, Reports, report, violation_line
@@ -25,63 +25,47 @@ logger = logging.getLogger(adapter.LOGGER)
 
 
 @dataclass
-class _GroupStep:
-    """One watched KV cache group's entries of a step: the verified ones (each request's
-    context still attended to, then under a block-packed backend the unwritten tail of its
-    last block) and the written ones (``written_rows``: their input-batch rows, once recorded)."""
+class _StepRun:
+    """One engine step as the canary runs it: its number, the forward's `adapter.Step` and
+    where the context's tokens are checked against (None: they are not)."""
 
-    group: adapter.KvCacheGroup
-    written_slots: torch.Tensor
-    context_ranges: int  # the group's context set in `_CanaryStep.sets`
-    written_rows: torch.Tensor | None = None
-    # How many context entries sit at slots this forward writes (int64 [1]): verified after it.
-    waiting: torch.Tensor | None = None
-    # Each verify call's (slots, rows, answer), for naming the requests behind a violation.
-    checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-
-@dataclass
-class _CanaryStep:
-    """One step's scheduled requests and, per watched KV cache group, the entries the canary
-    saw for them. ``sets`` holds the step's sets as `step_plan` packs them, on the canary's
-    device (``bases``: where each set starts; ``counts``: its number of entries).
-
-    The written entries are recorded request by request in the order of their first
-    written position: a request may read, as context, a block another request of the same
-    step writes (the scheduler caches a block's hash when it schedules its tokens), and then
-    its first entry chains through a slot that other request writes in the same call; the
-    other request's first written position is lower, so it is recorded first. (Runs of a
-    CUDA record call are applied concurrently, so there the two still race: `docs/vllm.md`.)"""
-
-    req_ids: list[str]
+    number: int
+    forward: adapter.Step
+    history: adapter.TokenHistory | None
     num_tokens: int
-    input_ids: torch.Tensor | None
-    positions: torch.Tensor
-    sets: torch.Tensor
-    bases: list[int]
-    counts: list[int]
-    history_rows: torch.Tensor | None  # `adapter.Step.history_rows`
-    recorded_in_batch_order: bool  # the record order is the batch's own
-    written: torch.Tensor  # every slot the forward writes, in any group, sorted
-    history: adapter.TokenHistory | None  # where the context's tokens are checked against
-    violations: int | None  # the canary's count of violations when the step began (block-packed backends)
-    groups: list[_GroupStep] = field(default_factory=list)
 
-    def ranges(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Range set ``index``'s `kvcanary::context_slots` arguments (offsets, starts, number
-        of entries), views of `sets`."""
-        rows, base = len(self.req_ids), self.bases[index]
-        return self.sets[base : base + rows + 1], self.sets[base + rows + 1 : base + 2 * rows + 1], self.counts[index]
 
-    def in_record_order(self, values: torch.Tensor) -> torch.Tensor:
-        """The step's written entries ``values`` (one per token, in batch order) in the order
-        they are recorded."""
-        return values if self.recorded_in_batch_order else values[self.indices(StepSet.RECORD_ORDER)]
+class _StepRows:
+    """The step's ``query_start_loc`` and ``seq_lens`` (int32, as vLLM keeps them) for
+    `PagedStep`, from the forward's rows: written on the host through a NumPy view, then,
+    where the canary is on a device, copied there in one non-blocking copy (from pinned
+    memory). Grows, once, past a batch larger than any before."""
 
-    def indices(self, index: int) -> torch.Tensor:
-        """Index set ``index``'s values, a view of `sets`."""
-        base = self.bases[index]
-        return self.sets[base : base + self.counts[index]]
+    def __init__(self, device: torch.device, rows: int = 256):
+        self._device = device
+        self._allocate(rows)
+
+    def _allocate(self, rows: int) -> None:
+        on_device = self._device.type != "cpu"
+        self._host = torch.zeros(2, rows + 1, dtype=torch.int32, pin_memory=on_device)
+        self._values = self._host.numpy()
+        self._copy = torch.empty_like(self._host, device=self._device) if on_device else None
+        buffers = self._host if self._copy is None else self._copy
+        self.query_start_loc, self.seq_lens = buffers[0], buffers[1]
+
+    def fill(self, forward: adapter.Step) -> None:
+        rows = len(forward.num_scheduled)
+        if rows + 1 > self._values.shape[1]:
+            self._allocate(2 * rows)
+        self._values[0, 0] = 0
+        self._values[0, 1 : rows + 1] = np.cumsum(forward.num_scheduled)
+        self._values[1, :rows] = forward.num_computed + forward.num_scheduled
+        if self._copy is not None:
+            self._copy.copy_(self._host, non_blocking=True)
+
+
+# The steps whose request ids a violation read late can still be named by.
+_NAMED_STEPS = 8
 
 
 class WorkerCanary:
@@ -157,14 +141,19 @@ class WorkerCanary:
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
         self._check_tokens = self.runner_view.token_history_current
         self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.token_history_on_host else None
-        # Tensor-parallel ranks poll together, so that under "raise" they all stop.
-        self._group = self.runner_view.tensor_parallel_group() if self.runner_view.tensor_parallel_size > 1 else None
         self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
-        self._step: _CanaryStep | None = None
+        # Every group's step in one call (two around the forward on a block-packed backend).
+        self._paged = PagedStep(
+            self.canary, [g.device_block_table for g in self.groups], [g.slot_mapping for g in self.groups], block_size=self.block_size,
+            sliding_windows=[g.sliding_window for g in self.groups], chunk_sizes=[g.attention_chunk_size for g in self.groups],
+        )  # fmt: skip
+        self._last_phase = StepPhase.AFTER_FORWARD if self._blocks_packed else StepPhase.WHOLE_STEP
+        self._rows = _StepRows(self.canary.device)
+        self._names: dict[int, list[str]] = {}  # the request ids of recent steps, by step
+        self._violations_seen = 0
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
-        # The step's flagged slots, or the step they are gathered from when first asked for.
-        self._flagged: torch.Tensor | _CanaryStep = self._no_slots
+        self._flagged = self._no_slots  # the slots verify flagged in the last step read
         if self.connector is not None:
             self.connector.watch(self)
         logger.info("%s", self._start_line(layout))
@@ -251,15 +240,24 @@ class WorkerCanary:
             f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
             f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
             f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
-            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}"
+            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}; {self._step_path()}"
         )
+
+    def _step_path(self) -> str:
+        """What each engine step runs, for the start line."""
+        if self._blocks_packed:
+            calls = "two kvcanary::paged_step calls, before and after the forward (a block-packed backend)"
+        else:
+            calls = "one kvcanary::paged_step call after the forward"
+        verdicts = "read at once" if self.connector is not None or self.canary.device.type == "cpu" else "read once the device is done"
+        return f"step path: {calls} for all {len(self.groups)} groups, verdicts {verdicts}"
 
     # The step -----------------------------------------------------------------------
 
-    def begin_step(self, read_step) -> _CanaryStep | None:
-        """Before the forward: verify every scheduled request's context. ``read_step``
-        returns the forward's `adapter.Step`. None when the canary is off (or has just
-        turned off)."""
+    def begin_step(self, read_step) -> _StepRun | None:
+        """Before the forward: read the step's rows and, under a block-packed backend,
+        verify what the forward rewrites. ``read_step`` returns the forward's `adapter.Step`.
+        None when the canary is off (or has just turned off)."""
         self._flagged = self._no_slots
         if not self.on:
             return None
@@ -267,19 +265,18 @@ class WorkerCanary:
             return self._begin_step(read_step())
         return None
 
-    def end_step(self, step: _CanaryStep | None) -> None:
-        """After the forward: record the slots it wrote, then poll once."""
-        if step is None or not self.on:
+    def end_step(self, run: _StepRun | None) -> None:
+        """After the forward: the step's call (record, verify), then its verdicts once the
+        device has them."""
+        if run is None or not self.on:
             return
         with self._guarded():
-            self._end_step(step)
-            self._flagged = step
+            self._end_step(run)
 
     def step_flagged_slots(self) -> torch.Tensor:
-        """The distinct slots verify flagged in the current step's forward (int64, on the
-        canary's device; empty before its forward has ended), gathered when asked for."""
-        if isinstance(self._flagged, _CanaryStep):
-            self._flagged = _flagged_slots(self._flagged)
+        """The distinct slots verify flagged in the current step (int64, on the canary's
+        device; empty before its forward has ended). A worker with `CONNECTOR` reads each
+        step's verdicts at its end, so these are the step's own."""
         return self._flagged
 
     # What the KV connector asks --------------------------------------------------------
@@ -373,86 +370,42 @@ class WorkerCanary:
                 raise
             self.faults += 1
             self.on = False
-            self._step = None
             adapter.watch(self.model_runner, None)
             logger.exception(
                 "kv-canary: the canary's own code failed in an engine step; it is off in this worker from here on, "
                 "and vLLM keeps serving without it (report this traceback)"
             )
 
-    def _begin_step(self, forward: adapter.Step) -> _CanaryStep:
-        """Plans the step on the device from one copy of its ranges, O(requests) host values,
-        then verifies each group's context."""
-        firsts = np.stack([group.first_attended(forward.num_computed) for group in self.groups])
-        planned = step_plan(
-            torch.from_numpy(forward.num_computed), torch.from_numpy(forward.num_scheduled), torch.from_numpy(firsts),
-            block_size=self.block_size, blocks_packed=self._blocks_packed,
-        )  # fmt: skip
-        device = forward.positions.device
-        written = forward.slot_mappings[0] if len(forward.slot_mappings) == 1 else torch.cat(forward.slot_mappings)
-        step = _CanaryStep(
-            forward.request_ids, forward.num_tokens, forward.input_ids, forward.positions,
-            planned.plan.to(device, non_blocking=True), planned.bases, planned.counts, forward.history_rows,
-            recorded_in_batch_order=planned.in_batch_order,
-            written=torch.sort(written.to(torch.int64)).values,
-            history=self._token_history(forward, device),
-            violations=self._violations() if self._blocks_packed else None,
-        )  # fmt: skip
-        self._step = step
+    def _begin_step(self, forward: adapter.Step) -> _StepRun:
+        """The step's rows for its call (O(requests) NumPy on the host), the records of the
+        blocks vLLM copied, and under a block-packed backend the call before the forward."""
+        run = _StepRun(self._steps, forward, self._token_history(forward), forward.num_tokens)
+        self._rows.fill(forward)
+        self._names[run.number] = forward.request_ids
+        self._names.pop(run.number - _NAMED_STEPS, None)
         if len(forward.block_copies):
             self._follow_block_copies(forward.block_copies)
-        for index, (group, slot_mapping) in enumerate(zip(self.groups, forward.slot_mappings)):
-            # Each group's context follows the step's sets.
-            step.groups.append(self._begin_group(group, step, STEP_SETS + index, slot_mapping))
-        return step
+        if self._blocks_packed:
+            self._call(run, StepPhase.BEFORE_FORWARD)
+        return run
 
-    def _token_history(self, forward: adapter.Step, device: torch.device) -> adapter.TokenHistory | None:
+    def _call(self, run: _StepRun, phase: StepPhase) -> None:
+        """The step's `PagedStep` call in ``phase``: every group recorded, verified, or both."""
+        forward, history = run.forward, run.history
+        self._paged(
+            self._rows.query_start_loc, self._rows.seq_lens, forward.positions, forward.input_ids,
+            num_reqs=len(forward.request_ids), num_tokens=run.num_tokens, step=run.number, phase=phase, every=self.every,
+            history=None if history is None else history.tokens, history_known=None if history is None else history.known,
+            history_rows=None if history is None else forward.history_rows,
+        )  # fmt: skip
+
+    def _token_history(self, forward: adapter.Step) -> adapter.TokenHistory | None:
         """Where the context's tokens are checked against: the runner's token history where
         it lives on the canary's device and holds every context token, or the canary's
         `TokenCopy` of one the runner keeps on the host; None: tokens are not checked."""
         if self._token_copy is not None:
             return self._token_copy.follow(forward.request_ids, self.runner_view.known_tokens)
-        return self.runner_view.token_history(device) if self._check_tokens else None
-
-    def _slots(self, group: adapter.KvCacheGroup, step: _CanaryStep, ranges: int):
-        """`kvcanary::context_slots` of range set ``ranges`` through the group's block table:
-        (slots, positions, prev_slots, rows). The range check reads offsets on the host, so it
-        runs only where they are (the CPU)."""
-        offsets, starts, count = step.ranges(ranges)
-        table = group.device_block_table
-        return torch.ops.kvcanary.context_slots(table, offsets, starts, self.block_size, count, -1, table.device.type == "cpu")
-
-    def _begin_group(self, group: adapter.KvCacheGroup, step: _CanaryStep, ranges: int, slot_mapping: torch.Tensor) -> _GroupStep:
-        """Verifies one group's context of every scheduled request: the positions its tokens
-        still attend to (a sliding window's or a local chunk's blocks below them may be free),
-        then under a block-packed backend the unwritten tail of each request's last block."""
-        group_step = _GroupStep(group, slot_mapping, context_ranges=ranges)
-        if step.counts[ranges]:
-            group_step.waiting = self._verify_context(group_step, step, deferred=False).waiting
-        if step.counts[StepSet.TAIL]:  # only their bytes: a tail slot may hold a rejected draft token's record
-            slots, _, _, rows = self._slots(group, step, StepSet.TAIL)
-            group_step.checks.append((slots, rows, self.canary.verify(slots)))
-        return group_step
-
-    def _verify_context(self, group_step: _GroupStep, step: _CanaryStep, *, deferred: bool):
-        """One group's context verified in one call (`KvCanary.verify_context`). A request
-        may read, as context, a block another request of this step writes in this very
-        forward (the scheduler caches a block's hash when it schedules its tokens, so a later
-        request of the same step hits it): such slots are verified after the forward, once
-        recorded (``deferred``). The chain of a request's first attended position leads into
-        blocks a window may have freed: it is not checked there (the null slot is the
-        canary's padding slot). Under ``every`` > 1 each request's newest block and the
-        step's turn of blocks are verified."""
-        offsets, starts, count = step.ranges(group_step.context_ranges)
-        history = step.history
-        found = self.canary.verify_context(
-            group_step.group.device_block_table, offsets, starts, block_size=self.block_size, num_entries=count,
-            written=step.written, deferred=deferred, every=self.every, turn=self._steps % self.every,
-            history=None if history is None else history.tokens, history_known=None if history is None else history.known,
-            history_rows=None if history is None else step.history_rows, cut_slot=adapter.NULL_SLOT,
-        )  # fmt: skip
-        group_step.checks.append((found.slots, found.rows, found.flagged))
-        return found
+        return self.runner_view.token_history(self.canary.device) if self._check_tokens else None
 
     def _follow_block_copies(self, copies: np.ndarray) -> None:
         """vLLM copied these whole blocks, every layer, before the forward (copy-on-write of a
@@ -463,76 +416,40 @@ class WorkerCanary:
         if self.reports.logged:
             self.reports.rewritten(destination.tolist())
 
-    def _end_step(self, step: _CanaryStep) -> None:
-        if step.num_tokens:
-            positions = step.in_record_order(step.positions[: step.num_tokens])
-            tokens = step.in_record_order(step.input_ids[: step.num_tokens]) if step.input_ids is not None else None
-            for group_step in step.groups:
-                self._record(group_step, step, positions, tokens)
-            if self._token_copy is not None and tokens is not None and step.groups:
-                self._token_copy.record(step.groups[0].written_rows, positions, tokens)
-        self.canary.poll(group=self._group)
-        self._step = None
+    def _end_step(self, run: _StepRun) -> None:
+        self._call(run, self._last_phase)
+        if self._token_copy is not None and run.forward.input_ids is not None:
+            self._token_copy.record(run.forward, run.num_tokens)
+        if self.reports.logged:  # only once a violation was logged: the slots the forward rewrote
+            self.reports.rewritten([s for g in self.groups for s in g.slot_mapping[: run.num_tokens].tolist()])
         self._steps += 1
+        self._read_verdicts(wait=self.connector is not None)
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
 
-    def _record(self, group_step: _GroupStep, step: _CanaryStep, positions: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        """Records the slots the forward wrote in one group (in the step's record order),
-        chained through the slot of each one's previous position, then verifies its deferred
-        context."""
-        _, _, prev_slots, rows = self._slots(group_step.group, step, StepSet.WRITTEN)
-        group_step.written_slots, group_step.written_rows = step.in_record_order(group_step.written_slots), step.in_record_order(rows)
-        self.canary.record(group_step.written_slots, positions=positions, tokens=tokens, prev_slots=step.in_record_order(prev_slots))
-        if self._blocks_packed:
-            self._refold_blocks_written(group_step, step)
-        if group_step.waiting is not None and self._may_defer(group_step.waiting):
-            self._verify_context(group_step, step, deferred=True)
-        if self.reports.logged:
-            self.reports.rewritten(group_step.written_slots.tolist())
-
-    def _may_defer(self, waiting: torch.Tensor) -> bool:
-        """Whether a group's context has entries left for after the forward: always on a
-        device (reading the count would sync), and only if it has where the device is the host."""
-        return waiting.device.type != "cpu" or bool(waiting.item())
-
-    def _refold_blocks_written(self, group_step: _GroupStep, step: _CanaryStep) -> None:
-        """Under a block-packed backend writing a slot changes the bytes of its block's other
-        slots, so every slot of a block the forward wrote gets its fold recomputed, its
-        token, position and chain kept (`KvCanary.refold`; the slots just recorded get the
-        same fold again). A slot verify flagged in this step keeps its record, so that it is
-        reported again while it is read; whether there is one is read from the canary's
-        counters, on the host (block-packed backends run on the CPU)."""
-        if not step.counts[StepSet.BLOCKS_WRITTEN]:
+    def _read_verdicts(self, *, wait: bool) -> None:
+        """Reads the canary's violations when the mailbox shows new ones (`PagedStep`: on the
+        CPU at once; on a device once it has finished the step, so a step's verdict may come
+        a step later), and with ``wait`` (the repair connector needs each step's verdict)
+        every step, waiting for the device. A violation-free step reads one host word."""
+        if not wait and self._paged.violations == self._violations_seen:
             return
-        slots = self._slots(group_step.group, step, StepSet.BLOCKS_WRITTEN)[0]
-        if self._violations() != step.violations:
-            slots = torch.where(torch.isin(slots, _flagged_slots(step)), -1, slots)
-        self.canary.refold(slots)
-
-    def _violations(self) -> int:
-        return self.canary.stats()["violations"]
+        self._violations_seen = self._paged.violations
+        violations = self.canary.poll()
+        flagged = sorted({v.slot for v in violations if v.kind == ViolationKind.VERIFY})
+        self._flagged = torch.tensor(flagged, dtype=torch.int64, device=self.canary.device) if flagged else self._no_slots
 
     # Reports ------------------------------------------------------------------------
 
     def requests_of(self, violation: Violation) -> list[str]:
-        """The vLLM request ids of this step behind ``violation``: those whose context entry
-        at its slot verify flagged, else every request whose block table holds the slot."""
-        step = self._step
-        if step is None:
+        """The vLLM request id behind ``violation``: the request of its step's row
+        (`Violation.row`), while that step is among the last few; none for a violation of a
+        call outside the step (a KV connector's)."""
+        names = self._names.get(violation.step)
+        if names is None or not 0 <= violation.row < len(names):
             return []
-        flagged: set[int] = set()
-        holding: set[int] = set()
-        for group_step in step.groups:
-            for slots, rows, answer in group_step.checks:
-                at_slot = slots == violation.slot
-                holding.update(rows[at_slot].tolist())
-                flagged.update(rows[at_slot & answer].tolist())
-            if group_step.written_rows is not None:
-                holding.update(group_step.written_rows[group_step.written_slots == violation.slot].tolist())
-        rows = flagged if violation.kind == ViolationKind.VERIFY and flagged else holding
-        return [step.req_ids[row] for row in sorted(rows)]
+        return [names[violation.row]]
 
     def line(self, violation: Violation) -> str:
         """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
@@ -556,11 +473,8 @@ class WorkerCanary:
 
     def _report(self, violations: list[Violation]) -> None:
         """The canary's violations of a poll, one line per slot, under this worker's policy
-        (`reports.report`), counted by the connector first. Called with no violation of its
-        own when another tensor-parallel rank found some (the ranks poll together)."""
-        if not violations:
-            report(self.policy, violations, {}, 0, self.reports)
-            return
+        (`reports.report`), counted by the connector first. Each tensor-parallel rank
+        reports its own."""
         lines = self.slot_lines(violations)
         overflow = self.canary.stats()["ring_overflow"]
         dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
@@ -608,9 +522,11 @@ class TokenCopy:
         self._row_of = dict(zip(request_ids, range(len(request_ids))))
         return adapter.TokenHistory(self.tokens, None)
 
-    def record(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+    def record(self, forward: adapter.Step, num_tokens: int) -> None:
         """After a step's forward: the token at each (input-batch row, position) it wrote."""
-        self.tokens[rows, positions] = tokens.to(torch.int32)
+        rows = np.repeat(np.arange(len(forward.num_scheduled)), forward.num_scheduled)
+        rows = torch.from_numpy(rows).to(self.tokens.device, non_blocking=True)
+        self.tokens[rows, forward.positions[:num_tokens]] = forward.input_ids[:num_tokens].to(torch.int32)
 
 
 def _is_canary_connector(connector) -> bool:
@@ -620,14 +536,6 @@ def _is_canary_connector(connector) -> bool:
     from .connector import KvCanaryConnector
 
     return isinstance(connector, KvCanaryConnector)
-
-
-def _flagged_slots(step: _CanaryStep) -> torch.Tensor:
-    """The distinct slots the verify calls of ``step`` flagged."""
-    flagged = [slots[answer] for group_step in step.groups for slots, _, answer in group_step.checks]
-    if not flagged:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.unique(torch.cat(flagged))
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

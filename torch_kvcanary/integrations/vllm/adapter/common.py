@@ -37,15 +37,16 @@ class Step:
     """One model forward of an engine step. Row ``i`` of the arrays is row ``i`` of the
     runner's input batch, request ``request_ids[i]``; the tokens of the forward are laid
     out row by row (``num_scheduled[i]`` of row ``i``), ``positions[t]`` is token ``t``'s
-    position in its sequence, and ``slot_mappings[g][t]`` the slot token ``t`` is written to
-    in watched KV cache group ``g`` (`RunnerView.kv_cache_groups` order)."""
+    position in its sequence; each watched KV cache group's `KvCacheGroup.slot_mapping`
+    holds the slot token ``t`` is written to. The tensors are the runner's buffers as they
+    are, with at least ``num_tokens`` (``history_rows``: one per row) entries: none is
+    sliced on the step's path."""
 
     request_ids: list[str]
     num_scheduled: np.ndarray  # int64, tokens this forward runs per row
     num_computed: np.ndarray  # int64, tokens already in the KV cache per row (the context)
     input_ids: torch.Tensor | None  # None when the model runs on input embeddings
     positions: torch.Tensor  # 1-D, also for M-RoPE models
-    slot_mappings: list[torch.Tensor]  # on the runner's device
     # int64 [copies, 2]: (source, destination) of each whole block vLLM copied before this
     # forward (copy-on-write of a partial prefix hit), in every layer of the pool.
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
@@ -106,7 +107,8 @@ class KvCacheGroup:
     blocks: slot = block * block_size + offset in the layers' tensors), the block table
     attention reads on the runner's device (int32 ``[>= rows, max_blocks]``, row ``i`` for
     input-batch row ``i``), Model Runner V1's block table object of the group (None under
-    V2), and the window of a sliding-window or chunked-local group."""
+    V2), the window of a sliding-window or chunked-local group, and its slot mapping (the
+    runner's buffer, refilled each step: token ``t``'s slot, int64 ``[>= tokens]``)."""
 
     index: int
     kind: str
@@ -116,6 +118,7 @@ class KvCacheGroup:
     block_table: object = None
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    slot_mapping: torch.Tensor | None = None
 
     def first_attended(self, num_computed: np.ndarray) -> np.ndarray:
         """Per row, the first position the forward's tokens attend to, with ``num_computed``
@@ -251,8 +254,9 @@ class RunnerView(abc.ABC):
         layers (`Watcher.watches_drafter`)."""
 
     @abc.abstractmethod
-    def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
-        """KV cache group ``group``'s block size, device block table and block table object (`KvCacheGroup`)."""
+    def _group_buffers(self, group: int) -> tuple[int, torch.Tensor, torch.Tensor, object]:
+        """KV cache group ``group``'s block size, device block table, slot mapping and block
+        table object (`KvCacheGroup`)."""
 
     @property
     def kv_transfer_config(self):
@@ -319,7 +323,7 @@ class RunnerView(abc.ABC):
                 AttentionLayer(name, context[name].kv_cache, context[name].get_attn_backend().get_name(), drafter=name in drafters)
                 for name in names + drafters
             ]
-            block_size, device_block_table, block_table = self._block_table(index)
+            block_size, device_block_table, slot_mapping, block_table = self._group_buffers(index)
             watched.append(
                 KvCacheGroup(
                     index,
@@ -330,6 +334,7 @@ class RunnerView(abc.ABC):
                     block_table,
                     sliding_window=getattr(spec, "sliding_window", None),
                     attention_chunk_size=getattr(spec, "attention_chunk_size", None),
+                    slot_mapping=slot_mapping,
                 )
             )
         return watched

@@ -20,7 +20,6 @@ from .common import (
     is_model_runner_v2,
     qualified_name,
     watch,
-    watched_group_indices,
 )
 
 # What the hooks keep on a V1 runner besides the common attributes: the scheduler output of the
@@ -107,17 +106,14 @@ def _step(model_runner, scheduler_output, input_ids: torch.Tensor | None, positi
     request_ids = list(batch.req_ids)
     num_scheduled = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in request_ids], dtype=np.int64)
     num_computed = batch.num_computed_tokens_cpu[: len(request_ids)].astype(np.int64)
-    num_tokens = int(num_scheduled.sum())
     if positions.dim() != 1:  # M-RoPE's [3, tokens]: the runner keeps the sequence positions beside them
-        positions = model_runner.positions[:num_tokens]
+        positions = model_runner.positions
     if input_ids is None and model_runner.supports_mm_inputs and not model_runner.enable_prompt_embeds:
         # A multimodal model runs on the embeddings of the runner's input ids (placeholders
         # where an image goes), which the runner keeps.
-        input_ids = model_runner.input_ids.gpu[:num_tokens]
-    tables = batch.block_table.block_tables
-    slot_mappings = [tables[i].slot_mapping.gpu[:num_tokens] for i in watched_group_indices(model_runner)]
+        input_ids = model_runner.input_ids.gpu
     copies = np.array(scheduler_output.kv_cache_block_copies or [], dtype=np.int64).reshape(-1, 2)
-    return Step(request_ids, num_scheduled, num_computed, input_ids, positions, slot_mappings, copies)
+    return Step(request_ids, num_scheduled, num_computed, input_ids, positions, copies)
 
 
 def keeps_token_history_on_host(model_runner) -> bool:
@@ -179,11 +175,12 @@ class RunnerV1(RunnerView):
         which the hooks wrap."""
         return True
 
-    def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
-        """KV cache group ``group``'s block size, device block table and block table object
-        (`KvCacheGroup`): V1's input batch keeps one per group, rows in input-batch order."""
+    def _group_buffers(self, group: int) -> tuple[int, torch.Tensor, torch.Tensor, object]:
+        """KV cache group ``group``'s block size, device block table, slot mapping and block
+        table object (`KvCacheGroup`): V1's input batch keeps one per group, rows in
+        input-batch order."""
         table = self.model_runner.input_batch.block_table.block_tables[group]
-        return table.block_size, table.block_table.gpu, table
+        return table.block_size, table.block_table.gpu, table.slot_mapping.gpu, table
 
     def token_history(self, device: torch.device) -> TokenHistory | None:
         """The runner's token history where it lives on ``device``, else None (V1 on a GPU

@@ -20,7 +20,6 @@ from .common import (
     inner_method,
     qualified_name,
     watch,
-    watched_group_indices,
 )
 
 
@@ -108,12 +107,10 @@ def step_v2(model_runner, scheduler_output, input_batch) -> Step:
     starts = input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
     num_scheduled = np.diff(starts)
     num_computed = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
-    num_tokens = int(starts[-1])
-    slot_mappings = [model_runner.block_tables.slot_mappings[g, :num_tokens] for g in watched_group_indices(model_runner)]
     copies = np.array(scheduler_output.kv_cache_block_copies or [], dtype=np.int64).reshape(-1, 2)
     return Step(
-        list(input_batch.req_ids[:num_reqs]), num_scheduled, num_computed, input_batch.input_ids[:num_tokens],
-        input_batch.positions[:num_tokens], slot_mappings, copies, input_batch.idx_mapping[:num_reqs],
+        list(input_batch.req_ids[:num_reqs]), num_scheduled, num_computed, input_batch.input_ids,
+        input_batch.positions, copies, input_batch.idx_mapping,
     )  # fmt: skip
 
 
@@ -131,9 +128,9 @@ class RunnerV2(RunnerView):
         watcher's step: its layers are not watched."""
         return False
 
-    def _block_table(self, group: int) -> tuple[int, torch.Tensor, object]:
+    def _group_buffers(self, group: int) -> tuple[int, torch.Tensor, torch.Tensor, object]:
         tables = self.model_runner.block_tables
-        return tables.block_sizes[group], tables.input_block_tables[group], None
+        return tables.block_sizes[group], tables.input_block_tables[group], tables.slot_mappings[group], None
 
     @property
     def async_scheduling(self) -> bool:
