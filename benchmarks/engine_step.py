@@ -52,9 +52,10 @@ class BenchRunner(adapter.RunnerView):
     """The plugin's view of a model runner that is not vLLM's: the layers, block table and
     token history of `StepBuffers`."""
 
-    def __init__(self, buffers: StepBuffers):
+    def __init__(self, buffers: StepBuffers, backend: str = BACKEND):
         super().__init__(model_runner=buffers)
         self.buffers = buffers
+        self.backend = backend
         self.is_v2 = buffers.runner == "v2"
 
     name = "benchmarks.engine_step.BenchRunner"
@@ -76,7 +77,7 @@ class BenchRunner(adapter.RunnerView):
         return []
 
     def kv_cache_groups(self, *, drafter: bool = False) -> list[adapter.KvCacheGroup]:
-        layers = [adapter.AttentionLayer(f"layers.{i}.attn", cache, BACKEND) for i, cache in enumerate(self.buffers.caches)]
+        layers = [adapter.AttentionLayer(f"layers.{i}.attn", cache, self.backend) for i, cache in enumerate(self.buffers.caches)]
         return [
             adapter.KvCacheGroup(
                 0, "FullAttentionSpec", layers, BLOCK_SIZE, self.buffers.block_table, slot_mapping=self.buffers.slot_mapping
@@ -93,7 +94,9 @@ class BenchRunner(adapter.RunnerView):
 class StepBuffers:
     """A runner's persistent buffers for ``requests`` requests of ``context`` tokens each over
     ``layers`` layers: request r owns blocks 1 + r * blocks_per_request onwards (block 0 is
-    vLLM's null block), and under V2 its token history row is ``state_rows[r]``."""
+    vLLM's null block), and under V2 its token history row is ``state_rows[r]``. Input-batch
+    row i holds request ``order[i]`` (a step may move requests to other rows, as vLLM's
+    batch does, their block table and V1 history rows with them)."""
 
     def __init__(self, runner: str, layers: int, requests: int, context: int, decode_steps: int):
         self.runner = runner
@@ -108,10 +111,13 @@ class StepBuffers:
             for _ in range(layers)
         ]
         rows = torch.arange(requests)[:, None] * self.blocks_per_request + 1
-        self.block_table = (rows + torch.arange(self.blocks_per_request)).to(torch.int32)
+        self.request_blocks = (rows + torch.arange(self.blocks_per_request)).to(torch.int32)
+        self.block_table = self.request_blocks.clone()
         self.tokens = torch.randint(0, 32000, (requests, longest), generator=generator, dtype=torch.int32)
+        self.order = torch.arange(requests)
         if runner == "v2":
-            self.state_rows = torch.randperm(requests, generator=generator)
+            self.request_state_rows = torch.randperm(requests, generator=generator)
+            self.state_rows = self.request_state_rows.clone()
             self.history = torch.zeros_like(self.tokens)
             self.history[self.state_rows] = self.tokens
             self.history_known = None
@@ -119,16 +125,32 @@ class StepBuffers:
             self.state_rows = None
             self.history = self.tokens.clone()
             self.history_known = torch.zeros(self.tokens.shape, dtype=torch.bool)
-        self.computed = np.zeros(requests, dtype=np.int64)
+        self.computed = np.zeros(requests, dtype=np.int64)  # by request
         self.slot_mapping = torch.zeros(requests * context, dtype=torch.int64)  # refilled in place, as vLLM's
+
+    def block_of(self, request: int, position: int) -> int:
+        return int(self.request_blocks[request, position // BLOCK_SIZE])
+
+    def move(self, order: torch.Tensor) -> None:
+        """Row i holds request ``order[i]`` from the next step on: the rows of the block table,
+        V1's token history and V2's state-row mapping move in place."""
+        if self.history_known is not None:
+            by_request = torch.empty_like(self.history), torch.empty_like(self.history_known)
+            by_request[0][self.order], by_request[1][self.order] = self.history, self.history_known
+            self.history[:], self.history_known[:] = by_request[0][order], by_request[1][order]
+        else:
+            self.state_rows[:] = self.request_state_rows[order]
+        self.block_table[:] = self.request_blocks[order]
+        self.order = order.clone()
 
     def step(self, scheduled: int) -> adapter.Step:
         """The next forward: ``scheduled`` tokens of every request after those it has."""
-        request_ids = [f"request-{r}" for r in range(self.requests)]
-        computed = self.computed.copy()
+        order = self.order
+        request_ids = [f"request-{r}" for r in order.tolist()]
+        computed = self.computed[order.numpy()]
         positions = torch.from_numpy((computed[:, None] + np.arange(scheduled)).reshape(-1))
         rows = torch.arange(self.requests).repeat_interleave(scheduled)
-        input_ids = self.tokens[rows, positions]
+        input_ids = self.tokens[order[rows], positions]
         blocks = self.block_table[rows, positions // BLOCK_SIZE].to(torch.int64)
         self.slot_mapping[: len(positions)] = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
         if self.history_known is not None:

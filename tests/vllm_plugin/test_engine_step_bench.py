@@ -34,7 +34,7 @@ def test_clean_decode_steps_find_nothing(runner):
 def test_a_flipped_byte_in_a_context_slot_is_found_and_named(runner, caplog):
     buffers, canary = _started(runner)
     request, position = 1, 17
-    block = int(buffers.block_table[request, position // engine_step.BLOCK_SIZE])
+    block = buffers.block_of(request, position)
     bits = buffers.caches[1].view(torch.int16)  # [num_blocks, heads, block_size, 2 * head_size]
     bits[block, 0, position % engine_step.BLOCK_SIZE, 0] ^= 1
     with caplog.at_level("WARNING"):
