@@ -35,7 +35,7 @@ def test_a_steady_step_is_its_canary_calls_alone(runner, backend, calls):
         for _ in range(steps):
             forward = buffers.step(1)  # the runner's work, outside the plugin's step
             with torch.profiler.record_function(RANGE):
-                run = canary.begin_step(lambda: forward)
+                run = canary.begin_step(lambda forward=forward: forward)
             with torch.profiler.record_function(RANGE):
                 canary.end_step(run)
     events = profile.events()
