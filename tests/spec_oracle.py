@@ -264,7 +264,9 @@ class PagedStep:
     attention chunk (0: none). `step` returns the ring rows of one call, each with its
     (step, group, row); the flagged slots of a step's first phase stay for its refold."""
 
-    def __init__(self, records: Records, fold_of: Callable[[list[int]], list[int]], tables, slot_mappings, windows, chunks, block_size: int):
+    def __init__(
+        self, records: Records, fold_of: Callable[[list[int]], list[int]], tables, slot_mappings, windows, chunks, block_size: int
+    ):
         self.records, self.fold_of = records, fold_of
         self.tables, self.slot_mappings = tables, slot_mappings
         self.windows, self.chunks, self.block_size = windows, chunks, block_size

@@ -98,9 +98,7 @@ class Violation:
     @classmethod
     def from_row(cls, row: list[int], origin: list[int] = (-1, -1, -1)) -> Violation:
         kind, slot, position, stored_token, expected_token, stored_chain, expected_aux, bits = row
-        return cls(
-            ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits), *origin
-        )
+        return cls(ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits), *origin)
 
     def line(self, name: str) -> str:
         """SGLang's log line for this violation, with ``launch_tag=name``."""

@@ -49,7 +49,9 @@ class Engine:
         gen = torch.Generator().manual_seed(self.rng.randrange(1 << 30))
         self.kv = torch.randint(0, 256, (2, self.num_blocks, self.block_size, 1, 16), dtype=torch.uint8, generator=gen)
         self.kv = self.kv.view(torch.bfloat16)
-        self.canary = kc.KvCanary(layouts.vllm(self.kv, layout="NHD"), mode=self.mode, on_violation=None, padding_slot=self.padding, ring_capacity=4096)
+        self.canary = kc.KvCanary(
+            layouts.vllm(self.kv, layout="NHD"), mode=self.mode, on_violation=None, padding_slot=self.padding, ring_capacity=4096
+        )
         self.oracle_records = spec_oracle.Records(self.canary.capacity)
         self.free = list(range(1, self.num_blocks))
         self.rng.shuffle(self.free)
