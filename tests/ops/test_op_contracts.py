@@ -475,7 +475,11 @@ def _paged_step_sample(device: str, *, table_dtype=torch.int32, tokens=True, eve
         step(*step0, num_reqs=2, num_tokens=num_tokens, step=0, phase=step0_phase, history=history, history_rows=history_rows)
     qsl, seq_lens, positions, input_ids, num_tokens = buffers([(20, 1), (5, 1)])
     checked = (input_ids, history, torch.ones_like(history, dtype=torch.bool), history_rows) if tokens else (None,) * 4
-    return canary, (*step._groups, qsl, seq_lens, positions, *checked, *step._tables, 2, num_tokens, 16, int(phase), 1, every, 0)
+    # The mailbox on the canary's device (which CUDA takes too): opcheck's copies of a pinned
+    # host mailbox would not be pinned.
+    *tables, mailbox = step._tables
+    tables = (*tables, mailbox.to(device))
+    return canary, (*step._groups, qsl, seq_lens, positions, *checked, *tables, 2, num_tokens, 16, int(phase), 1, every, 0)
 
 
 def _paged_step_samples(device: str) -> Iterator[tuple]:
