@@ -8,7 +8,7 @@ that take and return no tensor are host queries, with a table of their own."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -429,6 +429,69 @@ def _verify_context_program(device: str) -> Program:
     )
 
 
+# paged_step ---------------------------------------------------------------------------------
+
+
+WHOLE_STEP, BEFORE_FORWARD, AFTER_FORWARD = paged_step.StepPhase
+
+
+def _paged_step_sample(device: str, *, table_dtype=torch.int32, tokens=True, every=1, phase=WHOLE_STEP) -> tuple[kc.KvCanary, tuple]:
+    """The canary and paged_step's arguments for step 1 of two requests over two KV cache groups (full
+    attention; a sliding window of 8) of a fresh canary (padding slot 0, the null block),
+    after step 0 prefilled them: each runs one more token. The step buffers are padded past
+    the step's requests and tokens, as an engine keeps them. A clean step: no ring row, so
+    CUDA, which claims rows in no fixed order, gives opcheck the same results every run. The
+    arguments hold the canary's sources table, which lives as long as the canary."""
+    kv = _kv_pool(device)  # 8 blocks of 16
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None, padding_slot=0)
+    blocks = ([[1, 2], [3, 0], [0, 0]], [[4, 5], [6, 0], [0, 0]])  # per group, a row per request and a padding row
+    tables = [torch.tensor(rows, dtype=table_dtype, device=device) for rows in blocks]
+    mappings = [torch.full((28,), -1, dtype=torch.int64, device=device) for _ in tables]
+    step = paged_step.PagedStep(canary, tables, mappings, block_size=16, sliding_windows=[0, 8])
+    history = (torch.arange(2 * 32, dtype=torch.int32) * 7 % 101).reshape(2, 32)
+    history_rows = [1, 0, 0]
+
+    def buffers(runs: list[tuple[int, int]]) -> tuple:
+        """The step buffers of requests each running ``n`` tokens after ``c`` in the cache."""
+        qsl, seq_lens, positions, input_ids = [0], [], [], []
+        for r, (c, n) in enumerate(runs):
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(c + n)
+            positions += range(c, c + n)
+            input_ids += history[history_rows[r], c : c + n].tolist()
+        for table, mapping in zip(tables, mappings):
+            slots = [int(table[r, p // 16]) * 16 + p % 16 for r, (c, n) in enumerate(runs) for p in range(c, c + n)]
+            mapping.fill_(-1)[: len(slots)] = torch.tensor(slots, device=device)
+
+        def padded(values: list[int], size: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values + [0] * (size - len(values)), dtype=dtype, device=device)
+
+        return (padded(qsl, 4, torch.int32), padded(seq_lens, 3, torch.int32), padded(positions, 24, torch.int64),
+                padded(input_ids, 24, torch.int32), qsl[-1])  # fmt: skip
+
+    history, history_rows = history.to(device), torch.tensor(history_rows, dtype=torch.int32, device=device)
+    *step0, num_tokens = buffers([(0, 20), (0, 5)])
+    for step0_phase in [WHOLE_STEP] if phase == WHOLE_STEP else [BEFORE_FORWARD, AFTER_FORWARD]:
+        step(*step0, num_reqs=2, num_tokens=num_tokens, step=0, phase=step0_phase, history=history, history_rows=history_rows)
+    qsl, seq_lens, positions, input_ids, num_tokens = buffers([(20, 1), (5, 1)])
+    checked = (input_ids, history, torch.ones_like(history, dtype=torch.bool), history_rows) if tokens else (None,) * 4
+    # The mailbox on the canary's device (which CUDA takes too): opcheck's copies of a pinned
+    # host mailbox would not be pinned.
+    *tables, mailbox = step._tables
+    tables = (*tables, mailbox.to(device))
+    return canary, (*step._groups, qsl, seq_lens, positions, *checked, *tables, 2, num_tokens, 16, int(phase), 1, every, 0)
+
+
+def _paged_step_samples(device: str) -> Iterator[tuple]:
+    # One at a time, each canary alive while its sample is used.
+    variants = [{}, {"table_dtype": torch.int64, "tokens": False, "every": 2}]
+    if device == "cpu":  # the two calls of a block-packed backend's step: CPU backends only
+        variants += [{"phase": BEFORE_FORWARD}, {"phase": AFTER_FORWARD}]
+    for variant in variants:
+        canary, args = _paged_step_sample(device, **variant)
+        yield args
+
+
 OPS = [
     OpCase("fold", _fold_samples, _fold_program),
     OpCase("record", _record_samples, _record_program),
@@ -459,6 +522,11 @@ HOST_PLANS = {
     ],
 }
 
+# Ops that are a serving step's whole canary work, called through an object bound to the
+# engine's own step buffers (paged_step: PagedStep). Their samples on a device; of the
+# contracts, opcheck's apply here (the op against its spec: tests/ops/test_paged_step.py).
+STEP_OPS = {"paged_step": _paged_step_samples}
+
 CUDA_DEVICES = [device for device in DEVICES if device != "cpu"]  # with their skip mark where there is no GPU
 
 
@@ -482,7 +550,7 @@ BOUND_CASES = [case for case in OPS if case.op in BOUND]
 def test_every_op_is_in_a_table():
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcanary::")}
     bound = {f"{op}.bound" for op in BOUND} | {"bind_sources"}
-    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_PLANS) | bound
+    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_PLANS) | set(STEP_OPS) | bound
 
 
 # --- the contracts ---------------------------------------------------------------------------
@@ -516,6 +584,14 @@ def test_bind_sources_opcheck(device):
 def test_host_plan_opcheck(name):
     op = getattr(torch.ops.kvcanary, name).default
     for args in HOST_PLANS[name]:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(STEP_OPS))
+def test_step_op_opcheck(name, device):
+    op = getattr(torch.ops.kvcanary, name).default
+    for args in STEP_OPS[name](device):
         torch.library.opcheck(op, args)
 
 

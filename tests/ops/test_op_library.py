@@ -1,6 +1,7 @@
 """The op library as the Python side and the documentation describe it: the schemas in
-docs/api.md are the registered ones, and the paged step's sets, named once in C++ and once
-in Python, agree."""
+docs/api.md are the registered ones, and what the paged step's ops name once in C++ and once
+in Python (step_plan's sets, paged_step's phases, mailbox words and ring-row origin fields)
+agrees."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import re
 import torch
 from helpers import REPO
 
-from torch_kvcanary.paged_step import STEP_SETS, StepSet
+from torch_kvcanary.canary import _ORIGIN_FIELDS
+from torch_kvcanary.paged_step import STEP_SETS, MailboxWord, StepPhase, StepSet
 
 API_DOC = REPO / "docs" / "api.md"
 
 STEP_PLAN_HEADER = REPO / "csrc" / "cpu" / "kernels" / "step_plan_cpu.h"
+
+PAGED_STEP_HEADER = REPO / "csrc" / "core" / "paged_step.h"
 
 
 def cxx_enum(path, name: str) -> dict[str, int]:
@@ -23,14 +27,45 @@ def cxx_enum(path, name: str) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"^\s*(k\w+)\s*=\s*(\d+)\s*,", body.group(1), re.MULTILINE)}
 
 
+def as_python_names(cxx: dict[str, int], prefix: str = "k") -> dict[str, int]:
+    """kBlocksWritten as BLOCKS_WRITTEN: the enumerators' names as the Python enums spell
+    them, ``prefix`` left out."""
+    return {re.sub(r"(?<!^)(?=[A-Z])", "_", key.removeprefix(prefix)).upper(): value for key, value in cxx.items()}
+
+
 def test_the_step_sets_are_the_cxx_enum():
     # The kernel packs the sets in the C++ enum's order; the Python enum names them for the
     # plan's readers: kBlocksWritten is BLOCKS_WRITTEN, kStepSets the number of them.
     cxx = cxx_enum(STEP_PLAN_HEADER, "StepSet")
     count = cxx.pop("kStepSets")
-    as_python = {re.sub(r"(?<!^)(?=[A-Z])", "_", key[1:]).upper(): value for key, value in cxx.items()}
-    assert as_python == {step_set.name: step_set.value for step_set in StepSet}
+    assert as_python_names(cxx) == {step_set.name: step_set.value for step_set in StepSet}
     assert count == STEP_SETS == len(StepSet)
+
+
+def test_the_paged_step_phases_are_the_cxx_enum():
+    # kWholeStep is WHOLE_STEP; kNumPhases the number of them.
+    cxx = cxx_enum(PAGED_STEP_HEADER, "PagedStepPhase")
+    count = cxx.pop("kNumPhases")
+    assert as_python_names(cxx) == {phase.name: phase.value for phase in StepPhase}
+    assert count == len(StepPhase)
+
+
+def test_the_mailbox_words_are_the_cxx_enum():
+    # The kernels write the mailbox by the C++ enum; PagedStep reads it by the Python one:
+    # kMailRingStart is RING_START, kMailboxWords the mailbox's length.
+    cxx = cxx_enum(PAGED_STEP_HEADER, "MailboxWord")
+    count = cxx.pop("kMailboxWords")
+    assert as_python_names(cxx, prefix="kMail") == {word.name: word.value for word in MailboxWord}
+    assert count == len(MailboxWord)
+
+
+def test_the_origin_columns_are_the_cxx_enum():
+    # KvCanary allocates the origins [ring rows, _ORIGIN_FIELDS]; the kernels write
+    # kOriginFields columns, in the C++ enum's order (Violation's step, group and row).
+    cxx = cxx_enum(PAGED_STEP_HEADER, "OriginField")
+    count = cxx.pop("kOriginFields")
+    assert cxx == {"kOriginStep": 0, "kOriginGroup": 1, "kOriginRow": 2}
+    assert count == _ORIGIN_FIELDS == len(cxx)
 
 
 def documented_schemas() -> dict[str, str]:
