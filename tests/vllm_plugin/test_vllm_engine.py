@@ -77,7 +77,9 @@ def test_the_start_line_is_in_vllms_log(engine):
         r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] kv-canary: watching "
         r"vllm\.v1\.worker\.cpu_model_runner\.CPUModelRunner: 1 KV cache group \(FullAttentionSpec\), 2 layers \(2 caches, LBHNC\), "
         rf"{NUM_BLOCKS * BLOCK_SIZE} slots in blocks of {BLOCK_SIZE}; mode ALL, policy log; "
-        r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache$"
+        r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache; "
+        r"step path: two kvcanary::paged_step calls a step, before and after the forward \(CPU_ATTN packs a block's tokens\), "
+        r"over 1 KV cache group; verdicts read at once$"
     )
     match = re.match(pattern, line)
     assert match, line
@@ -318,7 +320,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         raise ZeroDivisionError("a fault injected into the plugin")
 
     assert lines.take() == []
-    monkeypatch.setattr(worker, "step_plan", fault)
+    monkeypatch.setattr(worker._StepRows, "fill", fault)
     try:
         outputs = llm.generate(prompts, [sampling_params(30, i) for i in range(3)], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
@@ -397,7 +399,7 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
 
-    monkeypatch.setattr(worker, "step_plan", fault)
+    monkeypatch.setattr(worker._StepRows, "fill", fault)
     raised = _step_under_raise(driver)
     _raised_from(raised, ZeroDivisionError)
     assert state.on and state.faults == 0 and lines.take() == []

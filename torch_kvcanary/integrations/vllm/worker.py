@@ -246,11 +246,13 @@ class WorkerCanary:
     def _step_path(self) -> str:
         """What each engine step runs, for the start line."""
         if self._blocks_packed:
-            calls = "two kvcanary::paged_step calls, before and after the forward (a block-packed backend)"
+            packed = ", ".join(sorted(layouts.VLLM_BLOCK_PACKED_BACKENDS))
+            calls = f"two kvcanary::paged_step calls a step, before and after the forward ({packed} packs a block's tokens)"
         else:
-            calls = "one kvcanary::paged_step call after the forward"
-        verdicts = "read at once" if self.connector is not None or self.canary.device.type == "cpu" else "read once the device is done"
-        return f"step path: {calls} for all {len(self.groups)} groups, verdicts {verdicts}"
+            calls = "one kvcanary::paged_step call a step, after the forward"
+        groups = f"{len(self.groups)} KV cache group{'s' * (len(self.groups) != 1)}"
+        now = self.connector is not None or self.canary.device.type == "cpu"
+        return f"step path: {calls}, over {groups}; verdicts read {'at once' if now else 'once the device has finished the step'}"
 
     # The step -----------------------------------------------------------------------
 
