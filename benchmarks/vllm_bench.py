@@ -16,13 +16,10 @@ every run starts from an empty cache. Printed: the median tokens/s of each setti
 for each prompt length, ``--requests`` prompts of that length generate ``--output-len``
 tokens under an ALL canary (``KVCANARY_VLLM_MODE`` to change it). Printed, as medians over
 the steps: the plugin's time per step (its work before and after the forward, the canary's
-kernels and its torch ops included: on vLLM's CPU build the device is the CPU), and its host
-work per step, measured in a second run under torch's profiler: the time the plugin spends
-outside torch's ops, in Python and numpy, which is what the host does per step where a GPU
-runs the ops asynchronously; and how the first splits into its parts (`PHASES`: the host's
-plan of the step, the context's verify in one call per group, the expansion of the other
-ranges through the block table, and the canary's verify (of block tails), record, refold and
-poll calls, each with its torch ops and Python).
+kernel included: on vLLM's CPU build the device is the CPU), and its host work per step:
+that time less its canary op's, the Python and NumPy work around it, what the host does per
+step where a GPU runs the op asynchronously; and how the first splits into its parts
+(`PHASES`).
 Each length runs ``--rounds`` times in turns, and the least of
 the runs' medians is printed (on a shared machine other work inflates some runs).
 """
@@ -46,8 +43,6 @@ sys.path.insert(0, str(REPO / "tools"))
 sys.path.append(str(REPO))
 from random_models import TINY, make_llama  # noqa: E402
 
-from benchmarks.host_work import host_work  # noqa: E402
-
 MODELS = {
     "tiny": TINY,
     # About 150 M parameters: the largest random Llama a 2-core CPU serves at a sensible speed.
@@ -60,6 +55,9 @@ MODELS = {
         head_dim=64,
         num_hidden_layers=12,
     ),
+    # Many thin layers: each layer's forward is cheap, so the canary's host work per step,
+    # which must not grow with the layers, weighs as it does beside a GPU's forward.
+    "deep": dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=48),
 }
 SETTINGS = ("off", "partial", "all")
 
@@ -110,13 +108,12 @@ def child(args) -> None:
 
 
 def step_time_child(args) -> None:
-    """One model: per prompt length, the plugin's time per step (median over the steps) and
-    its host work per step (median over the steps of a profiled run), in microseconds; one
-    JSON line on stdout."""
-    import torch
+    """One model: per prompt length, the plugin's time per step and its host work per step
+    (its time less that of its canary op), medians over the steps, in microseconds; one JSON
+    line on stdout."""
     from vllm import LLM
 
-    from torch_kvcanary.integrations.vllm import plugin, worker
+    from torch_kvcanary.integrations.vllm import plugin
 
     longest = max(args.prompt_lens) + args.output_len
     llm = LLM(
@@ -128,7 +125,7 @@ def step_time_child(args) -> None:
     begin_step, end_step = watcher.begin_step, watcher.end_step
     seconds: list[float] = []
     phases: list[dict[str, float]] = []  # per step, the seconds of each of `PHASES`
-    _time_phases(watcher, worker, phases)
+    _time_phases(watcher, phases)
 
     def timed(method, first: bool):
         def call(arg):
@@ -136,8 +133,7 @@ def step_time_child(args) -> None:
                 phases.append(dict.fromkeys(PHASES, 0.0))
             start = time.perf_counter()
             try:
-                with torch.profiler.record_function(PLUGIN_RANGE):
-                    return method(arg)
+                return method(arg)
             finally:
                 elapsed = time.perf_counter() - start
                 seconds.append(elapsed) if first else seconds.__setitem__(-1, seconds[-1] + elapsed)
@@ -158,11 +154,10 @@ def step_time_child(args) -> None:
     for _ in range(args.rounds):
         for prompt_len in args.prompt_lens:
             run(prompt_len)
-            wall, steps = statistics.median(seconds) * 1e6, len(seconds)
+            wall = statistics.median(seconds) * 1e6
+            host = statistics.median(total - step["step op"] for total, step in zip(seconds, phases)) * 1e6
             medians = {name: statistics.median(step[name] for step in phases) * 1e6 for name in PHASES}
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-                run(prompt_len)
-            runs[prompt_len].append((wall, statistics.median(host_work(profile.events(), PLUGIN_RANGE)), steps, medians))
+            runs[prompt_len].append((wall, host, len(seconds), medians))
     result = {
         n: [min(w for w, _, _, _ in found), min(h for _, h, _, _ in found), found[0][2], min(found, key=lambda run: run[0])[3]]
         for n, found in runs.items()
@@ -170,14 +165,13 @@ def step_time_child(args) -> None:
     print(json.dumps({"steps": result, "violations": watcher.canary.stats()["violations"]}))
 
 
-PLUGIN_RANGE = "kvcanary_vllm_plugin"
-# The parts of the plugin's step that --step-time times apart (calls that never nest):
-# planning the step on the host, expanding its ranges through the block table
-# (`kvcanary::context_slots`), gathering the context's tokens, and the canary's calls.
-PHASES = ("plan", "context", "expand", "verify", "record", "refold", "poll")
+# The parts of the plugin's step that --step-time times apart (calls that never nest): the
+# step's rows, written on the host; the canary's op (`PagedStep`), its calls before and after
+# the forward; reading the violations (only when there are some).
+PHASES = ("rows", "step op", "poll")
 
 
-def _time_phases(watcher, worker, phases: list[dict[str, float]]) -> None:
+def _time_phases(watcher, phases: list[dict[str, float]]) -> None:
     """Wraps the calls of `PHASES` so that each adds its seconds to the current step's entry of ``phases``."""
 
     def timed(call, name: str):
@@ -190,11 +184,9 @@ def _time_phases(watcher, worker, phases: list[dict[str, float]]) -> None:
 
         return wrapper
 
-    worker.step_plan = timed(worker.step_plan, "plan")
-    watcher._slots = timed(watcher._slots, "expand")
-    watcher.canary.verify_context = timed(watcher.canary.verify_context, "context")
-    for name in ("verify", "record", "refold", "poll"):
-        setattr(watcher.canary, name, timed(getattr(watcher.canary, name), name))
+    watcher._rows.fill = timed(watcher._rows.fill, "rows")
+    watcher._paged = timed(watcher._paged, "step op")
+    watcher.canary.poll = timed(watcher.canary.poll, "poll")
 
 
 def run_step_time(model_dir: Path, args) -> None:
