@@ -18,6 +18,9 @@ steps (one token per request). Printed per cell, as medians over the steps:
   kernel): the Python and NumPy work around it, what the host adds per step where a GPU
   runs the op asynchronously (the call's own argument passing, about 9 us, is in
   docs/figures_cpu.md, "The fixed cost of a call");
+* ``host alone``: the same steps with the op's work taken off the CPU (a no-op in its place),
+  as where a GPU runs it: the plugin's host work without the op's evictions of the CPU's
+  caches, which inflate the ``host`` column as the op's data grow;
 * ``ops``: the number of torch ops the plugin calls per step, the canary's and others (a
   second pass, under torch's profiler).
 
@@ -46,6 +49,8 @@ NUM_KV_HEADS = 1
 BACKEND = "FLASH_ATTN"
 LAYOUT = "BLNHC"  # vLLM's NHD order of a packed layer: [num_blocks, block_size, heads, C] in memory
 PLUGIN_RANGE = "kvcanary_engine_step"
+# The host work alone is cheap to time: more steps, after some that warm the caches up again.
+ALONE_WARMUP, ALONE_STEPS = 20, 100
 
 
 class BenchRunner(adapter.RunnerView):
@@ -174,7 +179,7 @@ class TimedOp:
 
 
 def run_cell(runner: str, layers: int, requests: int, context: int, mode: str, steps: int) -> dict:
-    buffers = StepBuffers(runner, layers, requests, context, decode_steps=2 * steps + 2)
+    buffers = StepBuffers(runner, layers, requests, context, decode_steps=2 * steps + ALONE_WARMUP + ALONE_STEPS + 2)
     canary = worker.WorkerCanary(buffers, Settings("log", HashMode[mode]), runner_view=BenchRunner(buffers))
     timed = canary._paged._op = TimedOp(canary._paged._op)
 
@@ -205,10 +210,12 @@ def run_cell(runner: str, layers: int, requests: int, context: int, mode: str, s
     violations = canary.stats()["violations"]
     if violations:
         raise SystemExit(f"the clean workload found {violations} violations: the benchmark's buffers are wrong")
+    timed.op = lambda *args: None  # the op's work elsewhere, as on a GPU: the plugin's host work alone
+    alone = [plugin_step(1)[0] for _ in range(ALONE_WARMUP + ALONE_STEPS)][ALONE_WARMUP:]
     return {
         "runner": runner, "layers": layers, "requests": requests, "context": context, "mode": mode,
         "wall_us": statistics.median(w for w, _ in timings) * 1e6, "host_us": statistics.median(h for _, h in timings) * 1e6,
-        "ops_per_step": ops,
+        "host_alone_us": statistics.median(alone) * 1e6, "ops_per_step": ops,
     }  # fmt: skip
 
 
@@ -218,13 +225,13 @@ def _step_bytes(layers: int, requests: int, context: int) -> int:
 
 def format_rows(rows: list[dict]) -> str:
     lines = [
-        "| runner | mode | layers | requests | context | wall us | host us | torch ops per step |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| runner | mode | layers | requests | context | wall us | host us | host alone us | torch ops per step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         lines.append(
             f"| {row['runner']} | {row['mode']} | {row['layers']} | {row['requests']} | {row['context']} | "
-            f"{row['wall_us']:.0f} | {row['host_us']:.0f} | {row['ops_per_step']:.0f} |"
+            f"{row['wall_us']:.0f} | {row['host_us']:.0f} | {row['host_alone_us']:.0f} | {row['ops_per_step']:.0f} |"
         )
     return "\n".join(lines)
 

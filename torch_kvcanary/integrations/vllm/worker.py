@@ -4,7 +4,6 @@ a token history the runner keeps on the host."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import random
@@ -36,8 +35,8 @@ class _StepRun:
 
 
 class _StepRows:
-    """The step's ``query_start_loc`` and ``seq_lens`` (int32, as vLLM keeps them) for
-    `PagedStep`, from the forward's rows: written on the host through a NumPy view, then,
+    """The step's ``query_start_loc`` and ``seq_lens`` (int64; vLLM keeps them as int32) for
+    `PagedStep`, from the forward's rows (the first stays 0): written on the host through a NumPy view, then,
     where the canary is on a device, copied there in one non-blocking copy (from pinned
     memory). Grows, once, past a batch larger than any before."""
 
@@ -47,7 +46,7 @@ class _StepRows:
 
     def _allocate(self, rows: int) -> None:
         on_device = self._device.type != "cpu"
-        self._host = torch.zeros(2, rows + 1, dtype=torch.int32, pin_memory=on_device)
+        self._host = torch.zeros(2, rows + 1, dtype=torch.int64, pin_memory=on_device)
         self._values = self._host.numpy()
         self._copy = torch.empty_like(self._host, device=self._device) if on_device else None
         buffers = self._host if self._copy is None else self._copy
@@ -57,9 +56,8 @@ class _StepRows:
         rows = len(forward.num_scheduled)
         if rows + 1 > self._values.shape[1]:
             self._allocate(2 * rows)
-        self._values[0, 0] = 0
-        self._values[0, 1 : rows + 1] = np.cumsum(forward.num_scheduled)
-        self._values[1, :rows] = forward.num_computed + forward.num_scheduled
+        np.cumsum(forward.num_scheduled, out=self._values[0, 1 : rows + 1])
+        np.add(forward.num_computed, forward.num_scheduled, out=self._values[1, :rows])
         if self._copy is not None:
             self._copy.copy_(self._host, non_blocking=True)
 
@@ -263,8 +261,10 @@ class WorkerCanary:
         self._flagged = self._no_slots
         if not self.on:
             return None
-        with self._guarded():
+        try:
             return self._begin_step(read_step())
+        except Exception as error:
+            self._fault(error)
         return None
 
     def end_step(self, run: _StepRun | None) -> None:
@@ -272,8 +272,10 @@ class WorkerCanary:
         device has them."""
         if run is None or not self.on:
             return
-        with self._guarded():
+        try:
             self._end_step(run)
+        except Exception as error:
+            self._fault(error)
 
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step (int64, on the canary's
@@ -360,23 +362,19 @@ class WorkerCanary:
         """Breaks the records of ``slots`` (`KvCanary.invalidate`): verify flags each until a forward writes it again."""
         self.canary.invalidate(slots.to(self.canary.device, torch.int64))
 
-    @contextlib.contextmanager
-    def _guarded(self):
-        """Runs a step's own code: under "raise" anything it raises stops the step (and a
-        `KvCorruptionError` is how a violation does); under "log" an exception of its own
-        turns the canary off, so that it never takes the engine down."""
-        try:
-            yield
-        except Exception as error:
-            if self.policy == "raise" or isinstance(error, KvCorruptionError):
-                raise
-            self.faults += 1
-            self.on = False
-            adapter.watch(self.model_runner, None)
-            logger.exception(
-                "kv-canary: the canary's own code failed in an engine step; it is off in this worker from here on, "
-                "and vLLM keeps serving without it (report this traceback)"
-            )
+    def _fault(self, error: Exception) -> None:
+        """An exception out of a step's own code, while it is handled: under "raise" anything
+        stops the step (and a `KvCorruptionError` is how a violation does); under "log" an
+        exception of its own turns the canary off, so that it never takes the engine down."""
+        if self.policy == "raise" or isinstance(error, KvCorruptionError):
+            raise error
+        self.faults += 1
+        self.on = False
+        adapter.watch(self.model_runner, None)
+        logger.exception(
+            "kv-canary: the canary's own code failed in an engine step; it is off in this worker from here on, "
+            "and vLLM keeps serving without it (report this traceback)"
+        )
 
     def _begin_step(self, forward: adapter.Step) -> _StepRun:
         """The step's rows for its call (O(requests) NumPy on the host), the records of the
