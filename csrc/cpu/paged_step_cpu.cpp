@@ -332,39 +332,7 @@ class PagedStepCpu {
   int64_t* origins_;
 };
 
-void paged_step_cpu(const Tensor& sources_table, const std::vector<Tensor>& block_tables,
-                    const std::vector<Tensor>& slot_mappings,
-                    const std::vector<int64_t>& sliding_windows,
-                    const std::vector<int64_t>& chunk_sizes, const Tensor& query_start_loc,
-                    const Tensor& seq_lens, const Tensor& positions,
-                    const std::optional<Tensor>& input_ids, const std::optional<Tensor>& history,
-                    const std::optional<Tensor>& history_known,
-                    const std::optional<Tensor>& history_rows, Tensor& records, Tensor& owner_tags,
-                    Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
-                    int64_t num_reqs, int64_t num_tokens, int64_t block_size, int64_t phase,
-                    int64_t step, int64_t every, int64_t padding_slot) {
-  const PagedStepArgs args{sources_table,
-                           block_tables,
-                           slot_mappings,
-                           sliding_windows,
-                           chunk_sizes,
-                           query_start_loc,
-                           seq_lens,
-                           positions,
-                           input_ids,
-                           history,
-                           history_known,
-                           history_rows,
-                           {records, owner_tags, counters, ring},
-                           origins,
-                           mailbox,
-                           num_reqs,
-                           num_tokens,
-                           block_size,
-                           phase,
-                           step,
-                           every,
-                           padding_slot};
+void paged_step_cpu(const PagedStepArgs& args) {
   const PagedStepPlan plan = make_paged_step_plan(args);
   check_paged_step_rows(plan, args);
   PagedStepCpu(plan, args).run();
@@ -373,7 +341,7 @@ void paged_step_cpu(const Tensor& sources_table, const std::vector<Tensor>& bloc
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
-  m.impl("paged_step", TORCH_BOX(&paged_step_cpu));
+  m.impl("paged_step", TORCH_BOX(&paged_step_op<paged_step_cpu>));
 }
 
 }  // namespace kvcanary

@@ -110,56 +110,25 @@ void clear_scratch(const PagedStepScratch& s, int64_t capacity, bool no_sources,
   }
 }
 
-void paged_step_cuda(const Tensor& sources_table, const std::vector<Tensor>& block_tables,
-                     const std::vector<Tensor>& slot_mappings,
-                     const std::vector<int64_t>& sliding_windows,
-                     const std::vector<int64_t>& chunk_sizes, const Tensor& query_start_loc,
-                     const Tensor& seq_lens, const Tensor& positions,
-                     const std::optional<Tensor>& input_ids, const std::optional<Tensor>& history,
-                     const std::optional<Tensor>& history_known,
-                     const std::optional<Tensor>& history_rows, Tensor& records, Tensor& owner_tags,
-                     Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
-                     int64_t num_reqs, int64_t num_tokens, int64_t block_size, int64_t phase,
-                     int64_t step, int64_t every, int64_t padding_slot) {
-  const PagedStepArgs args{sources_table,
-                           block_tables,
-                           slot_mappings,
-                           sliding_windows,
-                           chunk_sizes,
-                           query_start_loc,
-                           seq_lens,
-                           positions,
-                           input_ids,
-                           history,
-                           history_known,
-                           history_rows,
-                           {records, owner_tags, counters, ring},
-                           origins,
-                           mailbox,
-                           num_reqs,
-                           num_tokens,
-                           block_size,
-                           phase,
-                           step,
-                           every,
-                           padding_slot};
+void paged_step_cuda(const PagedStepArgs& args) {
   const PagedStepPlan plan = make_paged_step_plan(args);
-  check_whole_step(phase);
+  check_whole_step(args.phase);
   const int64_t num_groups = static_cast<int64_t>(plan.groups.size());
   KVCANARY_CHECK_VALUE(num_groups <= kMaxPagedGroups, "paged_step on CUDA takes at most ",
                        kMaxPagedGroups, " KV cache groups, got ", num_groups);
-  const int64_t num_entries = num_groups * num_tokens;
-  check_key_range(num_groups, num_reqs, num_entries);
+  const int64_t num_entries = num_groups * args.num_tokens;
+  check_key_range(num_groups, args.num_reqs, num_entries);
   // The plan found every tensor but the mailbox on the records' device, a
   // CUDA one.
+  const Tensor& records = args.tables.records;
   const torch::stable::accelerator::DeviceGuard guard(records.get_device_index());
   const cudaStream_t stream = current_stream(records.get_device_index());
-  PagedStepLaunchArgs launch = launch_args(plan, args, mailbox_on_device(mailbox, records));
+  PagedStepLaunchArgs launch = launch_args(plan, args, mailbox_on_device(args.mailbox, records));
   const Tensor scratch =
-      new_tensor({paged_step_scratch_values(num_entries, num_reqs, plan.capacity)},
+      new_tensor({paged_step_scratch_values(num_entries, args.num_reqs, plan.capacity)},
                  ScalarType::Long, records.device());
   launch.scratch = carve_paged_step_scratch(scratch.mutable_data_ptr<int64_t>(), num_entries,
-                                            num_reqs, plan.capacity);
+                                            args.num_reqs, plan.capacity);
   const int num_sources = static_cast<int>(plan.fold.sources.size());
   clear_scratch(launch.scratch, plan.capacity, num_sources == 0, stream);
   check_cuda(launch_paged_step(launch, plan.fold.sources.data(), num_sources, stream));
@@ -167,6 +136,6 @@ void paged_step_cuda(const Tensor& sources_table, const std::vector<Tensor>& blo
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) { m.impl("paged_step", TORCH_BOX(&paged_step_cuda)); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) { m.impl("paged_step", TORCH_BOX(&paged_step_op<paged_step_cuda>)); }
 
 }  // namespace kvcanary

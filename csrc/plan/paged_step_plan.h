@@ -58,6 +58,29 @@ struct PagedStepPlan {
   ContextChecks history{};
 };
 
+// A backend's paged_step on the bundled arguments, and the op's signature (the
+// schema in ops.cpp), written once: a backend registers
+// paged_step_op<its kernel>.
+using PagedStepKernel = void (*)(const PagedStepArgs& args);
+
+template <PagedStepKernel kernel>
+void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block_tables,
+                   const std::vector<Tensor>& slot_mappings,
+                   const std::vector<int64_t>& sliding_windows,
+                   const std::vector<int64_t>& chunk_sizes, const Tensor& query_start_loc,
+                   const Tensor& seq_lens, const Tensor& positions,
+                   const std::optional<Tensor>& input_ids, const std::optional<Tensor>& history,
+                   const std::optional<Tensor>& history_known,
+                   const std::optional<Tensor>& history_rows, Tensor& records, Tensor& owner_tags,
+                   Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
+                   int64_t num_reqs, int64_t num_tokens, int64_t block_size, int64_t phase,
+                   int64_t step, int64_t every, int64_t padding_slot) {
+  kernel({sources_table, block_tables, slot_mappings, sliding_windows, chunk_sizes,
+          query_start_loc, seq_lens, positions, input_ids, history, history_known, history_rows,
+          {records, owner_tags, counters, ring}, origins, mailbox, num_reqs, num_tokens,
+          block_size, phase, step, every, padding_slot});
+}
+
 // Checks what the contract says of the arguments without reading their data:
 // dtypes, shapes, sizes, devices, the canary's tables, and that the buffers the
 // kernels index in place are contiguous.
