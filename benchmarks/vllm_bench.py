@@ -166,8 +166,9 @@ def step_time_child(args) -> None:
 
 
 # The parts of the plugin's step that --step-time times apart (calls that never nest): the
-# step's rows, written on the host; the canary's op (`PagedStep`), its calls before and after
-# the forward; reading the violations (only when there are some).
+# step's rows, written on the host; the canary's op (`kvcanary::paged_step`, its dispatch and
+# kernel), its calls before and after the forward; reading the violations (only when there
+# are some).
 PHASES = ("rows", "step op", "poll")
 
 
@@ -185,7 +186,7 @@ def _time_phases(watcher, phases: list[dict[str, float]]) -> None:
         return wrapper
 
     watcher._rows.fill = timed(watcher._rows.fill, "rows")
-    watcher._paged = timed(watcher._paged, "step op")
+    watcher._paged._op = timed(watcher._paged._op, "step op")
     watcher.canary.poll = timed(watcher.canary.poll, "poll")
 
 
