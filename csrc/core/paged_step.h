@@ -92,8 +92,7 @@ KVC_HOST_DEVICE int64_t first_attended(const PagedGroup& g, int64_t computed) {
 
 // The slot of position p of row r in the group's block table; -1 where p is
 // negative, past the table, or the table holds a negative block there.
-KVC_HOST_DEVICE int64_t group_slot(const PagedGroup& g, int64_t block_size, int64_t r,
-                                   int64_t p) {
+KVC_HOST_DEVICE int64_t group_slot(const PagedGroup& g, int64_t block_size, int64_t r, int64_t p) {
   if (p < 0 || p / block_size >= g.max_blocks) {
     return -1;
   }

@@ -67,7 +67,7 @@ class PagedStepCpu {
         firsts_[g * num_rows + r] = first_attended(plan.groups[g], computed_[r]);
       }
     }
-    step_ = {computed_.data(), scheduled_.data(), firsts_.data(), num_rows,
+    step_ = {computed_.data(), scheduled_.data(), firsts_.data(),          num_rows,
              num_groups,       args.block_size,   args.phase != kWholeStep};
     ranges_ = step_ranges(step_);
     counters_ = args.tables.counters.mutable_data_ptr<int64_t>();

@@ -136,6 +136,8 @@ void paged_step_cuda(const PagedStepArgs& args) {
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) { m.impl("paged_step", TORCH_BOX(&paged_step_op<paged_step_cuda>)); }
+STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
+  m.impl("paged_step", TORCH_BOX(&paged_step_op<paged_step_cuda>));
+}
 
 }  // namespace kvcanary

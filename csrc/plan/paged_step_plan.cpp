@@ -18,8 +18,9 @@ void check_step_buffer(const Tensor& t, const char* name, int64_t needed, const 
   KVCANARY_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), name,
                        " must be a contiguous 1-D tensor, got shape ", shape_of(t), " and strides ",
                        strides_of(t));
-  KVCANARY_CHECK_VALUE(t.numel() >= needed, name, " has ", t.numel(), " entries but the step needs ",
-                       needed, " (", entries, "); pass the engine's whole buffer");
+  KVCANARY_CHECK_VALUE(t.numel() >= needed, name, " has ", t.numel(),
+                       " entries but the step needs ", needed, " (", entries,
+                       "); pass the engine's whole buffer");
   KVCANARY_CHECK_VALUE(t.device() == reference.device(), name, " is on ", device_of(t),
                        " but the canary is on ", device_of(reference),
                        "; pass the step's buffers on the canary's device");
@@ -33,9 +34,10 @@ void check_step_table(const Tensor& t, const char* name, int64_t rows, int64_t c
                       " must be int64, got ", dtype_of(t));
   const bool shaped = columns == 0 ? t.dim() == 1 && t.size(0) == rows
                                    : t.dim() == 2 && t.size(0) == rows && t.size(1) == columns;
-  KVCANARY_CHECK_VALUE(shaped && t.is_contiguous(), "the canary's ", name,
-                       " must be a contiguous int64 tensor of ", rows, columns ? " rows of " : " values",
-                       columns ? std::to_string(columns) : std::string(), ", got shape ", shape_of(t));
+  KVCANARY_CHECK_VALUE(
+      shaped && t.is_contiguous(), "the canary's ", name, " must be a contiguous int64 tensor of ",
+      rows, columns ? " rows of " : " values", columns ? std::to_string(columns) : std::string(),
+      ", got shape ", shape_of(t));
   KVCANARY_CHECK_VALUE(t.device() == reference.device() || name == std::string("mailbox"),
                        "the canary's ", name, " is on ", device_of(t), " but its records are on ",
                        device_of(reference));
@@ -101,8 +103,7 @@ PagedStepPlan make_paged_step_plan(const PagedStepArgs& a) {
   for (size_t g = 0; g < num_groups; ++g) {
     plan.groups.push_back(make_group(a, g, records));
   }
-  check_step_buffer(a.query_start_loc, "query_start_loc", a.num_reqs + 1, "num_reqs + 1",
-                    records);
+  check_step_buffer(a.query_start_loc, "query_start_loc", a.num_reqs + 1, "num_reqs + 1", records);
   check_step_buffer(a.seq_lens, "seq_lens", a.num_reqs, "one per request", records);
   check_step_buffer(a.positions, "positions", a.num_tokens, "one per token", records);
   plan.rows = {a.query_start_loc.const_data_ptr(),

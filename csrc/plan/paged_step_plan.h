@@ -75,10 +75,28 @@ void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block
                    Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
                    int64_t num_reqs, int64_t num_tokens, int64_t block_size, int64_t phase,
                    int64_t step, int64_t every, int64_t padding_slot) {
-  kernel({sources_table, block_tables, slot_mappings, sliding_windows, chunk_sizes,
-          query_start_loc, seq_lens, positions, input_ids, history, history_known, history_rows,
-          {records, owner_tags, counters, ring}, origins, mailbox, num_reqs, num_tokens,
-          block_size, phase, step, every, padding_slot});
+  kernel({sources_table,
+          block_tables,
+          slot_mappings,
+          sliding_windows,
+          chunk_sizes,
+          query_start_loc,
+          seq_lens,
+          positions,
+          input_ids,
+          history,
+          history_known,
+          history_rows,
+          {records, owner_tags, counters, ring},
+          origins,
+          mailbox,
+          num_reqs,
+          num_tokens,
+          block_size,
+          phase,
+          step,
+          every,
+          padding_slot});
 }
 
 // Checks what the contract says of the arguments without reading their data:
