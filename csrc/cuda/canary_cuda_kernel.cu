@@ -1,28 +1,19 @@
 // CUDA kernels of kvcanary::record and kvcanary::verify: each folds its
 // entries' slots with the fold's warp code, then applies or checks the records
-// in the same launch. Counters and ring rows are claimed with atomics, so the
-// ring's rows are in no particular order.
+// in the same launch.
 #include "cuda/canary_cuda.h"
 #include "cuda/fold_cuda_warp.cuh"
+#include "cuda/ring_cuda.cuh"
 
 namespace kvcanary {
 namespace {
 
-__device__ __forceinline__ unsigned long long* as_counter(int64_t* p) {
-  return reinterpret_cast<unsigned long long*>(p);
-}
-
-// Appends a violation row; rows past the ring's capacity are dropped, counted.
+// Appends a violation row (cuda/ring_cuda.cuh).
 template <typename Table>
 __device__ void append_row(const CanaryLaunchArgs<Table>& a, const int64_t* row) {
-  const auto index = static_cast<int64_t>(atomicAdd(as_counter(a.counters + kRingWrite), 1ull));
-  atomicAdd(as_counter(a.counters + kViolations), 1ull);
-  if (index >= a.ring_capacity) {
-    atomicAdd(as_counter(a.counters + kRingOverflow), 1ull);
-    return;
-  }
-  for (int f = 0; f < kViolationFields; ++f) {
-    a.ring[index * kViolationFields + f] = row[f];
+  const int64_t index = claim_ring_row(a.counters, a.ring_capacity);
+  if (index >= 0) {
+    write_ring_row(a.ring, index, row);
   }
 }
 

@@ -27,6 +27,7 @@
 #include "cuda/fold_cuda_warp.cuh"
 #include "cuda/launch_shape.h"
 #include "cuda/paged_step_cuda.h"
+#include "cuda/ring_cuda.cuh"
 
 namespace kvcanary {
 namespace {
@@ -37,10 +38,6 @@ constexpr int kSortThreads = 256;
 
 using Args = PagedStepLaunchArgs;
 
-__device__ __forceinline__ unsigned long long* as_counter(int64_t* p) {
-  return reinterpret_cast<unsigned long long*>(p);
-}
-
 __device__ __forceinline__ int64_t global_thread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
@@ -49,18 +46,13 @@ __device__ __forceinline__ int64_t grid_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-// Appends a violation row with its origin; rows past the ring's capacity are
-// dropped, counted.
+// Appends a violation row with its origin (cuda/ring_cuda.cuh).
 __device__ void append_row(const Args& a, const int64_t* row, int64_t group, int64_t request) {
-  const auto index = static_cast<int64_t>(atomicAdd(as_counter(a.counters + kRingWrite), 1ull));
-  atomicAdd(as_counter(a.counters + kViolations), 1ull);
-  if (index >= a.ring_capacity) {
-    atomicAdd(as_counter(a.counters + kRingOverflow), 1ull);
+  const int64_t index = claim_ring_row(a.counters, a.ring_capacity);
+  if (index < 0) {
     return;
   }
-  for (int f = 0; f < kViolationFields; ++f) {
-    a.ring[index * kViolationFields + f] = row[f];
-  }
+  write_ring_row(a.ring, index, row);
   int64_t* origin = a.origins + index * kOriginFields;
   origin[kOriginStep] = a.step;
   origin[kOriginGroup] = group;
