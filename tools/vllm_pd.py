@@ -113,9 +113,14 @@ def main() -> None:
         print(
             f"policy {arguments.policy}: {len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s"
         )
+        sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+        tokens_by_source = {source: decode.metric("vllm:prompt_tokens_by_source_total", source=source) for source in sources}
+        print("decode side, prompt tokens: " + ", ".join(f"{source} {count:.0f}" for source, count in tokens_by_source.items()))
         if arguments.policy != "off":
             names = ("violations_total", "transfer_slots_verified_total", "transfer_slots_failed_total", "blocks_repaired_total")
             print("decode side: " + ", ".join(f"{name} {decode.metric('vllm:kv_canary_' + name):.0f}" for name in names))
+            names = ("transfer_slots_handed_over_total", "transfer_records_served_total", "transfer_records_missing_total")
+            print("prefill side: " + ", ".join(f"{name} {prefill.metric('vllm:kv_canary_' + name):.0f}" for name in names))
     print("\n".join(line for line in decode.log_path.read_text().splitlines() if "kv-canary: verified" in line))
 
 

@@ -143,10 +143,12 @@ class Server:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as answer:
             return answer.read().decode()
 
-    def metric(self, name: str) -> float:
-        """The sum over labels of the Prometheus metric ``name`` in /metrics."""
-        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$")
-        return sum(float(m[1]) for m in map(pattern.match, self.metrics().splitlines()) if m)
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the Prometheus metric ``name`` in /metrics over its series with ``labels``."""
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$")
+        wanted = {f'{label}="{value}"' for label, value in labels.items()}
+        series = (m for m in map(pattern.match, self.metrics().splitlines()) if m)
+        return sum(float(m[2]) for m in series if wanted <= set((m[1] or "").split(",")))
 
     def log(self) -> str:
         self._log.flush()

@@ -29,20 +29,25 @@ from vllm_pd import pd_pair  # noqa: E402
 from vllm_serve import complete, mixed_prompts  # noqa: E402
 
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
-CLEAN_REQUESTS = 24
+CLEAN_REQUESTS = 200
 MAX_TOKENS = 8
 # How long P holds a prompt's blocks for D, with the canary: short, so that a test outlives it.
 LEASE_S = 5
 # The prompts the faults hit: of one length (so that one's blocks can stand for another's), two blocks and more.
-FAULTED = [list(range(100 + 7 * k, 100 + 7 * k + 80)) for k in range(6)]
+FAULTED = [list(range(100 + 7 * k, 100 + 7 * k + 80)) for k in range(7)]
+# The faults injected between P and D, each on a prompt of its own (FAULTED[index]; "other
+# request's blocks" reads FAULTED[index + 1]'s blocks as its own).
+FAULT_PROMPTS = {"flip on prefill": 0, "flip on decode": 1, "other request's blocks": 2, "transfer cut short": 6}
 
 # A vLLM general plugin of the test's own, installed for the servers' processes through
 # PYTHONPATH (a distribution's metadata beside its module). It flips a byte of a block of
 # the KV cache NIXL registered (at its address, as NIXL reads and writes it): on the prefill
 # side when the test calls /collective_rpc (VLLM_SERVER_DEV_MODE=1), on the decode side in
-# the step NIXL reports a request's blocks landed, once the file ARM names "decode-flip".
+# the step NIXL reports a request's blocks landed, once the file ARM names "decode-flip". It
+# cuts the decode side's next read short (its last block not read) once ARM names "decode-cut".
 FAULT_PLUGIN = """
 import ctypes
+import dataclasses
 import os
 
 ARM = os.environ.get("KVCANARY_TEST_PD_ARM", "")
@@ -55,6 +60,13 @@ def _nixl_worker():
     return getattr(connector, "inner", None) or connector
 
 
+def armed(fault):
+    if os.path.exists(ARM) and open(ARM).read() == fault:
+        os.remove(ARM)
+        return True
+    return False
+
+
 def flip(worker, block_id):
     base = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank][0]
     byte = ctypes.c_uint8.from_address(base + int(block_id) * worker.block_stride_per_layer[0] + 3)
@@ -62,9 +74,37 @@ def flip(worker, block_id):
     return int(block_id)
 
 
+def zero(worker, block_id):
+    bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
+    for base, stride, length in zip(bases, worker.block_stride_per_layer, worker.block_len_per_layer):
+        ctypes.memset(base + int(block_id) * stride, 0, length)
+
+
+# The decode side's read of a request's blocks without its last block, once ARM names
+# "decode-cut": NIXL reads the others and reports the transfer done. The block not read
+# keeps what D's pool held there, zeroed first so that the fault does not depend on that.
+def cut_short(read_blocks):
+
+    def _read_blocks(self, read_spec, *args, **kwargs):
+        if all(len(group) > 1 for group in read_spec.local_block_ids) and armed("decode-cut"):
+            for group in read_spec.local_block_ids:
+                zero(self, group[-1])
+            read_spec = dataclasses.replace(
+                read_spec,
+                local_block_ids=[list(group[:-1]) for group in read_spec.local_block_ids],
+                remote_block_ids=[list(group[:-1]) for group in read_spec.remote_block_ids],
+            )
+        return read_blocks(self, read_spec, *args, **kwargs)
+
+    return _read_blocks
+
+
 def register():
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
     from vllm.v1.worker.worker_base import WorkerBase
+
+    NixlPullConnectorWorker._read_blocks = cut_short(NixlPullConnectorWorker._read_blocks)
 
     def kvcanary_test_flip_block(self, block_id):
         return flip(_nixl_worker().connector_worker, block_id)
@@ -75,8 +115,7 @@ def register():
     def get_transfer_results(self, finished_req_ids):
         recving = dict(self.connector_worker._recving_metadata)
         results = landing(self, finished_req_ids)
-        if results.finished_recving and os.path.exists(ARM) and open(ARM).read() == "decode-flip":
-            os.remove(ARM)
+        if results.finished_recving and armed("decode-flip"):
             for request_id in results.finished_recving:
                 flip(self.connector_worker, recving[request_id].local_block_ids[0][0])
         return results
@@ -122,6 +161,22 @@ class Faults:
         assert not self.arm.exists(), "the plugin did not flip the landed block"
         return answer
 
+    def inject(self, fault):
+        """The answer to `fault`'s prompt with the fault injected."""
+        index = FAULT_PROMPTS[fault]
+        if fault == "other request's blocks":
+            return self.other_blocks(FAULTED[index], FAULTED[index + 1])
+        inject = {"flip on prefill": self.flip_on_prefill, "flip on decode": self.flip_on_decode, "transfer cut short": self.cut_short}
+        return inject[fault](FAULTED[index])
+
+    def cut_short(self, prompt):
+        """The transfer of the prompt's blocks cut short: its last block not read, the read reported done."""
+        params = self.prefilled(prompt)
+        self.arm.write_text("decode-cut")
+        answer = self.decoded(prompt, params)
+        assert not self.arm.exists(), "the plugin did not cut the transfer short"
+        return answer
+
     def other_blocks(self, prompt, other):
         """D told to read the blocks P prefilled for ``other`` (of the same length) as ``prompt``'s."""
         theirs, params = self.prefilled(other), self.prefilled(prompt)
@@ -134,6 +189,13 @@ def _rpc(server, method: str, *args: str) -> list:
     request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as answer:
         return json.loads(answer.read())["results"]
+
+
+def _prefill_metric(faults, name: str) -> float:
+    """A counter of P's /metrics, once P has taken a step: P reports what its records
+    server answered since its last step with its next one (a one-token prompt makes one)."""
+    complete(faults.prefill.url, faults.model, [1], 1)
+    return faults.prefill.metric(name)
 
 
 def _tokens(answer) -> list[str]:
@@ -164,11 +226,7 @@ def clean(tiny_llama, workload, tmp_path_factory):
         single = [_tokens(complete(prefill.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED]
         faults = Faults(tiny_llama, prefill, decode, arm)
         faults.forget()
-        silent = {
-            "flip on prefill": faults.flip_on_prefill(FAULTED[0]),
-            "flip on decode": faults.flip_on_decode(FAULTED[1]),
-            "other request's blocks": faults.other_blocks(FAULTED[2], FAULTED[3]),
-        }
+        silent = {fault: faults.inject(fault) for fault in FAULT_PROMPTS}
         assert decode.alive()
     return answers, faulted, single, silent
 
@@ -184,46 +242,53 @@ def canary_pair(tiny_llama, tmp_path_factory):
 def test_without_the_canary_each_fault_changes_the_answer_silently(clean):
     _, faulted, single, silent = clean
     assert faulted == single  # disaggregated or not, a clean answer is the same
-    for index, (name, answer) in enumerate(silent.items()):
-        assert _tokens(answer) != faulted[index], f"{name}: the fault did not change the answer"
+    for fault, answer in silent.items():
+        assert _tokens(answer) != faulted[FAULT_PROMPTS[fault]], f"{fault}: the fault did not change the answer"
 
 
 def test_clean_requests_through_nixl_are_verified_and_unflagged(clean, canary_pair, tiny_llama, workload):
     answers = clean[0]
-    prefill, decode, proxy, _ = canary_pair
+    prefill, decode, proxy, faults = canary_pair
     got = [_tokens(complete(proxy.url, tiny_llama, prompt, n)) for prompt, n in workload]
     assert got == answers
-    prompt_tokens = sum(len(prompt) for prompt, _ in workload)
-    # The KV was pulled over NIXL and verified: (nearly) every prompt token's slot, none failed.
-    assert decode.metric("vllm:kv_canary_transfer_slots_verified_total") > prompt_tokens // 2
+    # D computed no prompt but the token each request's first output needs: the rest of
+    # each prompt is in D's prefix cache or was pulled over NIXL, every pulled slot verified.
+    by_source = {
+        source: decode.metric("vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    assert sum(by_source.values()) == sum(len(prompt) for prompt, _ in workload)
+    assert by_source["local_compute"] <= len(workload), by_source
+    verified = decode.metric("vllm:kv_canary_transfer_slots_verified_total")
+    assert verified == by_source["external_kv_transfer"] > 0, (verified, by_source)
+    # P snapshotted every prompt it handed over and served D its records of each request D pulled.
+    assert _prefill_metric(faults, "vllm:kv_canary_transfer_slots_handed_over_total") >= verified
+    assert prefill.metric("vllm:kv_canary_transfer_records_served_total") >= len(workload) // 2
+    assert prefill.metric("vllm:kv_canary_transfer_records_missing_total") == 0
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") == 0
     assert decode.metric("vllm:kv_canary_blocks_repaired_total") == 0
     assert decode.metric("vllm:kv_canary_violations_total") == 0
     assert not [line for line in decode.canary_lines() if line[2] == "WARNING"]
 
 
-@pytest.mark.parametrize("fault", ["flip on prefill", "flip on decode", "other request's blocks"])
+@pytest.mark.parametrize("fault", list(FAULT_PROMPTS))
 def test_each_fault_is_a_load_error_repaired_to_the_clean_answer(fault, clean, canary_pair):
     faulted = clean[1]
     _, decode, _, faults = canary_pair
     before = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
-    index = ["flip on prefill", "flip on decode", "other request's blocks"].index(fault)
-    run = {
-        "flip on prefill": lambda: faults.flip_on_prefill(FAULTED[index]),
-        "flip on decode": lambda: faults.flip_on_decode(FAULTED[index]),
-        "other request's blocks": lambda: faults.other_blocks(FAULTED[index], FAULTED[index + 1]),
-    }[fault]
+    served = _prefill_metric(faults, "vllm:kv_canary_transfer_records_served_total")
     faults.forget()
-    answer = run()
-    assert _tokens(answer) == faulted[index]
+    answer = faults.inject(fault)
+    assert _tokens(answer) == faulted[FAULT_PROMPTS[fault]]
     assert decode.alive()
     failed, repaired = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
     assert failed > before[0] and repaired > before[1], (fault, before, failed, repaired)
+    assert _prefill_metric(faults, "vllm:kv_canary_transfer_records_served_total") > served  # P served what D compared with
     assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
 
 
 def test_missing_records_are_load_errors(clean, canary_pair):
-    """D told to read a request whose records P does not hold (another request id): a load error, repaired."""
+    """D pointed at a records server that does not answer: the request's blocks are a load error, repaired."""
     faulted = clean[1]
     _, decode, _, faults = canary_pair
     before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
@@ -242,6 +307,7 @@ def test_a_request_read_after_its_lease_expired_is_a_load_error(clean, canary_pa
     faulted = clean[1]
     _, decode, _, faults = canary_pair
     before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
+    missing = _prefill_metric(faults, "vllm:kv_canary_transfer_records_missing_total")
     faults.forget()
     params = faults.prefilled(FAULTED[5])
     time.sleep(LEASE_S + 1)
@@ -249,6 +315,7 @@ def test_a_request_read_after_its_lease_expired_is_a_load_error(clean, canary_pa
     answer = faults.decoded(FAULTED[5], params)
     assert _tokens(answer) == faulted[5] and decode.alive()
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
+    assert _prefill_metric(faults, "vllm:kv_canary_transfer_records_missing_total") == missing + 1
     assert any("holds no records of it" in line[3] for line in decode.canary_lines())
 
 

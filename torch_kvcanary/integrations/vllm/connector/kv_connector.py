@@ -232,6 +232,9 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self.stats.data["slots_verified"] += counters["slots_verified"] - self._verified
             self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
+        if self._nixl is not None:
+            for name, count in self._nixl.take_counts().items():
+                self.stats.data[name] += count
         if self.stats.is_empty():
             return None
         taken, self.stats = self.stats, CanaryStats()

@@ -159,12 +159,14 @@ class RecordsServer:
         self.max_age_s = max_age_s
         self._held: dict[str, tuple[float, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._answers = {"served": 0, "missing": 0}  # requests answered with records, and without
         held = self
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self):
                 request_id = json.loads(self.rfile.readline())["request_id"]
                 records = held.get(request_id)
+                held._count("missing" if records is None else "served")
                 rows = -1 if records is None else len(records)
                 self.wfile.write(json.dumps({"request_id": request_id, "rows": rows}).encode() + b"\n")
                 if records is not None:
@@ -193,6 +195,16 @@ class RecordsServer:
         with self._lock:
             for request_id in request_ids:
                 self._held.pop(request_id, None)
+
+    def _count(self, answer: str) -> None:
+        with self._lock:
+            self._answers[answer] += 1
+
+    def take_answers(self) -> dict[str, int]:
+        """The requests answered with records (``served``) and without (``missing``) since the last call."""
+        with self._lock:
+            answers, self._answers = self._answers, dict.fromkeys(self._answers, 0)
+        return answers
 
     def close(self) -> None:
         self._server.shutdown()
@@ -241,12 +253,27 @@ class NixlWorker:
         self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
         self.fetch_seconds = 0.0  # D: spent fetching P's records
         self.verified_requests = 0
+        self._handed_over = 0  # P: slots snapshotted since `take_counts`
 
     def snapshot(self, canary, plan: NixlPlan) -> None:
         """P: holds the records of each request whose prompt the step completed (after its forward)."""
         for snap in plan.snapshots:
             records = canary.records(slots_of(snap.block_ids, snap.tokens, self.block_size))
             self.server.hold(snap.request_id, records.cpu())
+            self._handed_over += snap.tokens
+
+    def take_counts(self) -> dict[str, int]:
+        """P's counters since the last call, by their names in `stats.COUNTS`: the slots
+        whose records it snapshotted for a decode side, and the decode sides' requests for
+        records it answered with them and without."""
+        answers = self.server.take_answers()
+        counts = {
+            "transfer_slots_handed_over": self._handed_over,
+            "transfer_records_served": answers["served"],
+            "transfer_records_missing": answers["missing"],
+        }
+        self._handed_over = 0
+        return counts
 
     def release(self, finished_sending) -> None:
         """P: NIXL sent these requests' blocks, or their lease expired: their blocks are freed."""
