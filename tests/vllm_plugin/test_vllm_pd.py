@@ -6,10 +6,11 @@ Clean requests sharing prefixes come out as a clean NIXL pair without the canary
 them, with the KV pulled over NIXL and nothing flagged. Then faults, each injected by a vLLM
 plugin of the test's own: a byte flipped in a block on the prefill side after the prefill
 and before the transfer; a byte flipped on the decode side after the transfer; the decode
-side told to read another request's blocks; records the prefill side no longer holds. Under
-``repair`` each is named as a load error and recomputed, the answer equals the clean one,
-and the decode server keeps serving; without the canary the same fault changes the answer
-with HTTP 200. `make test-vllm-pd` runs these.
+side told to read another request's blocks; the decode side's read cut short (a block not
+read); records the prefill side no longer holds. Under ``repair`` each is named as a load
+error and recomputed, the answer equals the clean one, the decode server keeps serving and
+both servers' /metrics count it; without the canary the same fault changes the answer with
+HTTP 200. `make test-vllm-pd` runs these.
 """
 
 import json
