@@ -7,7 +7,10 @@
 #include <vector>
 
 #include "core/canary_records.h"
+#include "core/indices.h"
+#include "cuda/paged_step_scratch.h"
 #include "plan/bound_sources.h"
+#include "plan/checks.h"
 
 // `import torch_kvcanary._C` loads this library, whose static initializers
 // register the ops; the module itself is empty. PyMODINIT_FUNC exports it from
@@ -189,17 +192,26 @@ constexpr const char* kSchemas[] = {
     // (step, group, request) at its index in origins (int64 [ring rows, 3]);
     // last, mailbox (int64 [4]; pinned host memory on CUDA) gets (step,
     // phase, the violations counter, the ring's write index when the step's
-    // first call began). A slot or previous slot past the capacity is a
-    // SLOT_OUT_OF_RANGE row, never a read. Raises ValueError before writing
-    // anything for arguments of the wrong dtype, shape, size or device, and on
-    // the CPU for query_start_loc out of order, seq_lens below a request's
-    // tokens or a request past its block table.
+    // first call began). scratch (int64, 1-D, contiguous, on the records'
+    // device) is the kernels' working memory, left undefined: on CUDA at
+    // least paged_step_scratch_size(groups, num_tokens, num_reqs, capacity)
+    // values, on the CPU any (it uses none); allocated once by the caller, so
+    // that a step allocates nothing. A slot or previous slot past the
+    // capacity is a SLOT_OUT_OF_RANGE row, never a read. Raises ValueError
+    // before writing anything for arguments of the wrong dtype, shape, size
+    // or device, and on the CPU for query_start_loc out of order, seq_lens
+    // below a request's tokens or a request past its block table.
     "paged_step(Tensor sources_table, Tensor[] block_tables, Tensor[] slot_mappings, "
     "int[] sliding_windows, int[] chunk_sizes, Tensor query_start_loc, Tensor seq_lens, "
     "Tensor positions, Tensor? input_ids, Tensor? history, Tensor? history_known, "
     "Tensor? history_rows, Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
-    "Tensor(d!) ring, Tensor(e!) origins, Tensor(f!) mailbox, int num_reqs, int num_tokens, "
-    "int block_size, int phase, int step, int every=1, int padding_slot=-1) -> ()",
+    "Tensor(d!) ring, Tensor(e!) origins, Tensor(f!) mailbox, Tensor(g!) scratch, "
+    "int num_reqs, int num_tokens, int block_size, int phase, int step, int every=1, "
+    "int padding_slot=-1) -> ()",
+    // The int64 values of scratch a CUDA call of paged_step needs for
+    // num_groups KV cache groups, num_tokens tokens, num_reqs requests and a
+    // canary of capacity slots (cuda/paged_step_scratch.h lays them out).
+    "paged_step_scratch_size(int num_groups, int num_tokens, int num_reqs, int capacity) -> int",
     // The CPU kernel's instruction-set path: "scalar", "avx2" or "avx512"; the
     // best one the CPU has unless $KVCANARY_CPU_ISA names a lesser one.
     "cpu_isa() -> str",
@@ -207,6 +219,17 @@ constexpr const char* kSchemas[] = {
 
 std::vector<std::string> canary_counters() {
   return {std::begin(kCounterNames), std::end(kCounterNames)};
+}
+
+int64_t paged_step_scratch_size(int64_t num_groups, int64_t num_tokens, int64_t num_reqs,
+                                int64_t capacity) {
+  KVCANARY_CHECK_VALUE(num_groups >= 0 && num_groups <= kMaxPagedGroups && num_tokens >= 0 &&
+                           num_tokens < kMaxTokens && num_reqs >= 0 && num_reqs < kMaxTokens &&
+                           capacity >= 0 && capacity < kMaxTokens,
+                       "paged_step_scratch_size takes num_groups in [0, ", kMaxPagedGroups,
+                       "] and num_tokens, num_reqs and capacity in [0, 2**48), got ", num_groups,
+                       ", ", num_tokens, ", ", num_reqs, " and ", capacity);
+  return paged_step_scratch_values(num_groups * num_tokens, num_reqs, capacity);
 }
 
 }  // namespace
@@ -228,5 +251,6 @@ STABLE_TORCH_LIBRARY(kvcanary, m) {
 // every call.
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CompositeExplicitAutograd, m) {
   m.impl("canary_counters", TORCH_BOX(&kvcanary::canary_counters));
+  m.impl("paged_step_scratch_size", TORCH_BOX(&kvcanary::paged_step_scratch_size));
   m.impl("bind_sources", TORCH_BOX(&kvcanary::bind_sources));
 }

@@ -177,7 +177,7 @@ class MailboxWord(enum.IntEnum):
 @torch.library.register_fake("kvcanary::paged_step")
 def _paged_step_fake(
     sources_table, block_tables, slot_mappings, sliding_windows, chunk_sizes, query_start_loc, seq_lens, positions,
-    input_ids, history, history_known, history_rows, records, owner_tags, counters, ring, origins, mailbox,
+    input_ids, history, history_known, history_rows, records, owner_tags, counters, ring, origins, mailbox, scratch,
     num_reqs, num_tokens, block_size, phase, step, every=1, padding_slot=-1,
 ):  # fmt: skip
     # The checks of make_paged_step_plan (csrc/plan/paged_step_plan.cpp) that need no data.
@@ -187,12 +187,28 @@ def _paged_step_fake(
         check_index_dtype(value, name)
     for value in (*block_tables, *slot_mappings):
         check_index_dtype(value, "block_tables and slot_mappings")
+    if scratch.dtype != torch.int64 or scratch.dim() != 1 or not scratch.is_contiguous() or scratch.device != records.device:
+        raise ValueError(
+            f"kv-canary: paged_step's scratch must be a contiguous 1-D int64 tensor on the canary's device ({records.device}), "
+            f"got {scratch.dtype} of shape {list(scratch.shape)} on {scratch.device}"
+        )
     buffers = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions, "input_ids": input_ids}
     for name, value in buffers.items():
         if value is not None and value.device != records.device:
             raise ValueError(
                 f"kv-canary: {name} is on {value.device} but the canary is on {records.device}; pass the step's buffers on the canary's device"
             )
+
+
+def scratch_size(canary, block_tables: list[torch.Tensor], slot_mappings: list[torch.Tensor]) -> int:
+    """The int64 values of scratch `kvcanary::paged_step` needs on the canary's device for
+    any call on these buffers: as many requests as the block tables have rows and tokens as
+    the slot mappings have entries (0 on the CPU, whose kernel needs none)."""
+    if canary.device.type == "cpu":
+        return 0
+    num_reqs = min(table.shape[0] for table in block_tables)
+    num_tokens = min(mapping.shape[0] for mapping in slot_mappings)
+    return torch.ops.kvcanary.paged_step_scratch_size(len(block_tables), num_tokens, num_reqs, canary.capacity)
 
 
 class PagedStep:
@@ -211,7 +227,9 @@ class PagedStep:
             none); a group attends from the first position they leave (`StepPhase`).
 
     ``mailbox`` (int64 ``[4]``, `MailboxWord`; pinned host memory on CUDA) is written last by
-    each call; `finished` and `violations` read it through a NumPy view, without a copy."""
+    each call; `finished` and `violations` read it through a NumPy view, without a copy.
+    ``scratch`` is the kernels' working memory, allocated here once for the most requests
+    and tokens the buffers hold (`scratch_size`; none on the CPU), so that a call allocates nothing."""
 
     def __init__(
         self,
@@ -233,7 +251,8 @@ class PagedStep:
         self._mail = self.mailbox.numpy()
         self._op = torch.ops.kvcanary.paged_step.default
         self._groups = (canary._bound.table, list(block_tables), list(slot_mappings), sliding_windows, chunk_sizes)
-        self._tables = (canary._records, canary._owner_tags, canary._counters, canary._ring, canary._origins, self.mailbox)
+        self.scratch = torch.empty(scratch_size(canary, block_tables, slot_mappings), dtype=torch.int64, device=canary.device)
+        self._tables = (canary._records, canary._owner_tags, canary._counters, canary._ring, canary._origins, self.mailbox, self.scratch)
         self._padding = -1 if canary.padding_slot is None else canary.padding_slot
 
     def __call__(

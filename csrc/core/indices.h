@@ -9,6 +9,10 @@
 
 namespace kvcanary {
 
+// Positions, token counts and block sizes stay far below int64's range, so
+// that sums and small multiples of a few never overflow.
+constexpr int64_t kMaxTokens = int64_t{1} << 48;
+
 // Element `at` (in elements, any strides already applied) of an index
 // tensor's data, int32 when is_int32, else int64.
 KVC_HOST_DEVICE int64_t load_index(const void* data, bool is_int32, int64_t at) {

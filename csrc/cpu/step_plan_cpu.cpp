@@ -8,15 +8,15 @@
 
 #include <tuple>
 
+#include "core/indices.h"
 #include "libtorch/tensors.h"
 #include "plan/checks.h"
 
 namespace kvcanary {
 namespace {
 
-// Positions and block sizes stay far below int64's range, so that sums of a
-// few never overflow; a plan holds at most kMaxPlanValues values.
-constexpr int64_t kMaxTokens = int64_t{1} << 48;
+// A plan holds at most kMaxPlanValues values (positions and block sizes stay
+// below kMaxTokens, core/indices.h).
 constexpr int64_t kMaxPlanValues = int64_t{1} << 31;
 
 void check_host_int64(const Tensor& t, const char* name) {

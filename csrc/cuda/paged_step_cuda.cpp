@@ -2,9 +2,9 @@
 // kernels' launches (cuda/paged_step_cuda_kernel.cu). The host reads no device
 // value and never waits for the device, and the launches are the same for any
 // device values (their grids follow num_reqs, num_tokens, the groups and the
-// capacity), so the call can be captured in a CUDA graph. The kernels need
-// scratch: one int64 tensor sized from those host values (see
-// paged_step_scratch_values), allocated per call.
+// capacity), so the call can be captured in a CUDA graph. The kernels work in
+// the op's scratch tensor, which the caller allocates once
+// (cuda/paged_step_scratch.h): a call allocates nothing.
 #include "cuda/paged_step_cuda.h"
 
 #include <torch/csrc/stable/accelerator.h>
@@ -124,10 +124,13 @@ void paged_step_cuda(const PagedStepArgs& args) {
   const torch::stable::accelerator::DeviceGuard guard(records.get_device_index());
   const cudaStream_t stream = current_stream(records.get_device_index());
   PagedStepLaunchArgs launch = launch_args(plan, args, mailbox_on_device(args.mailbox, records));
-  const Tensor scratch =
-      new_tensor({paged_step_scratch_values(num_entries, args.num_reqs, plan.capacity)},
-                 ScalarType::Long, records.device());
-  launch.scratch = carve_paged_step_scratch(scratch.mutable_data_ptr<int64_t>(), num_entries,
+  const int64_t needed = paged_step_scratch_values(num_entries, args.num_reqs, plan.capacity);
+  KVCANARY_CHECK_VALUE(args.scratch.numel() >= needed, "paged_step's scratch holds ",
+                       args.scratch.numel(), " values; this call on CUDA needs ", needed, " (",
+                       num_groups, " groups, ", args.num_tokens, " tokens, ", args.num_reqs,
+                       " requests, ", plan.capacity,
+                       " slots): size it with torch.ops.kvcanary.paged_step_scratch_size");
+  launch.scratch = carve_paged_step_scratch(args.scratch.mutable_data_ptr<int64_t>(), num_entries,
                                             args.num_reqs, plan.capacity);
   const int num_sources = static_cast<int>(plan.fold.sources.size());
   clear_scratch(launch.scratch, plan.capacity, num_sources == 0, stream);

@@ -7,9 +7,6 @@
 namespace kvcanary {
 namespace {
 
-// Positions and token counts stay far below int64's range (step_plan's bound).
-constexpr int64_t kMaxTokens = int64_t{1} << 48;
-
 // A step buffer: int32 or int64, 1-D, contiguous, on the step's device, with
 // at least `needed` entries.
 void check_step_buffer(const Tensor& t, const char* name, int64_t needed, const char* entries,
@@ -100,6 +97,12 @@ PagedStepPlan make_paged_step_plan(const PagedStepArgs& a) {
   const Tensor& records = a.tables.records;
   check_step_table(a.origins, "ring origins", a.tables.ring.size(0), kOriginFields, records);
   check_step_table(a.mailbox, "mailbox", kMailboxWords, 0, records);
+  KVCANARY_CHECK_VALUE(a.scratch.scalar_type() == ScalarType::Long && a.scratch.dim() == 1 &&
+                           a.scratch.is_contiguous() && a.scratch.device() == records.device(),
+                       "paged_step's scratch must be a contiguous 1-D int64 tensor on the "
+                       "canary's device (",
+                       device_of(records), "), got ", dtype_of(a.scratch), " of shape ",
+                       shape_of(a.scratch), " on ", device_of(a.scratch));
   for (size_t g = 0; g < num_groups; ++g) {
     plan.groups.push_back(make_group(a, g, records));
   }

@@ -32,6 +32,7 @@ struct PagedStepArgs {
   CanaryTables tables;
   const Tensor& origins;  // int64 [ring_capacity, kOriginFields]
   const Tensor& mailbox;  // int64 [kMailboxWords]
+  const Tensor& scratch;  // int64 [>= what the backend needs]
   int64_t num_reqs;
   int64_t num_tokens;
   int64_t block_size;
@@ -73,8 +74,8 @@ void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block
                    const std::optional<Tensor>& history_known,
                    const std::optional<Tensor>& history_rows, Tensor& records, Tensor& owner_tags,
                    Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
-                   int64_t num_reqs, int64_t num_tokens, int64_t block_size, int64_t phase,
-                   int64_t step, int64_t every, int64_t padding_slot) {
+                   Tensor& scratch, int64_t num_reqs, int64_t num_tokens, int64_t block_size,
+                   int64_t phase, int64_t step, int64_t every, int64_t padding_slot) {
   kernel({sources_table,
           block_tables,
           slot_mappings,
@@ -90,6 +91,7 @@ void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block
           {records, owner_tags, counters, ring},
           origins,
           mailbox,
+          scratch,
           num_reqs,
           num_tokens,
           block_size,

@@ -511,6 +511,10 @@ HOST_QUERIES = {
 }
 HOST_QUERY_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
+# Ops that answer a size on the host from int arguments, for a caller to allocate by once:
+# the same checks as the queries', on their samples.
+HOST_SIZES = {"paged_step_scratch_size": [(1, 0, 0, 0), (2, 64, 8, 1024), (8, 4096, 256, 1 << 20)]}
+
 # Ops that plan a serving step on the host: CPU tensors in and out whatever device the step
 # runs on, called eagerly between two forwards (the size of an output depends on the
 # inputs' values), so of the contracts only opcheck's apply to them. Their samples.
@@ -550,7 +554,7 @@ BOUND_CASES = [case for case in OPS if case.op in BOUND]
 def test_every_op_is_in_a_table():
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcanary::")}
     bound = {f"{op}.bound" for op in BOUND} | {"bind_sources"}
-    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_PLANS) | set(STEP_OPS) | bound
+    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_SIZES) | set(HOST_PLANS) | set(STEP_OPS) | bound
 
 
 # --- the contracts ---------------------------------------------------------------------------
@@ -600,6 +604,14 @@ def test_host_query_opcheck(name):
     op = getattr(torch.ops.kvcanary, name).default
     torch.library.opcheck(op, (), test_utils=HOST_QUERY_CHECKS)
     assert op() in HOST_QUERIES[name]
+
+
+@pytest.mark.parametrize("name", sorted(HOST_SIZES))
+def test_host_size_opcheck(name):
+    op = getattr(torch.ops.kvcanary, name).default
+    for args in HOST_SIZES[name]:
+        torch.library.opcheck(op, args, test_utils=HOST_QUERY_CHECKS)
+        assert op(*args) > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -293,6 +293,48 @@ def test_refusals_change_nothing(change, message):
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
+@pytest.mark.parametrize(
+    "scratch, message",
+    [
+        (torch.zeros(4, dtype=torch.float32), "got Float of shape \\[4\\] on cpu"),
+        (torch.zeros(2, 2, dtype=torch.int64), "got Long of shape \\[2, 2\\]"),
+        (torch.zeros(4, dtype=torch.int64, device="meta"), "got .* of shape \\[4\\] on meta"),
+    ],
+)
+def test_a_scratch_of_the_wrong_kind_is_refused(scratch, message):
+    engine = Engine(random.Random(7), 4, [(0, 0)])
+    engine.qsl[:2] = torch.tensor([0, 2])
+    engine.seq_lens[0] = 2
+    engine.step_op.scratch = scratch
+    engine.step_op._tables = (*engine.step_op._tables[:-1], scratch)
+    args, kwargs = fresh_call(engine)
+    with pytest.raises(
+        ValueError,
+        match=f"^kv-canary: paged_step's scratch must be a contiguous 1-D int64 tensor on the canary's device \\(cpu\\), {message}",
+    ):
+        engine.step_op(*args.values(), **kwargs)
+    assert int(engine.canary._counters.sum()) == 0
+
+
+def test_the_scratch_size_grows_with_each_of_its_arguments_and_refuses_bad_ones():
+    size = torch.ops.kvcanary.paged_step_scratch_size
+    base = size(2, 64, 8, 1024)
+    assert base > 0
+    for grown in (size(3, 64, 8, 1024), size(2, 65, 8, 1024), size(2, 64, 9, 1024), size(2, 64, 8, 1025)):
+        assert grown > base
+    # The CUDA kernels' per-slot and per-entry arrays: it grows linearly in each.
+    assert size(2, 64, 8, 2048) - size(2, 64, 8, 1024) == size(2, 64, 8, 3072) - size(2, 64, 8, 2048)
+    assert size(2, 128, 8, 1024) - size(2, 64, 8, 1024) == size(4, 64, 8, 1024) - base
+    for bad in ((-1, 1, 1, 1), (1, -1, 1, 1), (1, 1, -1, 1), (1, 1, 1, -1), (9, 1, 1, 1), (1, 1 << 48, 1, 1)):
+        with pytest.raises(ValueError, match="^kv-canary: paged_step_scratch_size takes num_groups in \\[0, 8\\]"):
+            size(*bad)
+
+
+def test_a_cpu_step_binds_no_scratch():
+    engine = Engine(random.Random(7), 4, [(0, 0), (3, 0)])
+    assert engine.step_op.scratch.shape == (0,) and engine.step_op.scratch.dtype == torch.int64
+
+
 def test_a_released_table_is_refused():
     engine = Engine(random.Random(8), 4, [(0, 0)])
     engine.canary._bound.release()

@@ -148,3 +148,22 @@ def test_any_step_values_are_read_safely(device):
         )  # fmt: skip
         torch.cuda.synchronize()
     assert twin.op.finished(19)
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+def test_a_scratch_too_small_is_refused_and_the_bound_one_fits(device):
+    engine = Engine(random.Random(0), 4, [(0, 0), (3, 0)])
+    twin = Twin(engine, device)
+    size = torch.ops.kvcanary.paged_step_scratch_size
+    bound = size(2, twin.mappings[0].shape[0], twin.tables[0].shape[0], twin.canary.capacity)
+    assert twin.op.scratch.shape == (bound,) and twin.op.scratch.device.type == "cuda"
+    # The largest call the buffers allow: every table row a request, every position a token.
+    num_reqs, num_tokens = engine.seq_lens.shape[0], engine.positions.shape[0]
+    needed = size(2, num_tokens, num_reqs, twin.canary.capacity)
+    assert needed <= bound
+    bound_scratch = twin.op._tables[-1]
+    twin.op._tables = (*twin.op._tables[:-1], torch.empty(needed - 1, dtype=torch.int64, device=device))
+    buffers = map(twin.on_device, (engine.qsl, engine.seq_lens, engine.positions))
+    with pytest.raises(ValueError, match=f"^kv-canary: paged_step's scratch holds {needed - 1} values; this call on CUDA needs {needed} "):
+        twin.op(*buffers, num_reqs=num_reqs, num_tokens=num_tokens, step=0)
+    twin.op._tables = (*twin.op._tables[:-1], bound_scratch)

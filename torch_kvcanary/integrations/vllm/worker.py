@@ -233,6 +233,8 @@ class WorkerCanary:
                 why = "it proposes after the step"
             drafter += f"; {unwatched} layers of the speculative drafter not watched: {why}"
         copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
+        scratch = self._paged.scratch.nbytes
+        copy += f" and {_size(scratch)} of scratch for the step's kernels (not taken from the KV cache budget)" if scratch else ""
         return (
             f"kv-canary: watching {self.runner_view.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
             f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
