@@ -14,7 +14,7 @@ from test_paged_step import MAX_BLOCKS, MAX_REQS, MAX_TOKENS, Engine, random_bat
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
-from torch_kvcanary.paged_step import PagedStep, StepPhase
+from torch_kvcanary.paged_step import MailboxWord, PagedStep, StepPhase
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="paged_step's CUDA kernel needs a CUDA device")
 
@@ -56,15 +56,76 @@ class Twin:
         self.kv.copy_(self.engine.kv)
         for mine, theirs in zip(self.tables + self.mappings, self.engine.tables + self.engine.mappings):
             mine.copy_(theirs)
-        self.op(*map(self.on_device, buffers), **{k: self.on_device(v) for k, v in call.items()})
+        self.run_on_device(buffers, call)
         torch.cuda.synchronize()
         cpu, cuda = self.engine.canary, self.canary
-        assert ring_rows(cuda) == ring_rows(cpu)
+        assert self.comparable(ring_rows(cuda)) == self.comparable(ring_rows(cpu))
         assert cuda._records.tolist() == cpu._records.tolist()
         assert cuda._owner_tags.tolist() == cpu._owner_tags.tolist()
         assert cuda._counters.tolist() == cpu._counters.tolist()
-        assert self.op.mailbox.tolist() == self.cpu.mailbox.tolist()
+        assert self.comparable_mail(self.op.mailbox.tolist()) == self.comparable_mail(self.cpu.mailbox.tolist())
         cuda.poll()  # as the engine polls the CPU canary after the call
+
+    def run_on_device(self, buffers: tuple, call: dict) -> None:
+        self.op(*map(self.on_device, buffers), **{k: self.on_device(v) for k, v in call.items()})
+
+    def comparable(self, rows: list[list[int]]) -> list[list[int]]:
+        return rows
+
+    def comparable_mail(self, mailbox: list[int]) -> list[int]:
+        return mailbox
+
+
+class SyncCheckedTwin(Twin):
+    """A Twin whose CUDA calls run under torch's sync debug mode "error": a call that
+    waits on the device (a copy to the host, .item(), a stream synchronize) raises."""
+
+    def run_on_device(self, buffers: tuple, call: dict) -> None:
+        buffers, call = [self.on_device(b) for b in buffers], {k: self.on_device(v) for k, v in call.items()}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.op(*buffers, **call)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+class GraphTwin(Twin):
+    """A Twin whose CUDA calls are captured in a CUDA graph, one per shape of call (the
+    ints and which optional buffers it takes), after the first call of that shape ran
+    eagerly; later calls of a shape refill the captured buffers in place and replay, as an
+    engine replays its captured step. A replay runs with the step number it was captured
+    with, so the mailbox's STEP and the ring rows' step are compared without it."""
+
+    def __init__(self, engine: Engine, device: str):
+        super().__init__(engine, device)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, dict]] = {}
+        self.replays = 0
+
+    def run_on_device(self, buffers: tuple, call: dict) -> None:
+        shape = tuple(sorted((k, v if not isinstance(v, torch.Tensor) else "tensor") for k, v in call.items() if k != "step"))
+        if shape in self.graphs:
+            graph, static_buffers, static_call = self.graphs[shape]
+            for into, value in [*zip(static_buffers, buffers), *((static_call[k], v) for k, v in call.items())]:
+                if isinstance(into, torch.Tensor):
+                    into.copy_(value)
+            graph.replay()
+            self.replays += 1
+            return
+        static_buffers = tuple(self.on_device(b) for b in buffers)
+        static_call = {k: self.on_device(v) for k, v in call.items()}
+        self.op(*static_buffers, **static_call)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.op(*static_buffers, **static_call)  # captured, not run
+        self.graphs[shape] = graph, static_buffers, static_call
+
+    def comparable(self, rows: list[list[int]]) -> list[list[int]]:
+        step = -3  # the origin's (step, group, row) end each row
+        return sorted(row[:step] + row[step + 1 :] for row in rows)
+
+    def comparable_mail(self, mailbox: list[int]) -> list[int]:
+        return mailbox[MailboxWord.PHASE :]
 
 
 @pytest.mark.parametrize("device", ["cuda"])
@@ -167,3 +228,33 @@ def test_a_scratch_too_small_is_refused_and_the_bound_one_fits(device):
     with pytest.raises(ValueError, match=f"^kv-canary: paged_step's scratch holds {needed - 1} values; this call on CUDA needs {needed} "):
         twin.op(*buffers, num_reqs=num_reqs, num_tokens=num_tokens, step=0)
     twin.op._tables = (*twin.op._tables[:-1], bound_scratch)
+
+
+def _decode(engine: Engine, rng: random.Random, steps: int) -> None:
+    """Three requests prefilled, then ``steps`` decode steps of all three (the same shape
+    of call each step), a byte of a recorded context slot flipped before some."""
+    requests = [engine.add(24) for _ in range(3)]
+    engine.run([(r, 12) for r in requests])
+    for _ in range(steps):
+        if rng.random() < 0.5:
+            victim = rng.choice(requests)
+            p = rng.randrange(victim.computed)
+            engine.slot_bytes(victim.blocks[0][p // engine.block_size] * engine.block_size + p % engine.block_size)
+        engine.run([(r, 1) for r in requests])
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+def test_a_step_waits_on_nothing(device):
+    # Under sync debug mode "error" every CUDA call of the steps raises if it waits on the device.
+    engine = Engine(random.Random(12), 4, [(0, 0), (3, 0)], padding=0)
+    SyncCheckedTwin(engine, device)
+    _decode(engine, random.Random(12), 8)
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_captured_in_a_cuda_graph_replays_as_the_cpu_runs_it(device, seed):
+    engine = Engine(random.Random(seed), 4, [(0, 0), (3, 0), (0, 8)], padding=0)
+    twin = GraphTwin(engine, device)
+    _decode(engine, random.Random(seed), 8)
+    assert twin.replays == 7  # every decode step but the first, which ran eagerly before its capture
