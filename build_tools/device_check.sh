@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a lent GPU machine, in one call (under 8 minutes):
 #   build the extension against the torch there, run the test suite (GPU tests included,
-#   compute-sanitizer memcheck among them), run the GPU benchmark (the goal cases, then
-#   the sweep), print a short table last; the log, the JSON and the plot go under $OUT.
+#   compute-sanitizer memcheck among them), check the engine step's call on the GPU
+#   (benchmarks/paged_step_device.py), run the GPU benchmark (the goal cases, then the
+#   sweep), print a short table last; the log, the JSON and the plot go under $OUT.
 # That machine has no package registry: the wheels it lacks (expecttest, a recent
 # setuptools) travel in .whl/ (fill it with build_tools/device_carry.sh, then carry .whl).
 set -uo pipefail
@@ -37,6 +38,9 @@ step "tests (GPU tests, memcheck included)"
 # In worker processes when pytest-xdist is there: a test that crashes fails alone.
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 300 python3 -m pytest -q -rs ${workers} --durations=10 --junitxml="$OUT/tests.xml" tests || status=1
+
+step "the engine step on the GPU: no wait, kernels per call, a CUDA graph's replay, host us per call"
+timeout 120 python3 -m benchmarks.paged_step_device --device cuda --json "$OUT/paged_step_cuda.json" | tee "$OUT/paged_step_cuda.txt" || status=1
 
 step "GPU benchmark: the goal cases"
 timeout 150 python3 -m benchmarks.bench --device cuda --goals --min-run-time 0.3 --json "$OUT/bench_cuda.json" | tee "$OUT/bench_cuda.txt" || status=1

@@ -137,3 +137,18 @@ def test_call_overhead_times_the_fold_and_the_op_per_call(tmp_path, capsys):
     assert first.startswith("fold of 256 slots (1 source of 256 B, in cache), us per call: fold ")
     assert [line.split(";")[1].split(")")[0] for line in by_read] == [" ALL: each source's read_bytes", " PARTIAL: 16 B"]
     assert all(", us per call, Tensor[] / bound: 2 sources " in line for line in by_read)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_step_check_runs_clean_steps_and_says_what_it_measured(device, tmp_path, capsys):
+    from benchmarks import paged_step_device
+
+    path = tmp_path / "step.json"
+    argv = ["--device", device, "--layers", "1", "2", "--requests", "3", "--context", "40", "--steps", "4", "--json", str(path)]
+    assert paged_step_device.main(argv) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["layers"], r["requests"]) for r in rows] == [(1, 3), (2, 3)]
+    assert all(r["violations"] == 0 and r["host_us"] > 0 for r in rows)
+    on_cuda = device == "cuda"
+    assert all((r["graph"] == "equal" and r["syncs"] == "none" and r["kernels"] > 0) if on_cuda else r["graph"] is None for r in rows)
+    assert capsys.readouterr().out.splitlines()[0].startswith("| device | layers | requests | context | host us |")
