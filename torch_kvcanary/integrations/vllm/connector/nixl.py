@@ -166,7 +166,7 @@ class RecordsServer:
             def handle(self):
                 request_id = json.loads(self.rfile.readline())["request_id"]
                 records = held.get(request_id)
-                held._count("missing" if records is None else "served")
+                held.count_answer("missing" if records is None else "served")
                 rows = -1 if records is None else len(records)
                 self.wfile.write(json.dumps({"request_id": request_id, "rows": rows}).encode() + b"\n")
                 if records is not None:
@@ -196,7 +196,8 @@ class RecordsServer:
             for request_id in request_ids:
                 self._held.pop(request_id, None)
 
-    def _count(self, answer: str) -> None:
+    def count_answer(self, answer: str) -> None:
+        """Counts a request answered with records (``"served"``) or without (``"missing"``)."""
         with self._lock:
             self._answers[answer] += 1
 
