@@ -92,7 +92,7 @@ def _state(step: PagedStep) -> list:
     return [canary._records.tolist(), canary._owner_tags.tolist(), canary._counters.tolist()]
 
 
-def _kernels(step: PagedStep, call) -> int:
+def _kernels(call) -> int:
     """The device kernels and memsets one call launches."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
@@ -108,7 +108,7 @@ def run(device: str, layers: int, requests: int, context: int, steps: int, mode:
     tokens = work.fill(context)
     for bound in (step, twin):  # the prefill: every request's context recorded
         bound(*work.buffers(), num_reqs=requests, num_tokens=tokens, step=0)
-    host, device_times, kernels, graph_equal = [], [], [], None
+    host, device_times, kernels, graph_equal = [], [], None, None
     graph = None
     for number in range(1, steps + 1):
         tokens = work.fill(1)
@@ -143,15 +143,15 @@ def run(device: str, layers: int, requests: int, context: int, steps: int, mode:
         else:
             graph.replay()
         torch.cuda.synchronize()
-        graph_equal = _state(step) == _state(twin) if graph_equal is not False else False
+        graph_equal = graph_equal is not False and _state(step) == _state(twin)
     if on_cuda:
         tokens = work.fill(1)
-        kernels.append(_kernels(step, lambda: step(*work.buffers(), num_reqs=requests, num_tokens=tokens, step=steps + 1)))
+        kernels = _kernels(lambda: step(*work.buffers(), num_reqs=requests, num_tokens=tokens, step=steps + 1))
     return {
         "device": device, "layers": layers, "requests": requests, "context": context, "mode": mode,
         "host_us": statistics.median(host) * 1e6,
         "device_us": statistics.median(device_times) * 1e6 if device_times else None,
-        "kernels": kernels[0] if kernels else None,
+        "kernels": kernels,
         "syncs": "none" if on_cuda else None,
         "graph": None if graph_equal is None else ("equal" if graph_equal else "DIFFERS"),
         "violations": step.canary.stats()["violations"],
