@@ -341,28 +341,28 @@ def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_
 def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
     from vllm_serve import _free_port
 
-    from torch_kvcanary.integrations.vllm.connector import nixl
+    from torch_kvcanary.integrations.vllm.connector import records_channel
 
     port = _free_port()
-    server = nixl.RecordsServer("127.0.0.1", port, max_age_s=60)
+    server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
     try:
         records = torch.arange(12, dtype=torch.int64).view(3, 4)
         server.hold("a", records)
-        got, why = nixl.fetch_records(f"127.0.0.1:{port}", "a")
+        got, why = records_channel.fetch_records(f"127.0.0.1:{port}", "a")
         assert why == "" and torch.equal(got, records)
-        assert nixl.fetch_records(f"127.0.0.1:{port}", "b") == (
+        assert records_channel.fetch_records(f"127.0.0.1:{port}", "b") == (
             None,
             "the prefill side holds no records of it (its lease expired, or it was never snapshotted)",
         )
         server.release(["a"])
-        assert nixl.fetch_records(f"127.0.0.1:{port}", "a")[0] is None
+        assert records_channel.fetch_records(f"127.0.0.1:{port}", "a")[0] is None
         server.max_age_s = 0
         server.hold("c", records)
         server.hold("d", records)  # drops c, held longer than max_age_s
         assert server.get("c") is None and server.get("d") is not None
     finally:
         server.close()
-    got, why = nixl.fetch_records(f"127.0.0.1:{port}", "a", timeout=2)
+    got, why = records_channel.fetch_records(f"127.0.0.1:{port}", "a", timeout=2)
     assert got is None and why.startswith(f"the records server at 127.0.0.1:{port} failed: ")
 
 
