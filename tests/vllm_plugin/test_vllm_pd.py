@@ -338,32 +338,116 @@ def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_
 # The pieces on their own -------------------------------------------------------------------
 
 
+def _records_server(port: int, **held: torch.Tensor):
+    from torch_kvcanary.integrations.vllm.connector import records_channel
+
+    server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
+    for request_id, records in held.items():
+        server.hold(request_id, records)
+    return server
+
+
+def _ask(client, *questions: tuple[str, str]) -> list:
+    return client.fetch(list(questions))
+
+
+NOT_HELD = "the prefill side holds no records of it (its lease expired, or it was never snapshotted)"
+
+
 def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
     from vllm_serve import _free_port
 
     from torch_kvcanary.integrations.vllm.connector import records_channel
 
     port = _free_port()
-    server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
+    address = f"127.0.0.1:{port}"
+    records = torch.arange(12, dtype=torch.int64).view(3, 4)
+    server = _records_server(port, a=records)
+    client = records_channel.RecordsClient(timeout=2)
     try:
-        records = torch.arange(12, dtype=torch.int64).view(3, 4)
-        server.hold("a", records)
-        got, why = records_channel.fetch_records(f"127.0.0.1:{port}", "a")
+        (got, why), missing = _ask(client, (address, "a"), (address, "b"))
         assert why == "" and torch.equal(got, records)
-        assert records_channel.fetch_records(f"127.0.0.1:{port}", "b") == (
-            None,
-            "the prefill side holds no records of it (its lease expired, or it was never snapshotted)",
-        )
+        assert missing == (None, NOT_HELD)
         server.release(["a"])
-        assert records_channel.fetch_records(f"127.0.0.1:{port}", "a")[0] is None
+        assert _ask(client, (address, "a")) == [(None, NOT_HELD)]
+        assert server.take_answers() == {"served": 1, "missing": 2}
         server.max_age_s = 0
         server.hold("c", records)
         server.hold("d", records)  # drops c, held longer than max_age_s
         assert server.get("c") is None and server.get("d") is not None
     finally:
         server.close()
-    got, why = records_channel.fetch_records(f"127.0.0.1:{port}", "a", timeout=2)
-    assert got is None and why.startswith(f"the records server at 127.0.0.1:{port} failed: ")
+    [(got, why)] = _ask(client, (address, "a"))  # the kept connection is gone, and no server listens
+    assert got is None and why.startswith(f"the records server at {address} failed: ")
+    client.close()
+
+
+def test_the_records_client_asks_each_server_once_a_step_and_reconnects_once():
+    from vllm_serve import _free_port
+
+    from torch_kvcanary.integrations.vllm.connector import records_channel
+
+    ports = _free_port(), _free_port()
+    first, second = (f"127.0.0.1:{port}" for port in ports)
+    records = {name: torch.full((2 + k, 4), k, dtype=torch.int64) for k, name in enumerate("abc")}
+    servers = [_records_server(ports[0], a=records["a"], b=records["b"]), _records_server(ports[1], c=records["c"])]
+    client = records_channel.RecordsClient(timeout=2)
+    try:
+        # Two servers' questions interleaved: the answers come back in the questions' order.
+        answers = _ask(client, (first, "b"), (second, "c"), (first, "a"), (second, "a"))
+        assert [why for _, why in answers] == ["", "", "", NOT_HELD]
+        for (got, _), name in zip(answers[:3], "bca"):
+            assert torch.equal(got, records[name])
+        # P restarts on its port, holding other records: the kept connection fails, the client opens another.
+        servers[0].close()
+        servers[0] = _records_server(ports[0], a=records["c"])
+        [(got, why)] = _ask(client, (first, "a"))
+        assert why == "" and torch.equal(got, records["c"])
+        assert servers[0].take_answers() == {"served": 1, "missing": 0}
+    finally:
+        for server in servers:
+            server.close()
+        client.close()
+
+
+def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol():
+    import socket
+
+    from vllm_serve import _free_port
+
+    from torch_kvcanary.integrations.vllm.connector import records_channel
+
+    port = _free_port()
+    records = torch.ones(1, 4, dtype=torch.int64)
+    server = _records_server(port, a=records)
+    client = records_channel.RecordsClient(timeout=2)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as stranger:
+            stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            assert stranger.recv(1) == b""  # closed without an answer
+        [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
+        assert why == "" and torch.equal(got, records)
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_records_server_that_does_not_answer_is_a_failed_fetch_not_a_hang():
+    import socket
+
+    from vllm_serve import _free_port
+
+    from torch_kvcanary.integrations.vllm.connector import records_channel
+
+    port = _free_port()
+    with socket.create_server(("127.0.0.1", port)) as silent:  # accepts (the kernel's backlog) and never answers
+        client = records_channel.RecordsClient(timeout=1)
+        begin = time.monotonic()
+        [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
+        assert got is None and why == f"the records server at 127.0.0.1:{port} failed: timed out"
+        assert time.monotonic() - begin < 10
+        client.close()
+        assert silent.fileno() >= 0
 
 
 def test_slots_of_a_request_follow_its_blocks():

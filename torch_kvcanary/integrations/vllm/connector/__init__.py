@@ -1,5 +1,6 @@
 """The canary as a vLLM KV connector: `KvCanaryConnector` (`kv_connector`), its counters
-(`stats`), its verified disk transfers (`transfer`) and its fault drills (`drill`).
+(`stats`), its verified disk transfers (`transfer`), its verified NIXL transfers (`nixl`,
+with the side channel of their records, `records_channel`) and its fault drills (`drill`).
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin
 registers ``KvCanaryConnector`` with vLLM's connector factory as this package's class, so

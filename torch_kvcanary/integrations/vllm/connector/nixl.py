@@ -35,7 +35,7 @@ import torch
 
 from .. import adapter
 from ..config import CONNECTOR
-from .records_channel import RecordsServer, fetch_records
+from .records_channel import RecordsClient, RecordsServer
 
 logger = logging.getLogger(adapter.LOGGER)
 
@@ -157,6 +157,7 @@ class NixlWorker:
     def __init__(self, block_size: int, host: str, port: int, max_age_s: float):
         self.block_size = block_size
         self.server = RecordsServer(host, port, max_age_s)
+        self.client = RecordsClient()
         self._pending: dict[str, _Pending] = {}
         self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
         self.fetch_seconds = 0.0  # D: spent fetching P's records
@@ -189,14 +190,16 @@ class NixlWorker:
             self.server.release(finished_sending)
 
     def fetch(self, plan: NixlPlan) -> None:
-        """D: P's records of each load, before NIXL starts reading its blocks."""
+        """D: P's records of each load, before NIXL starts reading its blocks: P holds them
+        until it learns the blocks were read, so a question sent later could find them gone.
+        One round trip per prefill server and step."""
         begin = time.perf_counter()
+        unasked = (None, f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})")
+        asked = [load for load in plan.loads if load.address is not None and load.remote_request_id is not None]
+        answers = self.client.fetch([(load.address, load.remote_request_id) for load in asked])
+        by_request = {load.request_id: answer for load, answer in zip(asked, answers)}
         for load in plan.loads:
-            if load.address is None or load.remote_request_id is None:
-                records, why = None, f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
-            else:
-                records, why = fetch_records(load.address, load.remote_request_id)
-            self._pending[load.request_id] = _Pending(load, records, why)
+            self._pending[load.request_id] = _Pending(load, *by_request.get(load.request_id, unasked))
         self.fetch_seconds += time.perf_counter() - begin
 
     def land(self, canary, finished_recving, failed_recving) -> tuple[set[int], int, int]:
@@ -253,6 +256,7 @@ class NixlWorker:
                 self.verified_requests, 1e6 * self.fetch_seconds / self.verified_requests,
                 1e6 * self.verify_seconds / self.verified_requests,
             )  # fmt: skip
+        self.client.close()
         self.server.close()
 
 

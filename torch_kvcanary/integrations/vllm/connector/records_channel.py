@@ -1,6 +1,12 @@
 """The side channel of P's records (`nixl`): the prefill side's `RecordsServer` holds the
-snapshots of the requests it hands over and serves them on the loopback; the decode side
-fetches a request's with `fetch_records`."""
+snapshots of the requests it hands over and serves them on the loopback; the decode side's
+`RecordsClient` fetches a step's, over one connection per server that it keeps open.
+
+The protocol is line-framed over TCP. A question is one JSON line ``{"request_id": ...}``;
+its answer is one JSON line ``{"request_id": ..., "rows": n}`` (``rows`` -1 when none is
+held) followed by the records, int64 ``[n, RECORD_FIELDS]``. A connection carries any
+number of questions, answered in order, so a step's questions go out together and cost one
+round trip."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import socket
 import socketserver
 import threading
 import time
+from typing import BinaryIO
 
 import torch
 
@@ -17,33 +24,46 @@ from ....canary import RECORD_FIELDS
 FETCH_TIMEOUT_S = 10.0
 """How long D waits for P's records of a request; past it, the request's blocks are load errors."""
 
+Answer = tuple[torch.Tensor | None, str]
+"""P's records of one request, or None and why not."""
+
 
 class RecordsServer:
-    """Serves the held snapshots on ``host:port``: a request is one JSON line
-    ``{"request_id": ...}``; the answer one JSON line ``{"request_id": ..., "rows": n}``
-    (``rows`` -1 when none is held) followed by the records, int64 ``[n, RECORD_FIELDS]``."""
+    """Serves the held snapshots on ``host:port`` (the module's protocol), each connection
+    in a thread of its own; `close` ends the open connections too."""
 
     def __init__(self, host: str, port: int, max_age_s: float):
         self.max_age_s = max_age_s
         self._held: dict[str, tuple[float, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._answers = {"served": 0, "missing": 0}  # requests answered with records, and without
-        held = self
+        self._connections: set[socket.socket] = set()
+        server = self
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self):
-                request_id = json.loads(self.rfile.readline())["request_id"]
-                records = held.get(request_id)
-                held.count_answer("missing" if records is None else "served")
-                rows = -1 if records is None else len(records)
-                self.wfile.write(json.dumps({"request_id": request_id, "rows": rows}).encode() + b"\n")
-                if records is not None:
-                    self.wfile.write(records.numpy().tobytes())
+                server._open(self.connection)
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    for line in self.rfile:  # each question, until the client closes the connection
+                        self.wfile.write(server.answer(line))
+                except (OSError, ValueError, KeyError):  # a client gone, or one that does not speak the protocol
+                    pass
+                finally:
+                    server._closed(self.connection)
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self._server = socketserver.ThreadingTCPServer((host, port), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="kv-canary-records", daemon=True).start()
+
+    def answer(self, question: bytes) -> bytes:
+        """The answer to one question line, counted."""
+        request_id = json.loads(question)["request_id"]
+        records = self.get(request_id)
+        self.count_answer("missing" if records is None else "served")
+        header = json.dumps({"request_id": request_id, "rows": -1 if records is None else len(records)}).encode() + b"\n"
+        return header if records is None else header + records.numpy().tobytes()
 
     def hold(self, request_id: str, records: torch.Tensor) -> None:
         """Holds ``records``; drops those held longer than ``max_age_s`` (a request NIXL
@@ -75,28 +95,99 @@ class RecordsServer:
             answers, self._answers = self._answers, dict.fromkeys(self._answers, 0)
         return answers
 
+    def _open(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._connections.add(connection)
+
+    def _closed(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed by its client meanwhile
+                pass
 
 
-def fetch_records(address: str, request_id: str, timeout: float = FETCH_TIMEOUT_S) -> tuple[torch.Tensor | None, str]:
-    """P's records of its request ``request_id`` from the records server at ``address``:
-    (records, "") or (None, why not)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as connection:
-            connection.sendall(json.dumps({"request_id": request_id}).encode() + b"\n")
-            stream = connection.makefile("rb")
-            header = json.loads(stream.readline())
-            if header.get("request_id") != request_id:
-                return None, f"the records server answered for request {header.get('request_id')!r}"
-            if header["rows"] < 0:
-                return None, "the prefill side holds no records of it (its lease expired, or it was never snapshotted)"
-            size = header["rows"] * len(RECORD_FIELDS) * 8
-            data = stream.read(size)
-            if len(data) != size:
-                return None, "the records server's answer was cut short"
-            return torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, len(RECORD_FIELDS)), ""
-    except (OSError, ValueError, KeyError) as error:
-        return None, f"the records server at {address} failed: {error}"
+class RecordsClient:
+    """D: fetches P's records, the questions of a step to one server in one round trip, over
+    one connection per records server that it keeps open; a kept connection that fails (its
+    server restarted, say) is opened again once. ``timeout`` bounds each wait on a server."""
+
+    def __init__(self, timeout: float = FETCH_TIMEOUT_S):
+        self.timeout = timeout
+        self._connections: dict[str, tuple[socket.socket, BinaryIO]] = {}
+
+    def fetch(self, questions: list[tuple[str, str]]) -> list[Answer]:
+        """The `Answer` of each ``(address, request_id)``'s server, in order."""
+        answers: list[Answer] = [(None, "")] * len(questions)
+        by_address: dict[str, list[int]] = {}
+        for index, (address, _) in enumerate(questions):
+            by_address.setdefault(address, []).append(index)
+        for address, indexes in by_address.items():
+            request_ids = [questions[i][1] for i in indexes]
+            try:
+                answered = self._ask(address, request_ids)
+            except (OSError, ValueError, KeyError) as error:
+                self._drop(address)
+                answered = [(None, f"the records server at {address} failed: {error}")] * len(request_ids)
+            for index, answer in zip(indexes, answered):
+                answers[index] = answer
+        return answers
+
+    def close(self) -> None:
+        for address in list(self._connections):
+            self._drop(address)
+
+    def _ask(self, address: str, request_ids: list[str]) -> list[Answer]:
+        """The answers of ``address`` to ``request_ids``; a kept connection that its server
+        closed or reset is replaced by a new one, once (one that timed out is not)."""
+        reused = address in self._connections
+        try:
+            return self._round_trip(address, request_ids)
+        except ConnectionError:
+            self._drop(address)
+            if not reused:
+                raise
+        return self._round_trip(address, request_ids)
+
+    def _round_trip(self, address: str, request_ids: list[str]) -> list[Answer]:
+        connection, stream = self._connection(address)
+        connection.sendall(b"".join(json.dumps({"request_id": r}).encode() + b"\n" for r in request_ids))
+        return [_read_answer(stream, request_id) for request_id in request_ids]
+
+    def _connection(self, address: str) -> tuple[socket.socket, BinaryIO]:
+        if address not in self._connections:
+            host, _, port = address.rpartition(":")
+            connection = socket.create_connection((host, int(port)), timeout=self.timeout)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._connections[address] = (connection, connection.makefile("rb"))
+        return self._connections[address]
+
+    def _drop(self, address: str) -> None:
+        connection, stream = self._connections.pop(address, (None, None))
+        if connection is not None:
+            stream.close()
+            connection.close()
+
+
+def _read_answer(stream: BinaryIO, request_id: str) -> Answer:
+    line = stream.readline()
+    if not line:
+        raise ConnectionError("it closed the connection")
+    header = json.loads(line)
+    if header.get("request_id") != request_id:
+        raise ValueError(f"it answered for request {header.get('request_id')!r}, not {request_id!r}")
+    if header["rows"] < 0:
+        return None, "the prefill side holds no records of it (its lease expired, or it was never snapshotted)"
+    size = header["rows"] * len(RECORD_FIELDS) * 8
+    data = stream.read(size)
+    if len(data) != size:
+        raise ConnectionError("its answer was cut short")
+    return torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, len(RECORD_FIELDS)), ""
