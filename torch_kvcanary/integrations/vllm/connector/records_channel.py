@@ -42,7 +42,7 @@ class RecordsServer:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self):
-                server._open(self.connection)
+                server.connection_opened(self.connection)
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
                     for line in self.rfile:  # each question, until the client closes the connection
@@ -50,7 +50,7 @@ class RecordsServer:
                 except (OSError, ValueError, KeyError):  # a client gone, or one that does not speak the protocol
                     pass
                 finally:
-                    server._closed(self.connection)
+                    server.connection_closed(self.connection)
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self._server = socketserver.ThreadingTCPServer((host, port), Handler)
@@ -95,11 +95,12 @@ class RecordsServer:
             answers, self._answers = self._answers, dict.fromkeys(self._answers, 0)
         return answers
 
-    def _open(self, connection: socket.socket) -> None:
+    def connection_opened(self, connection: socket.socket) -> None:
+        """A client connected (`close` ends its connection)."""
         with self._lock:
             self._connections.add(connection)
 
-    def _closed(self, connection: socket.socket) -> None:
+    def connection_closed(self, connection: socket.socket) -> None:
         with self._lock:
             self._connections.discard(connection)
 
