@@ -52,14 +52,16 @@ class _StepRows:
         buffers = self._host if self._copy is None else self._copy
         self.query_start_loc, self.seq_lens = buffers[0], buffers[1]
 
-    def fill(self, forward: adapter.Step) -> None:
+    def fill(self, forward: adapter.Step) -> int:
+        """Writes the forward's rows; returns its number of tokens (the cumulative sum's last)."""
         rows = len(forward.num_scheduled)
         if rows + 1 > self._values.shape[1]:
             self._allocate(2 * rows)
-        np.cumsum(forward.num_scheduled, out=self._values[0, 1 : rows + 1])
+        np.add.accumulate(forward.num_scheduled, out=self._values[0, 1 : rows + 1])
         np.add(forward.num_computed, forward.num_scheduled, out=self._values[1, :rows])
         if self._copy is not None:
             self._copy.copy_(self._host, non_blocking=True)
+        return int(self._values[0, rows])
 
 
 # The steps whose request ids a violation read late can still be named by.
@@ -381,8 +383,7 @@ class WorkerCanary:
     def _begin_step(self, forward: adapter.Step) -> _StepRun:
         """The step's rows for its call (O(requests) NumPy on the host), the records of the
         blocks vLLM copied, and under a block-packed backend the call before the forward."""
-        run = _StepRun(self._steps, forward, self._token_history(forward), forward.num_tokens)
-        self._rows.fill(forward)
+        run = _StepRun(self._steps, forward, self._token_history(forward), self._rows.fill(forward))
         self._names[run.number] = forward.request_ids
         self._names.pop(run.number - _NAMED_STEPS, None)
         if len(forward.block_copies):
