@@ -422,9 +422,10 @@ def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol()
     server = _records_server(port, a=records)
     client = records_channel.RecordsClient(timeout=2)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as stranger:
-            stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
-            assert stranger.recv(1) == b""  # closed without an answer
+        for nonsense in (b"GET / HTTP/1.1\r\n\r\n", b"{" * (records_channel.MAX_QUESTION_BYTES + 1)):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as stranger:
+                stranger.sendall(nonsense)
+                assert stranger.recv(1) == b""  # closed without an answer
         [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
         assert why == "" and torch.equal(got, records)
     finally:

@@ -24,6 +24,9 @@ from ....canary import RECORD_FIELDS
 FETCH_TIMEOUT_S = 10.0
 """How long D waits for P's records of a request; past it, the request's blocks are load errors."""
 
+MAX_QUESTION_BYTES = 4096
+"""The longest question line the server reads; a longer one ends its connection."""
+
 Answer = tuple[torch.Tensor | None, str]
 """P's records of one request, or None and why not."""
 
@@ -44,9 +47,9 @@ class RecordsServer:
             def handle(self):
                 server.connection_opened(self.connection)
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                try:
-                    for line in self.rfile:  # each question, until the client closes the connection
-                        self.wfile.write(server.answer(line))
+                try:  # each question, until the client closes the connection
+                    while question := self.rfile.readline(MAX_QUESTION_BYTES):
+                        self.wfile.write(server.answer(question))
                 except (OSError, ValueError, KeyError):  # a client gone, or one that does not speak the protocol
                     pass
                 finally:
