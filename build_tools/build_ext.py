@@ -47,10 +47,20 @@ LIMITED_API = "cp310"  # the wheel's abi3 tag; Py_LIMITED_API below says the sam
 TORCH_FLOOR = (2, 10)
 TORCH_TARGET_VERSION = f"0x{TORCH_FLOOR[0]:02x}{TORCH_FLOOR[1]:02x}000000000000"
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
-# -fvisibility=hidden: each library keeps its own copy of the shared checks (plan/), and
-# exports its module's init function alone.
-CXX_FLAGS = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
-NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo", "-Xcompiler=-fvisibility=hidden"]
+# C++20 named here: torch's BuildExtension adds its own standard only where none is given,
+# and that is C++17 up to torch 2.11. -fvisibility=hidden: each library keeps its own copy
+# of the shared checks (plan/), and exports its module's init function alone.
+CXX_STANDARD = "-std=c++20"
+CXX_FLAGS = [
+    CXX_STANDARD,
+    "-O3",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+    "-fvisibility=hidden",
+    f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}",
+]
+NVCC_FLAGS = [CXX_STANDARD, "-O3", "--use_fast_math", "-lineinfo", "-Xcompiler=-fvisibility=hidden"]
 # The libtorch library that exports the stable ABI's C shim (every torch has it).
 TORCH_LIBRARIES = ["torch_cpu"]
 # KVCANARY_SANITIZE=1: a CPU-only build under AddressSanitizer and UndefinedBehaviorSanitizer

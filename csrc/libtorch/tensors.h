@@ -11,8 +11,15 @@
 #include <torch/headeronly/core/DeviceType.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
+
+// Torch 2.11's headers name the shim's error check TORCH_ERROR_CODE_CHECK; later
+// ones STABLE_TORCH_ERROR_CODE_CHECK, the same check.
+#ifndef STABLE_TORCH_ERROR_CODE_CHECK
+#define STABLE_TORCH_ERROR_CODE_CHECK TORCH_ERROR_CODE_CHECK
+#endif
 
 namespace kvcanary {
 
@@ -28,6 +35,12 @@ inline int64_t product_from(IntList sizes, size_t first_dim) {
   int64_t product = 1;
   for (size_t d = first_dim; d < sizes.size(); ++d) product *= sizes[d];
   return product;
+}
+
+// Whether `a` and `b` have the same shape (torch 2.11's size lists have no ==).
+inline bool same_shape(const Tensor& a, const Tensor& b) {
+  const IntList x = a.sizes(), y = b.sizes();
+  return std::equal(x.begin(), x.end(), y.begin(), y.end());
 }
 
 // A new contiguous tensor on `device`, its memory uninitialised. The shim's

@@ -15,7 +15,7 @@ constexpr int64_t kUnitAlign = 4;
 
 void check_index_tensor(const Tensor& t, const char* name, const Tensor& slots) {
   check_index_dtype(t, name);
-  KVCANARY_CHECK_VALUE(t.sizes() == slots.sizes(), name, " must have the shape of slots ",
+  KVCANARY_CHECK_VALUE(same_shape(t, slots), name, " must have the shape of slots ",
                        shape_of(slots), ", got ", shape_of(t));
   check_on_slots_device(t, slots, kPutOnOneDevice, name);
 }
