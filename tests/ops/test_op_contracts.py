@@ -477,8 +477,8 @@ def _paged_step_sample(device: str, *, table_dtype=torch.int32, tokens=True, eve
     checked = (input_ids, history, torch.ones_like(history, dtype=torch.bool), history_rows) if tokens else (None,) * 4
     # The mailbox on the canary's device (which CUDA takes too): opcheck's copies of a pinned
     # host mailbox would not be pinned.
-    *tables, mailbox = step._tables
-    tables = (*tables, mailbox.to(device))
+    *tables, mailbox, scratch = step._tables
+    tables = (*tables, mailbox.to(device), scratch)
     return canary, (*step._groups, qsl, seq_lens, positions, *checked, *tables, 2, num_tokens, 16, int(phase), 1, every, 0)
 
 
