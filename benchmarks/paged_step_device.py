@@ -5,6 +5,11 @@
 * ``host us``: the call's host time, from its start to its return (no synchronize): what
   the host spends per step where the device runs the call asynchronously; median over the
   decode steps;
+* ``queued us``: the same, for calls issued back to back with the device still busy with
+  the ones before (as an engine issues its steps), and ``trivial us``: the host time of as
+  many of torch's smallest kernels (``add_`` on one value) as the call launches, issued
+  back to back in the same process: the floor a call of that many launches stands on;
+  medians;
 * ``device us``: the call's device time (CUDA events around it); median;
 * ``kernels``: the kernels and memsets one call launches (torch's profiler), the same for
   every step of a shape: the count depends on the number of sources alone;
@@ -101,6 +106,19 @@ def _kernels(call) -> int:
     return sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _queued_host(call, calls: int, first: int) -> float:
+    """The median host time of ``call(n)`` for ``calls`` calls issued back to back (``n``
+    from ``first`` on), the device left to run behind them."""
+    torch.cuda.synchronize()
+    times = []
+    for number in range(first, first + calls):
+        start = time.perf_counter()
+        call(number)
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def run(device: str, layers: int, requests: int, context: int, steps: int, mode: str) -> dict:
     work = DecodeWorkload(device, layers, requests, context, steps, mode)
     step, twin = work.canary_step(), work.canary_step()
@@ -144,12 +162,20 @@ def run(device: str, layers: int, requests: int, context: int, steps: int, mode:
             graph.replay()
         torch.cuda.synchronize()
         graph_equal = graph_equal is not False and _state(step) == _state(twin)
+    queued = trivial = None
     if on_cuda:
         tokens = work.fill(1)
         kernels = _kernels(lambda: step(*work.buffers(), num_reqs=requests, num_tokens=tokens, step=steps + 1))
+        queued = _queued_host(
+            lambda number: step(*work.buffers(), num_reqs=requests, num_tokens=tokens, step=number), steps, first=steps + 2
+        )
+        one = torch.zeros(1, device=device)
+        trivial = _queued_host(lambda number: [one.add_(1) for _ in range(kernels)], steps, first=0)
     return {
         "device": device, "layers": layers, "requests": requests, "context": context, "mode": mode,
         "host_us": statistics.median(host) * 1e6,
+        "queued_us": None if queued is None else queued * 1e6,
+        "trivial_us": None if trivial is None else trivial * 1e6,
         "device_us": statistics.median(device_times) * 1e6 if device_times else None,
         "kernels": kernels,
         "syncs": "none" if on_cuda else None,
@@ -169,12 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     rows = [run(args.device, layers, requests, args.context, args.steps, args.mode) for layers in args.layers for requests in args.requests]
-    print("| device | layers | requests | context | host us | device us | kernels | syncs | graph | violations |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |")
+    print("| device | layers | requests | context | host us | queued us | trivial us | device us | kernels | syncs | graph | violations |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |")
+
+    def us(value: float | None, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for r in rows:
-        device_us = "-" if r["device_us"] is None else f"{r['device_us']:.0f}"
         print(
-            f"| {r['device']} | {r['layers']} | {r['requests']} | {r['context']} | {r['host_us']:.1f} | {device_us} | "
+            f"| {r['device']} | {r['layers']} | {r['requests']} | {r['context']} | {r['host_us']:.1f} | {us(r['queued_us'])} | "
+            f"{us(r['trivial_us'])} | {us(r['device_us'], 0)} | "
             f"{r['kernels'] if r['kernels'] is not None else '-'} | {r['syncs'] or '-'} | {r['graph'] or '-'} | {r['violations']} |"
         )
     if args.json:

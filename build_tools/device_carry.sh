@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored), which a call of the GPU machine carries: the wheels
-# build_tools/device_check.sh installs there (that machine has no package registry).
+# build_tools/device_check.sh installs there (that machine has no package registry;
+# pytest-xdist runs its tests in worker processes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux2014_x86_64 -d .whl expecttest "setuptools>=70"
+  --platform manylinux2014_x86_64 -d .whl expecttest "setuptools>=70" pytest-xdist execnet

@@ -151,4 +151,5 @@ def test_the_device_step_check_runs_clean_steps_and_says_what_it_measured(device
     assert all(r["violations"] == 0 and r["host_us"] > 0 for r in rows)
     on_cuda = device == "cuda"
     assert all((r["graph"] == "equal" and r["syncs"] == "none" and r["kernels"] > 0) if on_cuda else r["graph"] is None for r in rows)
+    assert all((r["queued_us"] > 0 and r["trivial_us"] > 0) if on_cuda else r["queued_us"] is r["trivial_us"] is None for r in rows)
     assert capsys.readouterr().out.splitlines()[0].startswith("| device | layers | requests | context | host us |")
