@@ -30,10 +30,16 @@ class Request:
     history_row: int = 0
 
 
+def sources_of(kv: torch.Tensor) -> list:
+    """The canary's sources over ``[layers, 2, num_blocks, block_size, heads, head_size]``:
+    each layer's K and V, as vLLM's NHD layout gives them."""
+    return [source for layer in kv for source in layouts.vllm(layer, layout="NHD")]
+
+
 @dataclass
 class Engine:
-    """A paged pool of one vLLM layer shared by KV cache groups, its canary and the spec's
-    records, and the step buffers an engine refills in place."""
+    """A paged pool of ``layers`` vLLM layers shared by KV cache groups, its canary and the
+    spec's records, and the step buffers an engine refills in place."""
 
     rng: random.Random
     block_size: int
@@ -43,15 +49,14 @@ class Engine:
     mode: kc.HashMode = kc.HashMode.ALL
     table_dtype: torch.dtype = torch.int32
     num_blocks: int = 160
+    layers: int = 1
     requests: list[Request] = field(default_factory=list)
 
     def __post_init__(self):
         gen = torch.Generator().manual_seed(self.rng.randrange(1 << 30))
-        self.kv = torch.randint(0, 256, (2, self.num_blocks, self.block_size, 1, 16), dtype=torch.uint8, generator=gen)
-        self.kv = self.kv.view(torch.bfloat16)
-        self.canary = kc.KvCanary(
-            layouts.vllm(self.kv, layout="NHD"), mode=self.mode, on_violation=None, padding_slot=self.padding, ring_capacity=4096
-        )
+        shape = (self.layers, 2, self.num_blocks, self.block_size, 1, 16)
+        self.kv = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(torch.bfloat16)
+        self.canary = kc.KvCanary(sources_of(self.kv), mode=self.mode, on_violation=None, padding_slot=self.padding, ring_capacity=4096)
         self.oracle_records = spec_oracle.Records(self.canary.capacity)
         self.free = list(range(1, self.num_blocks))
         self.rng.shuffle(self.free)
@@ -77,7 +82,7 @@ class Engine:
     def slot_bytes(self, slot: int) -> None:
         """The forward's write: new bytes for ``slot``'s K and V."""
         b, o = divmod(slot, self.block_size)
-        self.kv[:, b, o] = torch.randn(self.kv[:, b, o].shape).to(torch.bfloat16)
+        self.kv[:, :, b, o] = torch.randn(self.kv[:, :, b, o].shape).to(torch.bfloat16)
 
     def add(self, length: int, prefix: Request | None = None) -> Request:
         tokens = [self.rng.randrange(1000) for _ in range(length)]
