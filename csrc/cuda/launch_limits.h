@@ -13,4 +13,10 @@ constexpr int kSourcesPerLaunch = 16;
 // The kernel parameter limit every CUDA version allows.
 constexpr unsigned kMaxLaunchArgBytes = 4096;
 
+// The limit of CUDA 12.1 and later on Volta and later GPUs (the library builds
+// for Ampere on, and links a CUDA 12.1 or later runtime): the engine step's
+// fold takes a whole model's sources in one launch with it, so that the
+// step's launches do not grow with the layers.
+constexpr unsigned kMaxWideLaunchArgBytes = 32764;
+
 }  // namespace kvcanary

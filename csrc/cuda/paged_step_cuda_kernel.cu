@@ -338,19 +338,29 @@ __global__ void __launch_bounds__(kStepThreads) mark_context_kernel(const Args a
   });
 }
 
-// The fold of every marked slot over one launch's sources, continuing the
-// chain of the launches before (`continue_chain`); a grid-stride loop whose
-// bound is the block's, so that every lane of a warp folds together.
+// The fold of every marked slot over one launch's sources (at most
+// kCapacity), continuing the chain of the launches before (`continue_chain`);
+// a grid-stride loop whose bound is the block's, so that every lane of a warp
+// folds together.
+template <int kCapacity>
 struct MarkedFoldArgs {
-  SourceLayout sources[kSourcesPerLaunch];
+  SourceLayout sources[kCapacity];
   int num_sources;
   bool continue_chain;
 };
-static_assert(sizeof(MarkedFoldArgs) + sizeof(Args) <= kMaxLaunchArgBytes,
-              "a launch's arguments must fit the limit");
 
+// A launch of up to kSourcesPerLaunch sources keeps its arguments within
+// every CUDA version's limit; more take one launch of kWideSources each.
+constexpr int kWideSources = static_cast<int>(
+    (kMaxWideLaunchArgBytes - sizeof(Args) - sizeof(MarkedFoldArgs<1>)) / sizeof(SourceLayout));
+static_assert(sizeof(MarkedFoldArgs<kSourcesPerLaunch>) + sizeof(Args) <= kMaxLaunchArgBytes,
+              "a launch's arguments must fit the limit");
+static_assert(sizeof(MarkedFoldArgs<kWideSources>) + sizeof(Args) <= kMaxWideLaunchArgBytes,
+              "a wide launch's arguments must fit its limit");
+
+template <int kCapacity>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    fold_marked_kernel(const Args a, const MarkedFoldArgs f) {
+    fold_marked_kernel(const Args a, const MarkedFoldArgs<kCapacity> f) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   const PagedStepScratch& s = a.scratch;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock; base < a.capacity;
@@ -412,6 +422,21 @@ __global__ void finish_kernel(const Args a) {
 
 unsigned int step_blocks(int64_t n) { return grid_blocks(n, kStepThreads, kMaxStepBlocks); }
 
+template <int kCapacity>
+void launch_fold_marked(const Args& a, const SourceLayout* sources, int num_sources,
+                        cudaStream_t stream) {
+  for (int first = 0; first < num_sources; first += kCapacity) {
+    MarkedFoldArgs<kCapacity> f{};
+    f.num_sources = num_sources - first < kCapacity ? num_sources - first : kCapacity;
+    for (int i = 0; i < f.num_sources; ++i) {
+      f.sources[i] = sources[first + i];
+    }
+    f.continue_chain = first > 0;
+    fold_marked_kernel<kCapacity><<<grid_blocks(a.capacity, kThreadsPerBlock, kMaxStepBlocks),
+                                    kThreadsPerBlock, 0, stream>>>(a, f);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_paged_step(const PagedStepLaunchArgs& a, const SourceLayout* sources,
@@ -420,16 +445,10 @@ cudaError_t launch_paged_step(const PagedStepLaunchArgs& a, const SourceLayout* 
   rank_kernel<<<step_blocks(a.rows.num_reqs), kStepThreads, 0, stream>>>(a);
   entries_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
   mark_context_kernel<<<grid_blocks(units, 1, kMaxStepBlocks), kStepThreads, 0, stream>>>(a);
-  for (int first = 0; first < num_sources; first += kSourcesPerLaunch) {
-    MarkedFoldArgs f{};
-    f.num_sources =
-        num_sources - first < kSourcesPerLaunch ? num_sources - first : kSourcesPerLaunch;
-    for (int i = 0; i < f.num_sources; ++i) {
-      f.sources[i] = sources[first + i];
-    }
-    f.continue_chain = first > 0;
-    fold_marked_kernel<<<grid_blocks(a.capacity, kThreadsPerBlock, kMaxStepBlocks),
-                         kThreadsPerBlock, 0, stream>>>(a, f);
+  if (num_sources <= kSourcesPerLaunch) {
+    launch_fold_marked<kSourcesPerLaunch>(a, sources, num_sources, stream);
+  } else {
+    launch_fold_marked<kWideSources>(a, sources, num_sources, stream);
   }
   run_heads_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
   independent_runs_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
