@@ -3,7 +3,8 @@
 # extras (pyproject.toml), and builds the extension ahead of time; both are quick once that
 # is done. `make wheel` builds the package's one wheel, which serves every torch from the
 # floor on (the LibTorch stable ABI); `make wheel-check WHEEL_TORCH=torch==X` installs it in
-# a fresh venv of that torch and runs the tests there. `make lint` checks the formatting and
+# a fresh venv of that torch and runs the tests there; `make source-check` builds from source
+# under an older torch. `make lint` checks the formatting and
 # lint rules, `make format` applies them.
 
 PYTHON ?= python3
@@ -26,12 +27,15 @@ WHEEL_DIR := dist
 # The wheel is tested under this torch, in a venv of its own.
 WHEEL_TORCH ?= $(TORCH)
 WHEEL_VENV ?= $(VENV)-wheel-$(subst torch==,,$(WHEEL_TORCH))
+# A source build is checked under this torch, in a venv of its own.
+SOURCE_TORCH ?= torch==2.11.0
+SOURCE_VENV ?= $(VENV)-source-$(subst torch==,,$(SOURCE_TORCH))
 LINT_VENV := .venv-lint
 # Pinned: another version may format (or audit) differently.
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check abi-audit lint format test-vllm test-vllm-pd soak-vllm bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-pd soak-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -81,6 +85,17 @@ abi-audit: $(WHEEL_DIR)/.built $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/torch-abi-audit $(WHEEL_DIR)/unpacked/torch_kvcanary --check both
 	$(LINT_VENV)/bin/torch-abi-audit $(WHEEL_DIR)/unpacked/torch_kvcanary --json > $(WHEEL_DIR)/abi-audit.json
 	$(BIN)/python -c "import json, sys; from build_tools.build_ext import TORCH_FLOOR; floor = '%d.%d.0' % TORCH_FLOOR; need = {e['path'].rsplit('/', 1)[1]: e['torch']['min_torch_version'] for e in json.load(open(sys.argv[1]))['extensions']}; print('torch each library needs:', need); sys.exit(None if set(need.values()) == {floor} else f'kv-canary: every library must need torch {floor}, no later')" $(WHEEL_DIR)/abi-audit.json
+
+# The package built from source in a fresh venv of $(SOURCE_TORCH), an older torch than the
+# wheel's (its headers and its BuildExtension's defaults differ), as `pip install` from
+# source builds it there: the CPU library alone, its fold checked against the golden vectors
+# and the reference, its engine step against the spec.
+source-check: $(SGLANG_REFERENCE)
+	$(PYTHON) -m venv --clear $(SOURCE_VENV)
+	$(SOURCE_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(SOURCE_TORCH)" $(BUILD_REQUIRES)
+	KVCANARY_CPU_ONLY=1 $(SOURCE_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation ".[test]"
+	cd / && $(abspath $(SOURCE_VENV))/bin/python -c "import torch_kvcanary as kc, sys; sys.exit('site-packages' not in kc.__file__)"
+	$(SOURCE_VENV)/bin/pytest -q -p no:cacheprovider tests/ops/test_ops.py tests/ops/test_paged_step.py
 
 # The wheel installed in a fresh venv of $(WHEEL_TORCH) and tested there. pytest runs by its
 # script, not `python -m`, so the tree's package is not on sys.path: the tests import the
