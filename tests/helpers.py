@@ -6,7 +6,6 @@ import os
 import random
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -200,15 +199,3 @@ def best_cpu_path() -> str:
     child = run_python(["-c", "import torch, torch_kvcanary; print(torch.ops.kvcanary.cpu_isa())"], KVCANARY_CPU_ISA=None)
     assert child.returncode == 0, child.stderr
     return child.stdout.strip()
-
-
-def install_vllm_plugin(directory, module: str, source: str):
-    """Installs ``source`` (dedented) as module ``module`` in ``directory``, a vLLM general
-    plugin (entry point ``register``) of a distribution of the same name, and returns
-    ``directory``, to go on the PYTHONPATH of the vLLM processes that should load it."""
-    (directory / f"{module}.py").write_text(textwrap.dedent(source))
-    info = directory / f"{module}-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:register\n")
-    return directory

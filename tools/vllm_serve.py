@@ -38,6 +38,7 @@ import re  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
@@ -184,6 +185,18 @@ def complete(url: str, model: Path, prompt: list[int], max_tokens: int, **params
             return json.loads(answer.read())
     except urllib.error.HTTPError as error:
         return {"error": error.code, "body": error.read().decode(errors="replace")}
+
+
+def install_vllm_plugin(directory: Path, module: str, source: str) -> Path:
+    """Installs ``source`` (dedented) as module ``module`` in ``directory``, a vLLM general
+    plugin (entry point ``register``) of a distribution of the same name, and returns
+    ``directory``, to go on the PYTHONPATH of the vLLM processes that should load it."""
+    (directory / f"{module}.py").write_text(textwrap.dedent(source))
+    info = directory / f"{module}-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:register\n")
+    return directory
 
 
 def resident_bytes(pid: int) -> int:

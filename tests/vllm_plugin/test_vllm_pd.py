@@ -24,10 +24,9 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
 
-from helpers import install_vllm_plugin  # noqa: E402
 from random_models import VOCAB_SIZE  # noqa: E402
 from vllm_pd import pd_pair  # noqa: E402
-from vllm_serve import complete, mixed_prompts  # noqa: E402
+from vllm_serve import complete, install_vllm_plugin, mixed_prompts  # noqa: E402
 
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
 CLEAN_REQUESTS = 200

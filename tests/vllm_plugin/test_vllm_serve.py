@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import HOST_AMX, install_vllm_plugin, needs_isa  # noqa: E402
+from helpers import HOST_AMX, needs_isa  # noqa: E402
 from random_models import VOCAB_SIZE, make_model  # noqa: E402
-from vllm_serve import Server, mixed_prompts, soak  # noqa: E402
+from vllm_serve import Server, install_vllm_plugin, mixed_prompts, soak  # noqa: E402
 
 # The soak (about 15 s of requests here): 1,000, enough for a request to read, in one step,
 # a block another request of the step writes (recorded in the right order, `worker._CanaryStep`).
