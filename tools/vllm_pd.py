@@ -2,12 +2,15 @@
 proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and docs/vllm.md's
 commands start.
 
-    python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20]
+    python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20] [--progress-delay]
 
 Each server runs on a core of its own where the host has two (``taskset``, and vLLM's
 ``VLLM_CPU_OMP_THREADS_BIND``), with UCX on the loopback (``UCX_NET_DEVICES=lo``) and
 NIXL's side channel on 127.0.0.1. With the canary (``policy`` repair or quarantine) NIXL
-is ``KvCanaryConnector``'s inner connector; without it (``off``) NixlConnector serves alone.
+is ``KvCanaryConnector``'s inner connector, which slows NIXL's progress thread down
+(``PROGRESS_DELAY_US``); without it (``off``) NixlConnector serves alone, its progress
+thread as NIXL ships it unless ``--progress-delay`` gives it the connector's delay (through
+a vLLM plugin of this tool's own), so that the pairs differ by the canary alone.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pd_proxy import Proxy
-from vllm_serve import Server, _free_port, complete
+from vllm_serve import Server, _free_port, complete, install_vllm_plugin
 
 # A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
 PD_OPTIONS = (
@@ -50,6 +54,20 @@ def nixl_config(*, canary: bool, records_port: int, failure_policy: str = "recom
         "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": {"inner": inner, "records_port": records_port, "nixl_progress_delay_us": PROGRESS_DELAY_US},
     }  # fmt: skip
+
+
+# A vLLM plugin that gives NIXL's progress thread the connector's delay without the canary.
+PROGRESS_DELAY_PLUGIN = f"""
+def register():
+    from torch_kvcanary.integrations.vllm.connector.nixl import delay_progress_thread
+    delay_progress_thread({PROGRESS_DELAY_US})
+"""
+
+
+def progress_delay_env(directory: Path) -> dict:
+    """The environment of servers that load the progress-delay plugin, installed in ``directory``."""
+    site = install_vllm_plugin(directory, "kvcanary_tools_nixl_progress_delay", PROGRESS_DELAY_PLUGIN)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
 
 
 def _core(index: int) -> str | None:
@@ -97,31 +115,43 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--policy", default="repair", choices=("repair", "quarantine", "off"))
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument(
+        "--progress-delay", action="store_true", help="with --policy off: NIXL's progress thread slowed as the connector slows it"
+    )
     arguments = parser.parse_args()
     from random_models import VOCAB_SIZE  # noqa: PLC0415
     from vllm_serve import mixed_prompts  # noqa: PLC0415
 
+    if arguments.progress_delay and arguments.policy != "off":
+        parser.error("--progress-delay is for --policy off: the connector slows the progress thread itself")
     prompts = mixed_prompts(arguments.requests, VOCAB_SIZE)
-    with pd_pair(arguments.model, policy=arguments.policy) as (prefill, decode, proxy):
-        print(f"prefill {prefill.url} (log {prefill.log_path}), decode {decode.url} (log {decode.log_path}), proxy {proxy.url}")
-        begin = time.perf_counter()
-        with ThreadPoolExecutor(CONCURRENCY) as pool:
-            answers = list(pool.map(lambda request: complete(proxy.url, arguments.model, *request), prompts))
-        seconds = time.perf_counter() - begin
-        errors = [answer for answer in answers if "error" in answer]
-        tokens = sum(answer["usage"]["completion_tokens"] for answer in answers if "error" not in answer)
-        print(
-            f"policy {arguments.policy}: {len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s"
-        )
-        sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
-        tokens_by_source = {source: decode.metric("vllm:prompt_tokens_by_source_total", source=source) for source in sources}
-        print("decode side, prompt tokens: " + ", ".join(f"{source} {count:.0f}" for source, count in tokens_by_source.items()))
-        if arguments.policy != "off":
-            names = ("violations_total", "transfer_slots_verified_total", "transfer_slots_failed_total", "blocks_repaired_total")
-            print("decode side: " + ", ".join(f"{name} {decode.metric('vllm:kv_canary_' + name):.0f}" for name in names))
-            names = ("transfer_slots_handed_over_total", "transfer_records_served_total", "transfer_records_missing_total")
-            print("prefill side: " + ", ".join(f"{name} {prefill.metric('vllm:kv_canary_' + name):.0f}" for name in names))
+    with contextlib.ExitStack() as stack:
+        env = progress_delay_env(Path(stack.enter_context(tempfile.TemporaryDirectory()))) if arguments.progress_delay else None
+        prefill, decode, proxy = stack.enter_context(pd_pair(arguments.model, policy=arguments.policy, env=env))
+        serve(arguments.model, arguments.policy, prompts, prefill, decode, proxy)
     print("\n".join(line for line in decode.log_path.read_text().splitlines() if "kv-canary: verified" in line))
+
+
+def serve(model: Path, policy: str, prompts: list, prefill: Server, decode: Server, proxy: Proxy) -> None:
+    """Sends ``prompts`` through the proxy, CONCURRENCY at a time, and prints the output
+    tokens per second, where the decode side's prompt tokens came from, and the canary's
+    counters on both sides."""
+    print(f"prefill {prefill.url} (log {prefill.log_path}), decode {decode.url} (log {decode.log_path}), proxy {proxy.url}")
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        answers = list(pool.map(lambda request: complete(proxy.url, model, *request), prompts))
+    seconds = time.perf_counter() - begin
+    errors = [answer for answer in answers if "error" in answer]
+    tokens = sum(answer["usage"]["completion_tokens"] for answer in answers if "error" not in answer)
+    print(f"policy {policy}: {len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s")
+    sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    tokens_by_source = {source: decode.metric("vllm:prompt_tokens_by_source_total", source=source) for source in sources}
+    print("decode side, prompt tokens: " + ", ".join(f"{source} {count:.0f}" for source, count in tokens_by_source.items()))
+    if policy != "off":
+        names = ("violations_total", "transfer_slots_verified_total", "transfer_slots_failed_total", "blocks_repaired_total")
+        print("decode side: " + ", ".join(f"{name} {decode.metric('vllm:kv_canary_' + name):.0f}" for name in names))
+        names = ("transfer_slots_handed_over_total", "transfer_records_served_total", "transfer_records_missing_total")
+        print("prefill side: " + ", ".join(f"{name} {prefill.metric('vllm:kv_canary_' + name):.0f}" for name in names))
 
 
 if __name__ == "__main__":
