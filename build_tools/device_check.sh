@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check, for a lent GPU machine, in one call (under 8 minutes):
-#   build the extension for that machine's GPU against the torch there (or install the
-#   package's wheel when one is carried in .whl/), check the engine
-#   step's call on the GPU (benchmarks/paged_step_device.py), run the tests that use the GPU
-#   (compute-sanitizer memcheck among them; the CPU ones ran in CI), run the GPU benchmark's
-#   goal cases (and its sweep with DEVICE_CHECK_SWEEP=1), print a short table last; the log
-#   and the JSON go under $OUT.
-# That machine has no package registry: the wheels it lacks (expecttest, a recent
-# setuptools) travel in .whl/ (fill it with build_tools/device_carry.sh, then carry .whl).
+# The GPU check, for a lent GPU machine, in one call (under 8 minutes): install the
+#   package's wheel when one is carried in .whl/ (else build the extension there, for that
+#   machine's GPU, against its torch); check the engine step's call on the GPU
+#   (benchmarks/paged_step_device.py); run the tests that use the GPU (compute-sanitizer
+#   memcheck among them; the CPU ones run in CI); run the GPU benchmark's goal cases (and its
+#   sweep with DEVICE_CHECK_SWEEP=1); print a short table last. The log and the JSON go
+#   under $OUT.
+# That machine has no package registry: the wheels it lacks travel in .whl/ (fill it with
+# build_tools/device_carry.sh, then carry .whl, and .sglang for the SGLang oracle's tests).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 export PYTHONUNBUFFERED=1
