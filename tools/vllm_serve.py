@@ -58,10 +58,26 @@ SERVE_OPTIONS = (
 )  # fmt: skip
 
 
+# Ports are handed out below the kernel's ephemeral range: a server binds its port up to a
+# minute after the port is chosen, while the servers' own sockets bound to port 0 (vLLM's,
+# NIXL's, UCX's) take ports from that range; once one took a port handed out here (Errno 98).
+_PORTS = range(20000, 32000)
+_handed_out: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before."""
+    for port in random.sample(_PORTS, len(_PORTS)):
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass
