@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pd_proxy import Proxy
-from vllm_serve import Server, _free_port, complete, install_vllm_plugin
+from vllm_serve import Server, _free_port, complete, install_vllm_plugin, path_with
 
 # A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
 PD_OPTIONS = (
@@ -67,7 +67,7 @@ def register():
 def progress_delay_env(directory: Path) -> dict:
     """The environment of servers that load the progress-delay plugin, installed in ``directory``."""
     site = install_vllm_plugin(directory, "kvcanary_tools_nixl_progress_delay", PROGRESS_DELAY_PLUGIN)
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    return {"PYTHONPATH": path_with(site)}
 
 
 def _core(index: int) -> str | None:

@@ -215,6 +215,11 @@ def install_vllm_plugin(directory: Path, module: str, source: str) -> Path:
     return directory
 
 
+def path_with(site: Path) -> str:
+    """A PYTHONPATH with ``site`` (a plugin's directory) first, then this process's own."""
+    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
 def resident_bytes(pid: int) -> int:
     """The resident memory of process ``pid`` (Linux /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -14,7 +14,6 @@ HTTP 200. `make test-vllm-pd` runs these.
 """
 
 import json
-import os
 import time
 import urllib.request
 
@@ -26,7 +25,7 @@ pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make te
 
 from random_models import VOCAB_SIZE  # noqa: E402
 from vllm_pd import pd_pair  # noqa: E402
-from vllm_serve import complete, install_vllm_plugin, mixed_prompts  # noqa: E402
+from vllm_serve import complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
 
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
 CLEAN_REQUESTS = 200
@@ -210,8 +209,7 @@ def workload():
 
 def _env(site, arm):
     """The servers' environment: the fault plugin first on the path this process has."""
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": path, "VLLM_SERVER_DEV_MODE": "1", "KVCANARY_TEST_PD_ARM": str(arm)}
+    return {"PYTHONPATH": path_with(site), "VLLM_SERVER_DEV_MODE": "1", "KVCANARY_TEST_PD_ARM": str(arm)}
 
 
 @pytest.fixture(scope="module")
