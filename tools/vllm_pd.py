@@ -3,9 +3,12 @@ proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and docs/v
 commands start.
 
     python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20] [--progress-delay]
+                                  [--tensor-parallel P D]
 
-Each server runs on a core of its own where the host has two (``taskset``, and vLLM's
-``VLLM_CPU_OMP_THREADS_BIND``), with UCX on the loopback (``UCX_NET_DEVICES=lo``) and
+Each server of one tensor-parallel rank runs on a core of its own where the host has two
+(``taskset``, and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``), a server of several ranks one rank
+per core; with ``--tensor-parallel P D`` the prefill side runs P ranks and the decode side
+D (NIXL's heterogeneous TP where they differ). UCX runs on the loopback (``UCX_NET_DEVICES=lo``) and
 NIXL's side channel on 127.0.0.1. With the canary (``policy`` repair or quarantine) NIXL
 is ``KvCanaryConnector``'s inner connector, which slows NIXL's progress thread down
 (``PROGRESS_DELAY_US``); without it (``off``) NixlConnector serves alone, its progress
@@ -26,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pd_proxy import Proxy
-from vllm_serve import Server, _free_port, complete, install_vllm_plugin, path_with
+from vllm_serve import Server, _free_port, complete, free_ports, install_vllm_plugin, path_with
 
 # A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
 PD_OPTIONS = (
@@ -70,14 +73,21 @@ def progress_delay_env(directory: Path) -> dict:
     return {"PYTHONPATH": path_with(site)}
 
 
-def _core(index: int) -> str | None:
-    """The core server ``index`` runs on, where the host has one per server."""
+def _cores(index: int, ranks: int) -> list[str] | None:
+    """The cores server ``index`` runs on, one per rank, where the host has one per server
+    and rank: a server of one rank on a core of its own, a server of several ranks on the
+    first ``ranks`` cores."""
     cores = sorted(os.sched_getaffinity(0))
-    return str(cores[index]) if len(cores) >= 2 else None
+    if ranks > 1:
+        return [str(core) for core in cores[:ranks]] if len(cores) >= ranks else None
+    return [str(cores[index])] if len(cores) >= 2 else None
 
 
-def pd_server(model: Path, index: int, *, policy: str, env: dict | None = None, lease_s: int | None = None) -> Server:
-    """Server ``index`` (0: prefill, 1: decode) of a pair; ``policy`` "off" serves NIXL without the canary."""
+def pd_server(
+    model: Path, index: int, *, policy: str, env: dict | None = None, lease_s: int | None = None, tensor_parallel: int = 1
+) -> Server:
+    """Server ``index`` (0: prefill, 1: decode) of a pair, of ``tensor_parallel`` ranks;
+    ``policy`` "off" serves NIXL without the canary."""
     canary = policy != "off"
     environment = {
         "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -85,21 +95,26 @@ def pd_server(model: Path, index: int, *, policy: str, env: dict | None = None, 
     }  # fmt: skip
     if canary:
         environment["KVCANARY_VLLM"] = policy
-    core = _core(index)
-    if core is not None:
-        environment["VLLM_CPU_OMP_THREADS_BIND"] = core
+    cores = _cores(index, tensor_parallel)
+    if cores is not None:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(cores)
     environment.update(env or {})
     failure = "fail" if policy == "quarantine" else "recompute"
-    config = nixl_config(canary=canary, records_port=_free_port(), failure_policy=failure, lease_s=lease_s)
-    options = (*PD_OPTIONS, "--kv-transfer-config", json.dumps(config))
-    prefix = ("taskset", "-c", core) if core is not None and shutil.which("taskset") else ()
-    return Server(model, environment, options, prefix=prefix)
+    config = nixl_config(canary=canary, records_port=free_ports(tensor_parallel), failure_policy=failure, lease_s=lease_s)
+    options = (*PD_OPTIONS, "--tensor-parallel-size", str(tensor_parallel), "--kv-transfer-config", json.dumps(config))
+    pinned = cores is not None and tensor_parallel == 1 and shutil.which("taskset")
+    return Server(model, environment, options, prefix=("taskset", "-c", cores[0]) if pinned else ())
 
 
 @contextlib.contextmanager
-def pd_pair(model: Path, *, policy: str = "repair", env: dict | None = None, lease_s: int | None = None):
-    """(prefill, decode, proxy), started and then stopped."""
-    prefill, decode = (pd_server(model, index, policy=policy, env=env, lease_s=lease_s) for index in (0, 1))
+def pd_pair(
+    model: Path, *, policy: str = "repair", env: dict | None = None, lease_s: int | None = None, tensor_parallel: tuple[int, int] = (1, 1)
+):
+    """(prefill, decode, proxy), started and then stopped; ``tensor_parallel`` is the
+    (prefill, decode) sides' tensor-parallel sizes."""
+    prefill, decode = (
+        pd_server(model, index, policy=policy, env=env, lease_s=lease_s, tensor_parallel=tensor_parallel[index]) for index in (0, 1)
+    )
     with contextlib.ExitStack() as stack:
         for server in (prefill, decode):  # both start at once: each takes a minute on a core
             server.start()
@@ -118,6 +133,14 @@ def main() -> None:
     parser.add_argument(
         "--progress-delay", action="store_true", help="with --policy off: NIXL's progress thread slowed as the connector slows it"
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        nargs=2,
+        default=(1, 1),
+        metavar=("P", "D"),
+        help="the prefill and decode sides' tensor-parallel sizes",
+    )
     arguments = parser.parse_args()
     from random_models import VOCAB_SIZE  # noqa: PLC0415
     from vllm_serve import mixed_prompts  # noqa: PLC0415
@@ -127,7 +150,8 @@ def main() -> None:
     prompts = mixed_prompts(arguments.requests, VOCAB_SIZE)
     with contextlib.ExitStack() as stack:
         env = progress_delay_env(Path(stack.enter_context(tempfile.TemporaryDirectory()))) if arguments.progress_delay else None
-        prefill, decode, proxy = stack.enter_context(pd_pair(arguments.model, policy=arguments.policy, env=env))
+        pair = pd_pair(arguments.model, policy=arguments.policy, env=env, tensor_parallel=tuple(arguments.tensor_parallel))
+        prefill, decode, proxy = stack.enter_context(pair)
         serve(arguments.model, arguments.policy, prompts, prefill, decode, proxy)
     print("\n".join(line for line in decode.log_path.read_text().splitlines() if "kv-canary: verified" in line))
 

@@ -67,17 +67,27 @@ _handed_out: set[int] = set()
 
 def _free_port() -> int:
     """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before."""
-    for port in random.sample(_PORTS, len(_PORTS)):
-        if port in _handed_out:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
+    return free_ports(1)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 now, outside the ephemeral
+    range, none handed out before."""
+    for first in random.sample(_PORTS[: len(_PORTS) - count + 1], len(_PORTS) - count + 1):
+        run = range(first, first + count)
+        if _handed_out.isdisjoint(run) and all(_bindable(port) for port in run):
+            _handed_out.update(run)
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

@@ -292,7 +292,8 @@ def test_missing_records_are_load_errors(clean, canary_pair):
     before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
     faults.forget()
     params = faults.prefilled(FAULTED[4])
-    answer = faults.decoded(FAULTED[4], {**params, "kv_canary_records": params["kv_canary_records"].rsplit(":", 1)[0] + ":1"})
+    servers = {**params["kv_canary_records"], "address": "127.0.0.1:1"}
+    answer = faults.decoded(FAULTED[4], {**params, "kv_canary_records": servers})
     assert _tokens(answer) == faulted[4] and decode.alive()
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
     assert any("no records of its prefilled KV" in line[3] for line in decode.canary_lines())
@@ -332,20 +333,86 @@ def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_
         assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > 0
 
 
+# Heterogeneous tensor parallelism: NIXL reads a prefill rank's heads into several decode
+# ranks, or several prefill ranks' heads into one decode rank (the tiny model has two KV
+# heads). What each decode rank compares is then its heads' digests, not folds.
+HETEROGENEOUS = [(1, 2), (2, 1)]
+# Clean requests of the workload through a heterogeneous pair.
+HETEROGENEOUS_REQUESTS = 40
+
+
+@pytest.fixture(scope="module", params=HETEROGENEOUS, ids=lambda tps: f"prefill-tp{tps[0]}-decode-tp{tps[1]}")
+def heterogeneous_pair(request, tiny_llama, tmp_path_factory):
+    """A pair whose sides shard the heads differently, with the canary, and its clean
+    answers of the faulted prompts."""
+    site = _fault_plugin(tmp_path_factory.mktemp("site-heterogeneous"))
+    arm = site / "arm"
+    with pd_pair(tiny_llama, policy="repair", env=_env(site, arm), tensor_parallel=request.param) as (prefill, decode, proxy):
+        answers = [_tokens(complete(proxy.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED]
+        yield request.param, Faults(tiny_llama, prefill, decode, arm), proxy, answers
+
+
+def test_heterogeneous_tp_clean_requests_compare_head_digests_and_pass(clean, heterogeneous_pair, tiny_llama, workload):
+    (prefill_tp, decode_tp), faults, proxy, answers = heterogeneous_pair
+    decode = faults.decode
+    assert answers == clean[1]  # the answers of a pair of one rank per side, and of P alone
+    some = workload[:HETEROGENEOUS_REQUESTS]
+    assert [_tokens(complete(proxy.url, tiny_llama, prompt, n)) for prompt, n in some] == clean[0][: len(some)]
+    # Each decode rank verified its heads of every pulled slot (vLLM sums the ranks' counters).
+    verified = decode.metric("vllm:kv_canary_transfer_slots_verified_total")
+    assert verified == decode_tp * decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+    assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") == 0
+    assert decode.metric("vllm:kv_canary_violations_total") == 0
+    assert not [line for line in decode.canary_lines() if line[2] == "WARNING"]
+    said = [(process, message) for process, _, _, message in decode.canary_lines() if "compares each slot's token" in message]
+    sources = "[0, 1]" if prefill_tp > decode_tp else "[0]"
+    assert len(said) == decode_tp and all(f"with prefill ranks {sources} of a prefill side of {prefill_tp}" in m for _, m in said), said
+
+
+@pytest.mark.parametrize("fault", ["flip on prefill", "flip on decode"])
+def test_heterogeneous_tp_faults_are_load_errors_repaired(fault, heterogeneous_pair):
+    _, faults, _, answers = heterogeneous_pair
+    decode = faults.decode
+    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
+    faults.forget()
+    answer = faults.inject(fault)
+    assert _tokens(answer) == answers[FAULT_PROMPTS[fault]]
+    assert decode.alive()
+    failed, repaired = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
+    assert failed > before[0] and repaired > before[1], (fault, before, failed, repaired)
+    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
+
+
 # The pieces on their own -------------------------------------------------------------------
 
 
-def _records_server(port: int, **held: torch.Tensor):
+def _handover(records: torch.Tensor, first_head: int = 0, heads: int = 2):
+    from torch_kvcanary.integrations.vllm.connector import records_channel
+
+    digests = (records[:, :1] * 1000 + torch.arange(first_head, first_head + heads)).contiguous()
+    return records_channel.Handover(records, digests, range(first_head, first_head + heads))
+
+
+def _records_server(port: int, **held):
     from torch_kvcanary.integrations.vllm.connector import records_channel
 
     server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
-    for request_id, records in held.items():
-        server.hold(request_id, records)
+    for request_id, handover in held.items():
+        server.hold(request_id, handover)
     return server
 
 
 def _ask(client, *questions: tuple[str, str]) -> list:
     return client.fetch(list(questions))
+
+
+def _same(got, handover) -> bool:
+    return (
+        got is not None
+        and torch.equal(got.records, handover.records)
+        and torch.equal(got.digests, handover.digests)
+        and got.heads == handover.heads
+    )
 
 
 NOT_HELD = "the prefill side holds no records of it (its lease expired, or it was never snapshotted)"
@@ -358,19 +425,21 @@ def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
 
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    records = torch.arange(12, dtype=torch.int64).view(3, 4)
-    server = _records_server(port, a=records)
+    handover = _handover(torch.arange(12, dtype=torch.int64).view(3, 4), first_head=2, heads=3)
+    server = _records_server(port, a=handover, empty=_handover(torch.zeros(0, 4, dtype=torch.int64)))
     client = records_channel.RecordsClient(timeout=2)
     try:
-        (got, why), missing = _ask(client, (address, "a"), (address, "b"))
-        assert why == "" and torch.equal(got, records)
+        (got, why), missing, (empty, _) = _ask(client, (address, "a"), (address, "b"), (address, "empty"))
+        assert why == "" and _same(got, handover)
+        assert got.digests_of([4, 2]).tolist() == [[4, 2], [4004, 4002], [8004, 8002]]
         assert missing == (None, NOT_HELD)
+        assert empty.records.shape == (0, 4) and empty.digests.shape == (0, 2)
         server.release(["a"])
         assert _ask(client, (address, "a")) == [(None, NOT_HELD)]
-        assert server.take_answers() == {"served": 1, "missing": 2}
+        assert server.take_answers() == {"served": 2, "missing": 2}
         server.max_age_s = 0
-        server.hold("c", records)
-        server.hold("d", records)  # drops c, held longer than max_age_s
+        server.hold("c", handover)
+        server.hold("d", handover)  # drops c, held longer than max_age_s
         assert server.get("c") is None and server.get("d") is not None
     finally:
         server.close()
@@ -386,20 +455,20 @@ def test_the_records_client_asks_each_server_once_a_step_and_reconnects_once():
 
     ports = _free_port(), _free_port()
     first, second = (f"127.0.0.1:{port}" for port in ports)
-    records = {name: torch.full((2 + k, 4), k, dtype=torch.int64) for k, name in enumerate("abc")}
-    servers = [_records_server(ports[0], a=records["a"], b=records["b"]), _records_server(ports[1], c=records["c"])]
+    held = {name: _handover(torch.full((2 + k, 4), k, dtype=torch.int64), first_head=k) for k, name in enumerate("abc")}
+    servers = [_records_server(ports[0], a=held["a"], b=held["b"]), _records_server(ports[1], c=held["c"])]
     client = records_channel.RecordsClient(timeout=2)
     try:
         # Two servers' questions interleaved: the answers come back in the questions' order.
         answers = _ask(client, (first, "b"), (second, "c"), (first, "a"), (second, "a"))
         assert [why for _, why in answers] == ["", "", "", NOT_HELD]
         for (got, _), name in zip(answers[:3], "bca"):
-            assert torch.equal(got, records[name])
+            assert _same(got, held[name])
         # P restarts on its port, holding other records: the kept connection fails, the client opens another.
         servers[0].close()
-        servers[0] = _records_server(ports[0], a=records["c"])
+        servers[0] = _records_server(ports[0], a=held["c"])
         [(got, why)] = _ask(client, (first, "a"))
-        assert why == "" and torch.equal(got, records["c"])
+        assert why == "" and _same(got, held["c"])
         assert servers[0].take_answers() == {"served": 1, "missing": 0}
     finally:
         for server in servers:
@@ -415,8 +484,8 @@ def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol()
     from torch_kvcanary.integrations.vllm.connector import records_channel
 
     port = _free_port()
-    records = torch.ones(1, 4, dtype=torch.int64)
-    server = _records_server(port, a=records)
+    handover = _handover(torch.ones(1, 4, dtype=torch.int64))
+    server = _records_server(port, a=handover)
     client = records_channel.RecordsClient(timeout=2)
     try:
         for nonsense in (b"GET / HTTP/1.1\r\n\r\n", b"{" * (records_channel.MAX_QUESTION_BYTES + 1)):
@@ -424,7 +493,7 @@ def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol()
                 stranger.sendall(nonsense)
                 assert stranger.recv(1) == b""  # closed without an answer
         [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
-        assert why == "" and torch.equal(got, records)
+        assert why == "" and _same(got, handover)
     finally:
         server.close()
         client.close()
@@ -459,14 +528,109 @@ def test_what_the_nixl_verification_cannot_watch_is_refused():
 
     from torch_kvcanary.integrations.vllm.connector import nixl
 
-    def config(tp):
-        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+    def config(tp=1, pp=1, dcp=1):
+        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp)
+        return SimpleNamespace(parallel_config=parallel)
 
-    nixl.check_nixl(config(1), {"records_port": 5700})
-    with pytest.raises(
-        ValueError,
-        match=r"^kv-canary: KvCanaryConnector verifies NixlConnector's transfers with one tensor- and pipeline-parallel rank per side only \(this server has tensor_parallel_size=2",
-    ):
-        nixl.check_nixl(config(2), {"records_port": 5700})
+    nixl.check_nixl(config(), {"records_port": 5700})
+    nixl.check_nixl(config(tp=4), {"records_port": 5700})  # tensor parallelism is verified
+    for parallel, said in ((dict(pp=2), "pipeline_parallel_size=2"), (dict(dcp=2), "decode_context_parallel_size=2")):
+        with pytest.raises(
+            ValueError, match=rf"^kv-canary: KvCanaryConnector verifies NixlConnector's transfers with one pipeline stage .*{said}"
+        ):
+            nixl.check_nixl(config(**parallel), {"records_port": 5700})
     with pytest.raises(ValueError, match=r'^kv-canary: KvCanaryConnector wrapping NixlConnector serves .* set "records_port": PORT'):
-        nixl.check_nixl(config(1), {})
+        nixl.check_nixl(config(), {})
+
+
+def test_a_records_port_already_taken_is_said_at_start():
+    import socket
+
+    from vllm_serve import free_ports
+
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    port = free_ports(2)
+    with socket.create_server(("127.0.0.1", port + 1)):  # taken: rank 1 of a server given `port` cannot listen there
+        said = rf"^kv-canary: tensor-parallel rank 1 serves the canary's records on records_port \+ 1 = {port + 1}, .* whose 2 ports"
+        with pytest.raises(ValueError, match=said):
+            nixl.NixlWorker(32, "127.0.0.1", port, 60, sharding=nixl.Sharding(2, 2), rank=1)
+    worker = nixl.NixlWorker(32, "127.0.0.1", port, 60, sharding=nixl.Sharding(2, 2), rank=1)
+    assert worker.heads == range(1, 2)
+    worker.close()
+
+
+# vLLM's sharding of KV heads over tensor-parallel ranks, written out: with at least as many
+# heads as ranks each rank holds a run of heads; with fewer, each head is replicated on
+# tp // heads consecutive ranks (vLLM's QKVParallelLinear: head = rank // replicas).
+SHARDINGS = {
+    (1, 8): [range(0, 8)],
+    (2, 8): [range(0, 4), range(4, 8)],
+    (4, 2): [range(0, 1), range(0, 1), range(1, 2), range(1, 2)],
+    (2, 1): [range(0, 1), range(0, 1)],  # MLA's latent: one head on every rank
+}
+
+
+@pytest.mark.parametrize("tp, heads", list(SHARDINGS))
+def test_a_sharding_names_the_heads_of_each_rank_and_their_first_holder(tp, heads):
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    sharding = nixl.Sharding(tp, heads)
+    assert [sharding.heads(rank) for rank in range(tp)] == SHARDINGS[tp, heads]
+    for head in range(heads):
+        holders = [rank for rank in range(tp) if head in SHARDINGS[tp, heads][rank]]
+        assert sharding.holder(head) == holders[0]
+
+
+def test_a_decode_rank_asks_the_prefill_ranks_holding_its_heads():
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    prefill = nixl.Sharding(2, 8)
+    assert prefill.sources(nixl.Sharding(1, 8).heads(0)) == [0, 1]  # P_TP > D_TP: both halves
+    assert [prefill.sources(nixl.Sharding(4, 8).heads(rank)) for rank in range(4)] == [[0], [0], [1], [1]]
+    assert nixl.Sharding(4, 2).sources(range(0, 2)) == [0, 2]  # replicas: the first holder of each head
+
+
+def _cpu_attn_cache(blocks: int, heads: int, generator) -> torch.Tensor:
+    """A CPU_ATTN layer as vLLM allocates it in the LBHNC layout: [blocks, heads, block_size, 2 * head_size]."""
+    return torch.randn(blocks, heads, BLOCK_SIZE, 2 * HEAD_SIZE, generator=generator)
+
+
+BLOCK_SIZE, HEAD_SIZE = 16, 8
+
+
+def test_head_digests_do_not_depend_on_how_the_ranks_split_the_heads():
+    """P (one rank, four heads) and D (two ranks, two heads each, other blocks): each D
+    rank's digest of a head equals P's where it landed byte for byte, whatever the blocks;
+    a flipped byte changes its head's digest of the slots reading it, and no other."""
+    from torch_kvcanary.integrations.vllm import worker
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    generator = torch.Generator().manual_seed(0)
+    layers, heads, tokens = 3, 4, 40
+    prefill = [_cpu_attn_cache(6, heads, generator) for _ in range(layers)]
+    p_blocks, d_blocks = [4, 1, 5], [2, 0, 3]
+    decode = [[torch.zeros(4, 2, BLOCK_SIZE, 2 * HEAD_SIZE) for _ in range(layers)] for _ in range(2)]
+    for rank in range(2):
+        for p_cache, d_cache in zip(prefill, decode[rank]):
+            d_cache[d_blocks] = p_cache[p_blocks, 2 * rank : 2 * rank + 2]  # NIXL's read of the rank's heads
+
+    def digests(caches, blocks, sharding, rank):
+        views = [worker.head_views(cache, "CPU_ATTN", "LBHNC") for cache in caches]
+        slots = nixl.slots_of(blocks, tokens, BLOCK_SIZE)
+        return worker.digests_by_head(views, slots, sharding.heads(rank), num_kv_heads=heads, mla=False, start=0)
+
+    theirs = digests(prefill, p_blocks, nixl.Sharding(1, heads), 0)
+    mine = [digests(decode[rank], d_blocks, nixl.Sharding(2, heads), rank) for rank in range(2)]
+    assert torch.equal(torch.cat(mine, dim=1), theirs)
+    assert len(set(theirs.flatten().tolist())) == theirs.numel()  # each slot and head digests apart
+    # Positions are part of the digest: the same slots read from position 1 on digest apart.
+    views = [worker.head_views(cache, "CPU_ATTN", "LBHNC") for cache in prefill]
+    shifted = worker.digests_by_head(views, nixl.slots_of(p_blocks, tokens, BLOCK_SIZE), range(4), num_kv_heads=heads, mla=False, start=1)
+    assert not torch.equal(shifted, theirs)
+    # A flip in layer 2's V of global head 3 (D rank 1's local head 1), in the block of positions 16-31.
+    decode[1][2].view(torch.int32)[d_blocks[1], 1, 5, HEAD_SIZE + 2] ^= 1 << 20
+    flipped = digests(decode[1], d_blocks, nixl.Sharding(2, heads), 1)
+    differs = (flipped != theirs[:, 2:]).nonzero().tolist()
+    assert differs and {head for _, head in differs} == {1}
+    assert {position // BLOCK_SIZE for position, _ in differs} == {1}

@@ -33,7 +33,7 @@ from .common import (
     Watcher,
     watch,
 )
-from .connectors import example_connector_folder, example_connector_requests, register_connector
+from .connectors import example_connector_folder, example_connector_requests, register_connector, tensor_parallel_rank, total_kv_heads
 from .hooks import hook, runner_view, unwatchable
 from .v1 import RunnerV1
 from .v2 import RunnerV2
@@ -43,5 +43,5 @@ __all__ = [
     "LOGGER", "NULL_SLOT", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
     "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
     "example_connector_folder", "example_connector_requests", "hook", "is_supported", "register_connector", "runner_view",
-    "unwatchable", "vllm_version", "watch",
+    "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
 ]  # fmt: skip

@@ -1,6 +1,7 @@
-"""vLLM's KV connector internals the plugin reads: its connector factory's registry, and
-the privates of ``ExampleConnector`` that a verified disk transfer reads
-(`connector.transfer.DiskTransfer`)."""
+"""vLLM's KV connector internals the plugin reads: its connector factory's registry, the
+privates of ``ExampleConnector`` that a verified disk transfer reads
+(`connector.transfer.DiskTransfer`), and what a connector's worker side knows of its
+place among the tensor-parallel ranks and the model's KV heads (`connector.nixl`)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,17 @@ def example_connector_folder(connector, request) -> str:
     """The folder vLLM's ``ExampleConnector`` ``connector`` keeps ``request``'s files in
     (named by the hash of its tokens), created if missing."""
     return connector._generate_foldername_debug(request.token_ids, request.mm_hashes, create_folder=True)
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's rank among its tensor-parallel ranks (vLLM builds a worker's KV
+    connector once its process groups exist)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().rank_in_group
+
+
+def total_kv_heads(vllm_config) -> int:
+    """The model's KV heads over all ranks; MLA's latent counts as one (every rank holds it)."""
+    model_config = vllm_config.model_config
+    return 1 if model_config.use_mla else model_config.get_total_num_kv_heads()

@@ -505,9 +505,12 @@ def _nixl_sides(vllm_config, role: KVConnectorRole, block_size: int | None):
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     nixl.check_nixl(vllm_config, extra)
     host, port = envs.VLLM_NIXL_SIDE_CHANNEL_HOST, extra[nixl.RECORDS_PORT]
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
     if role == KVConnectorRole.SCHEDULER:
-        return nixl.NixlScheduler(block_size, f"{host}:{port}"), None
+        return nixl.NixlScheduler(block_size, f"{host}:{port}", tp_size), None
     if extra.get(nixl.PROGRESS_DELAY) is not None:
         nixl.delay_progress_thread(int(extra[nixl.PROGRESS_DELAY]))
     lease_s = config.kv_transfer_config.get_from_extra_config("kv_lease_duration", nixl.NIXL_LEASE_S)
-    return None, nixl.NixlWorker(block_size, host, port, max_age_s=2 * lease_s)
+    sharding = nixl.Sharding(tp_size, adapter.total_kv_heads(vllm_config))
+    worker = nixl.NixlWorker(block_size, host, port, max_age_s=2 * lease_s, sharding=sharding, rank=adapter.tensor_parallel_rank())
+    return None, worker

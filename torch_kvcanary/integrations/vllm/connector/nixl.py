@@ -4,25 +4,32 @@ The prefill side (P) computes a request's prompt and hands its blocks to the dec
 (D), which reads them over NIXL. The canary's records are relocation-invariant (token,
 position, chain and fold do not depend on the slot), so:
 
-- P, in the step that completes a request's prompt, snapshots the records of the prompt's
-  slots (`NixlWorker.snapshot`, after the forward recorded them) and holds the snapshot
-  until NIXL reports the request's blocks sent or their lease expired (`release`): a block
-  freed and reused after the snapshot cannot change what is compared. A small TCP server
-  on the loopback (`RecordsServer`) serves the snapshots; its address rides in the
+- P, in the step that completes a request's prompt, snapshots what its rank holds of the
+  prompt's slots (`NixlWorker.snapshot`, after the forward recorded them): their records
+  and each slot's transfer digest over each of the rank's KV heads (`records_channel.Handover`).
+  It holds the snapshot until NIXL reports the request's blocks sent or their lease expired
+  (`release`): a block freed and reused after the snapshot cannot change what is compared.
+  A small TCP server on the loopback (`RecordsServer`) serves the snapshots, one per rank on
+  consecutive ports; the address of rank 0's and P's tensor-parallel size ride in the
   request's ``kv_transfer_params`` (`RECORDS_KEY`), since vLLM builds those params before
   the worker's results of the step reach the scheduler.
-- D fetches P's snapshot before NIXL starts reading the blocks (`NixlWorker.fetch`), and
-  when NIXL reports the read done (before vLLM marks the request's load done) records what
-  landed with the request's prompt tokens and positions and compares (`NixlWorker.land`):
-  every block holding a slot whose token, position, chain or fold differs, or whose
-  records are missing (no address, no snapshot, a timeout, another request's snapshot), is
-  a load error of that step, which vLLM recomputes (``"recompute"``) or fails the request
-  for (``"fail"``); the bad slots' records are broken, so a forward reading them first is
-  flagged too.
+- D fetches the snapshots of the P ranks holding its heads before NIXL starts reading the
+  blocks (`NixlWorker.fetch`), and when NIXL reports the read done (before vLLM marks the
+  request's load done) records what landed with the request's prompt tokens and positions
+  and compares (`NixlWorker.land`): every block holding a slot whose records differ, or
+  whose snapshot is missing (no address, no snapshot, a timeout, another request's
+  snapshot), is a load error of that step, which vLLM recomputes (``"recompute"``) or fails
+  the request for (``"fail"``); the bad slots' records are broken, so a forward reading them
+  first is flagged too.
 
-Both sides compare slots written with the same layout (one tensor-parallel rank each): the
-fold of a slot is a rank's bytes, so a prefill and a decode side sharded differently would
-compare folds of different bytes (`check_nixl`).
+What is compared depends on how the two sides shard the KV heads (`Sharding`). Where a D
+rank holds the heads of one P rank exactly (the same tensor-parallel size on both sides,
+or MLA's latent, which every rank holds), the fold of each slot is a fingerprint of the
+same bytes on both sides and the whole records compare. Where they split the heads
+differently (NIXL's heterogeneous TP: a D rank reads part of a P rank's heads, or parts of
+several), the token, position and chain compare, and in place of the fold the digest of
+each of the D rank's heads, which `digest.kv_digest` numbers by global head so that a head
+digests alike wherever it is held.
 """
 
 from __future__ import annotations
@@ -33,21 +40,55 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ....canary import RECORD_FIELDS
 from .. import adapter
 from ..config import CONNECTOR
-from .records_channel import RecordsClient, RecordsServer
+from .records_channel import Handover, RecordsClient, RecordsServer
 
 logger = logging.getLogger(adapter.LOGGER)
 
 CONNECTORS = ("NixlConnector",)
 RECORDS_KEY = "kv_canary_records"
-"""The key of ``kv_transfer_params`` holding P's records server, ``"host:port"``."""
+"""The key of ``kv_transfer_params`` holding P's records servers, ``{"address": "host:port", "tp_size": n}``:
+rank ``r`` of P's ``n`` tensor-parallel ranks serves on ``port + r``."""
 RECORDS_PORT = "records_port"
-"""The key of KvCanaryConnector's ``kv_connector_extra_config`` naming the port of this server's records server."""
+"""The key of KvCanaryConnector's ``kv_connector_extra_config`` naming the port of this
+server's records server (of its tensor-parallel rank 0; rank ``r`` serves on ``port + r``)."""
 PROGRESS_DELAY = "nixl_progress_delay_us"
 """The key of KvCanaryConnector's ``kv_connector_extra_config`` setting the delay of NIXL's progress thread."""
 NIXL_LEASE_S = 30
 """NixlConnector's default ``kv_lease_duration``: how long P holds a request's blocks for D."""
+FOLD = RECORD_FIELDS.index("fold")
+"""The records' fold column; those before it (token, position, chain) do not depend on the sharding."""
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a server's ``tp_size`` tensor-parallel ranks hold the model's ``num_kv_heads``
+    KV heads, as vLLM shards them: evenly where there are at least as many heads as ranks,
+    else each head on ``tp_size // num_kv_heads`` consecutive ranks (MLA's latent is one
+    head, on every rank)."""
+
+    tp_size: int
+    num_kv_heads: int
+
+    def heads(self, rank: int) -> range:
+        """The global heads rank ``rank`` holds."""
+        if self.num_kv_heads >= self.tp_size:
+            per_rank = self.num_kv_heads // self.tp_size
+            return range(rank * per_rank, (rank + 1) * per_rank)
+        head = rank // (self.tp_size // self.num_kv_heads)
+        return range(head, head + 1)
+
+    def holder(self, head: int) -> int:
+        """The first rank holding global head ``head``."""
+        if self.num_kv_heads >= self.tp_size:
+            return head // (self.num_kv_heads // self.tp_size)
+        return head * (self.tp_size // self.num_kv_heads)
+
+    def sources(self, heads: range) -> list[int]:
+        """The ranks whose snapshots hold ``heads``: for each head, its first holder."""
+        return sorted({self.holder(head) for head in heads})
 
 
 # The plan the scheduler side hands the workers each step ------------------------------------
@@ -66,11 +107,12 @@ class Snapshot:
 class Load:
     """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
     (all of the request's blocks), from P's request ``remote_request_id`` whose records
-    P's server at ``address`` holds."""
+    P's ``remote_tp_size`` ranks serve from ``address`` on (`RECORDS_KEY`)."""
 
     request_id: str
     remote_request_id: str | None
     address: str | None
+    remote_tp_size: int
     tokens: list[int]
     block_ids: list[int]
     start: int
@@ -98,9 +140,10 @@ class NixlScheduler:
     the params it hands over. ``kv_cache_manager`` is the scheduler's, which vLLM binds to
     the connector once it has built both."""
 
-    def __init__(self, block_size: int, address: str):
+    def __init__(self, block_size: int, address: str, tp_size: int):
         self.block_size = block_size
         self.address = address
+        self.tp_size = tp_size
         self.kv_cache_manager = None
         self._prefills: dict[str, object] = {}  # P: requests whose prompt is not yet complete
         self._loads: list[Load] = []
@@ -115,9 +158,10 @@ class NixlScheduler:
             first = blocks.blocks[0]
             start = sum(block.block_hash is not None and not block.is_null for block in first) * self.block_size
             end = start + num_external_tokens
+            address, tp_size = _records_servers(params.get(RECORDS_KEY))
             self._loads.append(
                 Load(
-                    request.request_id, params.get("remote_request_id"), params.get(RECORDS_KEY),
+                    request.request_id, params.get("remote_request_id"), address, tp_size,
                     list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end,
                 )
             )  # fmt: skip
@@ -135,10 +179,19 @@ class NixlScheduler:
         return plan
 
     def finished(self, request, params: dict | None) -> None:
-        """Adds P's records server to the params of a request handed to a decode side."""
+        """Adds P's records servers to the params of a request handed to a decode side."""
         self._prefills.pop(request.request_id, None)
         if params is not None and params.get("do_remote_prefill"):
-            params[RECORDS_KEY] = self.address
+            params[RECORDS_KEY] = {"address": self.address, "tp_size": self.tp_size}
+
+
+def _records_servers(value) -> tuple[str | None, int]:
+    """(rank 0's address, P's tensor-parallel size) of a `RECORDS_KEY` value; (None, 1)
+    for anything else, whose load then has no records to compare with."""
+    if isinstance(value, dict) and isinstance(value.get("address"), str) and isinstance(value.get("tp_size"), int):
+        if value["tp_size"] > 0:
+            return value["address"], value["tp_size"]
+    return None, 1
 
 
 # Worker side ----------------------------------------------------------------------------
@@ -146,29 +199,47 @@ class NixlScheduler:
 
 @dataclass
 class _Pending:
+    """D: a load and the snapshots of the P ranks holding this rank's heads, by rank (None: why not)."""
+
     load: Load
-    records: torch.Tensor | None
+    handovers: dict[int, Handover] | None
     why: str
+    same_heads: bool  # this rank holds exactly the heads of its one source rank: the folds compare
 
 
 class NixlWorker:
-    """The worker side: P's snapshots and server, D's fetches and verification."""
+    """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
+    model's KV heads as ``sharding`` says: P's snapshots and server (on ``port + rank``),
+    D's fetches and verification."""
 
-    def __init__(self, block_size: int, host: str, port: int, max_age_s: float):
+    def __init__(self, block_size: int, host: str, port: int, max_age_s: float, *, sharding: Sharding, rank: int):
         self.block_size = block_size
-        self.server = RecordsServer(host, port, max_age_s)
+        self.sharding = sharding
+        self.rank = rank
+        self.heads = sharding.heads(rank)
+        try:
+            self.server = RecordsServer(host, port + rank, max_age_s)
+        except OSError as error:
+            raise ValueError(
+                f"kv-canary: tensor-parallel rank {rank} serves the canary's records on {RECORDS_PORT} + {rank} = "
+                f"{port + rank}, and {host}:{port + rank} cannot be listened on ({error}): give each server a {RECORDS_PORT} "
+                f"whose {sharding.tp_size} ports from there on are free"
+            ) from error
         self.client = RecordsClient()
         self._pending: dict[str, _Pending] = {}
+        self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
         self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
         self.fetch_seconds = 0.0  # D: spent fetching P's records
         self.verified_requests = 0
         self._handed_over = 0  # P: slots snapshotted since `take_counts`
 
     def snapshot(self, canary, plan: NixlPlan) -> None:
-        """P: holds the records of each request whose prompt the step completed (after its forward)."""
+        """P: holds the records and head digests of each request whose prompt the step
+        completed (after its forward)."""
         for snap in plan.snapshots:
-            records = canary.records(slots_of(snap.block_ids, snap.tokens, self.block_size))
-            self.server.hold(snap.request_id, records.cpu())
+            slots = slots_of(snap.block_ids, snap.tokens, self.block_size)
+            digests = canary.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
+            self.server.hold(snap.request_id, Handover(canary.records(slots).cpu(), digests, self.heads))
             self._handed_over += snap.tokens
 
     def take_counts(self) -> dict[str, int]:
@@ -190,17 +261,44 @@ class NixlWorker:
             self.server.release(finished_sending)
 
     def fetch(self, plan: NixlPlan) -> None:
-        """D: P's records of each load, before NIXL starts reading its blocks: P holds them
-        until it learns the blocks were read, so a question sent later could find them gone.
-        One round trip per prefill server and step."""
+        """D: the snapshots of each load held by the P ranks holding this rank's heads,
+        before NIXL starts reading its blocks: P holds them until it learns the blocks were
+        read, so a question sent later could find them gone. One round trip per prefill
+        rank and step."""
         begin = time.perf_counter()
-        unasked = (None, f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})")
-        asked = [load for load in plan.loads if load.address is not None and load.remote_request_id is not None]
-        answers = self.client.fetch([(load.address, load.remote_request_id) for load in asked])
-        by_request = {load.request_id: answer for load, answer in zip(asked, answers)}
+        questions, asked = [], []
         for load in plan.loads:
-            self._pending[load.request_id] = _Pending(load, *by_request.get(load.request_id, unasked))
+            remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
+            sources = remote.sources(self.heads)
+            pending = _Pending(load, {}, "", same_heads=len(sources) == 1 and remote.heads(sources[0]) == self.heads)
+            self._say_comparison(remote, sources, pending.same_heads)
+            self._pending[load.request_id] = pending
+            if load.address is None or load.remote_request_id is None:
+                pending.handovers = None
+                pending.why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
+                continue
+            host, _, port = load.address.rpartition(":")
+            for rank in sources:
+                questions.append((f"{host}:{int(port) + rank}", load.remote_request_id))
+                asked.append((pending, rank))
+        for (pending, rank), (handover, why) in zip(asked, self.client.fetch(questions)):
+            if handover is None:
+                pending.handovers, pending.why = None, pending.why or why
+            elif pending.handovers is not None:
+                pending.handovers[rank] = handover
         self.fetch_seconds += time.perf_counter() - begin
+
+    def _say_comparison(self, remote: Sharding, sources: list[int], same_heads: bool) -> None:
+        """Logs, once per prefill tensor-parallel size, what this rank compares with which prefill ranks."""
+        if remote.tp_size in self._said:
+            return
+        self._said.add(remote.tp_size)
+        heads = f"heads {self.heads.start}-{self.heads.stop - 1} of {self.sharding.num_kv_heads}"
+        compared = "each slot's records" if same_heads else "each slot's token, position and chain, and its digest of each head,"
+        logger.info(
+            "kv-canary: this rank (%s) compares %s with prefill ranks %s of a prefill side of %d tensor-parallel ranks",
+            heads, compared, sources, remote.tp_size,
+        )  # fmt: skip
 
     def land(self, canary, finished_recving, failed_recving) -> tuple[set[int], int, int]:
         """D: records the slots of each request NIXL finished loading and compares them with
@@ -229,24 +327,52 @@ class NixlWorker:
         tokens = torch.tensor(load.tokens[load.start : load.end], dtype=torch.int64)
         landed = canary.record_loaded(landed_slots, tokens, start=load.start, prev_slot=prev).cpu()
         canary.refold_blocks(landed_slots)  # NIXL wrote whole blocks
-        theirs = pending.records
-        if theirs is not None and len(theirs) < load.end:
-            theirs, pending.why = None, f"the prefill side's records cover {len(theirs)} positions, not {load.end}"
-        if theirs is None:
-            bad = torch.ones(len(landed_slots), dtype=torch.bool)
-            logger.warning("kv-canary: request %s: no records of its prefilled KV to compare with: %s", load.request_id, pending.why)
-        else:
-            bad = (landed != theirs[load.start : load.end]).any(dim=1)
+        bad = self._differs(canary, pending, slots, landed)
         bad_slots = landed_slots[bad]
         if len(bad_slots):
             canary.invalidate(bad_slots)
-            if theirs is not None:
+            if pending.handovers is not None:
                 logger.warning(
                     "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
                     "(first at position %d); their blocks are load errors",
                     load.request_id, len(bad_slots), len(landed_slots), load.start + int(bad.nonzero()[0]),
                 )  # fmt: skip
         return bad_slots
+
+    def _differs(self, canary, pending: _Pending, slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
+        """Which landed slots differ from P's snapshots (all of them where there are none):
+        the whole records where the heads are sharded alike, else the token, position and
+        chain, and the digest of each of this rank's heads."""
+        load = pending.load
+        remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
+        if pending.handovers is not None:
+            pending.why = self._unusable(pending.handovers, remote, load.end)
+            if pending.why:
+                pending.handovers = None
+        if pending.handovers is None:
+            logger.warning("kv-canary: request %s: no records of its prefilled KV to compare with: %s", load.request_id, pending.why)
+            return torch.ones(len(landed), dtype=torch.bool)
+        theirs = pending.handovers[min(pending.handovers)].records[load.start : load.end]
+        if pending.same_heads:
+            return (landed != theirs).any(dim=1)
+        bad = (landed[:, :FOLD] != theirs[:, :FOLD]).any(dim=1)
+        mine = canary.head_digests(slots[load.start : load.end], self.heads, self.sharding.num_kv_heads, start=load.start)
+        for index, head in enumerate(self.heads):
+            held = pending.handovers[remote.holder(head)]
+            bad |= mine[:, index] != held.digests_of([head])[load.start : load.end, 0]
+        return bad
+
+    def _unusable(self, handovers: dict[int, Handover], remote: Sharding, end: int) -> str:
+        """Why P's snapshots cannot be compared with a load of positions [0, end) (empty: they can)."""
+        for rank, handover in sorted(handovers.items()):
+            if len(handover.records) < end:
+                return f"the prefill side's records cover {len(handover.records)} positions, not {end}"
+            if handover.heads != remote.heads(rank):
+                return (
+                    f"prefill rank {rank} holds KV heads {list(handover.heads)}, not the {list(remote.heads(rank))} of "
+                    f"{remote.num_kv_heads} heads over {remote.tp_size} ranks (do both sides serve one model?)"
+                )
+        return ""
 
     def close(self) -> None:
         if self.verified_requests:
@@ -291,18 +417,21 @@ def delay_progress_thread(delay_us: int) -> None:
 
 
 def check_nixl(vllm_config, extra: dict) -> None:
-    """Refuses what the NIXL verification cannot watch: several tensor-parallel ranks
-    (each rank's fold covers its own heads; see the module's docstring), and no records port."""
+    """Refuses what the NIXL verification cannot watch: several pipeline-parallel stages
+    (a stage holds some layers, and the snapshots are the whole model's per rank) or
+    decode-context-parallel ranks (a rank holds some of a request's positions), and no
+    records port."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    stages, dcp = parallel.pipeline_parallel_size, getattr(parallel, "decode_context_parallel_size", 1)
+    if stages != 1 or dcp != 1:
         raise ValueError(
-            f"kv-canary: {CONNECTOR} verifies NixlConnector's transfers with one tensor- and pipeline-parallel rank per "
-            f"side only (this server has tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}): serve each side on one rank, or NixlConnector "
-            f"without {CONNECTOR}"
+            f"kv-canary: {CONNECTOR} verifies NixlConnector's transfers with one pipeline stage and one decode-context-parallel "
+            f"rank per side (this server has pipeline_parallel_size={stages}, decode_context_parallel_size={dcp}): serve "
+            f"each side without them (tensor parallelism is verified), or NixlConnector without {CONNECTOR}"
         )
     if not isinstance(extra.get(RECORDS_PORT), int):
         raise ValueError(
-            f"kv-canary: {CONNECTOR} wrapping NixlConnector serves the canary's records of the KV it hands over on a port "
-            f'of its own: set "{RECORDS_PORT}": PORT (a free TCP port, one per server) in its kv_connector_extra_config'
+            f"kv-canary: {CONNECTOR} wrapping NixlConnector serves the canary's records of the KV it hands over on ports "
+            f'of its own: set "{RECORDS_PORT}": PORT in its kv_connector_extra_config (tensor-parallel rank r serves on '
+            "PORT + r: ports free for each rank, a range per server)"
         )

@@ -2,11 +2,14 @@
 snapshots of the requests it hands over and serves them on the loopback; the decode side's
 `RecordsClient` fetches a step's, over one connection per server that it keeps open.
 
+What a prefill rank holds of a request is a `Handover`: the canary's records of the
+request's prompt slots and each slot's transfer digest over each KV head the rank holds.
+
 The protocol is line-framed over TCP. A question is one JSON line ``{"request_id": ...}``;
-its answer is one JSON line ``{"request_id": ..., "rows": n}`` (``rows`` -1 when none is
-held) followed by the records, int64 ``[n, RECORD_FIELDS]``. A connection carries any
-number of questions, answered in order, so a step's questions go out together and cost one
-round trip."""
+its answer is one JSON line ``{"request_id": ..., "rows": n, "first_head": f, "heads": h}``
+(``rows`` -1 when none is held) followed by the records, int64 ``[n, RECORD_FIELDS]``, and
+the digests, int64 ``[n, h]``. A connection carries any number of questions, answered in
+order, so a step's questions go out together and cost one round trip."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import socket
 import socketserver
 import threading
 import time
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
@@ -27,8 +31,25 @@ FETCH_TIMEOUT_S = 10.0
 MAX_QUESTION_BYTES = 4096
 """The longest question line the server reads; a longer one ends its connection."""
 
-Answer = tuple[torch.Tensor | None, str]
-"""P's records of one request, or None and why not."""
+
+@dataclass
+class Handover:
+    """What a prefill rank holds of a request it hands over: the canary's records of the
+    prompt's slots (int64 ``[n, RECORD_FIELDS]``, by position) and each slot's transfer
+    digest over each KV head the rank holds (int64 ``[n, len(heads)]``, `digest.kv_digest`
+    of the head's K and V over every layer, numbered by global head)."""
+
+    records: torch.Tensor
+    digests: torch.Tensor
+    heads: range
+
+    def digests_of(self, heads) -> torch.Tensor:
+        """The digest columns of global ``heads`` (each one of `heads`)."""
+        return self.digests[:, [head - self.heads.start for head in heads]]
+
+
+Answer = tuple[Handover | None, str]
+"""P's handover of one request, or None and why not."""
 
 
 class RecordsServer:
@@ -37,7 +58,7 @@ class RecordsServer:
 
     def __init__(self, host: str, port: int, max_age_s: float):
         self.max_age_s = max_age_s
-        self._held: dict[str, tuple[float, torch.Tensor]] = {}
+        self._held: dict[str, tuple[float, Handover]] = {}
         self._lock = threading.Lock()
         self._answers = {"served": 0, "missing": 0}  # requests answered with records, and without
         self._connections: set[socket.socket] = set()
@@ -63,21 +84,23 @@ class RecordsServer:
     def answer(self, question: bytes) -> bytes:
         """The answer to one question line, counted."""
         request_id = json.loads(question)["request_id"]
-        records = self.get(request_id)
-        self.count_answer("missing" if records is None else "served")
-        header = json.dumps({"request_id": request_id, "rows": -1 if records is None else len(records)}).encode() + b"\n"
-        return header if records is None else header + records.numpy().tobytes()
+        held = self.get(request_id)
+        self.count_answer("missing" if held is None else "served")
+        if held is None:
+            return json.dumps({"request_id": request_id, "rows": -1}).encode() + b"\n"
+        header = {"request_id": request_id, "rows": len(held.records), "first_head": held.heads.start, "heads": len(held.heads)}
+        return json.dumps(header).encode() + b"\n" + held.records.numpy().tobytes() + held.digests.numpy().tobytes()
 
-    def hold(self, request_id: str, records: torch.Tensor) -> None:
-        """Holds ``records``; drops those held longer than ``max_age_s`` (a request NIXL
+    def hold(self, request_id: str, handover: Handover) -> None:
+        """Holds ``handover``; drops those held longer than ``max_age_s`` (a request NIXL
         never reported sent, say one aborted after its prefill: its blocks are long freed)."""
         now = time.monotonic()
         with self._lock:
             for stale in [key for key, (held, _) in self._held.items() if now - held > self.max_age_s]:
                 del self._held[stale]
-            self._held[request_id] = (now, records)
+            self._held[request_id] = (now, handover)
 
-    def get(self, request_id: str) -> torch.Tensor | None:
+    def get(self, request_id: str) -> Handover | None:
         with self._lock:
             held = self._held.get(request_id)
         return None if held is None else held[1]
@@ -190,8 +213,17 @@ def _read_answer(stream: BinaryIO, request_id: str) -> Answer:
         raise ValueError(f"it answered for request {header.get('request_id')!r}, not {request_id!r}")
     if header["rows"] < 0:
         return None, "the prefill side holds no records of it (its lease expired, or it was never snapshotted)"
-    size = header["rows"] * len(RECORD_FIELDS) * 8
+    rows, heads = header["rows"], header["heads"]
+    records = _read_int64(stream, rows, len(RECORD_FIELDS))
+    digests = _read_int64(stream, rows, heads)
+    return Handover(records, digests, range(header["first_head"], header["first_head"] + heads)), ""
+
+
+def _read_int64(stream: BinaryIO, rows: int, columns: int) -> torch.Tensor:
+    size = rows * columns * 8
     data = stream.read(size)
     if len(data) != size:
         raise ConnectionError("its answer was cut short")
-    return torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, len(RECORD_FIELDS)), ""
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.int64).view(rows, columns) if size else torch.zeros(rows, columns, dtype=torch.int64)
+    )
