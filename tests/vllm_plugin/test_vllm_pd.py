@@ -269,20 +269,30 @@ def test_clean_requests_through_nixl_are_verified_and_unflagged(clean, canary_pa
     assert not [line for line in decode.canary_lines() if line[2] == "WARNING"]
 
 
+def _repair_counts(decode) -> tuple[float, float]:
+    return decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
+
+
+def _assert_repaired(faults, fault: str, clean_answer: str) -> None:
+    """``fault``, injected into the pair of ``faults`` with both prefix caches emptied, is
+    named as a load error and repaired: the answer is ``clean_answer``, D stays up and counts it."""
+    decode = faults.decode
+    before = _repair_counts(decode)
+    faults.forget()
+    assert _tokens(faults.inject(fault)) == clean_answer
+    assert decode.alive()
+    after = _repair_counts(decode)
+    assert after[0] > before[0] and after[1] > before[1], (fault, before, after)
+    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
+
+
 @pytest.mark.parametrize("fault", list(FAULT_PROMPTS))
 def test_each_fault_is_a_load_error_repaired_to_the_clean_answer(fault, clean, canary_pair):
     faulted = clean[1]
-    _, decode, _, faults = canary_pair
-    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
+    faults = canary_pair[3]
     served = _prefill_metric(faults, "vllm:kv_canary_transfer_records_served_total")
-    faults.forget()
-    answer = faults.inject(fault)
-    assert _tokens(answer) == faulted[FAULT_PROMPTS[fault]]
-    assert decode.alive()
-    failed, repaired = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
-    assert failed > before[0] and repaired > before[1], (fault, before, failed, repaired)
+    _assert_repaired(faults, fault, faulted[FAULT_PROMPTS[fault]])
     assert _prefill_metric(faults, "vllm:kv_canary_transfer_records_served_total") > served  # P served what D compared with
-    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
 
 
 def test_missing_records_are_load_errors(clean, canary_pair):
@@ -372,15 +382,7 @@ def test_heterogeneous_tp_clean_requests_compare_head_digests_and_pass(clean, he
 @pytest.mark.parametrize("fault", ["flip on prefill", "flip on decode"])
 def test_heterogeneous_tp_faults_are_load_errors_repaired(fault, heterogeneous_pair):
     _, faults, _, answers = heterogeneous_pair
-    decode = faults.decode
-    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
-    faults.forget()
-    answer = faults.inject(fault)
-    assert _tokens(answer) == answers[FAULT_PROMPTS[fault]]
-    assert decode.alive()
-    failed, repaired = decode.metric("vllm:kv_canary_transfer_slots_failed_total"), decode.metric("vllm:kv_canary_blocks_repaired_total")
-    assert failed > before[0] and repaired > before[1], (fault, before, failed, repaired)
-    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
+    _assert_repaired(faults, fault, answers[FAULT_PROMPTS[fault]])
 
 
 # The pieces on their own -------------------------------------------------------------------
