@@ -433,7 +433,7 @@ def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
     try:
         (got, why), missing, (empty, _) = _ask(client, (address, "a"), (address, "b"), (address, "empty"))
         assert why == "" and _same(got, handover)
-        assert got.digests_of([4, 2]).tolist() == [[4, 2], [4004, 4002], [8004, 8002]]
+        assert torch.stack([got.digest_of(4), got.digest_of(2)], dim=1).tolist() == [[4, 2], [4004, 4002], [8004, 8002]]
         assert missing == (None, NOT_HELD)
         assert empty.records.shape == (0, 4) and empty.digests.shape == (0, 2)
         server.release(["a"])

@@ -202,6 +202,7 @@ class _Pending:
     """D: a load and the snapshots of the P ranks holding this rank's heads, by rank (None: why not)."""
 
     load: Load
+    remote: Sharding  # the prefill side's
     handovers: dict[int, Handover] | None
     why: str
     same_heads: bool  # this rank holds exactly the heads of its one source rank: the folds compare
@@ -270,7 +271,7 @@ class NixlWorker:
         for load in plan.loads:
             remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
             sources = remote.sources(self.heads)
-            pending = _Pending(load, {}, "", same_heads=len(sources) == 1 and remote.heads(sources[0]) == self.heads)
+            pending = _Pending(load, remote, {}, "", same_heads=len(sources) == 1 and remote.heads(sources[0]) == self.heads)
             self._say_comparison(remote, sources, pending.same_heads)
             self._pending[load.request_id] = pending
             if load.address is None or load.remote_request_id is None:
@@ -343,8 +344,7 @@ class NixlWorker:
         """Which landed slots differ from P's snapshots (all of them where there are none):
         the whole records where the heads are sharded alike, else the token, position and
         chain, and the digest of each of this rank's heads."""
-        load = pending.load
-        remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
+        load, remote = pending.load, pending.remote
         if pending.handovers is not None:
             pending.why = self._unusable(pending.handovers, remote, load.end)
             if pending.why:
@@ -359,7 +359,7 @@ class NixlWorker:
         mine = canary.head_digests(slots[load.start : load.end], self.heads, self.sharding.num_kv_heads, start=load.start)
         for index, head in enumerate(self.heads):
             held = pending.handovers[remote.holder(head)]
-            bad |= mine[:, index] != held.digests_of([head])[load.start : load.end, 0]
+            bad |= mine[:, index] != held.digest_of(head)[load.start : load.end]
         return bad
 
     def _unusable(self, handovers: dict[int, Handover], remote: Sharding, end: int) -> str:

@@ -43,9 +43,9 @@ class Handover:
     digests: torch.Tensor
     heads: range
 
-    def digests_of(self, heads) -> torch.Tensor:
-        """The digest columns of global ``heads`` (each one of `heads`)."""
-        return self.digests[:, [head - self.heads.start for head in heads]]
+    def digest_of(self, head: int) -> torch.Tensor:
+        """The digest column of global ``head`` (one of `heads`)."""
+        return self.digests[:, head - self.heads.start]
 
 
 Answer = tuple[Handover | None, str]
