@@ -1,0 +1,210 @@
+"""The Prometheus rules (deploy/prometheus/kv_canary.rules.yml) and the Grafana dashboard
+(deploy/grafana/kv_canary.json) against a real Prometheus (Debian's `prometheus`, on
+127.0.0.1) scraping a real `vllm serve` with the plugin under ``repair`` and
+`KvCanaryConnector`: a byte flipped in a cached block (tools/vllm_metrics_capture.py's
+fault plugin) takes KvCanaryCorruptionDetected and KvCanaryRepairing from inactive to
+firing while every other alert stays inactive, the recording rules give the counts the
+server exported, and every dashboard panel's PromQL answers with data. `make
+test-prometheus` runs it.
+
+Prometheus scrapes and evaluates every second and loads a copy of the rules whose alerts'
+``for`` is one second (the shipped durations are minutes); the expressions are the shipped ones.
+"""
+
+import json
+import math
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: make test-prometheus runs these tests in the vLLM venv")
+yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make test-prometheus runs these tests in the vLLM venv")
+
+from vllm_metrics_capture import PROMPT, connector_server, flip, install_fault_plugin, read_flipped  # noqa: E402
+from vllm_serve import free_ports  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "deploy/prometheus/kv_canary.rules.yml"
+DASHBOARD = REPO / "deploy/grafana/kv_canary.json"
+# The scrape and evaluation interval, and every alert's `for` in the test's copy of the rules.
+INTERVAL = "1s"
+# The longest a state the test waits for may take: a few scrapes and evaluations.
+SETTLE_S = 60.0
+# What Grafana puts in the dashboard's variables: every instance, a window of 60 scrapes.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".+"}
+# increase() extrapolates a counter's rise to the end of its window, by up to 1.1 scrape
+# intervals over the span of its samples: with `HISTORY` scrapes before the fault, the
+# recorded counts may exceed the exported ones by this.
+HISTORY = 15
+EXTRAPOLATION = 1.25
+
+
+class Prometheus:
+    """`prometheus` on 127.0.0.1 scraping ``target`` every `INTERVAL` with the test's copy of
+    the rules, its data and log in ``directory``."""
+
+    def __init__(self, directory: Path, target: str):
+        self.directory, self.target = directory, target
+        self.port = free_ports(1)
+
+    def __enter__(self):
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.fail("no `prometheus` on PATH: `apt-get install prometheus` (make test-prometheus does)")
+        rules = self.directory / "rules.yml"
+        rules.write_text(yaml.safe_dump(_short_for(yaml.safe_load(RULES.read_text()))))
+        config = {
+            "global": {"scrape_interval": INTERVAL, "evaluation_interval": INTERVAL},
+            "rule_files": [str(rules)],
+            "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": [self.target]}]}],
+        }
+        (self.directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self._log = open(self.directory / "prometheus.log", "w")  # noqa: SIM115 (closed in __exit__)
+        command = [
+            binary,
+            f"--config.file={self.directory / 'prometheus.yml'}",
+            f"--storage.tsdb.path={self.directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self.wait_for(self._ready, "Prometheus ready")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._log.close()
+
+    def _get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as answer:
+            return json.loads(answer.read())
+
+    def _ready(self) -> bool:
+        if self._process.poll() is not None:
+            pytest.fail(f"prometheus exited with {self._process.returncode}:\n{(self.directory / 'prometheus.log').read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=5) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def query(self, expr: str) -> dict[tuple, float]:
+        """The instant vector ``expr`` evaluates to now: each series' labels (sorted pairs) and value."""
+        answer = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        assert answer["status"] == "success" and answer["data"]["resultType"] == "vector", (expr, answer)
+        return {tuple(sorted(series["metric"].items())): float(series["value"][1]) for series in answer["data"]["result"]}
+
+    def value(self, expr: str) -> float:
+        (value,) = self.query(expr).values()
+        return value
+
+    def alert_states(self) -> dict[str, str]:
+        """Each alerting rule's state: inactive, pending or firing."""
+        groups = self._get("/api/v1/rules?type=alert")["data"]["groups"]
+        return {rule["name"]: rule["state"] for group in groups for rule in group["rules"]}
+
+    def wait_for(self, condition, what: str):
+        deadline = time.monotonic() + SETTLE_S
+        while not (result := condition()):
+            if time.monotonic() > deadline:
+                pytest.fail(f"not within {SETTLE_S} s: {what}")
+            time.sleep(0.5)
+        return result
+
+
+def _short_for(rules: dict) -> dict:
+    """``rules`` with each alert's ``for`` set to `INTERVAL`."""
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = INTERVAL
+    return rules
+
+
+def _if_firing(states: dict[str, str], names: set[str]) -> dict[str, str] | None:
+    """``states`` (`Prometheus.alert_states`) if every alert of ``names`` fires there, else None."""
+    return states if all(states[name] == "firing" for name in names) else None
+
+
+def _alert_names() -> set[str]:
+    return {rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if "alert" in rule}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    """A `vllm serve` with the fault plugin and a Prometheus scraping it, both stopped after the module."""
+    site = install_fault_plugin(tmp_path_factory.mktemp("site"))
+    with (
+        connector_server(tiny_llama, site) as server,
+        Prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{server.port}") as prometheus,
+    ):
+        yield server, prometheus
+
+
+def test_a_flipped_byte_fires_the_alerts_and_is_recorded(stack):
+    server, prometheus = stack
+    assert "error" not in server.complete(PROMPT, 4)  # its blocks stay in the prefix cache
+    prometheus.wait_for(lambda: prometheus.query("vllm:kv_canary_slots_verified_total > 0"), "the server's verified slots scraped")
+    history = f"count_over_time(vllm:kv_canary_slots_verified_total[1m]) >= {HISTORY}"
+    prometheus.wait_for(lambda: prometheus.query(history), f"{HISTORY} scrapes")
+    states = prometheus.wait_for(lambda: prometheus.alert_states(), "the alerting rules loaded")
+    assert set(states) == _alert_names() and set(states.values()) == {"inactive"}, states
+
+    flip(server)
+    assert all("error" not in answer for answer in read_flipped(server))
+    violations = server.metric("vllm:kv_canary_violations_total", reason="verify_real_kv_hash")
+    repaired = server.metric("vllm:kv_canary_blocks_repaired_total")
+    assert violations >= 1 and repaired >= 1
+
+    firing = {"KvCanaryCorruptionDetected", "KvCanaryRepairing"}
+    states = prometheus.wait_for(lambda: _if_firing(prometheus.alert_states(), firing), f"{firing} firing")
+    assert {name for name, state in states.items() if state != "inactive"} == firing, states
+
+    recorded = prometheus.value('model_name_reason:vllm_kv_canary_violations:increase10m{reason="verify_real_kv_hash"}')
+    assert violations <= recorded <= violations * EXTRAPOLATION, (recorded, violations)
+    recorded = prometheus.value("model_name:vllm_kv_canary_blocks_repaired:increase1h")
+    assert repaired <= recorded <= repaired * EXTRAPOLATION, (recorded, repaired)
+    assert prometheus.value('model_name_reason:vllm_kv_canary_violations:increase10m{reason="verify_token"}') == 0
+    assert prometheus.value("model_name:vllm_kv_canary_slots_verified:rate5m") > 0
+
+
+def _panels(dashboard: dict):
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def _expr(target: dict) -> str:
+    expr = target["expr"]
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    assert "$" not in expr, f"a Grafana variable the test does not fill: {target['expr']}"
+    return expr
+
+
+def test_every_dashboard_panel_answers_with_data(stack):
+    server, prometheus = stack
+    assert "error" not in server.complete(list(range(300, 340)), 8)
+    # rate() and increase() need two samples in their window.
+    prometheus.wait_for(lambda: prometheus.query("count_over_time(vllm:kv_canary_slots_verified_total[1m]) >= 2"), "two scrapes")
+    dashboard = json.loads(DASHBOARD.read_text())
+    targets = [(panel["title"], target) for panel in _panels(dashboard) for target in panel.get("targets", [])]
+    assert len(targets) >= 5
+    for title, target in targets:
+        answer = prometheus.query(_expr(target))
+        assert answer, f"panel {title!r}: no data for {target['expr']}"
+        assert all(math.isfinite(value) for value in answer.values()), (title, answer)
