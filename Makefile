@@ -35,7 +35,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-pd soak-vllm bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-pd test-prometheus soak-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -148,6 +148,20 @@ test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
 $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.deps
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check "$(NIXL)"
 	echo "$(NIXL)" > $@
+
+# The operators' kit (deploy/, docs/operators.md): the Prometheus rules checked and unit-tested
+# by promtool, the files checked against a captured /metrics and the docs
+# (tests/deploy/), and the rules and the Grafana dashboard against a real Prometheus
+# scraping a real `vllm serve` (tests/vllm_plugin/test_prometheus.py). Debian's prometheus
+# package gives both promtool and prometheus.
+PROMETHEUS_TESTS := tests/deploy/test_deploy_files.py tests/vllm_plugin/test_prometheus.py
+PROMETHEUS_REPORT := $(VLLM_VENV)/test-prometheus.xml
+test-prometheus: $(VLLM_VENV)/.built
+	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+	promtool check rules deploy/prometheus/kv_canary.rules.yml
+	cd deploy/prometheus && promtool test rules tests/kv_canary.rules.test.yml
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(PROMETHEUS_REPORT) $(PROMETHEUS_TESTS)
+	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(PROMETHEUS_REPORT)
 
 # A soak through `vllm serve` (tools/vllm_serve.py): 1,000 requests of mixed lengths sharing
 # prefixes with the canary on; fails on an error, a violation or a canary warning, and
