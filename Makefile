@@ -164,8 +164,9 @@ test-prometheus: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(PROMETHEUS_REPORT)
 
 # A soak through `vllm serve` (tools/vllm_serve.py): 1,000 requests of mixed lengths sharing
-# prefixes with the canary on; fails on an error, a violation or a canary warning, and
-# prints the engine worker's resident memory at start and at end.
+# prefixes in four passes (two to warm up, two measured), with the canary off, then on; fails
+# on an error, a violation, a canary warning, or a measured pass that grows the engine more
+# with the canary than without by its bound, and prints both servers' memory after each pass.
 SOAK_ARGS ?= --requests 1000
 soak-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python tools/vllm_serve.py soak $(SOAK_ARGS)
