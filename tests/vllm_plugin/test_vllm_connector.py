@@ -645,6 +645,38 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
             assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in parse_violations(said))
 
 
+# The members of vLLM's connector base that belong to the wrapper itself, not to the inner
+# connector: its role, and whether the step's metadata is bound (the wrapper binds its own,
+# holding the inner connector's, `bind_connector_metadata`).
+OWN_MEMBERS = {"role", "has_connector_metadata"}
+
+
+def test_the_connector_forwards_every_method_of_vllms_connector_base():
+    """A method the installed vLLM's `KVConnectorBase_V1` has and `KvCanaryConnector` does
+    not define would reach the base's default (most do nothing) instead of the inner
+    connector: each public member is defined by the wrapper, but its own."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    public = {name for name in dir(KVConnectorBase_V1) if not name.startswith("_")}
+    assert OWN_MEMBERS <= public, "a member the wrapper keeps as its own is gone from vLLM's base"
+    inherited = {name for name in public - OWN_MEMBERS if name not in vars(connector.KvCanaryConnector)}
+    assert not inherited, f"KvCanaryConnector does not forward {sorted(inherited)} to the inner connector"
+
+
+def test_the_connector_forwards_the_gpu_block_pool_to_the_inner_connector():
+    bound = []
+
+    class Inner:
+        def bind_gpu_block_pool(self, pool):
+            bound.append(pool)
+
+    wrapper = object.__new__(connector.KvCanaryConnector)
+    wrapper.inner = Inner()
+    pool = object()
+    wrapper.bind_gpu_block_pool(pool)
+    assert bound == [pool]
+
+
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
 def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
     from vllm.config import KVTransferConfig

@@ -302,6 +302,10 @@ class KvCanaryConnector(KVConnectorBase_V1):
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return self.inner.supports_divergent_local_hybrid_hits if self.inner is not None else False
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        if self.inner is not None:
+            self.inner.bind_gpu_block_pool(gpu_block_pool)
+
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.inner is not None:
