@@ -7,7 +7,7 @@ test (tests/vllm_plugin/test_prometheus.py) runs.
 
 The server runs the plugin under ``repair`` with `KvCanaryConnector` (the counters exist only
 with the connector) and fault drills (probability 0.5 a step), serves a prompt, has one byte of that prompt's cached
-block flipped (a vLLM plugin of its own, called through /collective_rpc, as
+block flipped (`vllm_serve.FLIP_PLUGIN`, called through /collective_rpc, as
 tests/vllm_plugin/test_vllm_serve.py does), and serves two requests that read the block and one that does not.
 The ``vllm:`` families of its ``/metrics`` are written out; the process's own (python_*,
 process_*) are left out.
@@ -19,32 +19,10 @@ import argparse
 import json
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
-from vllm_serve import SERVE_OPTIONS, Server, install_vllm_plugin, path_with
-
-# A vLLM general plugin giving each worker a method that flips one bit of the slot holding
-# a given token at a given position (installed for the server's processes through PYTHONPATH).
-FAULT_PLUGIN = """
-def register():
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    def kvcanary_capture_flip(self, token, position):
-        import torch
-        from torch_kvcanary.integrations.vllm import plugin
-
-        state = plugin.active()
-        records = state.canary.records
-        slot = ((records[:, 0] == int(token)) & (records[:, 1] == int(position))).nonzero().flatten().tolist()[0]
-        block, offset = divmod(slot, state.block_size)
-        cache = state.kv_caches[0].view(torch.int16)
-        cache[(block, offset, 3) if cache.dim() == 3 else (block, 0, offset, 3)] ^= 1 << 9
-        return slot
-
-    WorkerBase.kvcanary_capture_flip = kvcanary_capture_flip
-"""
-FAULT_MODULE = "kvcanary_capture_faults"
+import vllm_serve
+from vllm_serve import SERVE_OPTIONS, Server, path_with
 
 # The prompt whose cached block is flipped, and the flipped position: in its last full block.
 PROMPT = list(range(10, 110))
@@ -53,7 +31,7 @@ FLIPPED = 90
 
 def connector_server(model: Path, site: Path, drill: float = 0.0) -> Server:
     """`vllm serve` of ``model`` under ``repair`` with `KvCanaryConnector`, fault drills of
-    probability ``drill``, and the fault plugin installed in ``site`` (`install_fault_plugin`)."""
+    probability ``drill``, and the flip plugin installed in ``site`` (`vllm_serve.install_flip_plugin`)."""
     transfer = json.dumps({"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"})
     env = dict(
         KVCANARY_VLLM="repair",
@@ -65,17 +43,10 @@ def connector_server(model: Path, site: Path, drill: float = 0.0) -> Server:
     return Server(model, env, (*SERVE_OPTIONS, "--no-async-scheduling", "--kv-transfer-config", transfer))
 
 
-def install_fault_plugin(directory: Path) -> Path:
-    return install_vllm_plugin(directory, FAULT_MODULE, FAULT_PLUGIN)
-
-
 def flip(server: Server) -> int:
     """Flips a bit of the slot of `PROMPT`'s token at `FLIPPED` (served before, so cached)
     in the server's worker; the slot."""
-    body = json.dumps({"method": "kvcanary_capture_flip", "args": [str(PROMPT[FLIPPED]), str(FLIPPED)]}).encode()
-    request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        return json.loads(answer.read())["results"][0]
+    return vllm_serve.flip(server, PROMPT[FLIPPED], FLIPPED)
 
 
 def read_flipped(server: Server) -> list[dict]:
@@ -113,7 +84,7 @@ def main(argv: list[str]) -> int:
         model = make_llama(Path(scratch) / "tiny-llama")
         site = Path(scratch) / "site"
         site.mkdir()
-        metrics = capture(model, install_fault_plugin(site))
+        metrics = capture(model, vllm_serve.install_flip_plugin(site))
     if "vllm:kv_canary_violations_total{" not in metrics:
         raise RuntimeError("the server exported no vllm:kv_canary_violations_total")
     args.out.write_text(metrics)

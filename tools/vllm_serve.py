@@ -141,13 +141,7 @@ class Server:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        stop(self._process, timeout=60)
         self._log.close()
 
     @property
@@ -216,6 +210,62 @@ def complete(url: str, model: Path, prompt: list[int], max_tokens: int, **params
             return json.loads(answer.read())
     except urllib.error.HTTPError as error:
         return {"error": error.code, "body": error.read().decode(errors="replace")}
+
+
+def stop(process: subprocess.Popen, timeout: float) -> None:
+    """Ends ``process``: SIGTERM, then SIGKILL if it is still running ``timeout`` s later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def collective_rpc(server: Server, method: str, *args: str) -> list:
+    """Each worker's answer to ``method(*args)`` through vLLM's /collective_rpc (a server
+    with VLLM_SERVER_DEV_MODE=1)."""
+    body = json.dumps({"method": method, "args": list(args)}).encode()
+    request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())["results"]
+
+
+# A vLLM general plugin of the tests' own (`install_flip_plugin`): it gives each worker a
+# method that flips one bit of the slot holding a given token at a given position, which
+# `flip` calls through /collective_rpc.
+FLIP_PLUGIN = """
+def register():
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    def kvcanary_test_flip(self, token, position):
+        import torch
+        from torch_kvcanary.integrations.vllm import plugin
+
+        state = plugin.active()
+        records = state.canary.records
+        # A hybrid model's groups each hold the token in a slot of their own: the first is flipped.
+        slot = ((records[:, 0] == int(token)) & (records[:, 1] == int(position))).nonzero().flatten().tolist()[0]
+        block, offset = divmod(slot, state.block_size)
+        cache = state.kv_caches[0].view(torch.int16)
+        at = (block, offset, 3) if cache.dim() == 3 else (block, 0, offset, 3)  # MLA's latent rows, or K and V
+        cache[at] ^= 1 << 9
+        return slot
+
+    WorkerBase.kvcanary_test_flip = kvcanary_test_flip
+"""
+
+
+def install_flip_plugin(directory: Path) -> Path:
+    """`FLIP_PLUGIN` installed in ``directory``, for a server's PYTHONPATH (`path_with`)."""
+    return install_vllm_plugin(directory, "kvcanary_test_faults", FLIP_PLUGIN)
+
+
+def flip(server: Server, token: int, position: int) -> int:
+    """Flips a bit of the slot holding ``token`` at ``position`` in ``server``'s (first)
+    worker, a server with `FLIP_PLUGIN` and VLLM_SERVER_DEV_MODE=1; the slot."""
+    return collective_rpc(server, "kvcanary_test_flip", str(token), str(position))[0]
 
 
 def install_vllm_plugin(directory: Path, module: str, source: str) -> Path:

@@ -26,8 +26,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-prometheus runs these tests in the vLLM venv")
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make test-prometheus runs these tests in the vLLM venv")
 
-from vllm_metrics_capture import PROMPT, connector_server, flip, install_fault_plugin, read_flipped  # noqa: E402
-from vllm_serve import free_ports  # noqa: E402
+from vllm_metrics_capture import PROMPT, connector_server, flip, read_flipped  # noqa: E402
+from vllm_serve import free_ports, install_flip_plugin, stop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy/prometheus/kv_canary.rules.yml"
@@ -81,12 +81,7 @@ class Prometheus:
         return self
 
     def __exit__(self, *exc):
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop(self._process, timeout=30)
         self._log.close()
 
     def _get(self, path: str) -> dict:
@@ -147,7 +142,7 @@ def _alert_names() -> set[str]:
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory):
     """A `vllm serve` with the fault plugin and a Prometheus scraping it, both stopped after the module."""
-    site = install_fault_plugin(tmp_path_factory.mktemp("site"))
+    site = install_flip_plugin(tmp_path_factory.mktemp("site"))
     with (
         connector_server(tiny_llama, site) as server,
         Prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{server.port}") as prometheus,
