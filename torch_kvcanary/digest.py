@@ -13,6 +13,9 @@ and LATENT_SCALE = 1 (MLA, one head). A tensor-parallel rank's global head is
 ``tp_rank * local_heads + local_head``; where heads are replicated (fewer KV heads than
 ranks, or MLA's latent) only the first replica's rank contributes, so the
 ``all_reduce(SUM)`` of a group's digests counts each unit once.
+
+`kv_digest_by_head` gives one digest per slot and KV head instead, numbered by global head,
+so that two sides of a transfer sharded differently compare head by head.
 """
 
 from __future__ import annotations
@@ -256,6 +259,42 @@ def vllm_units(
         [kv.key for kv in layers], [kv.value for kv in layers], _mapped(k_scales, by_slot, "k_scales"), _mapped(v_scales, by_slot, "v_scales"),
         tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
     )  # fmt: skip
+
+
+def vllm_head_views(kv_cache: torch.Tensor, backend: str, layout: str) -> list[tuple[int, torch.Tensor]]:
+    """The views of one vLLM layer's cache that `kv_digest_by_head` reads, each with its
+    digest kind: MLA's latent, or K and V, ``[num_blocks, block_size, heads, ...]``."""
+    if backend in engines.VLLM_MLA_BACKENDS:
+        return [(LATENT, engines.vllm_mla(kv_cache))]
+    kv = engines.vllm(kv_cache, layout=layout, backend=backend)
+    return [(K, kv.key), (V, kv.value)]
+
+
+def kv_digest_by_head(
+    caches: list[list[tuple[int, torch.Tensor]]], slots: torch.Tensor, heads: range, *, num_kv_heads: int, mla: bool, start: int
+) -> torch.Tensor:
+    """The transfer digest of each of ``slots``, which hold a request's positions from
+    ``start`` on, over each KV head a rank holds (global heads ``heads`` of the model's
+    ``num_kv_heads``; MLA's latent is head 0 of 1): int64 ``[len(slots), len(heads)]``.
+    ``caches`` holds each cache's views (`vllm_head_views`: digest kind, ``[num_blocks,
+    block_size, len(heads), ...]``). A head's column is `kv_digest` of its K and V (MLA:
+    latent) in every cache, numbered by cache, kind and global head, so that it does not
+    depend on how the ranks of either side of a transfer split the heads."""
+    kinds = MLA_KINDS if mla else MHA_KINDS
+    local_heads = {view.shape[2] for views in caches for _, view in views}
+    if local_heads != {len(heads)}:
+        raise ValueError(f"kv-canary: this rank's caches hold {sorted(local_heads)} KV heads, not the {len(heads)} of {heads}")
+    positions = torch.arange(start, start + len(slots), device=slots.device)
+    groups = torch.arange(len(slots), device=slots.device)
+    digests = torch.empty(len(slots), len(heads), dtype=torch.int64, device=slots.device)
+    for local, head in enumerate(heads):
+        views, offsets = [], []
+        for layer, cache_views in enumerate(caches):
+            for kind, view in cache_views:
+                views.append(view[:, :, local : local + 1])
+                offsets.append(unit_id(layer, kind, head, num_kv_heads=num_kv_heads, kinds=kinds))
+        digests[:, local] = kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=len(slots))
+    return digests
 
 
 def hf_static_cache_units(

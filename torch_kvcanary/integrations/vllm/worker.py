@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ... import digest, engines, layouts
+from ... import digest, layouts
 from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
@@ -139,7 +139,7 @@ class WorkerCanary:
             self.kv_caches.append(kv_cache)
             backends.add(layer.backend)
             sources += self._sources(layer, layout)
-            self._head_views.append(head_views(layer.kv_cache, layer.backend, layout))
+            self._head_views.append(digest.vllm_head_views(layer.kv_cache, layer.backend, layout))
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
         self._check_tokens = self.runner_view.token_history_current
         self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.token_history_on_host else None
@@ -355,9 +355,9 @@ class WorkerCanary:
         return self.records(slots)
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
-        """`digests_by_head` of ``slots`` in the watched caches, on the host."""
+        """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the host."""
         slots = slots.to(self.canary.device, torch.int64)
-        return digests_by_head(self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start).cpu()
+        return digest.kv_digest_by_head(self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start).cpu()
 
     def refold_blocks(self, slots: torch.Tensor) -> None:
         """Under a block-packed backend, recomputes the fold of every slot of the blocks
@@ -547,42 +547,6 @@ def _is_canary_connector(connector) -> bool:
     from .connector import KvCanaryConnector
 
     return isinstance(connector, KvCanaryConnector)
-
-
-def digests_by_head(
-    caches: list[list[tuple[int, torch.Tensor]]], slots: torch.Tensor, heads: range, *, num_kv_heads: int, mla: bool, start: int
-) -> torch.Tensor:
-    """The transfer digest of each of ``slots``, which hold a request's positions from
-    ``start`` on, over each KV head a rank holds (global heads ``heads`` of the model's
-    ``num_kv_heads``; MLA's latent is head 0 of 1): int64 ``[len(slots), len(heads)]``.
-    ``caches`` holds each cache's views (`head_views`: digest kind, ``[num_blocks,
-    block_size, len(heads), ...]``). A head's column is `digest.kv_digest` of its K and V
-    (MLA: latent) in every cache, numbered by cache, kind and global head, so that it does
-    not depend on how the ranks of either side of a transfer split the heads."""
-    kinds = digest.MLA_KINDS if mla else digest.MHA_KINDS
-    local_heads = {view.shape[2] for views in caches for _, view in views}
-    if local_heads != {len(heads)}:
-        raise ValueError(f"kv-canary: this rank's caches hold {sorted(local_heads)} KV heads, not the {len(heads)} of {heads}")
-    positions = torch.arange(start, start + len(slots), device=slots.device)
-    groups = torch.arange(len(slots), device=slots.device)
-    digests = torch.empty(len(slots), len(heads), dtype=torch.int64, device=slots.device)
-    for local, head in enumerate(heads):
-        views, offsets = [], []
-        for layer, cache_views in enumerate(caches):
-            for kind, view in cache_views:
-                views.append(view[:, :, local : local + 1])
-                offsets.append(digest.unit_id(layer, kind, head, num_kv_heads=num_kv_heads, kinds=kinds))
-        digests[:, local] = digest.kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=len(slots))
-    return digests
-
-
-def head_views(kv_cache: torch.Tensor, backend: str, layout: str) -> list[tuple[int, torch.Tensor]]:
-    """The views of one layer's cache that `digests_by_head` reads, each with its digest
-    kind: MLA's latent, or K and V, ``[num_blocks, block_size, heads, ...]``."""
-    if backend in layouts.VLLM_MLA_BACKENDS:
-        return [(digest.LATENT, engines.vllm_mla(kv_cache))]
-    kv = engines.vllm(kv_cache, layout=layout, backend=backend)
-    return [(digest.K, kv.key), (digest.V, kv.value)]
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
