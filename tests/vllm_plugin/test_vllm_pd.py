@@ -388,19 +388,19 @@ def test_heterogeneous_tp_faults_are_load_errors_repaired(fault, heterogeneous_p
 # The pieces on their own -------------------------------------------------------------------
 
 
-def _handover(records: torch.Tensor, first_head: int = 0, heads: int = 2):
+def _snapshot(records: torch.Tensor, first_head: int = 0, heads: int = 2):
     from torch_kvcanary.integrations.vllm.connector import records_channel
 
     digests = (records[:, :1] * 1000 + torch.arange(first_head, first_head + heads)).contiguous()
-    return records_channel.Handover(records, digests, range(first_head, first_head + heads))
+    return records_channel.Snapshot(records, digests, range(first_head, first_head + heads))
 
 
 def _records_server(port: int, **held):
     from torch_kvcanary.integrations.vllm.connector import records_channel
 
     server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
-    for request_id, handover in held.items():
-        server.hold(request_id, handover)
+    for request_id, snapshot in held.items():
+        server.hold(request_id, snapshot)
     return server
 
 
@@ -408,12 +408,12 @@ def _ask(client, *questions: tuple[str, str]) -> list:
     return client.fetch(list(questions))
 
 
-def _same(got, handover) -> bool:
+def _same(got, snapshot) -> bool:
     return (
         got is not None
-        and torch.equal(got.records, handover.records)
-        and torch.equal(got.digests, handover.digests)
-        and got.heads == handover.heads
+        and torch.equal(got.records, snapshot.records)
+        and torch.equal(got.digests, snapshot.digests)
+        and got.heads == snapshot.heads
     )
 
 
@@ -427,12 +427,12 @@ def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
 
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    handover = _handover(torch.arange(12, dtype=torch.int64).view(3, 4), first_head=2, heads=3)
-    server = _records_server(port, a=handover, empty=_handover(torch.zeros(0, 4, dtype=torch.int64)))
+    snapshot = _snapshot(torch.arange(12, dtype=torch.int64).view(3, 4), first_head=2, heads=3)
+    server = _records_server(port, a=snapshot, empty=_snapshot(torch.zeros(0, 4, dtype=torch.int64)))
     client = records_channel.RecordsClient(timeout=2)
     try:
         (got, why), missing, (empty, _) = _ask(client, (address, "a"), (address, "b"), (address, "empty"))
-        assert why == "" and _same(got, handover)
+        assert why == "" and _same(got, snapshot)
         assert torch.stack([got.digest_of(4), got.digest_of(2)], dim=1).tolist() == [[4, 2], [4004, 4002], [8004, 8002]]
         assert missing == (None, NOT_HELD)
         assert empty.records.shape == (0, 4) and empty.digests.shape == (0, 2)
@@ -440,8 +440,8 @@ def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
         assert _ask(client, (address, "a")) == [(None, NOT_HELD)]
         assert server.take_answers() == {"served": 2, "missing": 2}
         server.max_age_s = 0
-        server.hold("c", handover)
-        server.hold("d", handover)  # drops c, held longer than max_age_s
+        server.hold("c", snapshot)
+        server.hold("d", snapshot)  # drops c, held longer than max_age_s
         assert server.get("c") is None and server.get("d") is not None
     finally:
         server.close()
@@ -457,7 +457,7 @@ def test_the_records_client_asks_each_server_once_a_step_and_reconnects_once():
 
     ports = _free_port(), _free_port()
     first, second = (f"127.0.0.1:{port}" for port in ports)
-    held = {name: _handover(torch.full((2 + k, 4), k, dtype=torch.int64), first_head=k) for k, name in enumerate("abc")}
+    held = {name: _snapshot(torch.full((2 + k, 4), k, dtype=torch.int64), first_head=k) for k, name in enumerate("abc")}
     servers = [_records_server(ports[0], a=held["a"], b=held["b"]), _records_server(ports[1], c=held["c"])]
     client = records_channel.RecordsClient(timeout=2)
     try:
@@ -486,8 +486,8 @@ def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol()
     from torch_kvcanary.integrations.vllm.connector import records_channel
 
     port = _free_port()
-    handover = _handover(torch.ones(1, 4, dtype=torch.int64))
-    server = _records_server(port, a=handover)
+    snapshot = _snapshot(torch.ones(1, 4, dtype=torch.int64))
+    server = _records_server(port, a=snapshot)
     client = records_channel.RecordsClient(timeout=2)
     try:
         for nonsense in (b"GET / HTTP/1.1\r\n\r\n", b"{" * (records_channel.MAX_QUESTION_BYTES + 1)):
@@ -495,7 +495,7 @@ def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol()
                 stranger.sendall(nonsense)
                 assert stranger.recv(1) == b""  # closed without an answer
         [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
-        assert why == "" and _same(got, handover)
+        assert why == "" and _same(got, snapshot)
     finally:
         server.close()
         client.close()

@@ -68,7 +68,7 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
     forward: bool
     inner: KVConnectorMetadata | None = None
-    nixl: nixl.NixlPlan | None = None
+    nixl: nixl.NixlOrders | None = None
 
 
 class KvCanaryConnector(KVConnectorBase_V1):
@@ -82,7 +82,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self._block_size = groups[0].kv_cache_spec.block_size if groups else None
         # Before the inner connector: NIXL's agent is configured when NixlConnector is built.
         self._nixl_scheduler, self._nixl = _nixl_sides(vllm_config, role, self._block_size)
-        self._nixl_plan: nixl.NixlPlan | None = None
+        self._nixl_orders: nixl.NixlOrders | None = None
         self._nixl_errors: set[int] = set()
         self.inner = _inner_connector(vllm_config, role, kv_cache_config)
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
@@ -119,7 +119,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._forward = connector_metadata.forward
-        self._nixl_plan = connector_metadata.nixl
+        self._nixl_orders = connector_metadata.nixl
         self._steps += 1
         if self.inner is not None:
             self.inner.bind_connector_metadata(connector_metadata.inner)
@@ -137,8 +137,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
         landed bytes or the request do not match, so that the step reports their blocks."""
         if self.inner is None:
             return
-        if self._verifies_nixl() and self._nixl_plan is not None:
-            self._nixl.fetch(self._nixl_plan)  # P's records, before NIXL starts reading the blocks
+        if self._verifies_nixl() and self._nixl_orders is not None:
+            self._nixl.fetch(self._nixl_orders)  # P's records, before NIXL starts reading the blocks
         if self._transfer is None or self.worker_canary is None or not self.worker_canary.on:
             self.inner.start_load_kv(forward_context, **kwargs)
             return
@@ -170,8 +170,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self.inner.wait_for_save()
         if self._transfer is not None and self.worker_canary is not None and self.worker_canary.on:
             self._transfer.store(self.worker_canary)
-        if self._verifies_nixl() and self._nixl_plan is not None:
-            self._nixl.snapshot(self.worker_canary, self._nixl_plan)
+        if self._verifies_nixl() and self._nixl_orders is not None:
+            self._nixl.snapshot(self.worker_canary, self._nixl_orders)
 
     def _verifies_nixl(self) -> bool:
         return self._nixl is not None and self.worker_canary is not None and self.worker_canary.on
@@ -336,8 +336,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         inner = self.inner.build_connector_meta(scheduler_output) if self.inner is not None else None
-        plan = self._nixl_scheduler.plan(scheduler_output) if self._nixl_scheduler is not None else None
-        return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner, nixl=plan)
+        orders = self._nixl_scheduler.orders(scheduler_output) if self._nixl_scheduler is not None else None
+        return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner, nixl=orders)
 
     def on_new_request(self, request) -> None:
         if self.inner is not None:

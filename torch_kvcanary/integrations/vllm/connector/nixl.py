@@ -6,7 +6,7 @@ position, chain and fold do not depend on the slot), so:
 
 - P, in the step that completes a request's prompt, snapshots what its rank holds of the
   prompt's slots (`NixlWorker.snapshot`, after the forward recorded them): their records
-  and each slot's transfer digest over each of the rank's KV heads (`records_channel.Handover`).
+  and each slot's transfer digest over each of the rank's KV heads (`records_channel.Snapshot`).
   It holds the snapshot until NIXL reports the request's blocks sent or their lease expired
   (`release`): a block freed and reused after the snapshot cannot change what is compared.
   A small TCP server on the loopback (`RecordsServer`) serves the snapshots, one per rank on
@@ -43,7 +43,7 @@ import torch
 from ....canary import RECORD_FIELDS
 from .. import adapter
 from ..config import CONNECTOR
-from .records_channel import Handover, RecordsClient, RecordsServer
+from .records_channel import RecordsClient, RecordsServer, Snapshot
 
 logger = logging.getLogger(adapter.LOGGER)
 
@@ -91,11 +91,11 @@ class Sharding:
         return sorted({self.holder(head) for head in heads})
 
 
-# The plan the scheduler side hands the workers each step ------------------------------------
+# The orders the scheduler side hands the workers each step ----------------------------------
 
 
 @dataclass
-class Snapshot:
+class SnapshotOrder:
     """P: a request whose prompt the step completes; its records of positions [0, tokens) are held."""
 
     request_id: str
@@ -104,7 +104,7 @@ class Snapshot:
 
 
 @dataclass
-class Load:
+class LoadOrder:
     """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
     (all of the request's blocks), from P's request ``remote_request_id`` whose records
     P's ``remote_tp_size`` ranks serve from ``address`` on (`RECORDS_KEY`)."""
@@ -120,9 +120,11 @@ class Load:
 
 
 @dataclass
-class NixlPlan:
-    snapshots: list[Snapshot] = field(default_factory=list)
-    loads: list[Load] = field(default_factory=list)
+class NixlOrders:
+    """What the scheduler side orders the workers to do this step: snapshot on P, load on D."""
+
+    snapshots: list[SnapshotOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
 
 
 def slots_of(block_ids: list[int], count: int, block_size: int) -> torch.Tensor:
@@ -146,7 +148,7 @@ class NixlScheduler:
         self.tp_size = tp_size
         self.kv_cache_manager = None
         self._prefills: dict[str, object] = {}  # P: requests whose prompt is not yet complete
-        self._loads: list[Load] = []
+        self._loads: list[LoadOrder] = []
 
     def before_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Called before NixlConnector's ``update_state_after_alloc`` (which clears
@@ -160,23 +162,23 @@ class NixlScheduler:
             end = start + num_external_tokens
             address, tp_size = _records_servers(params.get(RECORDS_KEY))
             self._loads.append(
-                Load(
+                LoadOrder(
                     request.request_id, params.get("remote_request_id"), address, tp_size,
                     list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end,
                 )
             )  # fmt: skip
 
-    def plan(self, scheduler_output) -> NixlPlan:
-        plan = NixlPlan(loads=self._loads)
+    def orders(self, scheduler_output) -> NixlOrders:
+        orders = NixlOrders(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, request in list(self._prefills.items()):
             count = scheduled.get(request_id, 0)
             if count and request.num_computed_tokens + count >= request.num_prompt_tokens:
                 block_ids = list(self.kv_cache_manager.get_block_ids(request_id)[0])
-                plan.snapshots.append(Snapshot(request_id, block_ids, request.num_prompt_tokens))
+                orders.snapshots.append(SnapshotOrder(request_id, block_ids, request.num_prompt_tokens))
                 del self._prefills[request_id]
-        return plan
+        return orders
 
     def finished(self, request, params: dict | None) -> None:
         """Adds P's records servers to the params of a request handed to a decode side."""
@@ -198,12 +200,12 @@ def _records_servers(value) -> tuple[str | None, int]:
 
 
 @dataclass
-class _Pending:
+class PendingLoad:
     """D: a load and the snapshots of the P ranks holding this rank's heads, by rank (None: why not)."""
 
-    load: Load
+    load: LoadOrder
     remote: Sharding  # the prefill side's
-    handovers: dict[int, Handover] | None
+    snapshots: dict[int, Snapshot] | None
     why: str
     same_heads: bool  # this rank holds exactly the heads of its one source rank: the folds compare
 
@@ -227,21 +229,21 @@ class NixlWorker:
                 f"whose {sharding.tp_size} ports from there on are free"
             ) from error
         self.client = RecordsClient()
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, PendingLoad] = {}
         self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
         self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
         self.fetch_seconds = 0.0  # D: spent fetching P's records
         self.verified_requests = 0
         self._handed_over = 0  # P: slots snapshotted since `take_counts`
 
-    def snapshot(self, canary, plan: NixlPlan) -> None:
+    def snapshot(self, canary, orders: NixlOrders) -> None:
         """P: holds the records and head digests of each request whose prompt the step
         completed (after its forward)."""
-        for snap in plan.snapshots:
-            slots = slots_of(snap.block_ids, snap.tokens, self.block_size)
+        for order in orders.snapshots:
+            slots = slots_of(order.block_ids, order.tokens, self.block_size)
             digests = canary.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
-            self.server.hold(snap.request_id, Handover(canary.records(slots).cpu(), digests, self.heads))
-            self._handed_over += snap.tokens
+            self.server.hold(order.request_id, Snapshot(canary.records(slots).cpu(), digests, self.heads))
+            self._handed_over += order.tokens
 
     def take_counts(self) -> dict[str, int]:
         """P's counters since the last call, by their names in `stats.COUNTS`: the slots
@@ -261,32 +263,32 @@ class NixlWorker:
         if finished_sending:
             self.server.release(finished_sending)
 
-    def fetch(self, plan: NixlPlan) -> None:
+    def fetch(self, orders: NixlOrders) -> None:
         """D: the snapshots of each load held by the P ranks holding this rank's heads,
         before NIXL starts reading its blocks: P holds them until it learns the blocks were
         read, so a question sent later could find them gone. One round trip per prefill
         rank and step."""
         begin = time.perf_counter()
         questions, asked = [], []
-        for load in plan.loads:
+        for load in orders.loads:
             remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
             sources = remote.sources(self.heads)
-            pending = _Pending(load, remote, {}, "", same_heads=len(sources) == 1 and remote.heads(sources[0]) == self.heads)
+            pending = PendingLoad(load, remote, {}, "", same_heads=len(sources) == 1 and remote.heads(sources[0]) == self.heads)
             self._say_comparison(remote, sources, pending.same_heads)
             self._pending[load.request_id] = pending
             if load.address is None or load.remote_request_id is None:
-                pending.handovers = None
+                pending.snapshots = None
                 pending.why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
                 continue
             host, _, port = load.address.rpartition(":")
             for rank in sources:
                 questions.append((f"{host}:{int(port) + rank}", load.remote_request_id))
                 asked.append((pending, rank))
-        for (pending, rank), (handover, why) in zip(asked, self.client.fetch(questions)):
-            if handover is None:
-                pending.handovers, pending.why = None, pending.why or why
-            elif pending.handovers is not None:
-                pending.handovers[rank] = handover
+        for (pending, rank), (snapshot, why) in zip(asked, self.client.fetch(questions)):
+            if snapshot is None:
+                pending.snapshots, pending.why = None, pending.why or why
+            elif pending.snapshots is not None:
+                pending.snapshots[rank] = snapshot
         self.fetch_seconds += time.perf_counter() - begin
 
     def _say_comparison(self, remote: Sharding, sources: list[int], same_heads: bool) -> None:
@@ -320,7 +322,7 @@ class NixlWorker:
         self.verify_seconds += time.perf_counter() - begin
         return errors, verified, failed
 
-    def _verify(self, canary, pending: _Pending) -> torch.Tensor:
+    def _verify(self, canary, pending: PendingLoad) -> torch.Tensor:
         load = pending.load
         slots = slots_of(load.block_ids, load.end, self.block_size)
         landed_slots = slots[load.start : load.end]
@@ -332,7 +334,7 @@ class NixlWorker:
         bad_slots = landed_slots[bad]
         if len(bad_slots):
             canary.invalidate(bad_slots)
-            if pending.handovers is not None:
+            if pending.snapshots is not None:
                 logger.warning(
                     "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
                     "(first at position %d); their blocks are load errors",
@@ -340,36 +342,36 @@ class NixlWorker:
                 )  # fmt: skip
         return bad_slots
 
-    def _differs(self, canary, pending: _Pending, slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
+    def _differs(self, canary, pending: PendingLoad, slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
         """Which landed slots differ from P's snapshots (all of them where there are none):
         the whole records where the heads are sharded alike, else the token, position and
         chain, and the digest of each of this rank's heads."""
         load, remote = pending.load, pending.remote
-        if pending.handovers is not None:
-            pending.why = self._unusable(pending.handovers, remote, load.end)
+        if pending.snapshots is not None:
+            pending.why = self._unusable(pending.snapshots, remote, load.end)
             if pending.why:
-                pending.handovers = None
-        if pending.handovers is None:
+                pending.snapshots = None
+        if pending.snapshots is None:
             logger.warning("kv-canary: request %s: no records of its prefilled KV to compare with: %s", load.request_id, pending.why)
             return torch.ones(len(landed), dtype=torch.bool)
-        theirs = pending.handovers[min(pending.handovers)].records[load.start : load.end]
+        theirs = pending.snapshots[min(pending.snapshots)].records[load.start : load.end]
         if pending.same_heads:
             return (landed != theirs).any(dim=1)
         bad = (landed[:, :FOLD] != theirs[:, :FOLD]).any(dim=1)
         mine = canary.head_digests(slots[load.start : load.end], self.heads, self.sharding.num_kv_heads, start=load.start)
         for index, head in enumerate(self.heads):
-            held = pending.handovers[remote.holder(head)]
+            held = pending.snapshots[remote.holder(head)]
             bad |= mine[:, index] != held.digest_of(head)[load.start : load.end]
         return bad
 
-    def _unusable(self, handovers: dict[int, Handover], remote: Sharding, end: int) -> str:
+    def _unusable(self, snapshots: dict[int, Snapshot], remote: Sharding, end: int) -> str:
         """Why P's snapshots cannot be compared with a load of positions [0, end) (empty: they can)."""
-        for rank, handover in sorted(handovers.items()):
-            if len(handover.records) < end:
-                return f"the prefill side's records cover {len(handover.records)} positions, not {end}"
-            if handover.heads != remote.heads(rank):
+        for rank, snapshot in sorted(snapshots.items()):
+            if len(snapshot.records) < end:
+                return f"the prefill side's records cover {len(snapshot.records)} positions, not {end}"
+            if snapshot.heads != remote.heads(rank):
                 return (
-                    f"prefill rank {rank} holds KV heads {list(handover.heads)}, not the {list(remote.heads(rank))} of "
+                    f"prefill rank {rank} holds KV heads {list(snapshot.heads)}, not the {list(remote.heads(rank))} of "
                     f"{remote.num_kv_heads} heads over {remote.tp_size} ranks (do both sides serve one model?)"
                 )
         return ""

@@ -2,7 +2,7 @@
 snapshots of the requests it hands over and serves them on the loopback; the decode side's
 `RecordsClient` fetches a step's, over one connection per server that it keeps open.
 
-What a prefill rank holds of a request is a `Handover`: the canary's records of the
+What a prefill rank holds of a request is a `Snapshot`: the canary's records of the
 request's prompt slots and each slot's transfer digest over each KV head the rank holds.
 
 The protocol is line-framed over TCP. A question is one JSON line ``{"request_id": ...}``;
@@ -33,7 +33,7 @@ MAX_QUESTION_BYTES = 4096
 
 
 @dataclass
-class Handover:
+class Snapshot:
     """What a prefill rank holds of a request it hands over: the canary's records of the
     prompt's slots (int64 ``[n, RECORD_FIELDS]``, by position) and each slot's transfer
     digest over each KV head the rank holds (int64 ``[n, len(heads)]``, `digest.kv_digest`
@@ -48,8 +48,8 @@ class Handover:
         return self.digests[:, head - self.heads.start]
 
 
-Answer = tuple[Handover | None, str]
-"""P's handover of one request, or None and why not."""
+Answer = tuple[Snapshot | None, str]
+"""P's snapshot of one request, or None and why not."""
 
 
 class RecordsServer:
@@ -58,7 +58,7 @@ class RecordsServer:
 
     def __init__(self, host: str, port: int, max_age_s: float):
         self.max_age_s = max_age_s
-        self._held: dict[str, tuple[float, Handover]] = {}
+        self._held: dict[str, tuple[float, Snapshot]] = {}
         self._lock = threading.Lock()
         self._answers = {"served": 0, "missing": 0}  # requests answered with records, and without
         self._connections: set[socket.socket] = set()
@@ -91,16 +91,16 @@ class RecordsServer:
         header = {"request_id": request_id, "rows": len(held.records), "first_head": held.heads.start, "heads": len(held.heads)}
         return json.dumps(header).encode() + b"\n" + held.records.numpy().tobytes() + held.digests.numpy().tobytes()
 
-    def hold(self, request_id: str, handover: Handover) -> None:
-        """Holds ``handover``; drops those held longer than ``max_age_s`` (a request NIXL
+    def hold(self, request_id: str, snapshot: Snapshot) -> None:
+        """Holds ``snapshot``; drops those held longer than ``max_age_s`` (a request NIXL
         never reported sent, say one aborted after its prefill: its blocks are long freed)."""
         now = time.monotonic()
         with self._lock:
             for stale in [key for key, (held, _) in self._held.items() if now - held > self.max_age_s]:
                 del self._held[stale]
-            self._held[request_id] = (now, handover)
+            self._held[request_id] = (now, snapshot)
 
-    def get(self, request_id: str) -> Handover | None:
+    def get(self, request_id: str) -> Snapshot | None:
         with self._lock:
             held = self._held.get(request_id)
         return None if held is None else held[1]
@@ -216,7 +216,7 @@ def _read_answer(stream: BinaryIO, request_id: str) -> Answer:
     rows, heads = header["rows"], header["heads"]
     records = _read_int64(stream, rows, len(RECORD_FIELDS))
     digests = _read_int64(stream, rows, heads)
-    return Handover(records, digests, range(header["first_head"], header["first_head"] + heads)), ""
+    return Snapshot(records, digests, range(header["first_head"], header["first_head"] + heads)), ""
 
 
 def _read_int64(stream: BinaryIO, rows: int, columns: int) -> torch.Tensor:
