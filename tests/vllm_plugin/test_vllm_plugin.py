@@ -1,8 +1,9 @@
 """The vLLM plugin without vLLM: its switches (KVCANARY_VLLM, KVCANARY_VLLM_MODE,
-KVCANARY_VLLM_SUMMARY_S), the vLLM versions it starts on, the one module that imports vLLM,
+KVCANARY_VLLM_SUMMARY_S), what each policy needs of the engine, the vLLM versions it starts on, the one module that imports vLLM,
 the canary's share of the KV cache memory, and how violations are logged."""
 
 import ast
+import dataclasses
 import math
 import re
 import sys
@@ -18,6 +19,59 @@ from torch_kvcanary import HashMode
 from torch_kvcanary.canary import KvCanary
 from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker
 from torch_kvcanary.integrations.vllm.reports import Reports
+
+# An engine each policy can serve: the canary's connector with the failure policy repair
+# needs, Model Runner V1, synchronous scheduling, one KV cache group.
+SERVABLE = config.EngineFacts(
+    canary_connector=True, model_runner_v2=False, kv_load_failure_policy="recompute", async_scheduling=False,
+    kv_cache_group_kinds=("FullAttentionSpec",),
+)  # fmt: skip
+CONNECTOR_CONFIG = (
+    "vLLM's KV connector to be KvCanaryConnector (--kv-transfer-config "
+    '\'{"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "%s"}\')'
+)
+V1 = "Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)"
+SYNCHRONOUS = "synchronous scheduling (--no-async-scheduling, or async_scheduling=False)"
+TWO_GROUPS = "a model with one KV cache group, this one has 2 (SlidingWindowSpec, FullAttentionSpec)"
+
+
+@pytest.mark.parametrize(
+    "policy, drill, changes, needs",
+    [
+        (
+            "log",
+            0.0,
+            dict(canary_connector=False, async_scheduling=True, kv_cache_group_kinds=("SlidingWindowSpec", "FullAttentionSpec")),
+            [],
+        ),
+        ("raise", 0.0, dict(canary_connector=False, model_runner_v2=True), []),
+        ("log", 0.0, dict(model_runner_v2=True), [V1]),  # the connector's counters need V1
+        ("log", 0.5, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "recompute"]),
+        ("repair", 0.0, {}, []),
+        ("repair", 0.0, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "recompute"]),
+        ("quarantine", 0.0, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "fail"]),
+        ("quarantine", 0.0, {}, ['"kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"']),
+        ("repair", 0.0, dict(async_scheduling=True), [SYNCHRONOUS]),
+        ("repair", 0.0, dict(kv_cache_group_kinds=("SlidingWindowSpec", "FullAttentionSpec")), [TWO_GROUPS]),
+        (
+            "repair",
+            0.1,
+            dict(model_runner_v2=True, async_scheduling=True, kv_cache_group_kinds=("SlidingWindowSpec", "FullAttentionSpec")),
+            [V1, SYNCHRONOUS, TWO_GROUPS],
+        ),  # fmt: skip
+    ],
+)
+def test_what_each_policy_needs_of_the_engine(policy, drill, changes, needs):
+    engine = dataclasses.replace(SERVABLE, **changes)
+    assert config.connector_needs(policy, drill, engine) == needs
+
+
+def test_a_policy_the_engine_cannot_serve_is_refused_with_every_change_to_make():
+    error = config.connector_refusal("repair", 0.1, [SYNCHRONOUS, TWO_GROUPS])
+    assert str(error) == (
+        f"kv-canary: KVCANARY_VLLM=repair with KVCANARY_VLLM_DRILL=0.1 needs {SYNCHRONOUS}; {TWO_GROUPS}: "
+        "change that, or unset KVCANARY_VLLM to serve without the canary"
+    )
 
 
 @pytest.mark.parametrize("value", [None, ""])

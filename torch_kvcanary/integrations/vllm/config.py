@@ -1,6 +1,7 @@
 """The vLLM plugin's names and switches: the environment variables that turn it on and
-tune it (`settings`), its policies and the KV connector's name, and the error that stops a
-worker the plugin cannot serve (`refusal`). It imports nothing of the integration, and the
+tune it (`settings`), its policies and the KV connector's name, what each policy needs of the
+engine (`connector_needs`), and the error that stops a worker the plugin cannot serve
+(`refusal`). It imports nothing of the integration, and the
 rest of it imports this."""
 
 from __future__ import annotations
@@ -81,6 +82,51 @@ def _drill() -> float:
     if not 0 <= probability <= 1:
         raise ValueError(f"kv-canary: {DRILL_ENV} must be a probability per step in [0, 1] (0 or unset: no drills), got {value!r}")
     return probability
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the policies need to know of the engine a worker serves (its adapter reads them)."""
+
+    canary_connector: bool  # vLLM's KV connector is `CONNECTOR`
+    model_runner_v2: bool
+    kv_load_failure_policy: str | None  # the KV connector's, None without one
+    async_scheduling: bool
+    kv_cache_group_kinds: tuple[str, ...]
+
+
+def connector_needs(policy: str, drill: float, engine: EngineFacts) -> list[str]:
+    """What ``policy``, with fault drills of probability ``drill``, needs that ``engine``
+    lacks, each as the change to make; none where the engine can serve them. repair and
+    quarantine report blocks to vLLM's scheduler through the KV connector, which maps them
+    back to requests only with synchronous scheduling and one KV cache group, and acts on
+    them by the connector's kv_load_failure_policy; a drill is repaired the same way."""
+    reports = policy in CONNECTOR_POLICIES
+    needs = []
+    if (reports or drill) and not engine.canary_connector:
+        failure_policy = CONNECTOR_POLICIES.get(policy, "recompute")
+        needs.append(
+            f"vLLM's KV connector to be {CONNECTOR} (--kv-transfer-config "
+            f'\'{{"kv_connector": "{CONNECTOR}", "kv_role": "kv_both", "kv_load_failure_policy": "{failure_policy}"}}\')'
+        )
+    if engine.model_runner_v2 and (engine.canary_connector or reports or drill):
+        needs.append("Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)")
+    if reports:
+        failure_policy = CONNECTOR_POLICIES[policy]
+        if engine.canary_connector and engine.kv_load_failure_policy != failure_policy:
+            needs.append(f'"kv_load_failure_policy": "{failure_policy}" in the kv_transfer_config, not "{engine.kv_load_failure_policy}"')
+        if engine.async_scheduling:
+            needs.append("synchronous scheduling (--no-async-scheduling, or async_scheduling=False)")
+        kinds = engine.kv_cache_group_kinds
+        if len(kinds) != 1:
+            needs.append(f"a model with one KV cache group, this one has {len(kinds)} ({', '.join(kinds)})")
+    return needs
+
+
+def connector_refusal(policy: str, drill: float, needs: list[str]) -> ValueError:
+    """The error that refuses ``policy`` (with ``drill``) on an engine lacking ``needs`` (`connector_needs`)."""
+    wanted = f"{POLICY_ENV}={policy}" + (f" with {DRILL_ENV}={drill}" if drill else "")
+    return ValueError(f"kv-canary: {wanted} needs {'; '.join(needs)}: change that, or unset {POLICY_ENV} to serve without the canary")
 
 
 def refusal(reason: str) -> RuntimeError:

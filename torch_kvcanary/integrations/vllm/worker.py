@@ -17,7 +17,7 @@ from ... import digest, layouts
 from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
-from .config import CONNECTOR, CONNECTOR_POLICIES, DRILL_ENV, POLICY_ENV, Settings
+from .config import CONNECTOR, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal
 from .reports import LAUNCH_TAG, Reports, report, violation_line
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -163,42 +163,25 @@ class WorkerCanary:
 
     def _connector(self):
         """This worker's `CONNECTOR`, or None; refuses another KV connector that loads KV
-        (`connector.check_unwrapped`), and a policy or a drill it cannot serve:
-        repair and quarantine report blocks to vLLM's scheduler, which maps them back to
-        requests only with synchronous scheduling and one KV cache group, and acts on them
-        by the connector's kv_load_failure_policy."""
+        (`connector.check_unwrapped`), and a policy or a drill the engine cannot serve
+        (`config.connector_needs`)."""
         connector = self.runner_view.kv_connector()
         ours = connector if connector is not None and _is_canary_connector(connector) else None
         if connector is not None and ours is None:
             from .connector import check_unwrapped  # imports vLLM's connector classes, which a configured connector has loaded
 
             check_unwrapped(self.runner_view.kv_transfer_config)
-        needs = []
-        if self.policy in CONNECTOR_POLICIES or self.drill:
-            failure_policy = CONNECTOR_POLICIES.get(self.policy, "recompute")
-            if ours is None:
-                needs.append(
-                    f"vLLM's KV connector to be {CONNECTOR} (--kv-transfer-config "
-                    f'\'{{"kv_connector": "{CONNECTOR}", "kv_role": "kv_both", "kv_load_failure_policy": "{failure_policy}"}}\')'
-                )
-        if self.runner_view.is_v2 and (ours is not None or self.policy in CONNECTOR_POLICIES or self.drill):
-            needs.append("Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)")
-        if self.policy in CONNECTOR_POLICIES:
-            failure_policy = CONNECTOR_POLICIES[self.policy]
-            if ours is not None and self.runner_view.kv_load_failure_policy != failure_policy:
-                needs.append(
-                    f'"kv_load_failure_policy": "{failure_policy}" in the kv_transfer_config, not "{self.runner_view.kv_load_failure_policy}"'
-                )
-            if self.runner_view.async_scheduling:
-                needs.append("synchronous scheduling (--no-async-scheduling, or async_scheduling=False)")
-            kinds = self.runner_view.kv_cache_group_kinds()
-            if len(kinds) != 1:
-                needs.append(f"a model with one KV cache group, this one has {len(kinds)} ({', '.join(kinds)})")
+        runner = self.runner_view
+        engine = EngineFacts(
+            canary_connector=ours is not None,
+            model_runner_v2=runner.is_v2,
+            kv_load_failure_policy=runner.kv_load_failure_policy,
+            async_scheduling=runner.async_scheduling,
+            kv_cache_group_kinds=tuple(runner.kv_cache_group_kinds()),
+        )
+        needs = connector_needs(self.policy, self.drill, engine)
         if needs:
-            wanted = f"{POLICY_ENV}={self.policy}" + (f" with {DRILL_ENV}={self.drill}" if self.drill else "")
-            raise ValueError(
-                f"kv-canary: {wanted} needs {'; '.join(needs)}: change that, or unset {POLICY_ENV} to serve without the canary"
-            )
+            raise connector_refusal(self.policy, self.drill, needs)
         return ours
 
     def _sources(self, layer: adapter.AttentionLayer, layout: str) -> tuple:
