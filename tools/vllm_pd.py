@@ -1,6 +1,6 @@
 """A prefill and a decode `vllm serve` (vLLM's CPU build) with vLLM's NixlConnector, and the
-proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and docs/vllm.md's
-commands start.
+proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and
+docs/vllm_connector.md's commands start.
 
     python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20] [--progress-delay]
                                   [--tensor-parallel P D]
