@@ -175,7 +175,7 @@ class WorkerCanary:
         engine = EngineFacts(
             canary_connector=ours is not None,
             model_runner_v2=runner.is_v2,
-            kv_load_failure_policy=runner.kv_load_failure_policy,
+            kv_load_failure_policy=runner.kv_load_failure_policy if ours is not None else None,
             async_scheduling=runner.async_scheduling,
             kv_cache_group_kinds=tuple(runner.kv_cache_group_kinds()),
         )
