@@ -32,7 +32,7 @@ from engine_driver import (  # noqa: E402
 )
 
 import torch_kvcanary as kc  # noqa: E402
-from torch_kvcanary.integrations.vllm import adapter, plugin, worker  # noqa: E402
+from torch_kvcanary.integrations.vllm import adapter, plugin, step_buffers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +109,15 @@ def test_a_mixed_workload_raises_no_false_alarm(engine):
 @pytest.fixture
 def token_copy(engine, monkeypatch):
     """The canary checks tokens against its device copy of the token history
-    (`worker.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
+    (`step_buffers.TokenCopy`), as where Model Runner V1 keeps its history on the host (a GPU);
     here the device is the CPU, and vLLM's own history is the oracle."""
     state = plugin.active()
-    copy = worker.TokenCopy(*state.runner_view.token_rows, state.canary.device)
+    copy = step_buffers.TokenCopy(*state.runner_view.token_rows, state.canary.device)
     monkeypatch.setattr(state, "_token_copy", copy)
     return copy
 
 
-def _assert_copy_holds_vllms_history(copy: worker.TokenCopy) -> None:
+def _assert_copy_holds_vllms_history(copy: step_buffers.TokenCopy) -> None:
     """Each running request's context in the copy is what vLLM's host history holds."""
     batch = plugin.active().model_runner.input_batch
     rows = [row for row, request_id in enumerate(batch.req_ids) if request_id is not None]
@@ -320,7 +320,7 @@ def test_a_fault_of_its_own_under_log_turns_the_canary_off(engine, monkeypatch):
         raise ZeroDivisionError("a fault injected into the plugin")
 
     assert lines.take() == []
-    monkeypatch.setattr(worker._StepRows, "fill", fault)
+    monkeypatch.setattr(step_buffers.StepRows, "fill", fault)
     try:
         outputs = llm.generate(prompts, [sampling_params(30, i) for i in range(3)], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]  # the engine kept serving
@@ -399,7 +399,7 @@ def test_a_fault_of_its_own_under_raise_stops_the_step(engine, monkeypatch):
     def fault(*args, **kwargs):
         raise ZeroDivisionError("a fault injected into the plugin")
 
-    monkeypatch.setattr(worker._StepRows, "fill", fault)
+    monkeypatch.setattr(step_buffers.StepRows, "fill", fault)
     raised = _step_under_raise(driver)
     _raised_from(raised, ZeroDivisionError)
     assert state.on and state.faults == 0 and lines.take() == []

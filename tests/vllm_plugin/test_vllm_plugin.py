@@ -17,7 +17,7 @@ from helpers import REPO
 import torch_kvcanary as kc
 from torch_kvcanary import HashMode
 from torch_kvcanary.canary import KvCanary
-from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, step_buffers
 from torch_kvcanary.integrations.vllm.reports import Reports
 
 # An engine each policy can serve: the canary's connector with the failure policy repair
@@ -232,7 +232,7 @@ def test_a_token_copy_follows_requests_across_rows():
     # The host's tokens of each request (what `adapter.RunnerV1.known_tokens` gives when it
     # takes a row), and what the copy must hold row by row after each step.
     host = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4], "d": [-1, 3]}
-    copy = worker.TokenCopy(3, 6, torch.device("cpu"))
+    copy = step_buffers.TokenCopy(3, 6, torch.device("cpu"))
 
     def follow(request_ids):
         history = copy.follow(request_ids, lambda row: torch.tensor(host[request_ids[row]], dtype=torch.int32))

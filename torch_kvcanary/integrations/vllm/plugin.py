@@ -63,7 +63,7 @@ def _start(model_runner, chosen: Settings) -> WorkerCanary:
 def kv_cache_budget(available: int, kv_bytes_per_slot: Fraction | int, fixed_bytes: int = 0) -> int:
     """The bytes of ``available`` (what a worker found for its KV cache) by which vLLM may
     size the KV cache, so that the cache and its canary fit in ``available`` together: the
-    canary's fixed part (``fixed_bytes`` besides its tables: a `worker.TokenCopy`) comes off the
+    canary's fixed part (``fixed_bytes`` besides its tables: a `step_buffers.TokenCopy`) comes off the
     top, and the rest is split between a slot's KV bytes and its `SLOT_BYTES`. vLLM gives
     the cache at most the budget, in whole blocks."""
     fixed = KvCanary.device_bytes(0) + fixed_bytes

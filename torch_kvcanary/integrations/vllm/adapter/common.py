@@ -241,7 +241,7 @@ class RunnerView(abc.ABC):
     @abc.abstractmethod
     def token_history_on_host(self) -> bool:
         """Whether the runner keeps its token history on the host while its model runs on a
-        device: the canary then keeps a copy on the device (`worker.TokenCopy`)."""
+        device: the canary then keeps a copy on the device (`step_buffers.TokenCopy`)."""
 
     @abc.abstractmethod
     def token_history(self, device: torch.device) -> TokenHistory | None:

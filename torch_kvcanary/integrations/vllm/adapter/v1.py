@@ -144,7 +144,7 @@ class RunnerV1(RunnerView):
     @property
     def token_history_on_host(self) -> bool:
         """Whether the runner keeps its token history on the host while its model runs on a
-        device (V1 on a GPU): the canary then keeps a copy on the device (`worker.TokenCopy`),
+        device (V1 on a GPU): the canary then keeps a copy on the device (`step_buffers.TokenCopy`),
         of `token_rows`' shape, from `known_tokens` and each step's input ids."""
         return keeps_token_history_on_host(self.model_runner)
 
