@@ -16,7 +16,7 @@ from ... import digest, layouts
 from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
-from .config import CONNECTOR, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal
+from .config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal
 from .reports import LAUNCH_TAG, Reports, report, violation_line
 from .step_buffers import StepRows, TokenCopy
 
@@ -141,13 +141,15 @@ class WorkerCanary:
             from .connector import check_unwrapped  # imports vLLM's connector classes, which a configured connector has loaded
 
             check_unwrapped(self.runner_view.kv_transfer_config)
-        runner = self.runner_view
+        # The facts only the connector policies need are read for them alone (a runner whose
+        # engine has no connector need not answer them).
+        runner, reports = self.runner_view, self.policy in CONNECTOR_POLICIES
         engine = EngineFacts(
             canary_connector=ours is not None,
             model_runner_v2=runner.is_v2,
             kv_load_failure_policy=runner.kv_load_failure_policy if ours is not None else None,
-            async_scheduling=runner.async_scheduling,
-            kv_cache_group_kinds=tuple(runner.kv_cache_group_kinds()),
+            async_scheduling=reports and runner.async_scheduling,
+            kv_cache_group_kinds=tuple(runner.kv_cache_group_kinds()) if reports else (),
         )
         needs = connector_needs(self.policy, self.drill, engine)
         if needs:
