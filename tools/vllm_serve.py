@@ -193,8 +193,9 @@ class Server:
         """The engine's processes, found by the names in their log lines (so with the canary
         off as well): its core (the scheduler, with a connector's scheduler half) and its
         worker (the model runner, with the canary)."""
-        cores = {pid for process, pid, _, _ in self.lines() if process.startswith("EngineCore")}
-        workers = {pid for process, pid, _, _ in self.lines() if process.startswith("Worker")}
+        processes = {(process, pid) for process, pid, _, _ in self.lines()}
+        cores = {pid for process, pid in processes if process.startswith("EngineCore")}
+        workers = {pid for process, pid in processes if process.startswith("Worker")}
         if len(cores) != 1 or len(workers) != 1:
             raise RuntimeError(f"expected one engine core and one worker in the server's log, found {sorted(cores)} and {sorted(workers)}")
         return [*cores, *workers]

@@ -13,7 +13,6 @@ both servers' /metrics count it; without the canary the same fault changes the a
 HTTP 200. `make test-vllm-pd` runs these.
 """
 
-import json
 import time
 import urllib.request
 
@@ -25,7 +24,7 @@ pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make te
 
 from random_models import VOCAB_SIZE  # noqa: E402
 from vllm_pd import pd_pair  # noqa: E402
-from vllm_serve import complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
+from vllm_serve import collective_rpc, complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
 
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
 CLEAN_REQUESTS = 200
@@ -150,7 +149,7 @@ class Faults:
     def flip_on_prefill(self, prompt):
         """A byte of the prompt's first block flipped on P after its prefill, before D reads it."""
         params = self.prefilled(prompt)
-        _rpc(self.prefill, "kvcanary_test_flip_block", str(params["remote_block_ids"][0][0]))
+        collective_rpc(self.prefill, "kvcanary_test_flip_block", str(params["remote_block_ids"][0][0]))
         return self.decoded(prompt, params)
 
     def flip_on_decode(self, prompt):
@@ -181,13 +180,6 @@ class Faults:
         theirs, params = self.prefilled(other), self.prefilled(prompt)
         self.decoded(other, theirs)  # releases other's blocks on P, which stay cached
         return self.decoded(prompt, {**params, "remote_block_ids": theirs["remote_block_ids"]})
-
-
-def _rpc(server, method: str, *args: str) -> list:
-    body = json.dumps({"method": method, "args": list(args)}).encode()
-    request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        return json.loads(answer.read())["results"]
 
 
 def _prefill_metric(faults, name: str) -> float:
