@@ -135,6 +135,14 @@ def _if_firing(states: dict[str, str], names: set[str]) -> dict[str, str] | None
     return states if all(states[name] == "firing" for name in names) else None
 
 
+def _recorded(prometheus: Prometheus, record: str, exported: float) -> float:
+    """The recording rule ``record``'s value once it has reached ``exported``, the count the
+    server exported: the recording group evaluates on its own schedule, so its last value
+    may predate the scrape the alerting group already saw."""
+    prometheus.wait_for(lambda: prometheus.value(record) >= exported, f"{record} reaching {exported}")
+    return prometheus.value(record)
+
+
 def _alert_names() -> set[str]:
     return {rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if "alert" in rule}
 
@@ -169,9 +177,9 @@ def test_a_flipped_byte_fires_the_alerts_and_is_recorded(stack):
     states = prometheus.wait_for(lambda: _if_firing(prometheus.alert_states(), firing), f"{firing} firing")
     assert {name for name, state in states.items() if state != "inactive"} == firing, states
 
-    recorded = prometheus.value('model_name_reason:vllm_kv_canary_violations:increase10m{reason="verify_real_kv_hash"}')
+    recorded = _recorded(prometheus, 'model_name_reason:vllm_kv_canary_violations:increase10m{reason="verify_real_kv_hash"}', violations)
     assert violations <= recorded <= violations * EXTRAPOLATION, (recorded, violations)
-    recorded = prometheus.value("model_name:vllm_kv_canary_blocks_repaired:increase1h")
+    recorded = _recorded(prometheus, "model_name:vllm_kv_canary_blocks_repaired:increase1h", repaired)
     assert repaired <= recorded <= repaired * EXTRAPOLATION, (recorded, repaired)
     assert prometheus.value('model_name_reason:vllm_kv_canary_violations:increase10m{reason="verify_token"}') == 0
     assert prometheus.value("model_name:vllm_kv_canary_slots_verified:rate5m") > 0
