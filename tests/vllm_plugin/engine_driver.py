@@ -52,20 +52,28 @@ class Lines(logging.Handler):
         return lines
 
 
+class _LogStream(io.StringIO):
+    """A captured ``sys.stdout`` whose file descriptor is the process's: vLLM 0.30 and 0.31
+    silence C libraries at that descriptor (``suppress_stdout``) while they start."""
+
+    def fileno(self) -> int:
+        return sys.__stdout__.fileno()
+
+
 @contextlib.contextmanager
 def vllm_log():
     """What vLLM's own log handler writes meanwhile. vLLM configures its logging when an
     engine starts, with a handler named "vllm" on ``sys.stdout``, or has done so already
     (pytest's capture handlers, which it attaches to the non-propagating ``vllm`` logger
     too, keep their streams)."""
-    log = io.StringIO()
+    log = _LogStream()
     streams = {handler: handler.setStream(log) for handler in logging.getLogger("vllm").handlers if handler.name == "vllm"}
     try:
         with contextlib.redirect_stdout(log):
             yield log
     finally:
         for handler in logging.getLogger("vllm").handlers:
-            if handler.stream is log:
+            if getattr(handler, "stream", None) is log:
                 handler.setStream(streams.get(handler, sys.stdout))
 
 

@@ -41,6 +41,7 @@ def engine(tiny_llama):
         yield started
 
 
+@pytest.mark.every_release
 def test_the_plugin_watches_every_layer(engine):
     llm, _, _ = engine
     state = plugin.active()
@@ -68,13 +69,14 @@ def test_the_canary_memory_is_taken_from_the_kv_cache_budget(engine):
     assert sum(kv.nbytes for kv in state.kv_caches) + state.canary.nbytes <= KV_BUDGET
 
 
+@pytest.mark.every_release
 def test_the_start_line_is_in_vllms_log(engine):
     llm, _, _ = engine
     state = plugin.active()
     watching = [line for line in llm.startup_log.splitlines() if "kv-canary: watching" in line]
-    (line,) = watching  # vLLM's format: process and pid, level, time, file and line
+    (line,) = watching  # vLLM's format: process and pid (from 0.32 on), level, time, file and line
     pattern = (
-        r"^\(\w+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] kv-canary: watching "
+        r"^(?:\(\w+ pid=\d+\) )?INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] kv-canary: watching "
         r"vllm\.v1\.worker\.cpu_model_runner\.CPUModelRunner: 1 KV cache group \(FullAttentionSpec\), 2 layers \(2 caches, LBHNC\), "
         rf"{NUM_BLOCKS * BLOCK_SIZE} slots in blocks of {BLOCK_SIZE}; mode ALL, policy log; "
         r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache; "
@@ -102,6 +104,7 @@ def test_the_runners_the_plugin_watches(engine):
     assert "cannot watch builtins.object: it watches vLLM's Model Runner V1" in adapter.unwatchable(object())
 
 
+@pytest.mark.every_release
 def test_a_mixed_workload_raises_no_false_alarm(engine):
     mixed_workload(*engine)
 
@@ -133,6 +136,7 @@ def test_a_mixed_workload_checked_against_a_token_copy_raises_no_false_alarm(eng
     assert (token_copy.tokens >= 0).any()
 
 
+@pytest.mark.every_release
 def test_a_flipped_bit_names_its_request(engine):
     llm, lines, _ = engine
     rng = random.Random(2)
@@ -220,6 +224,7 @@ def test_a_flipped_bit_in_the_unwritten_rows_of_a_last_block(engine):
     driver.finish()
 
 
+@pytest.mark.every_release
 def test_a_block_table_pointing_at_another_requests_block(engine):
     _block_table_pointing_at_another_requests_block(*engine)
 
@@ -377,6 +382,7 @@ def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
         manager.block_pool.free_blocks([block])
 
 
+@pytest.mark.every_release
 def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()
