@@ -5,6 +5,13 @@ import pytest
 from random_models import make_llama
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "every_release: run on every vLLM release the plugin supports (make test-vllm-releases); the rest run on the newest CPU release",
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("tiny-llama"))

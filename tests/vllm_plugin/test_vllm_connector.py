@@ -173,6 +173,7 @@ def test_without_an_inner_connector_scheduling_is_unchanged(repair_engine):
 # Repair ---------------------------------------------------------------------------------
 
 
+@pytest.mark.every_release
 def test_a_mixed_workload_under_repair_reports_nothing(repair_engine, monkeypatch):
     # Shared prefixes, chunked prefill and preemption: no violation, so no block for vLLM.
     reported = Reported(monkeypatch, _worker_connector())
@@ -181,6 +182,7 @@ def test_a_mixed_workload_under_repair_reports_nothing(repair_engine, monkeypatc
     repair_engine[0].reset_prefix_cache()
 
 
+@pytest.mark.every_release
 def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repair_engine, monkeypatch):
     llm, lines, preemptions = repair_engine
     prompts = _prompts(12)
@@ -515,6 +517,7 @@ def _counters(server) -> dict[str, float]:
     return counters
 
 
+@pytest.mark.every_release
 def test_vllm_serve_repairs_drilled_faults(tiny_llama):
     prompts = _prompts(18)
     with _server(tiny_llama, "repair", "recompute", drill=0.0) as server:
