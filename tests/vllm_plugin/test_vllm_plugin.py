@@ -124,25 +124,27 @@ def test_drill_probability(monkeypatch, value, probability):
     assert _settings_with(monkeypatch, "repair", "KVCANARY_VLLM_DRILL", value).drill == probability
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.33.0", "0.33.2+cpu", "0.33.0rc1", "0.33.1.dev5+g1234abc"])
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.2", "0.32.0", "0.32.7", "0.33.0", "0.33.2+cpu", "0.33.0rc1", "0.33.1.dev5+g1234abc"])
 def test_supported_vllm_versions(version):
     assert adapter.is_supported(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.3.32", "0.320.0", "1.32.0", "dev"])
+@pytest.mark.parametrize("version", ["0.29.9", "0.29.0+cpu", "0.34.0", "0.3.32", "0.320.0", "1.32.0", "dev"])
 def test_another_vllm_version_is_refused(monkeypatch, version):
     assert not adapter.is_supported(version)
     monkeypatch.setattr(adapter, "vllm_version", lambda: version)
     monkeypatch.setenv("KVCANARY_VLLM", "log")
     monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
-    message = f"^kv-canary: the vLLM plugin supports vLLM 0.32 and 0.33, this is vLLM {re.escape(version)}: .*unset KVCANARY_VLLM"
+    message = (
+        f"^kv-canary: the vLLM plugin supports vLLM 0.30, 0.31, 0.32 and 0.33, this is vLLM {re.escape(version)}: .*unset KVCANARY_VLLM"
+    )
     with pytest.raises(RuntimeError, match=message):
         plugin.register()
 
 
 def test_another_vllm_version_is_not_read_while_off(monkeypatch):
     monkeypatch.delenv("KVCANARY_VLLM", raising=False)
-    monkeypatch.setattr(adapter, "vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(adapter, "vllm_version", lambda: "0.29.0")
     plugin.register()
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 # The vLLM release series (major, minor) whose internals the adapter reads.
-SUPPORTED_SERIES = ((0, 32), (0, 33))
-SUPPORTED = " and ".join(f"{major}.{minor}" for major, minor in SUPPORTED_SERIES)
+SUPPORTED_SERIES = ((0, 30), (0, 31), (0, 32), (0, 33))
+_NAMES = [f"{major}.{minor}" for major, minor in SUPPORTED_SERIES]
+SUPPORTED = ", ".join(_NAMES[:-1]) + " and " + _NAMES[-1]
 
 
 def vllm_version() -> str:
