@@ -168,7 +168,7 @@ def test_only_the_adapter_and_the_connector_import_vllm():
         "integrations/vllm/adapter/connectors.py",
         "integrations/vllm/adapter/hooks.py",
         "integrations/vllm/adapter/versions.py",
-        "integrations/vllm/connector/kv_connector.py",
+        "integrations/vllm/connector/facade.py",
         "integrations/vllm/connector/stats.py",
     }
 

@@ -1,6 +1,6 @@
 """vLLM's KV connector internals the plugin reads: its connector factory's registry, the
 privates of ``ExampleConnector`` that a verified disk transfer reads
-(`connector.transfer.DiskTransfer`), and what a connector's worker side knows of its
+(`connector.disk.DiskTransfer`), and what a connector's worker side knows of its
 place among the tensor-parallel ranks and the model's KV heads (`connector.nixl`)."""
 
 from __future__ import annotations

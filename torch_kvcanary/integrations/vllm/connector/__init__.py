@@ -1,5 +1,5 @@
-"""The canary as a vLLM KV connector: `KvCanaryConnector` (`kv_connector`), its counters
-(`stats`), its verified disk transfers (`transfer`), its verified NIXL transfers (`nixl`,
+"""The canary as a vLLM KV connector: `KvCanaryConnector` (`facade`), its counters
+(`stats`), its verified disk transfers (`disk`), its verified NIXL transfers (`nixl`,
 with the side channel of their records, `records_channel`) and its fault drills (`drill`).
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin
@@ -8,9 +8,9 @@ registers ``KvCanaryConnector`` with vLLM's connector factory as this package's 
 the plugin's entry point: its modules import vLLM.
 """
 
-from .kv_connector import INNER, KvCanaryConnector, KvCanaryMetadata, check_inner, check_unwrapped
+from .facade import INNER, KvCanaryConnector, KvCanaryMetadata, check_inner, check_unwrapped
 from .stats import COUNTS, REASONS, CanaryPromMetrics, CanaryStats
-from .transfer import DiskTransfer
+from .disk import DiskTransfer
 
 __all__ = [
     "COUNTS", "INNER", "REASONS", "CanaryPromMetrics", "CanaryStats", "DiskTransfer", "KvCanaryConnector", "KvCanaryMetadata",

@@ -52,7 +52,7 @@ from ..config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
 from . import nixl
 from .drill import Drill
 from .stats import CanaryPromMetrics, CanaryStats
-from .transfer import DiskTransfer
+from .disk import DiskTransfer
 
 logger = logging.getLogger(adapter.LOGGER)
 
