@@ -38,7 +38,7 @@ PD_OPTIONS = (
 )  # fmt: skip
 # Requests in flight through the proxy at once (`main`).
 CONCURRENCY = 4
-# NIXL's progress thread polls UCX without pause unless told otherwise (`connector.nixl.delay_progress_thread`).
+# NIXL's progress thread polls UCX without pause unless told otherwise (`adapter.nixl.delay_progress_thread`).
 PROGRESS_DELAY_US = 1000
 
 
@@ -62,7 +62,7 @@ def nixl_config(*, canary: bool, records_port: int, failure_policy: str = "recom
 # A vLLM plugin that gives NIXL's progress thread the connector's delay without the canary.
 PROGRESS_DELAY_PLUGIN = f"""
 def register():
-    from torch_kvcanary.integrations.vllm.connector.nixl import delay_progress_thread
+    from torch_kvcanary.integrations.vllm.adapter.nixl import delay_progress_thread
     delay_progress_thread({PROGRESS_DELAY_US})
 """
 

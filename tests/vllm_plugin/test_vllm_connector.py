@@ -569,7 +569,7 @@ def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
 
 
 def _layer_files(folder) -> list:
-    return sorted(path for path in folder.iterdir() if path.name != connector.DiskTransfer.SIDECAR)
+    return sorted(path for path in folder.iterdir() if path.name != connector.DiskVerifier.SIDECAR)
 
 
 def _rewrite(path, change) -> None:
@@ -613,7 +613,7 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
         (folder,) = storage.iterdir()
         llm.generate([{"prompt_token_ids": other}], _greedy(1), use_tqdm=False)
         (other_folder,) = set(storage.iterdir()) - {folder}
-        assert len(_layer_files(folder)) == 2 and (folder / connector.DiskTransfer.SIDECAR).exists()
+        assert len(_layer_files(folder)) == 2 and (folder / connector.DiskVerifier.SIDECAR).exists()
         llm.reset_prefix_cache()
         if fault == "flipped byte":
             _rewrite(_layer_files(folder)[1], _flip_stored)
@@ -626,7 +626,7 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
             path = _layer_files(folder)[1]
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         elif fault == "no records":
-            (folder / connector.DiskTransfer.SIDECAR).unlink()
+            (folder / connector.DiskVerifier.SIDECAR).unlink()
         reported = Reported(monkeypatch, ours)
         verified, failed = _metric("vllm:kv_canary_transfer_slots_verified_total"), _metric("vllm:kv_canary_transfer_slots_failed_total")
         (loaded,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
@@ -648,22 +648,26 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
             assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in parse_violations(said))
 
 
-# The members of vLLM's connector base that belong to the wrapper itself, not to the inner
-# connector: its role, and whether the step's metadata is bound (the wrapper binds its own,
-# holding the inner connector's, `bind_connector_metadata`).
-OWN_MEMBERS = {"role", "has_connector_metadata"}
+# The members of vLLM's connector base that belong to the connector itself, not to the inner
+# connector: its role, whether the step's metadata is bound (the facade binds its own, holding
+# the inner connector's), its counters' classes and its answer to sleep mode (vLLM 0.33 on).
+OWN_MEMBERS = {"role", "has_connector_metadata", "build_kv_connector_stats", "build_prom_metrics", "supports_sleep_mode"}
+SINCE_0_33 = {"supports_sleep_mode"}
 
 
-def test_the_connector_forwards_every_method_of_vllms_connector_base():
-    """A method the installed vLLM's `KVConnectorBase_V1` has and `KvCanaryConnector` does
-    not define would reach the base's default (most do nothing) instead of the inner
-    connector: each public member is defined by the wrapper, but its own."""
+def test_the_delegate_forwards_every_method_of_vllms_connector_base():
+    """A method the installed vLLM's `KVConnectorBase_V1` has and `InnerDelegate` does not
+    define would reach the base's default (most do nothing) instead of the inner connector:
+    each public member is defined by the delegate, but the connector's own, which the facade
+    defines."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     public = {name for name in dir(KVConnectorBase_V1) if not name.startswith("_")}
-    assert OWN_MEMBERS <= public, "a member the wrapper keeps as its own is gone from vLLM's base"
-    inherited = {name for name in public - OWN_MEMBERS if name not in vars(connector.KvCanaryConnector)}
-    assert not inherited, f"KvCanaryConnector does not forward {sorted(inherited)} to the inner connector"
+    assert OWN_MEMBERS - SINCE_0_33 <= public, "a member the connector keeps as its own is gone from vLLM's base"
+    inherited = {name for name in public - OWN_MEMBERS if name not in vars(connector.InnerDelegate)}
+    assert not inherited, f"InnerDelegate does not forward {sorted(inherited)} to the inner connector"
+    assert issubclass(connector.KvCanaryConnector, connector.InnerDelegate)
+    assert OWN_MEMBERS - {"role", "has_connector_metadata"} <= set(vars(connector.KvCanaryConnector))
 
 
 def test_the_connector_forwards_the_gpu_block_pool_to_the_inner_connector():

@@ -522,19 +522,20 @@ def test_what_the_nixl_verification_cannot_watch_is_refused():
 
     from torch_kvcanary.integrations.vllm.connector import nixl
 
-    def config(tp=1, pp=1, dcp=1):
+    def config(tp=1, pp=1, dcp=1, extra=None):
         parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp)
-        return SimpleNamespace(parallel_config=parallel)
+        transfer = SimpleNamespace(kv_connector_extra_config={"records_port": 5700} if extra is None else extra)
+        return SimpleNamespace(parallel_config=parallel, kv_transfer_config=transfer)
 
-    nixl.check_nixl(config(), {"records_port": 5700})
-    nixl.check_nixl(config(tp=4), {"records_port": 5700})  # tensor parallelism is verified
+    nixl.check_nixl(config())
+    nixl.check_nixl(config(tp=4))  # tensor parallelism is verified
     for parallel, said in ((dict(pp=2), "pipeline_parallel_size=2"), (dict(dcp=2), "decode_context_parallel_size=2")):
         with pytest.raises(
             ValueError, match=rf"^kv-canary: KvCanaryConnector verifies NixlConnector's transfers with one pipeline stage .*{said}"
         ):
-            nixl.check_nixl(config(**parallel), {"records_port": 5700})
+            nixl.check_nixl(config(**parallel))
     with pytest.raises(ValueError, match=r'^kv-canary: KvCanaryConnector wrapping NixlConnector serves .* set "records_port": PORT'):
-        nixl.check_nixl(config(), {})
+        nixl.check_nixl(config(extra={}))
 
 
 def test_a_records_port_already_taken_is_said_at_start():

@@ -161,13 +161,16 @@ def test_only_the_adapter_and_the_connector_import_vllm():
         for path in package.rglob("*.py")
         if any(_imports_vllm(node) for node in ast.walk(ast.parse(path.read_text())))
     }
-    # The connector subclasses vLLM's public KV connector base; vLLM imports it when a
-    # kv_transfer_config names it, never the plugin's entry point.
+    # The connector subclasses vLLM's public KV connector base (its delegate and facade) and
+    # checks vLLM's transfer configs; vLLM imports it when a kv_transfer_config names it,
+    # never the plugin's entry point.
     assert importers == {
         "integrations/vllm/adapter/common.py",
         "integrations/vllm/adapter/connectors.py",
         "integrations/vllm/adapter/hooks.py",
         "integrations/vllm/adapter/versions.py",
+        "integrations/vllm/connector/checks.py",
+        "integrations/vllm/connector/delegate.py",
         "integrations/vllm/connector/facade.py",
         "integrations/vllm/connector/stats.py",
     }

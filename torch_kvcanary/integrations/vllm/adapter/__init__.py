@@ -11,12 +11,14 @@ connector machinery (`connectors`), and names the logger whose lines reach vLLM'
 * `common`: what the runners' hooks share and hand the plugin;
 * `v1`, `v2`: Model Runner V1's and V2's hooks, `Step` and view;
 * `hooks`: the worker's hooks, which check and hook its runner and size its KV cache;
-* `connectors`: vLLM's KV connector internals.
+* `connectors`: vLLM's KV connector internals;
+* `nixl`: vLLM's NixlConnector's and NIXL's.
 
 Nothing here imports vLLM at module level: the plugin's entry point runs in every process
 vLLM starts and must cost nothing while the plugin is off.
 """
 
+from . import nixl
 from .common import (
     LOGGER,
     NULL_SLOT,
@@ -33,7 +35,14 @@ from .common import (
     Watcher,
     watch,
 )
-from .connectors import example_connector_folder, example_connector_requests, register_connector, tensor_parallel_rank, total_kv_heads
+from .connectors import (
+    example_connector_folder,
+    example_connector_requests,
+    locally_cached_blocks,
+    register_connector,
+    tensor_parallel_rank,
+    total_kv_heads,
+)
 from .hooks import hook, runner_view, unwatchable
 from .v1 import RunnerV1
 from .v2 import RunnerV2
@@ -42,6 +51,6 @@ from .versions import SUPPORTED, SUPPORTED_SERIES, is_supported, vllm_version
 __all__ = [
     "LOGGER", "NULL_SLOT", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
     "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
-    "example_connector_folder", "example_connector_requests", "hook", "is_supported", "register_connector", "runner_view",
-    "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
+    "example_connector_folder", "example_connector_requests", "hook", "is_supported", "locally_cached_blocks", "nixl", "register_connector",
+    "runner_view", "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
 ]  # fmt: skip

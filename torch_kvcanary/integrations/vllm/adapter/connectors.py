@@ -1,7 +1,8 @@
 """vLLM's KV connector internals the plugin reads: its connector factory's registry, the
 privates of ``ExampleConnector`` that a verified disk transfer reads
-(`connector.disk.DiskTransfer`), and what a connector's worker side knows of its
-place among the tensor-parallel ranks and the model's KV heads (`connector.nixl`)."""
+(`connector.disk.DiskVerifier`), what a connector's worker side knows of its place among the
+tensor-parallel ranks and the model's KV heads, and what the NIXL transport reads of vLLM's
+scheduler (`connector.nixl`; NixlConnector's and NIXL's own internals are `nixl`'s)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,10 @@ def total_kv_heads(vllm_config) -> int:
     """The model's KV heads over all ranks; MLA's latent counts as one (every rank holds it)."""
     model_config = vllm_config.model_config
     return 1 if model_config.use_mla else model_config.get_total_num_kv_heads()
+
+
+def locally_cached_blocks(blocks) -> int:
+    """How many of the first KV cache group's blocks of vLLM's ``KVCacheBlocks`` ``blocks``
+    (a request's, as the scheduler allocated them) hold a local prefix-cache hit: those
+    with a block hash, other than the null block."""
+    return sum(block.block_hash is not None and not block.is_null for block in blocks.blocks[0])

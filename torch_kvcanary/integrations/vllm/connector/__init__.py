@@ -1,6 +1,13 @@
-"""The canary as a vLLM KV connector: `KvCanaryConnector` (`facade`), its counters
-(`stats`), its verified disk transfers (`disk`), its verified NIXL transfers (`nixl`,
-with the side channel of their records, `records_channel`) and its fault drills (`drill`).
+"""The canary as a vLLM KV connector, laid out by role as vLLM lays out its NIXL connector:
+
+* `facade`: `KvCanaryConnector`, which builds the transfer verifier's half of its role,
+  calls it at the matching connector calls, and applies the canary's policy (flagged
+  blocks become load errors), and its drills (`drill`) and counters (`stats`);
+* `delegate`: `InnerDelegate`, every connector call forwarded to the inner connector;
+* `verifier`: the transfer verifier's two halves (`SchedulerVerifier`, `WorkerVerifier`)
+  and the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``) and `nixl`
+  (``NixlConnector``, with the side channel of its records, `records_channel`);
+* `checks`: the connectors refused at start.
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin
 registers ``KvCanaryConnector`` with vLLM's connector factory as this package's class, so
@@ -8,11 +15,14 @@ registers ``KvCanaryConnector`` with vLLM's connector factory as this package's 
 the plugin's entry point: its modules import vLLM.
 """
 
-from .facade import INNER, KvCanaryConnector, KvCanaryMetadata, check_inner, check_unwrapped
+from .checks import VERIFIED, check_inner, check_unwrapped
+from .delegate import INNER, InnerDelegate
+from .disk import DiskVerifier
+from .facade import KvCanaryConnector, KvCanaryMetadata
 from .stats import COUNTS, REASONS, CanaryPromMetrics, CanaryStats
-from .disk import DiskTransfer
+from .verifier import TRANSPORTS, SchedulerVerifier, Transport, WorkerVerifier
 
 __all__ = [
-    "COUNTS", "INNER", "REASONS", "CanaryPromMetrics", "CanaryStats", "DiskTransfer", "KvCanaryConnector", "KvCanaryMetadata",
-    "check_inner", "check_unwrapped",
+    "COUNTS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",
+    "KvCanaryConnector", "KvCanaryMetadata", "SchedulerVerifier", "Transport", "WorkerVerifier", "check_inner", "check_unwrapped",
 ]  # fmt: skip

@@ -1,4 +1,6 @@
-"""Verified transfers of KV through an inner connector that stores it on disk."""
+"""Verified transfers of KV through an inner connector that stores it on disk: `DiskVerifier`,
+the worker half of the ``ExampleConnector`` transport (`verifier.TRANSPORTS`); it needs no
+scheduler half."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ from ....canary import RECORD_FIELDS
 from .. import adapter
 
 
-class DiskTransfer:
+def check(vllm_config) -> None:
+    """Nothing to refuse: every ExampleConnector setting is verified."""
+
+
+class DiskVerifier:
     """Verified transfers through a connector that stores a request's blocks in a folder of
     its own (vLLM's ``ExampleConnector``: one file per layer, in a folder named by the hash
     of the request's tokens). The canary's records are relocation-invariant (token,
@@ -24,11 +30,15 @@ class DiskTransfer:
     flags it before the forward reads it and the connector reports its block as a load error
     (recomputed under repair, failed under quarantine)."""
 
-    CONNECTORS = ("ExampleConnector",)
     SIDECAR = "kv_canary.safetensors"
+    LOADS_IN_STEP = True  # ExampleConnector reads a request's files within start_load_kv
 
     def __init__(self, inner):
         self.inner = inner
+
+    @classmethod
+    def build(cls, vllm_config, inner, block_size: int) -> DiskVerifier:
+        return cls(inner)
 
     def _requests(self) -> list:
         """The inner connector's requests of this step (``is_store``, ``token_ids``, ``slot_mapping``)."""
@@ -37,7 +47,10 @@ class DiskTransfer:
     def _path(self, request) -> str:
         return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
 
-    def store(self, canary) -> None:
+    def before_load(self, canary, orders) -> None:
+        """Nothing: the records are read once the blocks landed (`after_load`)."""
+
+    def after_save(self, canary, orders) -> None:
         """Stores the records of the slots each saved request's files hold, from the
         worker's canary (`worker.WorkerCanary`)."""
         for request in self._requests():
@@ -45,7 +58,7 @@ class DiskTransfer:
                 records = canary.records(request.slot_mapping)
                 safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
 
-    def land(self, canary, *, failed: bool = False) -> tuple[int, int]:
+    def after_load(self, canary, *, failed: bool = False) -> tuple[int, int]:
         """Has the worker's canary (`worker.WorkerCanary`) record every slot the inner
         connector loaded in this step, and invalidate those whose records do not match
         the stored ones (all of them when the load ``failed``): (slots verified, slots that
@@ -74,3 +87,13 @@ class DiskTransfer:
         except Exception:
             return None
         return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None
+
+    def on_done(self, canary, sent, landed, failed) -> tuple[set[int], int, int]:
+        """Nothing: every load was verified as it landed (`after_load`)."""
+        return set(), 0, 0
+
+    def take_counts(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing held."""

@@ -1,4 +1,5 @@
-"""Verified transfers through vLLM's ``NixlConnector``: prefill/decode disaggregation.
+"""Verified transfers through vLLM's ``NixlConnector``: prefill/decode disaggregation, the
+``NixlConnector`` transport of `verifier.TRANSPORTS` (`NixlScheduler`, `NixlWorker`).
 
 The prefill side (P) computes a request's prompt and hands its blocks to the decode side
 (D), which reads them over NIXL. The canary's records are relocation-invariant (token,
@@ -43,6 +44,7 @@ import torch
 from ....canary import RECORD_FIELDS
 from .. import adapter
 from ..config import CONNECTOR
+from .delegate import inner_config
 from .records_channel import RecordsClient, RecordsServer, Snapshot
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -56,8 +58,6 @@ RECORDS_PORT = "records_port"
 server's records server (of its tensor-parallel rank 0; rank ``r`` serves on ``port + r``)."""
 PROGRESS_DELAY = "nixl_progress_delay_us"
 """The key of KvCanaryConnector's ``kv_connector_extra_config`` setting the delay of NIXL's progress thread."""
-NIXL_LEASE_S = 30
-"""NixlConnector's default ``kv_lease_duration``: how long P holds a request's blocks for D."""
 FOLD = RECORD_FIELDS.index("fold")
 """The records' fold column; those before it (token, position, chain) do not depend on the sharding."""
 
@@ -150,25 +150,34 @@ class NixlScheduler:
         self._prefills: dict[str, object] = {}  # P: requests whose prompt is not yet complete
         self._loads: list[LoadOrder] = []
 
-    def before_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    @classmethod
+    def build(cls, vllm_config, block_size: int) -> NixlScheduler:
+        """The scheduler half of a server whose records servers listen on NIXL's side-channel host."""
+        port = vllm_config.kv_transfer_config.kv_connector_extra_config[RECORDS_PORT]
+        address = f"{adapter.nixl.side_channel_host()}:{port}"
+        return cls(block_size, address, vllm_config.parallel_config.tensor_parallel_size)
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self.kv_cache_manager = kv_cache_manager
+
+    def on_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Called before NixlConnector's ``update_state_after_alloc`` (which clears
         ``do_remote_prefill``)."""
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode"):
+        if adapter.nixl.hands_over(params):
             self._prefills[request.request_id] = request
-        elif params.get("do_remote_prefill") and num_external_tokens > 0:
-            first = blocks.blocks[0]
-            start = sum(block.block_hash is not None and not block.is_null for block in first) * self.block_size
+        elif adapter.nixl.loads_remotely(params) and num_external_tokens > 0:
+            start = adapter.locally_cached_blocks(blocks) * self.block_size
             end = start + num_external_tokens
             address, tp_size = _records_servers(params.get(RECORDS_KEY))
             self._loads.append(
                 LoadOrder(
-                    request.request_id, params.get("remote_request_id"), address, tp_size,
+                    request.request_id, adapter.nixl.remote_request_id(params), address, tp_size,
                     list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end,
                 )
             )  # fmt: skip
 
-    def orders(self, scheduler_output) -> NixlOrders:
+    def plan(self, scheduler_output) -> NixlOrders:
         orders = NixlOrders(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -180,10 +189,10 @@ class NixlScheduler:
                 del self._prefills[request_id]
         return orders
 
-    def finished(self, request, params: dict | None) -> None:
+    def on_finished(self, request, params: dict | None) -> None:
         """Adds P's records servers to the params of a request handed to a decode side."""
         self._prefills.pop(request.request_id, None)
-        if params is not None and params.get("do_remote_prefill"):
+        if params is not None and adapter.nixl.loads_remotely(params):
             params[RECORDS_KEY] = {"address": self.address, "tp_size": self.tp_size}
 
 
@@ -215,6 +224,8 @@ class NixlWorker:
     model's KV heads as ``sharding`` says: P's snapshots and server (on ``port + rank``),
     D's fetches and verification."""
 
+    LOADS_IN_STEP = False  # NIXL reads the blocks asynchronously: get_finished reports them landed
+
     def __init__(self, block_size: int, host: str, port: int, max_age_s: float, *, sharding: Sharding, rank: int):
         self.block_size = block_size
         self.sharding = sharding
@@ -236,10 +247,20 @@ class NixlWorker:
         self.verified_requests = 0
         self._handed_over = 0  # P: slots snapshotted since `take_counts`
 
-    def snapshot(self, canary, orders: NixlOrders) -> None:
+    @classmethod
+    def build(cls, vllm_config, inner, block_size: int) -> NixlWorker:
+        """The worker half of this tensor-parallel rank: P's snapshots are held for twice
+        NixlConnector's lease (``kv_lease_duration``)."""
+        lease_s = adapter.nixl.lease_seconds(inner_config(vllm_config).kv_transfer_config)
+        port = vllm_config.kv_transfer_config.kv_connector_extra_config[RECORDS_PORT]
+        sharding = Sharding(vllm_config.parallel_config.tensor_parallel_size, adapter.total_kv_heads(vllm_config))
+        host = adapter.nixl.side_channel_host()
+        return cls(block_size, host, port, max_age_s=2 * lease_s, sharding=sharding, rank=adapter.tensor_parallel_rank())
+
+    def after_save(self, canary, orders: NixlOrders | None) -> None:
         """P: holds the records and head digests of each request whose prompt the step
         completed (after its forward)."""
-        for order in orders.snapshots:
+        for order in orders.snapshots if orders is not None else ():
             slots = slots_of(order.block_ids, order.tokens, self.block_size)
             digests = canary.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
             self.server.hold(order.request_id, Snapshot(canary.records(slots).cpu(), digests, self.heads))
@@ -258,16 +279,25 @@ class NixlWorker:
         self._handed_over = 0
         return counts
 
-    def release(self, finished_sending) -> None:
-        """P: NIXL sent these requests' blocks, or their lease expired: their blocks are freed."""
-        if finished_sending:
-            self.server.release(finished_sending)
+    def on_done(self, canary, sent, landed, failed) -> tuple[set[int], int, int]:
+        """P: drops the snapshots of the requests whose blocks NIXL sent (or whose lease
+        expired: their blocks are freed). D: verifies the requests whose blocks landed
+        (`land`), before vLLM marks their load done."""
+        if sent:
+            self.server.release(sent)
+        return self.land(canary, landed, failed) if landed else (set(), 0, 0)
 
-    def fetch(self, orders: NixlOrders) -> None:
+    def after_load(self, canary, *, failed: bool = False) -> tuple[int, int]:
+        """Nothing yet: the blocks land later (`on_done`)."""
+        return 0, 0
+
+    def before_load(self, canary, orders: NixlOrders | None) -> None:
         """D: the snapshots of each load held by the P ranks holding this rank's heads,
         before NIXL starts reading its blocks: P holds them until it learns the blocks were
         read, so a question sent later could find them gone. One round trip per prefill
         rank and step."""
+        if orders is None:
+            return
         begin = time.perf_counter()
         questions, asked = [], []
         for load in orders.loads:
@@ -388,41 +418,20 @@ class NixlWorker:
         self.server.close()
 
 
-# NIXL's progress thread -----------------------------------------------------------------
+def prepare_worker(vllm_config) -> None:
+    """Before NixlConnector's worker is built (and with it NIXL's agent): slows NIXL's
+    progress thread where KvCanaryConnector's config asks to (`PROGRESS_DELAY`)."""
+    delay = vllm_config.kv_transfer_config.kv_connector_extra_config.get(PROGRESS_DELAY)
+    if delay is not None:
+        adapter.nixl.delay_progress_thread(int(delay))
 
 
-def delay_progress_thread(delay_us: int) -> None:
-    """Makes NIXL's agents created from here on in this process wait ``delay_us``
-    microseconds between the polls of their progress thread. NIXL's Python layer (1.5)
-    sets the delay to 0, so that each agent's progress thread polls UCX without pause and
-    takes a core even while idle, which stalls a host with few cores; vLLM exposes no
-    setting for it. The agent's config class is replaced by one whose ``pthrDelay`` is at
-    least ``delay_us``."""
-    import nixl._api as api  # noqa: PLC0415 (NIXL is imported only where it is configured)
-
-    bind = api.nixlBind
-    base = getattr(bind.nixlAgentConfig, "kv_canary_base", bind.nixlAgentConfig)
-
-    class AgentConfig(base):
-        kv_canary_base = base
-
-        @property
-        def pthrDelay(self):  # noqa: N802 (NIXL's name)
-            return base.pthrDelay.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, value):  # noqa: N802
-            base.pthrDelay.__set__(self, max(int(value), delay_us))
-
-    bind.nixlAgentConfig = AgentConfig
-    logger.info("kv-canary: NIXL's progress thread waits %d us between polls in this process (%s)", delay_us, PROGRESS_DELAY)
-
-
-def check_nixl(vllm_config, extra: dict) -> None:
+def check_nixl(vllm_config) -> None:
     """Refuses what the NIXL verification cannot watch: several pipeline-parallel stages
     (a stage holds some layers, and the snapshots are the whole model's per rank) or
     decode-context-parallel ranks (a rank holds some of a request's positions), and no
     records port."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     parallel = vllm_config.parallel_config
     stages, dcp = parallel.pipeline_parallel_size, getattr(parallel, "decode_context_parallel_size", 1)
     if stages != 1 or dcp != 1:

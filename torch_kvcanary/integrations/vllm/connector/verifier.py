@@ -1,0 +1,83 @@
+"""Transfer verifiers: how the canary verifies the KV an inner connector moves, one per
+transport, behind one interface, chosen by the inner connector's name (`TRANSPORTS`).
+
+The canary's records are relocation-invariant (token, position, chain and fold do not
+depend on the slot), so a transport's verifier stores the records of what the inner
+connector saves beside it, and checks what it loads against them: the slots that differ
+have their records broken, and their blocks become the step's load errors (recomputed under
+repair, failed under quarantine). A verifier has a worker half (`WorkerVerifier`) and, where
+it plans per step on the scheduler, a scheduler half (`SchedulerVerifier`); the facade calls
+them at the matching connector calls and passes the scheduler half's plan (its ``orders``)
+to the workers in its own metadata. A new transport is a module with its halves and its
+entry in `TRANSPORTS`; the facade does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import disk, nixl
+
+
+class SchedulerVerifier(Protocol):
+    """The scheduler half: what each step's workers verify (`plan`), from what vLLM's
+    scheduler tells the connector."""
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None: ...
+
+    def on_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Before the inner connector's ``update_state_after_alloc``."""
+
+    def plan(self, scheduler_output) -> Any:
+        """The step's orders for the worker halves (None: nothing to do)."""
+
+    def on_finished(self, request, params: dict | None) -> None:
+        """After the inner connector's ``request_finished``, with the params it hands on."""
+
+
+class WorkerVerifier(Protocol):
+    """The worker half. ``canary`` is the worker's `worker.WorkerCanary`; ``orders`` the
+    scheduler half's plan of the step (None without a scheduler half)."""
+
+    LOADS_IN_STEP: bool
+    """Whether the inner connector's loads land within its ``start_load_kv`` (verified by
+    `after_load`; a load that raises is a failed load), or later (verified by `on_done`)."""
+
+    def before_load(self, canary, orders) -> None: ...
+
+    def after_load(self, canary, *, failed: bool = False) -> tuple[int, int]:
+        """(slots verified, slots that failed) of the loads that landed in ``start_load_kv``."""
+
+    def after_save(self, canary, orders) -> None:
+        """After the inner connector's ``wait_for_save``: the forward's slots are recorded."""
+
+    def on_done(self, canary, sent, landed, failed) -> tuple[set[int], int, int]:
+        """The requests the inner connector finished sending and loading (and failed to
+        load): (the blocks of the bad slots, slots verified, slots that failed)."""
+
+    def take_counts(self) -> dict[str, int]:
+        """Counters of `stats.COUNTS` since the last call."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A verified transport: its refusals at start, and how each half is built. ``scheduler``
+    is None where the worker half needs no plan."""
+
+    check: Callable[[Any], None]  # (vllm_config) -> None, or a ValueError saying what to change
+    scheduler: Callable[[Any, int], SchedulerVerifier] | None  # (vllm_config, block_size)
+    worker: Callable[[Any, Any, int], WorkerVerifier]  # (vllm_config, inner connector, block_size)
+    prepare_worker: Callable[[Any], None] | None = None  # (vllm_config), before the inner connector is built
+
+
+TRANSPORTS: dict[str, Transport] = {
+    "ExampleConnector": Transport(check=disk.check, scheduler=None, worker=disk.DiskVerifier.build),
+    "NixlConnector": Transport(
+        check=nixl.check_nixl, scheduler=nixl.NixlScheduler.build, worker=nixl.NixlWorker.build, prepare_worker=nixl.prepare_worker
+    ),
+}
+"""The inner connectors whose loads the canary verifies, by vLLM's name of each."""
