@@ -17,7 +17,7 @@ from helpers import REPO
 import torch_kvcanary as kc
 from torch_kvcanary import HashMode
 from torch_kvcanary.canary import KvCanary
-from torch_kvcanary.integrations.vllm import adapter, config, plugin, step_buffers
+from torch_kvcanary.integrations.vllm import adapter, config, plugin, step_buffers, worker
 from torch_kvcanary.integrations.vllm.reports import Reports
 
 # An engine each policy can serve: the canary's connector with the failure policy repair
@@ -256,3 +256,30 @@ def test_a_token_copy_follows_requests_across_rows():
     assert rows() == [[8, 9, 90, 91, -1, -1], [5, 6, 7, 70, -1, -1], [1, 2, 3, 4, -1, -1]]
     follow(["d", "a"])  # b and c leave; d joins b's old row, whose tokens do not linger
     assert rows() == [[-1, 3, -1, -1, -1, -1], [5, 6, 7, 70, -1, -1], [1, 2, 3, 4, -1, -1]]
+
+
+@pytest.mark.parametrize("version, policy, tensor_parallel_size, refused", [
+    ("0.31.0", "raise", 2, True), ("0.30.0", "repair", 4, True), ("0.31.0", "quarantine", 2, True),
+    ("0.31.0", "log", 2, False), ("0.31.0", "raise", 1, False), ("0.32.0", "raise", 2, False), ("0.33.1", "raise", 2, False),
+])  # fmt: skip
+def test_a_policy_that_stops_the_step_under_tensor_parallelism_is_refused_where_the_engine_would_hang(
+    monkeypatch, version, policy, tensor_parallel_size, refused
+):
+    from benchmarks import engine_step
+
+    monkeypatch.setattr(adapter, "vllm_version", lambda: version)
+    buffers = engine_step.StepBuffers("v1", layers=2, requests=2, context=8, decode_steps=1)
+    runner = engine_step.BenchRunner(buffers)
+    runner.tensor_parallel_size = tensor_parallel_size
+    if refused:
+        message = (
+            rf"^kv-canary: KVCANARY_VLLM={policy} stops the engine step with an exception, and on vLLM {re.escape(version)} the other "
+            r"tensor-parallel ranks then wait for the raising one: .* or vLLM 0.32 or later, or unset KVCANARY_VLLM"
+        )
+        with pytest.raises(RuntimeError, match=message):
+            worker.WorkerCanary(buffers, config.Settings(policy, HashMode.ALL), runner_view=runner)
+    else:
+        try:
+            worker.WorkerCanary(buffers, config.Settings(policy, HashMode.ALL), runner_view=runner)
+        except ValueError as error:  # the connector policies' own needs, which the bench runner does not meet
+            assert "needs vLLM's KV connector" in str(error) and policy in ("repair", "quarantine")

@@ -126,7 +126,7 @@ LINE = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_
 def _run(model, script: str, *args: str, **env) -> str:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", **env)
-    command = [sys.executable, "-c", TRITON_ON_CPU + ENGINE + textwrap.dedent(script), str(model), *args]
+    command = [sys.executable, "-P", "-c", TRITON_ON_CPU + ENGINE + textwrap.dedent(script), str(model), *args]
     done = subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert "RUNNER vllm.v1.worker.cpu.model_runner RunnerV2\n" in done.stdout, done.stdout[-4000:]
     return done.stdout
@@ -187,7 +187,7 @@ def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
     model = make_model(tmp_path / kind, kind)
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     environment.update(VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TRITON_INTERPRET="1", KVCANARY_VLLM="log")
-    command = [sys.executable, "-c", TRITON_ON_CPU + textwrap.dedent(KINDS), str(model)]
+    command = [sys.executable, "-P", "-c", TRITON_ON_CPU + textwrap.dedent(KINDS), str(model)]
     done = subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     found = _result(done.stdout, "KINDS") if "KINDS " in done.stdout else None
     assert found is not None, done.stdout[-3000:]
@@ -276,7 +276,7 @@ def test_model_runner_v2_refuses_the_kv_connector(tiny_llama):
                 error = error.__cause__ or error.__context__
             print("REFUSED", error)
     """)
-    done = subprocess.run([sys.executable, "-c", start, str(tiny_llama)], env=environment, cwd=REPO, stdout=subprocess.PIPE,
+    done = subprocess.run([sys.executable, "-P", "-c", start, str(tiny_llama)], env=environment, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
     (refused,) = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
     assert refused.startswith(

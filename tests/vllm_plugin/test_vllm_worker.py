@@ -41,10 +41,11 @@ def engine(**overrides):
 
 def _run(script: str, model, **env) -> subprocess.CompletedProcess:
     """``script`` (after `ENGINE`) in a Python process of its own, with ``env`` over this
-    environment less the plugin's switches; stdout and stderr together."""
+    environment less the plugin's switches; stdout and stderr together. ``-P``: the
+    process imports the installed package, not the checkout's (its working directory)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     environment.update(env)
-    command = [sys.executable, "-c", ENGINE + textwrap.dedent(script), str(model)]
+    command = [sys.executable, "-P", "-c", ENGINE + textwrap.dedent(script), str(model)]
     return subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
 
 

@@ -16,7 +16,7 @@ from ... import digest, layouts
 from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
-from .config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal
+from .config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
 from .reports import LAUNCH_TAG, Reports, report, violation_line
 from .step_buffers import StepRows, TokenCopy
 
@@ -71,6 +71,7 @@ class WorkerCanary:
         self.faults = 0
         self.on = True
         self.runner_view = adapter.runner_view(model_runner) if runner_view is None else runner_view
+        self._check_release()
         self.connector = self._connector()
         unwatched = self.runner_view.unwatched_group_kinds()
         if unwatched:
@@ -130,6 +131,20 @@ class WorkerCanary:
         if self.connector is not None:
             self.connector.watch(self)
         logger.info("%s", self._start_line(layout))
+
+    def _check_release(self) -> None:
+        """Refuses a policy that can stop the step (all but log: raise on any violation,
+        repair and quarantine on a wrong mapping) under tensor parallelism on a vLLM release
+        whose engine hangs rather than ends when one rank raises (`adapter.Release`)."""
+        if self.policy == "log" or self.runner_view.tensor_parallel_size == 1:
+            return
+        version = adapter.vllm_version()
+        if not adapter.release(version).ends_engine_when_a_rank_raises:
+            raise refusal(
+                f"{POLICY_ENV}={self.policy} stops the engine step with an exception, and on vLLM {version} the other "
+                f"tensor-parallel ranks then wait for the raising one: the engine would hang instead of stopping. Serve "
+                f"with {POLICY_ENV}=log, one tensor-parallel rank, or vLLM 0.32 or later"
+            )
 
     def _connector(self):
         """This worker's `CONNECTOR`, or None; refuses another KV connector that loads KV

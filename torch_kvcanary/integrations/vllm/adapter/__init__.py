@@ -7,7 +7,7 @@ cache layers, block table and token history (`RunnerView`: `RunnerV1`, `RunnerV2
 connector machinery (`connectors`), and names the logger whose lines reach vLLM's log
 (`LOGGER`). How a layer's bytes split into K and V is `layouts.vllm`'s.
 
-* `versions`: the vLLM series supported (`SUPPORTED_SERIES`, `is_supported`);
+* `versions`: the vLLM series supported and what differs between them (`RELEASES`, `is_supported`, `release`);
 * `common`: what the runners' hooks share and hand the plugin;
 * `v1`, `v2`: Model Runner V1's and V2's hooks, `Step` and view;
 * `hooks`: the worker's hooks, which check and hook its runner and size its KV cache;
@@ -46,11 +46,11 @@ from .connectors import (
 from .hooks import hook, runner_view, unwatchable
 from .v1 import RunnerV1
 from .v2 import RunnerV2
-from .versions import SUPPORTED, SUPPORTED_SERIES, is_supported, vllm_version
+from .versions import RELEASES, SUPPORTED, SUPPORTED_SERIES, Release, is_supported, release, vllm_version
 
 __all__ = [
-    "LOGGER", "NULL_SLOT", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
-    "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
+    "LOGGER", "NULL_SLOT", "RELEASES", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
+    "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "Release", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
     "example_connector_folder", "example_connector_requests", "hook", "is_supported", "locally_cached_blocks", "nixl", "register_connector",
-    "runner_view", "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
+    "release", "runner_view", "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
 ]  # fmt: skip

