@@ -19,7 +19,9 @@ from torch_kvcanary.integrations.vllm import config, plugin
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24
 PER_STEP = 64
-LINE = re.compile(r"^kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
+# A violation line's reasons, slot and requests, anywhere in a line (`VIOLATION`) or as the whole message (`LINE`).
+VIOLATION = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
+LINE = re.compile("^" + VIOLATION.pattern)
 SUMMARY = re.compile(
     r"^kv_canary summary: launch_tag=vllm seconds=\S+ repeated_detections=(\d+) repeated_slots=(\d+) slots_logged=(\d+) ring_dropped=(\d+)$"
 )

@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs these tests in the vLLM venv")
 
 import vllm_sessions  # noqa: E402
+from engine_driver import VIOLATION  # noqa: E402
 from vllm_serve import install_flip_plugin, path_with  # noqa: E402
 
 pytestmark = pytest.mark.every_release
 
 TOOL = Path(__file__).resolve().parents[2] / "tools/vllm_sessions.py"
-VIOLATION = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
 
 
 def _run(model: Path, site: Path, *flags: str) -> tuple[dict, str]:

@@ -40,13 +40,17 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-def is_supported(version: str) -> bool:
-    """Whether ``version`` (e.g. ``0.32.0``, ``0.33.1+cpu``, ``0.33.0rc1``) is of a `SUPPORTED_SERIES`."""
+def _series(version: str) -> tuple[int, int] | None:
+    """(major, minor) of ``version`` (e.g. ``0.32.0``, ``0.33.1+cpu``, ``0.33.0rc1``); None if it has none."""
     match = re.match(r"(\d+)\.(\d+)", version)
-    return match is not None and (int(match[1]), int(match[2])) in SUPPORTED_SERIES
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+def is_supported(version: str) -> bool:
+    """Whether ``version`` is of a `SUPPORTED_SERIES`."""
+    return _series(version) in RELEASES
 
 
 def release(version: str) -> Release:
     """What `RELEASES` says of the series of ``version``, a supported one (`is_supported`)."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return RELEASES[int(match[1]), int(match[2])]
+    return RELEASES[_series(version)]
