@@ -381,14 +381,14 @@ def test_heterogeneous_tp_faults_are_load_errors_repaired(fault, heterogeneous_p
 
 
 def _snapshot(records: torch.Tensor, first_head: int = 0, heads: int = 2):
-    from torch_kvcanary.integrations.vllm.connector import records_channel
+    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
 
     digests = (records[:, :1] * 1000 + torch.arange(first_head, first_head + heads)).contiguous()
     return records_channel.Snapshot(records, digests, range(first_head, first_head + heads))
 
 
 def _records_server(port: int, **held):
-    from torch_kvcanary.integrations.vllm.connector import records_channel
+    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
 
     server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
     for request_id, snapshot in held.items():
@@ -415,7 +415,7 @@ NOT_HELD = "the prefill side holds no records of it (its lease expired, or it wa
 def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
     from vllm_serve import _free_port
 
-    from torch_kvcanary.integrations.vllm.connector import records_channel
+    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
 
     port = _free_port()
     address = f"127.0.0.1:{port}"
@@ -445,7 +445,7 @@ def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
 def test_the_records_client_asks_each_server_once_a_step_and_reconnects_once():
     from vllm_serve import _free_port
 
-    from torch_kvcanary.integrations.vllm.connector import records_channel
+    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
 
     ports = _free_port(), _free_port()
     first, second = (f"127.0.0.1:{port}" for port in ports)
@@ -475,7 +475,7 @@ def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol()
 
     from vllm_serve import _free_port
 
-    from torch_kvcanary.integrations.vllm.connector import records_channel
+    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
 
     port = _free_port()
     snapshot = _snapshot(torch.ones(1, 4, dtype=torch.int64))
@@ -498,7 +498,7 @@ def test_a_records_server_that_does_not_answer_is_a_failed_fetch_not_a_hang():
 
     from vllm_serve import _free_port
 
-    from torch_kvcanary.integrations.vllm.connector import records_channel
+    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
 
     port = _free_port()
     with socket.create_server(("127.0.0.1", port)) as silent:  # accepts (the kernel's backlog) and never answers

@@ -6,7 +6,7 @@
 * `delegate`: `InnerDelegate`, every connector call forwarded to the inner connector;
 * `verifier`: the transfer verifier's two halves (`SchedulerVerifier`, `WorkerVerifier`)
   and the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``) and `nixl`
-  (``NixlConnector``, with the side channel of its records, `records_channel`);
+  (``NixlConnector``, with the side channel of its records, `nixl.channel`);
 * `checks`: the connectors refused at start.
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin

@@ -7,7 +7,7 @@ position, chain and fold do not depend on the slot), so:
 
 - P, in the step that completes a request's prompt, snapshots what its rank holds of the
   prompt's slots (`NixlWorker.snapshot`, after the forward recorded them): their records
-  and each slot's transfer digest over each of the rank's KV heads (`records_channel.Snapshot`).
+  and each slot's transfer digest over each of the rank's KV heads (`channel.Snapshot`).
   It holds the snapshot until NIXL reports the request's blocks sent or their lease expired
   (`release`): a block freed and reused after the snapshot cannot change what is compared.
   A small TCP server on the loopback (`RecordsServer`) serves the snapshots, one per rank on
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ....canary import RECORD_FIELDS
-from .. import adapter
-from ..config import CONNECTOR
-from .delegate import inner_config
-from .records_channel import RecordsClient, RecordsServer, Snapshot
+from .....canary import RECORD_FIELDS
+from ... import adapter
+from ...config import CONNECTOR
+from ..delegate import inner_config
+from .channel import RecordsClient, RecordsServer, Snapshot
 
 logger = logging.getLogger(adapter.LOGGER)
 

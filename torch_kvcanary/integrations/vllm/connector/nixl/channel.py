@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import torch
 
-from ....canary import RECORD_FIELDS
+from .....canary import RECORD_FIELDS
 
 FETCH_TIMEOUT_S = 10.0
 """How long D waits for P's records of a request; past it, the request's blocks are load errors."""
