@@ -1,43 +1,11 @@
-"""Verified transfers through vLLM's ``NixlConnector``: prefill/decode disaggregation, the
-``NixlConnector`` transport of `verifier.TRANSPORTS` (`NixlScheduler`, `NixlWorker`).
-
-The prefill side (P) computes a request's prompt and hands its blocks to the decode side
-(D), which reads them over NIXL. The canary's records are relocation-invariant (token,
-position, chain and fold do not depend on the slot), so:
-
-- P, in the step that completes a request's prompt, snapshots what its rank holds of the
-  prompt's slots (`NixlWorker.snapshot`, after the forward recorded them): their records
-  and each slot's transfer digest over each of the rank's KV heads (`channel.Snapshot`).
-  It holds the snapshot until NIXL reports the request's blocks sent or their lease expired
-  (`release`): a block freed and reused after the snapshot cannot change what is compared.
-  A small TCP server on the loopback (`RecordsServer`) serves the snapshots, one per rank on
-  consecutive ports; the address of rank 0's and P's tensor-parallel size ride in the
-  request's ``kv_transfer_params`` (`RECORDS_KEY`), since vLLM builds those params before
-  the worker's results of the step reach the scheduler.
-- D fetches the snapshots of the P ranks holding its heads before NIXL starts reading the
-  blocks (`NixlWorker.fetch`), and when NIXL reports the read done (before vLLM marks the
-  request's load done) records what landed with the request's prompt tokens and positions
-  and compares (`NixlWorker.land`): every block holding a slot whose records differ, or
-  whose snapshot is missing (no address, no snapshot, a timeout, another request's
-  snapshot), is a load error of that step, which vLLM recomputes (``"recompute"``) or fails
-  the request for (``"fail"``); the bad slots' records are broken, so a forward reading them
-  first is flagged too.
-
-What is compared depends on how the two sides shard the KV heads (`Sharding`). Where a D
-rank holds the heads of one P rank exactly (the same tensor-parallel size on both sides,
-or MLA's latent, which every rank holds), the fold of each slot is a fingerprint of the
-same bytes on both sides and the whole records compare. Where they split the heads
-differently (NIXL's heterogeneous TP: a D rank reads part of a P rank's heads, or parts of
-several), the token, position and chain compare, and in place of the fold the digest of
-each of the D rank's heads, which `digest.kv_digest` numbers by global head so that a head
-digests alike wherever it is held.
-"""
+"""The worker half of the NIXL transport (`NixlWorker`): P's snapshots and their server, D's
+fetches and comparisons."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,166 +14,14 @@ from ... import adapter
 from ...config import CONNECTOR
 from ..delegate import inner_config
 from .channel import RecordsClient, RecordsServer, Snapshot
+from .config import RECORDS_KEY, RECORDS_PORT
+from .orders import LoadOrder, NixlOrders, slots_of
+from .sharding import Sharding
 
 logger = logging.getLogger(adapter.LOGGER)
 
-CONNECTORS = ("NixlConnector",)
-RECORDS_KEY = "kv_canary_records"
-"""The key of ``kv_transfer_params`` holding P's records servers, ``{"address": "host:port", "tp_size": n}``:
-rank ``r`` of P's ``n`` tensor-parallel ranks serves on ``port + r``."""
-RECORDS_PORT = "records_port"
-"""The key of KvCanaryConnector's ``kv_connector_extra_config`` naming the port of this
-server's records server (of its tensor-parallel rank 0; rank ``r`` serves on ``port + r``)."""
-PROGRESS_DELAY = "nixl_progress_delay_us"
-"""The key of KvCanaryConnector's ``kv_connector_extra_config`` setting the delay of NIXL's progress thread."""
 FOLD = RECORD_FIELDS.index("fold")
 """The records' fold column; those before it (token, position, chain) do not depend on the sharding."""
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How a server's ``tp_size`` tensor-parallel ranks hold the model's ``num_kv_heads``
-    KV heads, as vLLM shards them: evenly where there are at least as many heads as ranks,
-    else each head on ``tp_size // num_kv_heads`` consecutive ranks (MLA's latent is one
-    head, on every rank)."""
-
-    tp_size: int
-    num_kv_heads: int
-
-    def heads(self, rank: int) -> range:
-        """The global heads rank ``rank`` holds."""
-        if self.num_kv_heads >= self.tp_size:
-            per_rank = self.num_kv_heads // self.tp_size
-            return range(rank * per_rank, (rank + 1) * per_rank)
-        head = rank // (self.tp_size // self.num_kv_heads)
-        return range(head, head + 1)
-
-    def holder(self, head: int) -> int:
-        """The first rank holding global head ``head``."""
-        if self.num_kv_heads >= self.tp_size:
-            return head // (self.num_kv_heads // self.tp_size)
-        return head * (self.tp_size // self.num_kv_heads)
-
-    def sources(self, heads: range) -> list[int]:
-        """The ranks whose snapshots hold ``heads``: for each head, its first holder."""
-        return sorted({self.holder(head) for head in heads})
-
-
-# The orders the scheduler side hands the workers each step ----------------------------------
-
-
-@dataclass
-class SnapshotOrder:
-    """P: a request whose prompt the step completes; its records of positions [0, tokens) are held."""
-
-    request_id: str
-    block_ids: list[int]
-    tokens: int
-
-
-@dataclass
-class LoadOrder:
-    """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
-    (all of the request's blocks), from P's request ``remote_request_id`` whose records
-    P's ``remote_tp_size`` ranks serve from ``address`` on (`RECORDS_KEY`)."""
-
-    request_id: str
-    remote_request_id: str | None
-    address: str | None
-    remote_tp_size: int
-    tokens: list[int]
-    block_ids: list[int]
-    start: int
-    end: int
-
-
-@dataclass
-class NixlOrders:
-    """What the scheduler side orders the workers to do this step: snapshot on P, load on D."""
-
-    snapshots: list[SnapshotOrder] = field(default_factory=list)
-    loads: list[LoadOrder] = field(default_factory=list)
-
-
-def slots_of(block_ids: list[int], count: int, block_size: int) -> torch.Tensor:
-    """The slots of a request's first ``count`` positions in its blocks ``block_ids``."""
-    positions = torch.arange(count, dtype=torch.int64)
-    blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
-    return blocks * block_size + positions % block_size
-
-
-# Scheduler side -------------------------------------------------------------------------
-
-
-class NixlScheduler:
-    """The scheduler side: which requests P snapshots and D verifies, and P's address in
-    the params it hands over. ``kv_cache_manager`` is the scheduler's, which vLLM binds to
-    the connector once it has built both."""
-
-    def __init__(self, block_size: int, address: str, tp_size: int):
-        self.block_size = block_size
-        self.address = address
-        self.tp_size = tp_size
-        self.kv_cache_manager = None
-        self._prefills: dict[str, object] = {}  # P: requests whose prompt is not yet complete
-        self._loads: list[LoadOrder] = []
-
-    @classmethod
-    def build(cls, vllm_config, block_size: int) -> NixlScheduler:
-        """The scheduler half of a server whose records servers listen on NIXL's side-channel host."""
-        port = vllm_config.kv_transfer_config.kv_connector_extra_config[RECORDS_PORT]
-        address = f"{adapter.nixl.side_channel_host()}:{port}"
-        return cls(block_size, address, vllm_config.parallel_config.tensor_parallel_size)
-
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        self.kv_cache_manager = kv_cache_manager
-
-    def on_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Called before NixlConnector's ``update_state_after_alloc`` (which clears
-        ``do_remote_prefill``)."""
-        params = request.kv_transfer_params or {}
-        if adapter.nixl.hands_over(params):
-            self._prefills[request.request_id] = request
-        elif adapter.nixl.loads_remotely(params) and num_external_tokens > 0:
-            start = adapter.locally_cached_blocks(blocks) * self.block_size
-            end = start + num_external_tokens
-            address, tp_size = _records_servers(params.get(RECORDS_KEY))
-            self._loads.append(
-                LoadOrder(
-                    request.request_id, adapter.nixl.remote_request_id(params), address, tp_size,
-                    list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end,
-                )
-            )  # fmt: skip
-
-    def plan(self, scheduler_output) -> NixlOrders:
-        orders = NixlOrders(loads=self._loads)
-        self._loads = []
-        scheduled = scheduler_output.num_scheduled_tokens
-        for request_id, request in list(self._prefills.items()):
-            count = scheduled.get(request_id, 0)
-            if count and request.num_computed_tokens + count >= request.num_prompt_tokens:
-                block_ids = list(self.kv_cache_manager.get_block_ids(request_id)[0])
-                orders.snapshots.append(SnapshotOrder(request_id, block_ids, request.num_prompt_tokens))
-                del self._prefills[request_id]
-        return orders
-
-    def on_finished(self, request, params: dict | None) -> None:
-        """Adds P's records servers to the params of a request handed to a decode side."""
-        self._prefills.pop(request.request_id, None)
-        if params is not None and adapter.nixl.loads_remotely(params):
-            params[RECORDS_KEY] = {"address": self.address, "tp_size": self.tp_size}
-
-
-def _records_servers(value) -> tuple[str | None, int]:
-    """(rank 0's address, P's tensor-parallel size) of a `RECORDS_KEY` value; (None, 1)
-    for anything else, whose load then has no records to compare with."""
-    if isinstance(value, dict) and isinstance(value.get("address"), str) and isinstance(value.get("tp_size"), int):
-        if value["tp_size"] > 0:
-            return value["address"], value["tp_size"]
-    return None, 1
-
-
-# Worker side ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -416,33 +232,3 @@ class NixlWorker:
             )  # fmt: skip
         self.client.close()
         self.server.close()
-
-
-def prepare_worker(vllm_config) -> None:
-    """Before NixlConnector's worker is built (and with it NIXL's agent): slows NIXL's
-    progress thread where KvCanaryConnector's config asks to (`PROGRESS_DELAY`)."""
-    delay = vllm_config.kv_transfer_config.kv_connector_extra_config.get(PROGRESS_DELAY)
-    if delay is not None:
-        adapter.nixl.delay_progress_thread(int(delay))
-
-
-def check_nixl(vllm_config) -> None:
-    """Refuses what the NIXL verification cannot watch: several pipeline-parallel stages
-    (a stage holds some layers, and the snapshots are the whole model's per rank) or
-    decode-context-parallel ranks (a rank holds some of a request's positions), and no
-    records port."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-    parallel = vllm_config.parallel_config
-    stages, dcp = parallel.pipeline_parallel_size, getattr(parallel, "decode_context_parallel_size", 1)
-    if stages != 1 or dcp != 1:
-        raise ValueError(
-            f"kv-canary: {CONNECTOR} verifies NixlConnector's transfers with one pipeline stage and one decode-context-parallel "
-            f"rank per side (this server has pipeline_parallel_size={stages}, decode_context_parallel_size={dcp}): serve "
-            f"each side without them (tensor parallelism is verified), or NixlConnector without {CONNECTOR}"
-        )
-    if not isinstance(extra.get(RECORDS_PORT), int):
-        raise ValueError(
-            f"kv-canary: {CONNECTOR} wrapping NixlConnector serves the canary's records of the KV it hands over on ports "
-            f'of its own: set "{RECORDS_PORT}": PORT in its kv_connector_extra_config (tensor-parallel rank r serves on '
-            "PORT + r: ports free for each rank, a range per server)"
-        )

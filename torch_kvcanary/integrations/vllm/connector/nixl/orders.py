@@ -1,0 +1,48 @@
+"""What the scheduler half orders the worker halves each step (`NixlOrders`): snapshot a
+request on P (`SnapshotOrder`), verify a load on D (`LoadOrder`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SnapshotOrder:
+    """P: a request whose prompt the step completes; its records of positions [0, tokens) are held."""
+
+    request_id: str
+    block_ids: list[int]
+    tokens: int
+
+
+@dataclass
+class LoadOrder:
+    """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
+    (all of the request's blocks), from P's request ``remote_request_id`` whose records
+    P's ``remote_tp_size`` ranks serve from ``address`` on (`RECORDS_KEY`)."""
+
+    request_id: str
+    remote_request_id: str | None
+    address: str | None
+    remote_tp_size: int
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass
+class NixlOrders:
+    """What the scheduler side orders the workers to do this step: snapshot on P, load on D."""
+
+    snapshots: list[SnapshotOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
+
+
+def slots_of(block_ids: list[int], count: int, block_size: int) -> torch.Tensor:
+    """The slots of a request's first ``count`` positions in its blocks ``block_ids``."""
+    positions = torch.arange(count, dtype=torch.int64)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
