@@ -199,17 +199,19 @@ def _mapped(tensors, transform, name: str) -> list[torch.Tensor] | None:
     return None if tensors is None else [transform(t) for t in _layer_list(tensors, name)]
 
 
+def _each_mapped(arguments: dict[str, tuple]) -> list[list[torch.Tensor] | None]:
+    """`_mapped` of each argument, by name: (its per-layer tensors or None, the transform of each)."""
+    return [_mapped(tensors, transform, name) for name, (tensors, transform) in arguments.items()]
+
+
 def sglang_mha_units(
     k_buffers, v_buffers, *, k_scales=None, v_scales=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0
 ) -> DigestUnits:
     """SGLang MHA: per layer ``k_buffers[l]``/``v_buffers[l]`` ``[num_slots, local_heads, head_dim]``
     and optional fp32 scales ``[num_slots, local_heads]``; slot = the pool's slot index."""
     rows = engines.sglang_pool
-    return _mha_units(
-        _mapped(k_buffers, rows, "k_buffers"), _mapped(v_buffers, rows, "v_buffers"),
-        _mapped(k_scales, rows, "k_scales"), _mapped(v_scales, rows, "v_scales"),
-        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
-    )  # fmt: skip
+    kv = {"k_buffers": (k_buffers, rows), "v_buffers": (v_buffers, rows), "k_scales": (k_scales, rows), "v_scales": (v_scales, rows)}
+    return _mha_units(*_each_mapped(kv), tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer)
 
 
 def sglang_mla_units(kv_buffers, *, scales=None, tp_rank=0, tp_size=1, first_layer=0) -> DigestUnits:
@@ -305,11 +307,13 @@ def hf_static_cache_units(
     keys = lambda t: engines.hf_static_cache(t, name="each of key_caches")  # noqa: E731
     values = lambda t: engines.hf_static_cache(t, name="each of value_caches")  # noqa: E731
     scales = engines.hf_static_cache_scales
-    return _mha_units(
-        _mapped(key_caches, keys, "key_caches"), _mapped(value_caches, values, "value_caches"),
-        _mapped(k_scales, scales, "k_scales"), _mapped(v_scales, scales, "v_scales"),
-        tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer,
-    )  # fmt: skip
+    kv = {
+        "key_caches": (key_caches, keys),
+        "value_caches": (value_caches, values),
+        "k_scales": (k_scales, scales),
+        "v_scales": (v_scales, scales),
+    }
+    return _mha_units(*_each_mapped(kv), tp_rank=tp_rank, tp_size=tp_size, num_kv_heads=num_kv_heads, first_layer=first_layer)
 
 
 def trtllm_units(pools, *, scale_pools=None, tp_rank=0, tp_size=1, num_kv_heads=None, first_layer=0) -> DigestUnits:
