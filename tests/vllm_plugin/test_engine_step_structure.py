@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import engine_step
-from torch_kvcanary.integrations.vllm import worker
+from torch_kvcanary.integrations.vllm import reports, worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.paged_step import MailboxWord
 from torch_kvcanary.sources import HashMode
@@ -44,7 +44,7 @@ def test_a_steady_step_is_its_canary_calls_alone(runner, backend, calls):
     # A tensor the op allocated, even from its C++ code, would count in its memory.
     assert [e.cpu_memory_usage for e in called] == [0] * (calls * steps)
     assert canary.stats()["violations"] == 0
-    assert canary._step_path().startswith(
+    assert reports.step_path(canary).startswith(
         "step path: " + ("two kvcanary::paged_step calls a step" if calls == 2 else "one kvcanary::paged_step call a step")
     )
 

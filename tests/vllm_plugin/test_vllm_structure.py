@@ -199,6 +199,33 @@ def test_only_the_adapter_reads_vllm_internals():
     assert found == {}
 
 
+def _members(path: Path, class_name: str) -> dict[str, list[str]]:
+    """The public methods and properties of class ``class_name`` in ``path``, with their parameters' names."""
+    tree = ast.parse(path.read_text())
+    (found,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+    return {
+        node.name: [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+        for node in found.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    }
+
+
+def test_the_worker_implements_the_connectors_canary_port():
+    vllm = INTEGRATIONS / "vllm"
+    port = _members(vllm / "connector" / "port.py", "CanaryPort")
+    assert {"records_of", "record_landed", "break_from_flagged_blocks", "drill_target"} <= set(port)
+    assert _members(vllm / "worker_port.py", "WorkerPort") == port
+
+
+def test_the_connector_reaches_the_worker_only_through_its_port():
+    graph = _import_graph()
+    vllm = "torch_kvcanary.integrations.vllm"
+    connector = {module for module in graph if module.startswith(f"{vllm}.connector")}
+    assert f"{vllm}.connector.port" in connector
+    reached = {imported for module in connector for imported in graph[module]}
+    assert not reached & {f"{vllm}.worker", f"{vllm}.worker_port", f"{vllm}.plugin"}
+
+
 def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
     """`KvCanary.invalidate`, which the vLLM connector breaks records with: the slots fail
     verify on their bytes alone (token, position, chain and owner kept), however often they

@@ -1,15 +1,16 @@
-"""What the log says about violations: one line per corrupted slot at its first detection
-(`Reports`), later detections counted into a summary line, and the policy applied to a
-step's lines (`report`)."""
+"""What the log says: the line each worker starts with (`start_line`), and about violations:
+one line per corrupted slot at its first detection (`Reports`), later detections counted
+into a summary line, and the policy applied to a step's lines (`report`)."""
 
 from __future__ import annotations
 
 import logging
 
-from ...canary import FailReason, KvCorruptionError, Violation, ViolationKind
+from ... import layouts
+from ...canary import SLOT_BYTES, FailReason, KvCorruptionError, Violation, ViolationKind
 from ...policy import apply_policy
 from . import adapter
-from .config import CONNECTOR_POLICIES, POLICY_ENV
+from .config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
 
 logger = logging.getLogger(adapter.LOGGER)
 
@@ -113,3 +114,56 @@ def report(policy: str, violations: list[Violation], lines: dict[int, str], drop
         error=lambda text: KvCorruptionError(text, violations),
         log=logger,
     )
+
+
+def start_line(worker, layout: str, *, token_copy_bytes: int, scratch_bytes: int) -> str:
+    """The line a worker (a `worker.WorkerCanary`) logs at start: what it watches (``layout``:
+    vLLM's KV cache layout), its step path, and the memory the canary holds: the canary's, a
+    device copy of the token history (``token_copy_bytes``, 0: none) and the step kernels'
+    scratch (``scratch_bytes``)."""
+    kinds = worker.runner_view.kv_cache_group_kinds()
+    budget = worker.runner_view.kv_cache_budget
+    if budget is None:
+        source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
+    else:
+        source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
+    watched = sum(layer.drafter for group in worker.groups for layer in group.layers)
+    unwatched = len(worker.runner_view.drafter_layer_names()) - watched
+    drafter = f"; {watched} of them the speculative drafter's, recorded once it has proposed" if watched else ""
+    if unwatched:
+        if worker.watches_drafter:
+            why = "in a KV cache group of the drafter's own"
+        elif worker.connector is not None:
+            why = f"{CONNECTOR} needs each step's verdict right after the forward"
+        else:
+            why = "it proposes after the step"
+        drafter += f"; {unwatched} layers of the speculative drafter not watched: {why}"
+    copy = f" and {_size(token_copy_bytes)} for a device copy of the token history" if token_copy_bytes else ""
+    copy += f" and {_size(scratch_bytes)} of scratch for the step's kernels (not taken from the KV cache budget)" if scratch_bytes else ""
+    return (
+        f"kv-canary: watching {worker.runner_view.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
+        f"({', '.join(kinds)}), {len(worker.layer_names)} layers ({len(worker.kv_caches)} caches, {layout}{drafter}), "
+        f"{worker.canary.capacity} slots in blocks of {worker.block_size}; mode {worker.canary.mode.name}, policy {worker.policy}"
+        f"{f' through {CONNECTOR}' if worker.connector is not None else ''}{f', drills with probability {worker.drill} per step' if worker.drill else ''}; "
+        f"the canary holds {_size(worker.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}; {step_path(worker)}"
+    )
+
+
+def step_path(worker) -> str:
+    """What each engine step runs, for the start line."""
+    if worker.blocks_packed:
+        packed = ", ".join(sorted(layouts.VLLM_BLOCK_PACKED_BACKENDS))
+        calls = f"two kvcanary::paged_step calls a step, before and after the forward ({packed} packs a block's tokens)"
+    else:
+        calls = "one kvcanary::paged_step call a step, after the forward"
+    groups = f"{len(worker.groups)} KV cache group{'s' * (len(worker.groups) != 1)}"
+    now = worker.connector is not None or worker.canary.device.type == "cpu"
+    return f"step path: {calls}, over {groups}; verdicts read {'at once' if now else 'once the device has finished the step'}"
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.2f} GiB"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from dataclasses import dataclass
 
@@ -13,12 +12,13 @@ import numpy as np
 import torch
 
 from ... import digest, layouts
-from ...canary import SLOT_BYTES, KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
-from .config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
-from .reports import LAUNCH_TAG, Reports, report, violation_line
+from .config import CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
+from .reports import LAUNCH_TAG, Reports, report, start_line, violation_line
 from .step_buffers import StepRows, TokenCopy
+from .worker_port import WorkerPort
 
 logger = logging.getLogger(adapter.LOGGER)
 
@@ -54,9 +54,8 @@ class WorkerCanary:
     time), so one canary covers them all, slot = block * block_size + offset, and each
     group verifies and records through its own block table and slot mapping.
 
-    The KV connector (`connector.KvCanaryConnector`) works through this object's methods:
-    `stats`, `step_flagged_slots`, `invalidate_from_flagged_blocks`, `context_slot`,
-    `first_element`, `records`, `record_loaded` and `invalidate`.
+    The KV connector (`connector.KvCanaryConnector`) works through `port`, a
+    `connector.CanaryPort` (`worker_port.WorkerPort`).
 
     ``runner_view`` reads the runner in place of the adapter's view of a vLLM runner (a
     benchmark's buffers: `benchmarks.engine_step`)."""
@@ -101,7 +100,7 @@ class WorkerCanary:
         self.block_table = self.groups[0].block_table
         self.block_size = block_sizes[0]
         self.kv_caches: list[torch.Tensor] = []
-        self._head_views: list[list[tuple[int, torch.Tensor]]] = []  # per cache: (digest kind, [blocks, block_size, heads, ...])
+        head_views: list[list[tuple[int, torch.Tensor]]] = []  # per cache: (digest kind, [blocks, block_size, heads, ...])
         sources, backends = [], set()
         for layer in (layer for group in self.groups for layer in group.layers):
             kv_cache = layer.kv_cache
@@ -110,27 +109,29 @@ class WorkerCanary:
             self.kv_caches.append(kv_cache)
             backends.add(layer.backend)
             sources += self._sources(layer, layout)
-            self._head_views.append(digest.vllm_head_views(layer.kv_cache, layer.backend, layout))
+            head_views.append(digest.vllm_head_views(layer.kv_cache, layer.backend, layout))
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
         self._check_tokens = self.runner_view.token_history_current
         self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.token_history_on_host else None
-        self._blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
-        self._mla = any(b in layouts.VLLM_MLA_BACKENDS for b in backends)
+        self.blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         # Every group's step in one call (two around the forward on a block-packed backend).
         self._paged = PagedStep(
             self.canary, [g.device_block_table for g in self.groups], [g.slot_mapping for g in self.groups], block_size=self.block_size,
             sliding_windows=[g.sliding_window for g in self.groups], chunk_sizes=[g.attention_chunk_size for g in self.groups],
         )  # fmt: skip
-        self._last_phase = StepPhase.AFTER_FORWARD if self._blocks_packed else StepPhase.WHOLE_STEP
+        self._last_phase = StepPhase.AFTER_FORWARD if self.blocks_packed else StepPhase.WHOLE_STEP
         self._rows = StepRows(self.canary.device)
         self._names: dict[int, list[str]] = {}  # the request ids of recent steps, by step
         self._violations_seen = 0
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
         self._flagged = self._no_slots  # the slots verify flagged in the last step read
+        mla = any(b in layouts.VLLM_MLA_BACKENDS for b in backends)
+        self.port = WorkerPort(self, head_views=head_views, mla=mla, blocks_packed=self.blocks_packed)
         if self.connector is not None:
-            self.connector.watch(self)
-        logger.info("%s", self._start_line(layout))
+            self.connector.attach(self.port)
+        copy_bytes = 0 if self._token_copy is None else self._token_copy.nbytes
+        logger.info("%s", start_line(self, layout, token_copy_bytes=copy_bytes, scratch_bytes=self._paged.scratch.nbytes))
 
     def _check_release(self) -> None:
         """Refuses a policy that can stop the step (all but log: raise on any violation,
@@ -188,47 +189,6 @@ class WorkerCanary:
             )
         return layouts.vllm(kv_cache, layout=layout, backend=layer.backend)
 
-    def _start_line(self, layout: str) -> str:
-        """What this worker watches, and the memory the canary holds."""
-        kinds = self.runner_view.kv_cache_group_kinds()
-        budget = self.runner_view.kv_cache_budget
-        if budget is None:
-            source = "not counted in vLLM's KV cache sizing (vLLM did not ask this worker for its KV cache memory)"
-        else:
-            source = f"taken from the {_size(budget[0])} this worker found for the KV cache"
-        watched = sum(layer.drafter for group in self.groups for layer in group.layers)
-        unwatched = len(self.runner_view.drafter_layer_names()) - watched
-        drafter = f"; {watched} of them the speculative drafter's, recorded once it has proposed" if watched else ""
-        if unwatched:
-            if self.watches_drafter:
-                why = "in a KV cache group of the drafter's own"
-            elif self.connector is not None:
-                why = f"{CONNECTOR} needs each step's verdict right after the forward"
-            else:
-                why = "it proposes after the step"
-            drafter += f"; {unwatched} layers of the speculative drafter not watched: {why}"
-        copy = "" if self._token_copy is None else f" and {_size(self._token_copy.nbytes)} for a device copy of the token history"
-        scratch = self._paged.scratch.nbytes
-        copy += f" and {_size(scratch)} of scratch for the step's kernels (not taken from the KV cache budget)" if scratch else ""
-        return (
-            f"kv-canary: watching {self.runner_view.name}: {len(kinds)} KV cache group{'s' * (len(kinds) != 1)} "
-            f"({', '.join(kinds)}), {len(self.layer_names)} layers ({len(self.kv_caches)} caches, {layout}{drafter}), "
-            f"{self.canary.capacity} slots in blocks of {self.block_size}; mode {self.canary.mode.name}, policy {self.policy}"
-            f"{f' through {CONNECTOR}' if self.connector is not None else ''}{f', drills with probability {self.drill} per step' if self.drill else ''}; "
-            f"the canary holds {_size(self.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}; {self._step_path()}"
-        )
-
-    def _step_path(self) -> str:
-        """What each engine step runs, for the start line."""
-        if self._blocks_packed:
-            packed = ", ".join(sorted(layouts.VLLM_BLOCK_PACKED_BACKENDS))
-            calls = f"two kvcanary::paged_step calls a step, before and after the forward ({packed} packs a block's tokens)"
-        else:
-            calls = "one kvcanary::paged_step call a step, after the forward"
-        groups = f"{len(self.groups)} KV cache group{'s' * (len(self.groups) != 1)}"
-        now = self.connector is not None or self.canary.device.type == "cpu"
-        return f"step path: {calls}, over {groups}; verdicts read {'at once' if now else 'once the device has finished the step'}"
-
     # The step -----------------------------------------------------------------------
 
     def begin_step(self, read_step) -> _StepRun | None:
@@ -254,95 +214,17 @@ class WorkerCanary:
         except Exception as error:
             self._fault(error)
 
+    def stats(self) -> dict[str, int]:
+        """The canary's counters (`KvCanary.stats`)."""
+        return self.canary.stats()
+
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step (int64, on the canary's
         device; empty before its forward has ended). A worker with `CONNECTOR` reads each
         step's verdicts at its end, so these are the step's own."""
         return self._flagged
 
-    # What the KV connector asks --------------------------------------------------------
-
-    def stats(self) -> dict[str, int]:
-        """The canary's counters (`KvCanary.stats`)."""
-        return self.canary.stats()
-
-    def invalidate_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
-        """Breaks the records of every slot from each affected request's first flagged
-        block on (a request of the input batch whose blocks hold a slot of ``flagged``), in
-        every watched group, so that verify flags a slot there until a forward writes it
-        again. Model Runner V1 (`adapter.RunnerV1.context`), which the KV connector needs."""
-        flagged_blocks = set((flagged // self.block_size).tolist())
-        request_ids, _ = self.runner_view.context()
-        stale = []
-        for group in self.groups:
-            for row in range(len(request_ids)):
-                blocks = group.row_blocks(row)
-                bad = np.flatnonzero(np.isin(blocks, list(flagged_blocks)))
-                if len(bad):
-                    stale.append(blocks[bad[0] :])
-        if not stale:
-            return
-        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self.canary.device)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).reshape(-1)
-        self.canary.invalidate(slots[(slots != adapter.NULL_SLOT) & (slots < self.canary.capacity)])
-
-    def context_slot(self, rng: random.Random) -> int | None:
-        """A slot, chosen with ``rng``, that a request of the input batch reads as context
-        in the first watched group; None when no request has context. Model Runner V1
-        (`adapter.RunnerV1.context`), which the KV connector needs."""
-        _, context = self.runner_view.context()
-        rows = np.flatnonzero(context > 0)
-        if not len(rows):
-            return None
-        row = int(rng.choice(rows))
-        group = self.groups[0]
-        position = rng.randrange(int(group.first_attended(context[row : row + 1])[0]), int(context[row]))
-        device = self.canary.device
-        return int(group.slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
-
-    def first_element(self, slot: int) -> torch.Tensor:
-        """The first element of ``slot``'s bytes in the canary's first source (a view into
-        the KV cache), which every fold reads."""
-        view = self.canary.sources[0].as_view()
-        token = view[slot // view.shape[1], slot % view.shape[1]]
-        return token[(0,) * token.dim()]
-
-    def records(self, slots: torch.Tensor) -> torch.Tensor:
-        """The records of ``slots`` (int64 ``[len(slots), 4]``, `RECORD_FIELDS`), a copy on the canary's device."""
-        return self.canary.records[slots.to(self.canary.device, torch.int64)]
-
-    def record_loaded(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
-        """Records ``slots``, which a KV connector has just loaded with consecutive tokens of
-        a request (``tokens``, one per slot) from position ``start``: each slot chained
-        through the one before, the first through ``prev_slot`` (the slot of position
-        ``start - 1``, already recorded; -1 from position 0). Their records, as `records`
-        gives them."""
-        device = self.canary.device
-        slots = slots.to(device, torch.int64)
-        prev_slots = torch.cat([torch.full((1,), prev_slot, dtype=torch.int64, device=device), slots[:-1]])
-        positions = torch.arange(start, start + len(slots), device=device)
-        self.canary.record(slots, positions=positions, tokens=tokens.to(device, torch.int64), prev_slots=prev_slots)
-        return self.records(slots)
-
-    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
-        """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the host."""
-        slots = slots.to(self.canary.device, torch.int64)
-        return digest.kv_digest_by_head(self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start).cpu()
-
-    def refold_blocks(self, slots: torch.Tensor) -> None:
-        """Under a block-packed backend, recomputes the fold of every slot of the blocks
-        holding ``slots`` from their bytes, records kept (`KvCanary.refold`): a KV
-        connector that wrote whole blocks wrote the unrecorded slots past a prompt's end
-        too, and a block's slots are verified together. Nothing under other backends."""
-        if not self._blocks_packed or not len(slots):
-            return
-        blocks = torch.unique(slots.to(self.canary.device, torch.int64) // self.block_size)
-        offsets = torch.arange(self.block_size, device=blocks.device)
-        self.canary.refold((blocks[:, None] * self.block_size + offsets).flatten())
-
-    def invalidate(self, slots: torch.Tensor) -> None:
-        """Breaks the records of ``slots`` (`KvCanary.invalidate`): verify flags each until a forward writes it again."""
-        self.canary.invalidate(slots.to(self.canary.device, torch.int64))
+    # The step's own code ---------------------------------------------------------
 
     def _fault(self, error: Exception) -> None:
         """An exception out of a step's own code, while it is handled: under "raise" anything
@@ -366,7 +248,7 @@ class WorkerCanary:
         self._names.pop(run.number - _NAMED_STEPS, None)
         if len(forward.block_copies):
             self._follow_block_copies(forward.block_copies)
-        if self._blocks_packed:
+        if self.blocks_packed:
             self._call(run, StepPhase.BEFORE_FORWARD)
         return run
 
@@ -460,7 +342,7 @@ class WorkerCanary:
         overflow = self.canary.stats()["ring_overflow"]
         dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
         if self.connector is not None:
-            self.connector.count(violations)
+            self.connector.count_violations(violations)
         report(self.policy, violations, lines, dropped, self.reports)
 
 
@@ -476,11 +358,3 @@ def _is_canary_connector(connector) -> bool:
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two layer tensors are the same view of the same bytes."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.2f} GiB"

@@ -36,6 +36,7 @@ from .common import (
     watch,
 )
 from .connectors import (
+    ended_with_error,
     example_connector_folder,
     example_connector_requests,
     locally_cached_blocks,
@@ -51,6 +52,6 @@ from .versions import RELEASES, SUPPORTED, SUPPORTED_SERIES, Release, is_support
 __all__ = [
     "LOGGER", "NULL_SLOT", "RELEASES", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
     "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "Release", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
-    "example_connector_folder", "example_connector_requests", "hook", "is_supported", "locally_cached_blocks", "nixl", "register_connector",
+    "ended_with_error", "example_connector_folder", "example_connector_requests", "hook", "is_supported", "locally_cached_blocks", "nixl", "register_connector",
     "release", "runner_view", "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
 ]  # fmt: skip

@@ -1,8 +1,8 @@
 """vLLM's KV connector internals the plugin reads: its connector factory's registry, the
 privates of ``ExampleConnector`` that a verified disk transfer reads
 (`connector.disk.DiskVerifier`), what a connector's worker side knows of its place among the
-tensor-parallel ranks and the model's KV heads, and what the NIXL transport reads of vLLM's
-scheduler (`connector.nixl`; NixlConnector's and NIXL's own internals are `nixl`'s)."""
+tensor-parallel ranks and the model's KV heads, how a request ended, and what the NIXL
+transport reads of vLLM's scheduler (`connector.nixl`; NixlConnector's and NIXL's own internals are `nixl`'s)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,10 @@ def locally_cached_blocks(blocks) -> int:
     (a request's, as the scheduler allocated them) hold a local prefix-cache hit: those
     with a block hash, other than the null block."""
     return sum(block.block_hash is not None and not block.is_null for block in blocks.blocks[0])
+
+
+def ended_with_error(request) -> bool:
+    """Whether vLLM's scheduler ended ``request`` (a ``vllm.v1.request.Request``) with an error."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.FINISHED_ERROR

@@ -7,6 +7,8 @@
 * `verifier`: the transfer verifier's two halves (`SchedulerVerifier`, `WorkerVerifier`)
   and the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``) and `nixl`
   (``NixlConnector``, with the side channel of its records, `nixl.channel`);
+* `port`: `CanaryPort`, what the connector asks of its worker's canary (the plugin's
+  worker implements it);
 * `checks`: the connectors refused at start.
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin
@@ -19,10 +21,11 @@ from .checks import VERIFIED, check_inner, check_unwrapped
 from .delegate import INNER, InnerDelegate
 from .disk import DiskVerifier
 from .facade import KvCanaryConnector, KvCanaryMetadata
+from .port import CanaryPort
 from .stats import COUNTS, REASONS, CanaryPromMetrics, CanaryStats
 from .verifier import TRANSPORTS, SchedulerVerifier, Transport, WorkerVerifier
 
 __all__ = [
-    "COUNTS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",
+    "COUNTS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPort", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",
     "KvCanaryConnector", "KvCanaryMetadata", "SchedulerVerifier", "Transport", "WorkerVerifier", "check_inner", "check_unwrapped",
 ]  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 
 from ....canary import RECORD_FIELDS
 from .. import adapter
+from .port import CanaryPort
 
 
 def check(vllm_config) -> None:
@@ -47,19 +48,19 @@ class DiskVerifier:
     def _path(self, request) -> str:
         return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
 
-    def before_load(self, canary, orders) -> None:
+    def before_load(self, port: CanaryPort, orders) -> None:
         """Nothing: the records are read once the blocks landed (`after_load`)."""
 
-    def after_save(self, canary, orders) -> None:
+    def after_save(self, port: CanaryPort, orders) -> None:
         """Stores the records of the slots each saved request's files hold, from the
-        worker's canary (`worker.WorkerCanary`)."""
+        worker's canary (``port``)."""
         for request in self._requests():
             if request.is_store:
-                records = canary.records(request.slot_mapping)
+                records = port.records_of(request.slot_mapping)
                 safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
 
-    def after_load(self, canary, *, failed: bool = False) -> tuple[int, int]:
-        """Has the worker's canary (`worker.WorkerCanary`) record every slot the inner
+    def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
+        """Has the worker's canary (``port``) record every slot the inner
         connector loaded in this step, and invalidate those whose records do not match
         the stored ones (all of them when the load ``failed``): (slots verified, slots that
         failed)."""
@@ -69,13 +70,13 @@ class DiskVerifier:
                 continue
             slots = request.slot_mapping.to(torch.int64)
             count = len(slots)
-            landed = canary.record_loaded(slots, request.token_ids[:count])
+            landed = port.record_landed(slots, request.token_ids[:count])
             stored = None if failed else self._stored(request, count)
             if stored is None:
                 bad = torch.ones(count, dtype=torch.bool, device=landed.device)
             else:
                 bad = (landed != stored.to(landed.device)).any(dim=1)
-            canary.invalidate(slots[bad.to(slots.device)])
+            port.break_records(slots[bad.to(slots.device)])
             verified += count
             bad_count += int(bad.sum())
         return verified, bad_count
@@ -88,7 +89,7 @@ class DiskVerifier:
             return None
         return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None
 
-    def on_done(self, canary, sent, landed, failed) -> tuple[set[int], int, int]:
+    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
         """Nothing: every load was verified as it landed (`after_load`)."""
         return set(), 0, 0
 

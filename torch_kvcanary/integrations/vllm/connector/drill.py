@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .port import CanaryPort
+
 _INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -21,16 +23,16 @@ class Drill:
     rng: random.Random = field(default_factory=random.Random)
     pending: dict[int, int] = field(default_factory=dict)
 
-    def run(self, canary, step: int) -> bool:
+    def run(self, port: CanaryPort, step: int) -> bool:
         """With ``probability``, flips one bit of a slot a request of the input batch reads
-        (`worker.WorkerCanary.context_slot` of the worker's ``canary``), as of engine step
-        ``step``: whether it did (not where no request has context)."""
+        (`CanaryPort.drill_target`), as of engine step ``step``: whether it did (not where
+        no request has context)."""
         if self.rng.random() >= self.probability:
             return False
-        slot = canary.context_slot(self.rng)
-        if slot is None:
+        target = port.drill_target(self.rng)
+        if target is None:
             return False
-        first = canary.first_element(slot)
+        slot, first = target
         first.view(_INTEGERS[first.element_size()]).bitwise_xor_(_top_byte_bit(first.element_size(), self.rng.randrange(8)))
         self.pending[slot] = step
         return True

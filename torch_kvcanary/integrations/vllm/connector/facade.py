@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.request import RequestStatus
 
 from ....canary import Violation
 from .. import adapter
@@ -51,6 +50,7 @@ from ..config import CONNECTOR_POLICIES
 from .checks import check_inner
 from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
+from .port import CanaryPort
 from .stats import CanaryPromMetrics, CanaryStats
 from .verifier import TRANSPORTS
 
@@ -70,7 +70,7 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
 class KvCanaryConnector(InnerDelegate):
     """The canary's KV connector; see the module's docstring. The plugin hands each worker's
-    connector its `worker.WorkerCanary` (`watch`)."""
+    connector its canary as a `CanaryPort` (`attach`)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -96,7 +96,7 @@ class KvCanaryConnector(InnerDelegate):
         self._orders = None  # the verifier's orders of the bound step
         self._transfer_errors: set[int] = set()  # blocks that landed bad, reported at the next load-error call
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-        self.worker_canary = None  # the worker's `worker.WorkerCanary`, once the plugin has built it (`watch`)
+        self.port: CanaryPort | None = None  # the worker's canary, once the plugin has built it (`attach`)
         self.stats = CanaryStats()
         self.drill: Drill | None = None
         self._forward = False
@@ -105,22 +105,22 @@ class KvCanaryConnector(InnerDelegate):
 
     # The plugin's side -----------------------------------------------------------
 
-    def watch(self, canary) -> None:
-        """Called by the plugin once the worker's canary (`worker.WorkerCanary`) is built."""
-        self.worker_canary = canary
-        self.drill = Drill(canary.drill) if canary.drill else None
-        counters = canary.stats()
+    def attach(self, port: CanaryPort) -> None:
+        """Called by the plugin once the worker's canary is built."""
+        self.port = port
+        self.drill = Drill(port.drill_probability) if port.drill_probability else None
+        counters = port.counters()
         self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
 
-    def count(self, violations: list[Violation]) -> None:
+    def count_violations(self, violations: list[Violation]) -> None:
         """Called by the plugin with each step's violations."""
         self.stats.add_violations(violations)
 
     def _reports_blocks(self) -> bool:
-        return self.worker_canary is not None and self.worker_canary.policy in CONNECTOR_POLICIES
+        return self.port is not None and self.port.policy in CONNECTOR_POLICIES
 
     def _verifying(self) -> bool:
-        return self._verifier is not None and self.worker_canary is not None and self.worker_canary.on
+        return self._verifier is not None and self.port is not None and self.port.watching
 
     # Worker side -----------------------------------------------------------------
 
@@ -129,7 +129,7 @@ class KvCanaryConnector(InnerDelegate):
         self._forward = connector_metadata.forward
         self._orders = connector_metadata.orders
         self._steps += 1
-        if self._forward and self.drill is not None and self.worker_canary is not None and self.worker_canary.on:
+        if self._forward and self.drill is not None and self.port is not None and self.port.watching:
             self._run_drill()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -140,7 +140,7 @@ class KvCanaryConnector(InnerDelegate):
         if not self._verifying():
             super().start_load_kv(forward_context, **kwargs)
             return
-        self._verifier.before_load(self.worker_canary, self._orders)
+        self._verifier.before_load(self.port, self._orders)
         if not self._verifier.LOADS_IN_STEP:
             super().start_load_kv(forward_context, **kwargs)
             return
@@ -148,9 +148,9 @@ class KvCanaryConnector(InnerDelegate):
             super().start_load_kv(forward_context, **kwargs)
         except Exception:  # a load that raised: every block it was loading is a load error
             logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
-            self._count_landed(self._verifier.after_load(self.worker_canary, failed=True))
+            self._count_landed(self._verifier.after_load(self.port, failed=True))
             return
-        self._count_landed(self._verifier.after_load(self.worker_canary))
+        self._count_landed(self._verifier.after_load(self.port))
 
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
@@ -162,7 +162,7 @@ class KvCanaryConnector(InnerDelegate):
         records of the saved slots (the forward's slots are recorded by now)."""
         super().wait_for_save()
         if self._verifying():
-            self._verifier.after_save(self.worker_canary, self._orders)
+            self._verifier.after_save(self.port, self._orders)
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)
@@ -180,7 +180,7 @@ class KvCanaryConnector(InnerDelegate):
         blocks are reported at this step's load errors, before vLLM marks the loads done."""
         if not self._verifying():
             return
-        errors, verified, bad = self._verifier.on_done(self.worker_canary, sending, recving, failed)
+        errors, verified, bad = self._verifier.on_done(self.port, sending, recving, failed)
         self._transfer_errors |= errors
         self._count_landed((verified, bad))
 
@@ -192,17 +192,17 @@ class KvCanaryConnector(InnerDelegate):
         errors = super().get_block_ids_with_load_errors()
         if self._transfer_errors and self._reports_blocks():  # blocks that landed bad in this step, forward or not
             errors |= self._transfer_errors
-            if self.worker_canary.policy == "repair":
+            if self.port.policy == "repair":
                 self.stats.data["blocks_repaired"] += len(self._transfer_errors)
         self._transfer_errors = set()  # under the other policies their broken records are flagged where they are read
-        if not self._forward or self.worker_canary is None:
+        if not self._forward or self.port is None:
             return errors
-        flagged = self.worker_canary.step_flagged_slots()
+        flagged = self.port.flagged_slots()
         self._catch_drills(flagged)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
-            self.worker_canary.invalidate_from_flagged_blocks(flagged)
-            if self.worker_canary.policy == "repair":
+            self.port.break_from_flagged_blocks(flagged)
+            if self.port.policy == "repair":
                 self.stats.data["blocks_repaired"] += len(blocks)
             errors |= blocks
         return errors
@@ -211,8 +211,8 @@ class KvCanaryConnector(InnerDelegate):
         """The canary's counters since the last call (vLLM calls it every step). vLLM
         builds one stats class per connector (`build_kv_connector_stats`), the canary's:
         the inner connector's own are not passed on."""
-        if self.worker_canary is not None and self.worker_canary.on:
-            counters = self.worker_canary.stats()
+        if self.port is not None and self.port.watching:
+            counters = self.port.counters()
             self.stats.data["slots_verified"] += counters["slots_verified"] - self._verified
             self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
@@ -252,7 +252,7 @@ class KvCanaryConnector(InnerDelegate):
         failed: vLLM ends a request with an error for the blocks a connector reported (the
         canary's, or the inner connector's), and for a few failures of its own (a grammar
         rejecting the tokens, an encoder input it lost), which are counted too."""
-        if request.status == RequestStatus.FINISHED_ERROR and self._failure_policy == "fail":
+        if adapter.ended_with_error(request) and self._failure_policy == "fail":
             self.stats.data["requests_failed"] += 1
         delay, params = super().request_finished(request, block_ids)
         if self._planner is not None:
@@ -278,7 +278,7 @@ class KvCanaryConnector(InnerDelegate):
     # The canary's work -----------------------------------------------------------
 
     def _run_drill(self) -> None:
-        if self.drill.run(self.worker_canary, self._steps):
+        if self.drill.run(self.port, self._steps):
             self.stats.data["drills_injected"] += 1
 
     def _catch_drills(self, flagged: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import disk, nixl
+from .port import CanaryPort
 
 
 class SchedulerVerifier(Protocol):
@@ -38,22 +39,22 @@ class SchedulerVerifier(Protocol):
 
 
 class WorkerVerifier(Protocol):
-    """The worker half. ``canary`` is the worker's `worker.WorkerCanary`; ``orders`` the
+    """The worker half. ``port`` is the worker's canary (`port.CanaryPort`); ``orders`` the
     scheduler half's plan of the step (None without a scheduler half)."""
 
     LOADS_IN_STEP: bool
     """Whether the inner connector's loads land within its ``start_load_kv`` (verified by
     `after_load`; a load that raises is a failed load), or later (verified by `on_done`)."""
 
-    def before_load(self, canary, orders) -> None: ...
+    def before_load(self, port: CanaryPort, orders) -> None: ...
 
-    def after_load(self, canary, *, failed: bool = False) -> tuple[int, int]:
+    def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
         """(slots verified, slots that failed) of the loads that landed in ``start_load_kv``."""
 
-    def after_save(self, canary, orders) -> None:
+    def after_save(self, port: CanaryPort, orders) -> None:
         """After the inner connector's ``wait_for_save``: the forward's slots are recorded."""
 
-    def on_done(self, canary, sent, landed, failed) -> tuple[set[int], int, int]:
+    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
         """The requests the inner connector finished sending and loading (and failed to
         load): (the blocks of the bad slots, slots verified, slots that failed)."""
 

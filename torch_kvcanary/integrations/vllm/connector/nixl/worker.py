@@ -13,6 +13,7 @@ from .....canary import RECORD_FIELDS
 from ... import adapter
 from ...config import CONNECTOR
 from ..delegate import inner_config
+from ..port import CanaryPort
 from .channel import RecordsClient, RecordsServer, Snapshot
 from .config import RECORDS_KEY, RECORDS_PORT
 from .orders import LoadOrder, NixlOrders, slots_of
@@ -73,13 +74,13 @@ class NixlWorker:
         host = adapter.nixl.side_channel_host()
         return cls(block_size, host, port, max_age_s=2 * lease_s, sharding=sharding, rank=adapter.tensor_parallel_rank())
 
-    def after_save(self, canary, orders: NixlOrders | None) -> None:
+    def after_save(self, port: CanaryPort, orders: NixlOrders | None) -> None:
         """P: holds the records and head digests of each request whose prompt the step
         completed (after its forward)."""
         for order in orders.snapshots if orders is not None else ():
             slots = slots_of(order.block_ids, order.tokens, self.block_size)
-            digests = canary.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
-            self.server.hold(order.request_id, Snapshot(canary.records(slots).cpu(), digests, self.heads))
+            digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
+            self.server.hold(order.request_id, Snapshot(port.records_of(slots).cpu(), digests, self.heads))
             self._handed_over += order.tokens
 
     def take_counts(self) -> dict[str, int]:
@@ -95,19 +96,19 @@ class NixlWorker:
         self._handed_over = 0
         return counts
 
-    def on_done(self, canary, sent, landed, failed) -> tuple[set[int], int, int]:
+    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
         """P: drops the snapshots of the requests whose blocks NIXL sent (or whose lease
         expired: their blocks are freed). D: verifies the requests whose blocks landed
         (`land`), before vLLM marks their load done."""
         if sent:
             self.server.release(sent)
-        return self.land(canary, landed, failed) if landed else (set(), 0, 0)
+        return self.land(port, landed, failed) if landed else (set(), 0, 0)
 
-    def after_load(self, canary, *, failed: bool = False) -> tuple[int, int]:
+    def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
         """Nothing yet: the blocks land later (`on_done`)."""
         return 0, 0
 
-    def before_load(self, canary, orders: NixlOrders | None) -> None:
+    def before_load(self, port: CanaryPort, orders: NixlOrders | None) -> None:
         """D: the snapshots of each load held by the P ranks holding this rank's heads,
         before NIXL starts reading its blocks: P holds them until it learns the blocks were
         read, so a question sent later could find them gone. One round trip per prefill
@@ -149,7 +150,7 @@ class NixlWorker:
             heads, compared, sources, remote.tp_size,
         )  # fmt: skip
 
-    def land(self, canary, finished_recving, failed_recving) -> tuple[set[int], int, int]:
+    def land(self, port: CanaryPort, finished_recving, failed_recving) -> tuple[set[int], int, int]:
         """D: records the slots of each request NIXL finished loading and compares them with
         P's: (the blocks of the bad slots, slots verified, slots that failed). A load NIXL
         itself failed is NIXL's load error and is not recorded."""
@@ -160,7 +161,7 @@ class NixlWorker:
             pending = self._pending.pop(request_id, None)
             if pending is None or request_id in (failed_recving or ()):
                 continue
-            bad_slots = self._verify(canary, pending)
+            bad_slots = self._verify(port, pending)
             self.verified_requests += 1
             verified += pending.load.end - pending.load.start
             failed += len(bad_slots)
@@ -168,18 +169,18 @@ class NixlWorker:
         self.verify_seconds += time.perf_counter() - begin
         return errors, verified, failed
 
-    def _verify(self, canary, pending: PendingLoad) -> torch.Tensor:
+    def _verify(self, port: CanaryPort, pending: PendingLoad) -> torch.Tensor:
         load = pending.load
         slots = slots_of(load.block_ids, load.end, self.block_size)
         landed_slots = slots[load.start : load.end]
         prev = int(slots[load.start - 1]) if load.start else -1
         tokens = torch.tensor(load.tokens[load.start : load.end], dtype=torch.int64)
-        landed = canary.record_loaded(landed_slots, tokens, start=load.start, prev_slot=prev).cpu()
-        canary.refold_blocks(landed_slots)  # NIXL wrote whole blocks
-        bad = self._differs(canary, pending, slots, landed)
+        landed = port.record_landed(landed_slots, tokens, start=load.start, prev_slot=prev).cpu()
+        port.refold_blocks(landed_slots)  # NIXL wrote whole blocks
+        bad = self._differs(port, pending, slots, landed)
         bad_slots = landed_slots[bad]
         if len(bad_slots):
-            canary.invalidate(bad_slots)
+            port.break_records(bad_slots)
             if pending.snapshots is not None:
                 logger.warning(
                     "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
@@ -188,7 +189,7 @@ class NixlWorker:
                 )  # fmt: skip
         return bad_slots
 
-    def _differs(self, canary, pending: PendingLoad, slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
+    def _differs(self, port: CanaryPort, pending: PendingLoad, slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
         """Which landed slots differ from P's snapshots (all of them where there are none):
         the whole records where the heads are sharded alike, else the token, position and
         chain, and the digest of each of this rank's heads."""
@@ -204,7 +205,7 @@ class NixlWorker:
         if pending.same_heads:
             return (landed != theirs).any(dim=1)
         bad = (landed[:, :FOLD] != theirs[:, :FOLD]).any(dim=1)
-        mine = canary.head_digests(slots[load.start : load.end], self.heads, self.sharding.num_kv_heads, start=load.start)
+        mine = port.head_digests(slots[load.start : load.end], self.heads, self.sharding.num_kv_heads, start=load.start)
         for index, head in enumerate(self.heads):
             held = pending.snapshots[remote.holder(head)]
             bad |= mine[:, index] != held.digest_of(head)[load.start : load.end]

@@ -1,0 +1,60 @@
+"""`CanaryPort`: what the KV connector asks of its worker's canary. The connector owns this
+interface; the plugin's worker implements it (`worker_port.WorkerPort`) and hands it to the
+connector once its canary is built (`KvCanaryConnector.attach`)."""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+import torch
+
+
+class CanaryPort(Protocol):
+    """The worker's canary as the connector, its transfer verifiers and its drills use it.
+    Slots are the canary's (block * block_size + offset); tensors of slots are int64 on any
+    device."""
+
+    @property
+    def policy(self) -> str:
+        """The worker's policy (`config.POLICIES`)."""
+
+    @property
+    def drill_probability(self) -> float:
+        """The fault drills' probability per step (0: no drills)."""
+
+    @property
+    def watching(self) -> bool:
+        """Whether the canary still watches (False once a fault of its own turned it off)."""
+
+    def counters(self) -> dict[str, int]:
+        """The canary's counters (`KvCanary.stats`)."""
+
+    def flagged_slots(self) -> torch.Tensor:
+        """The distinct slots verify flagged in the current step (empty before its forward ended)."""
+
+    def break_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
+        """Breaks the records of every slot from each affected request's first block holding
+        a slot of ``flagged`` on, so that verify flags them until a forward rewrites them."""
+
+    def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
+        """A slot a request of the step reads as context, chosen with ``rng``, and a view of
+        the first element of its bytes (which every fold reads); None when no request has context."""
+
+    def records_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records of ``slots`` (int64 ``[len(slots), RECORD_FIELDS]``), a copy on the canary's device."""
+
+    def record_landed(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
+        """Records ``slots``, which a transfer has just landed with consecutive tokens of a
+        request (``tokens``, one per slot) from position ``start``, each chained through the
+        one before and the first through ``prev_slot`` (-1 from position 0): their records."""
+
+    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
+        """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the host."""
+
+    def refold_blocks(self, slots: torch.Tensor) -> None:
+        """Recomputes the folds of the whole blocks holding ``slots`` where the backend packs
+        a block's tokens (a transfer wrote whole blocks); nothing under other backends."""
+
+    def break_records(self, slots: torch.Tensor) -> None:
+        """Breaks the records of ``slots``: verify flags each until a forward writes it again."""

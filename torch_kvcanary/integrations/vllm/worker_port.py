@@ -1,0 +1,110 @@
+"""`WorkerPort`: the worker's canary as its KV connector sees it (`connector.CanaryPort`)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from ... import digest
+from . import adapter
+
+
+class WorkerPort:
+    """`connector.CanaryPort` over the worker's canary (``worker``, a `worker.WorkerCanary`):
+    the records of the slots a transfer moves, the breaking of records the step or a
+    transfer found bad, and the drills' targets. ``head_views`` are the watched caches' per-head views
+    (`digest.vllm_head_views`), ``mla`` whether they are MLA's latent, ``blocks_packed``
+    whether the backend packs a block's tokens (`layouts.VLLM_BLOCK_PACKED_BACKENDS`).
+
+    Where the connector needs each request's blocks it reads Model Runner V1's input batch
+    (`adapter.RunnerV1.context`), the runner the connector is served on."""
+
+    def __init__(self, worker, *, head_views: list, mla: bool, blocks_packed: bool):
+        self._worker = worker
+        self._canary = worker.canary
+        self._head_views = head_views
+        self._mla = mla
+        self._blocks_packed = blocks_packed
+
+    @property
+    def policy(self) -> str:
+        return self._worker.policy
+
+    @property
+    def drill_probability(self) -> float:
+        return self._worker.drill
+
+    @property
+    def watching(self) -> bool:
+        return self._worker.on
+
+    def counters(self) -> dict[str, int]:
+        return self._canary.stats()
+
+    def flagged_slots(self) -> torch.Tensor:
+        return self._worker.step_flagged_slots()
+
+    def break_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
+        """In every watched group, from the first block holding a slot of ``flagged`` of each
+        request of the input batch on."""
+        worker = self._worker
+        flagged_blocks = list(set((flagged // worker.block_size).tolist()))
+        request_ids, _ = worker.runner_view.context()
+        stale = []
+        for group in worker.groups:
+            for row in range(len(request_ids)):
+                blocks = group.row_blocks(row)
+                bad = np.flatnonzero(np.isin(blocks, flagged_blocks))
+                if len(bad):
+                    stale.append(blocks[bad[0] :])
+        if not stale:
+            return
+        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self._canary.device)
+        slots = (blocks[:, None] * worker.block_size + torch.arange(worker.block_size, device=blocks.device)).reshape(-1)
+        self._canary.invalidate(slots[(slots != adapter.NULL_SLOT) & (slots < self._canary.capacity)])
+
+    def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
+        """A context slot of a request of the input batch in the first watched group, and the
+        first element of its bytes in the canary's first source (a view into the KV cache)."""
+        _, context = self._worker.runner_view.context()
+        rows = np.flatnonzero(context > 0)
+        if not len(rows):
+            return None
+        row = int(rng.choice(rows))
+        group = self._worker.groups[0]
+        position = rng.randrange(int(group.first_attended(context[row : row + 1])[0]), int(context[row]))
+        device = self._canary.device
+        slot = int(group.slots(torch.tensor([row], device=device), torch.tensor([position], device=device))[0])
+        view = self._canary.sources[0].as_view()
+        token = view[slot // view.shape[1], slot % view.shape[1]]
+        return slot, token[(0,) * token.dim()]
+
+    def records_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._canary.records[slots.to(self._canary.device, torch.int64)]
+
+    def record_landed(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
+        device = self._canary.device
+        slots = slots.to(device, torch.int64)
+        prev_slots = torch.cat([torch.full((1,), prev_slot, dtype=torch.int64, device=device), slots[:-1]])
+        positions = torch.arange(start, start + len(slots), device=device)
+        self._canary.record(slots, positions=positions, tokens=tokens.to(device, torch.int64), prev_slots=prev_slots)
+        return self.records_of(slots)
+
+    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
+        slots = slots.to(self._canary.device, torch.int64)
+        return digest.kv_digest_by_head(self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start).cpu()
+
+    def refold_blocks(self, slots: torch.Tensor) -> None:
+        """A block's slots are verified together, and a transfer that wrote whole blocks
+        wrote the unrecorded slots past a prompt's end too: `KvCanary.refold`, records kept."""
+        if not self._blocks_packed or not len(slots):
+            return
+        block_size = self._worker.block_size
+        blocks = torch.unique(slots.to(self._canary.device, torch.int64) // block_size)
+        offsets = torch.arange(block_size, device=blocks.device)
+        self._canary.refold((blocks[:, None] * block_size + offsets).flatten())
+
+    def break_records(self, slots: torch.Tensor) -> None:
+        self._canary.invalidate(slots.to(self._canary.device, torch.int64))
