@@ -320,6 +320,27 @@ def test_a_request_read_after_its_lease_expired_is_a_load_error(clean, canary_pa
     assert any("holds no records of it" in line[3] for line in decode.canary_lines())
 
 
+def test_a_block_p_repairs_before_the_handover_is_handed_over_recomputed(clean, canary_pair):
+    """A byte of a block cached on P flipped; the next request reading it through P's prefix
+    cache has P's own canary flag it, and vLLM recomputes the request on P before handing it
+    over: D compares with the recomputed KV's records and finds nothing wrong."""
+    faulted = clean[1]
+    prefill, decode, _, faults = canary_pair
+    faults.forget()
+    first = faults.prefilled(FAULTED[4])
+    assert _tokens(faults.decoded(FAULTED[4], first)) == faulted[4]  # P's blocks stay in its prefix cache
+    urllib.request.urlopen(urllib.request.Request(decode.url + "/reset_prefix_cache", method="POST"), timeout=60).close()
+    collective_rpc(prefill, "kvcanary_test_flip_block", str(first["remote_block_ids"][0][0]))
+    repaired_on_p = _prefill_metric(faults, "vllm:kv_canary_blocks_repaired_total")
+    failed_on_d, repaired_on_d = _repair_counts(decode)
+    verified_on_d = decode.metric("vllm:kv_canary_transfer_slots_verified_total")
+    answer = faults.decoded(FAULTED[4], faults.prefilled(FAULTED[4]))
+    assert _tokens(answer) == faulted[4] and decode.alive()
+    assert _prefill_metric(faults, "vllm:kv_canary_blocks_repaired_total") > repaired_on_p  # P's canary caught it
+    assert decode.metric("vllm:kv_canary_transfer_slots_verified_total") > verified_on_d  # D pulled the prompt from P
+    assert _repair_counts(decode) == (failed_on_d, repaired_on_d)  # and found the handed-over KV clean
+
+
 def test_under_quarantine_a_fault_fails_only_its_request(clean, tiny_llama, tmp_path_factory):
     faulted = clean[1]
     site = _fault_plugin(tmp_path_factory.mktemp("site-quarantine"))

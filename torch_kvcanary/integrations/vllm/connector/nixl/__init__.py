@@ -6,8 +6,10 @@ The prefill side (P) computes a request's prompt and hands its blocks to the dec
 position, chain and fold do not depend on the slot), so:
 
 - P, in the step that completes a request's prompt, snapshots what its rank holds of the
-  prompt's slots (`NixlWorker.snapshot`, after the forward recorded them): their records
+  prompt's slots (`NixlWorker.after_save`, after the forward recorded them): their records
   and each slot's transfer digest over each of the rank's KV heads (`channel.Snapshot`).
+  Where P's own canary flagged a block the step read, vLLM rolls the request back and
+  recomputes it, and the step that completes the prompt again takes the snapshot anew.
   It holds the snapshot until NIXL reports the request's blocks sent or their lease expired
   (`release`): a block freed and reused after the snapshot cannot change what is compared.
   A small TCP server on the loopback (`RecordsServer`) serves the snapshots, one per rank on

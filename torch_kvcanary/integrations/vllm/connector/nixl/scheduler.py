@@ -17,7 +17,7 @@ class NixlScheduler:
         self.address = address
         self.tp_size = tp_size
         self.kv_cache_manager = None
-        self._prefills: dict[str, object] = {}  # P: requests whose prompt is not yet complete
+        self._prefills: dict[str, object] = {}  # P: requests it hands over to a decode side, until they finish
         self._loads: list[LoadOrder] = []
 
     @classmethod
@@ -48,15 +48,19 @@ class NixlScheduler:
             )  # fmt: skip
 
     def plan(self, scheduler_output) -> NixlOrders:
+        """The step's orders: D's loads allocated since the last step, and a snapshot of each
+        request of P whose prompt the step completes. A request stays watched until it
+        finishes: where P's own canary flags a block in that step, vLLM rolls the request
+        back and recomputes it, and the step that completes the prompt again snapshots the
+        recomputed KV in place of the KV P threw away."""
         orders = NixlOrders(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
-        for request_id, request in list(self._prefills.items()):
-            count = scheduled.get(request_id, 0)
-            if count and request.num_computed_tokens + count >= request.num_prompt_tokens:
+        for request_id, request in self._prefills.items():
+            computed, count = request.num_computed_tokens, scheduled.get(request_id, 0)
+            if computed < request.num_prompt_tokens <= computed + count:
                 block_ids = list(self.kv_cache_manager.get_block_ids(request_id)[0])
                 orders.snapshots.append(SnapshotOrder(request_id, block_ids, request.num_prompt_tokens))
-                del self._prefills[request_id]
         return orders
 
     def on_finished(self, request, params: dict | None) -> None:
