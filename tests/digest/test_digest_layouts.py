@@ -128,7 +128,7 @@ def test_vllm_packed_layouts(request_kv, layout, tp):
 def test_vllm_cpu_layout(request_kv):
     """CPU_ATTN's layer [num_blocks, heads, block_size, 2 * head_size] read as vLLM's
     forward reads it: each block-head a [2 * block_size, head_size] of K rows, then V rows.
-    (The kernel packs a block's tokens inside those planes: tests/vllm_plugin/test_vllm_layouts.py.)"""
+    (The kernel packs a block's tokens inside those planes: tests/vllm_plugin/adapter/test_vllm_layouts.py.)"""
     k, v, _, _ = request_kv
     table, block_size = [2, 0], 8
     caches = []

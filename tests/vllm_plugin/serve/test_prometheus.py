@@ -29,7 +29,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make te
 from vllm_metrics_capture import PROMPT, connector_server, flip, read_flipped  # noqa: E402
 from vllm_serve import free_ports, install_flip_plugin, stop  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RULES = REPO / "deploy/prometheus/kv_canary.rules.yml"
 DASHBOARD = REPO / "deploy/grafana/kv_canary.json"
 # The scrape and evaluation interval, and every alert's `for` in the test's copy of the rules.

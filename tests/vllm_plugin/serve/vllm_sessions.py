@@ -1,7 +1,7 @@
 """vLLM's streaming-input sessions beside plain requests, with prefix caching on: the workload
-the plugin's tests run on every vLLM release (tests/vllm_plugin/test_vllm_sessions.py).
+the plugin's tests run on every vLLM release (test_vllm_sessions.py).
 
-    python tools/vllm_sessions.py MODEL [--flip]
+    python tests/vllm_plugin/serve/vllm_sessions.py MODEL [--flip]
 
 A session is one ``AsyncLLM.generate`` over an async generator of ``StreamingInput`` chunks
 (a resumable request): vLLM keeps the session's KV between chunks, drops the last token it

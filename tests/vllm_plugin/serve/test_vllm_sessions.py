@@ -1,4 +1,4 @@
-"""vLLM's streaming-input sessions with the plugin on (tools/vllm_sessions.py, run in a
+"""vLLM's streaming-input sessions with the plugin on (vllm_sessions.py beside it, run in a
 process of its own: AsyncLLM starts its engine core process): sessions of three chunks
 beside plain requests that share their prefix, with prefix caching on, raise no report;
 a bit flipped while a session pauses between chunks (holding its blocks) is named with
@@ -22,7 +22,7 @@ from vllm_serve import install_flip_plugin, path_with  # noqa: E402
 
 pytestmark = pytest.mark.every_release
 
-TOOL = Path(__file__).resolve().parents[2] / "tools/vllm_sessions.py"
+TOOL = Path(__file__).resolve().parent / "vllm_sessions.py"
 
 
 def _run(model: Path, site: Path, *flags: str) -> tuple[dict, str]:

@@ -181,7 +181,7 @@ print("KINDS", json.dumps(dict(
     ],
 )
 def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
-    # The model kinds of tests/vllm_plugin/test_vllm_models.py (which runs them on V1, faults included):
+    # The model kinds of tests/vllm_plugin/adapter/test_vllm_models.py (which runs them on V1, faults included):
     # on V2, a workload with prefix cache hits and chunked prefill raises no false alarm (vLLM
     # turns both off for MLA models on a host without AMX: tests/helpers.py, ISA_SKIP_REASONS).
     model = make_model(tmp_path / kind, kind)
