@@ -1,8 +1,10 @@
 """The canary's KV connector (`KvCanaryConnector`) on the real engine (vLLM's CPU build),
 in-process and driven step by step: repair (vLLM recomputes the blocks the canary flagged)
 and quarantine (vLLM fails the requests that read them), the rule for violations of the
-mapping, the counters in vLLM's Prometheus metrics, fault drills and verified transfers;
-and through `vllm serve` (`tools/vllm_serve.py`), repaired drills and quarantine.
+mapping, the counters in vLLM's Prometheus metrics, fault drills, the preconditions of the
+connector policies, the inner connectors it refuses, and the delegate's forwarding of vLLM's
+connector base; and through `vllm serve` (`tools/vllm_serve.py`), repaired drills and
+quarantine. The transports' own tests are in ../disk/ and ../nixl/.
 
 The engines serve a tiny random Llama in float32 (vLLM's recompute of a request then
 reproduces the tokens of a clean run), with prefix caching and chunked prefill, under
@@ -10,7 +12,6 @@ synchronous scheduling.
 """
 
 import concurrent.futures
-import contextlib
 import json
 import random
 import re
@@ -20,65 +21,12 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from engine_driver import (  # noqa: E402
-    BLOCK_SIZE,
-    CANARY_BYTES_PER_SLOT,
-    KV_BYTES_PER_SLOT,
-    NUM_BLOCKS,
-    Driver,
-    decoding,
-    mixed_workload,
-    parse_violations,
-    random_tokens,
-    started_engine,
-)
+from connector_driver import Reported, _greedy, _metric, _worker_connector, connector_engine  # noqa: E402
+from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
 from vllm_serve import Server  # noqa: E402
 
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import config, connector, plugin, worker  # noqa: E402
-
-# K and V of float32, twice bf16's bytes; the canary's records beside them.
-FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 11 * 8 + 4096
-FAILURE_POLICY = {"repair": "recompute", "quarantine": "fail"}
-
-
-@contextlib.contextmanager
-def connector_engine(model, policy: str, *, failure_policy: str | None = None, environ: dict[str, str] | None = None, **options):
-    """An in-process float32 engine with the plugin under ``policy`` and `KvCanaryConnector`
-    configured with ``failure_policy`` (by default the one ``policy`` needs), vLLM's stats
-    on (its Prometheus metrics in ``prometheus_client.REGISTRY``)."""
-    transfer = {
-        "kv_connector": config.CONNECTOR,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": failure_policy or FAILURE_POLICY.get(policy, "recompute"),
-    }
-    settings = dict(dtype="float32", async_scheduling=False, disable_log_stats=False, kv_transfer_config=transfer)
-    with started_engine(model, kv_budget=FLOAT32_BUDGET, policy=policy, environ=environ, **{**settings, **options}) as started:
-        yield started
-
-
-class Reported:
-    """What the worker's connector returned from get_block_ids_with_load_errors, step by step."""
-
-    def __init__(self, monkeypatch, worker_connector):
-        self.steps: list[set[int]] = []
-        original = worker_connector.get_block_ids_with_load_errors
-
-        def recording():
-            blocks = original()
-            self.steps.append(set(blocks))
-            return blocks
-
-        monkeypatch.setattr(worker_connector, "get_block_ids_with_load_errors", recording)
-
-    def take(self) -> set[int]:
-        blocks = set().union(*self.steps)
-        self.steps.clear()
-        return blocks
-
-
-def _greedy(max_tokens: int):
-    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -99,28 +47,11 @@ def _run_to_end(driver: Driver, max_steps: int = 400) -> dict[str, object]:
     raise AssertionError(f"requests {sorted(set(driver.ids) - set(done))} did not finish")
 
 
-def _worker_connector():
-    state = plugin.active()
-    assert isinstance(state.connector, connector.KvCanaryConnector)
-    return state.connector
-
-
 def _flip(driver: Driver, request_id: str, block_index: int) -> int:
     """Flips one bit of the request's block ``block_index`` (layer 1, head 1): that block."""
     block = driver.blocks(request_id)[block_index]
     plugin.active().kv_caches[1].view(torch.int32)[block, 1, 5, 77] ^= 1 << 30  # the top exponent bit: the value is way off
     return block
-
-
-def _metric(name: str, **labels) -> float:
-    from prometheus_client import REGISTRY
-
-    return sum(
-        sample.value
-        for metric in REGISTRY.collect()
-        for sample in metric.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 @pytest.fixture(scope="module")
@@ -565,89 +496,6 @@ def test_a_drill_flips_a_bit_of_the_top_byte(size, dtype, bit):
     assert value.item() % (1 << 8 * size) == 1 << (8 * (size - 1) + bit)
 
 
-# Verified transfers -----------------------------------------------------------------------
-
-
-def _layer_files(folder) -> list:
-    return sorted(path for path in folder.iterdir() if path.name != connector.DiskVerifier.SIDECAR)
-
-
-def _rewrite(path, change) -> None:
-    """Rewrites a stored layer file (``{"kv_cache": [tokens, heads, C]}``) with ``change`` applied to its tensor."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(path))
-    save_file({"kv_cache": change(tensors["kv_cache"]).contiguous()}, str(path))
-
-
-def _flip_stored(kv: torch.Tensor) -> torch.Tensor:
-    kv = kv.clone()
-    kv.view(torch.int32)[40, 1, 77] ^= 1 << 30  # token 40, in the second block
-    return kv
-
-
-def _swap_blocks(kv: torch.Tensor) -> torch.Tensor:
-    return torch.cat([kv[BLOCK_SIZE : 2 * BLOCK_SIZE], kv[:BLOCK_SIZE], kv[2 * BLOCK_SIZE :]])
-
-
-@pytest.mark.parametrize("fault", ["none", "flipped byte", "swapped blocks", "another request's file", "truncated file", "no records"])
-def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, monkeypatch, fault):
-    # The producer saves a prompt's first two blocks to disk (vLLM's ExampleConnector), and
-    # the canary's records beside them; the consumer (the same engine, its prefix cache
-    # reset) loads them for the same prompt, and verifies what landed before the forward.
-    storage = tmp_path / "kv"
-    storage.mkdir()
-    inner = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-    transfer = {
-        "kv_connector": config.CONNECTOR,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {connector.INNER: inner},
-    }
-    rng = random.Random(20)
-    prompt, other = random_tokens(rng, 2 * BLOCK_SIZE + 10), random_tokens(rng, 2 * BLOCK_SIZE + 10)
-    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer) as (llm, lines, _):
-        ours = _worker_connector()
-        assert type(ours.inner).__name__ == "ExampleConnector"
-        (clean,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
-        (folder,) = storage.iterdir()
-        llm.generate([{"prompt_token_ids": other}], _greedy(1), use_tqdm=False)
-        (other_folder,) = set(storage.iterdir()) - {folder}
-        assert len(_layer_files(folder)) == 2 and (folder / connector.DiskVerifier.SIDECAR).exists()
-        llm.reset_prefix_cache()
-        if fault == "flipped byte":
-            _rewrite(_layer_files(folder)[1], _flip_stored)
-        elif fault == "swapped blocks":
-            _rewrite(_layer_files(folder)[0], _swap_blocks)
-        elif fault == "another request's file":
-            for mine, theirs in zip(_layer_files(folder), _layer_files(other_folder)):
-                mine.write_bytes(theirs.read_bytes())
-        elif fault == "truncated file":
-            path = _layer_files(folder)[1]
-            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        elif fault == "no records":
-            (folder / connector.DiskVerifier.SIDECAR).unlink()
-        reported = Reported(monkeypatch, ours)
-        verified, failed = _metric("vllm:kv_canary_transfer_slots_verified_total"), _metric("vllm:kv_canary_transfer_slots_failed_total")
-        (loaded,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
-        assert loaded.num_cached_tokens == 2 * BLOCK_SIZE  # both blocks came from disk
-        assert loaded.outputs[0].token_ids == clean.outputs[0].token_ids
-        assert _metric("vllm:kv_canary_transfer_slots_verified_total") - verified == 2 * BLOCK_SIZE
-        failed = _metric("vllm:kv_canary_transfer_slots_failed_total") - failed
-        blocks = reported.take()
-        if fault == "none":
-            assert failed == 0 and blocks == set() and lines.take() == []
-        else:
-            assert failed > 0 and blocks, "the fault in what was stored was not reported as a load error"
-            # One slot's bytes (a row of its block), or every slot of both blocks.
-            assert failed == (1 if fault == "flipped byte" else 2 * BLOCK_SIZE)
-            said = lines.take()
-            if fault == "truncated file":  # the inner connector's load raised: logged, with its traceback
-                assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
-                said = said[1:]
-            assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in parse_violations(said))
-
-
 # The members of vLLM's connector base that belong to the connector itself, not to the inner
 # connector: its role, whether the step's metadata is bound (the facade binds its own, holding
 # the inner connector's), its counters' classes and its answer to sleep mode (vLLM 0.33 on).
@@ -700,35 +548,6 @@ def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
         connector.check_inner(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
 
 
-def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny_llama, tmp_path):
-    # ExampleConnector configured on its own: as a producer it only saves, and serves beside
-    # the canary; as a consumer it would write loaded slots the canary holds no records of.
-    storage = tmp_path / "kv"
-    storage.mkdir()
-    extra = {"shared_storage_path": str(storage)}
-    producer = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra}
-    prompt = random_tokens(random.Random(22), 2 * BLOCK_SIZE + 10)
-    with connector_engine(tiny_llama, "log", kv_transfer_config=producer) as (llm, lines, _):
-        llm.generate([{"prompt_token_ids": prompt}], _greedy(8), use_tqdm=False)
-        assert lines.take() == []
-    assert any(storage.iterdir())  # it saved
-    both = {**producer, "kv_role": "kv_both"}
-    with pytest.raises(Exception) as raised:
-        with connector_engine(tiny_llama, "log", kv_transfer_config=both):
-            pass
-    error = raised.value
-    while error is not None and not isinstance(error, ValueError):
-        error = error.__cause__ or error.__context__
-    assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
-    wrapped = {"kv_connector": config.CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {connector.INNER: both}}
-    assert str(error) == (
-        'kv-canary: vLLM\'s KV connector ExampleConnector with "kv_role": "kv_both" loads KV into the cache outside the '
-        "model's forward, into slots the canary holds no records of, which it would report as corrupt: serve it as "
-        f"KvCanaryConnector's inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}'), "
-        "or unset KVCANARY_VLLM to serve it without the canary"
-    )
-
-
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
 def test_a_connector_in_the_canarys_place_whose_loads_it_cannot_verify_is_refused(role):
     from vllm.config import KVTransferConfig
@@ -741,53 +560,3 @@ def test_a_connector_in_the_canarys_place_whose_loads_it_cannot_verify_is_refuse
     )
     with pytest.raises(ValueError, match=message):
         connector.check_unwrapped(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
-
-
-def test_nixl_in_the_canarys_place_is_told_to_be_wrapped_with_a_records_port():
-    from vllm.config import KVTransferConfig
-
-    with pytest.raises(ValueError) as raised:
-        connector.check_unwrapped(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
-    wrapped = {
-        "kv_connector": config.CONNECTOR,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {connector.INNER: {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
-    }
-    assert str(raised.value) == (
-        'kv-canary: vLLM\'s KV connector NixlConnector with "kv_role": "kv_both" loads KV into the cache outside the '
-        "model's forward, into slots the canary holds no records of, which it would report as corrupt: serve it as "
-        f"KvCanaryConnector's inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}', "
-        'with "records_port": a free TCP port in its kv_connector_extra_config), or unset KVCANARY_VLLM to serve it without the canary'
-    )
-
-
-def test_a_transfer_from_a_producer_engine_to_a_consumer_engine(tiny_llama, tmp_path, monkeypatch):
-    # Two engines one after the other over one storage folder: the producer only saves, the
-    # consumer only loads, and a byte of the stored blocks is flipped in between.
-    storage = tmp_path / "kv"
-    storage.mkdir()
-
-    def transfer(role: str) -> dict:
-        inner = {"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-        return {
-            "kv_connector": config.CONNECTOR,
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"inner": inner},
-        }
-
-    prompt = random_tokens(random.Random(21), 2 * BLOCK_SIZE + 10)
-    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_producer")) as (llm, lines, _):
-        (produced,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
-        assert lines.take() == []
-    (folder,) = storage.iterdir()
-    _rewrite(_layer_files(folder)[0], _flip_stored)
-    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer("kv_consumer")) as (llm, lines, _):
-        reported = Reported(monkeypatch, _worker_connector())
-        failed = _metric("vllm:kv_canary_transfer_slots_failed_total")
-        (consumed,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
-        assert consumed.num_cached_tokens == 2 * BLOCK_SIZE
-        assert _metric("vllm:kv_canary_transfer_slots_failed_total") - failed == 1
-        assert len(reported.take()) == 1  # the block of the flipped token, recomputed
-        assert consumed.outputs[0].token_ids == produced.outputs[0].token_ids
-        assert [reasons for reasons, _, _ in parse_violations(lines.take())] == [["verify_real_kv_hash"]]

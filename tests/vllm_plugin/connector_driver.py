@@ -1,0 +1,71 @@
+"""The engine of the KV connector's tests: a tiny engine of vLLM's CPU build started in-process
+with the plugin and `KvCanaryConnector` in float32 (`connector_engine`), what the worker's
+connector reports as load errors step by step (`Reported`), the worker's connector, and
+vLLM's Prometheus metrics of the canary."""
+
+import contextlib
+
+import vllm
+from engine_driver import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, KV_BYTES_PER_SLOT, NUM_BLOCKS, started_engine
+
+from torch_kvcanary.integrations.vllm import config, connector, plugin
+
+# K and V of float32, twice bf16's bytes; the canary's records beside them.
+FLOAT32_BUDGET = NUM_BLOCKS * BLOCK_SIZE * (2 * KV_BYTES_PER_SLOT + CANARY_BYTES_PER_SLOT) + 1024 * 11 * 8 + 4096
+FAILURE_POLICY = {"repair": "recompute", "quarantine": "fail"}
+
+
+@contextlib.contextmanager
+def connector_engine(model, policy: str, *, failure_policy: str | None = None, environ: dict[str, str] | None = None, **options):
+    """An in-process float32 engine with the plugin under ``policy`` and `KvCanaryConnector`
+    configured with ``failure_policy`` (by default the one ``policy`` needs), vLLM's stats
+    on (its Prometheus metrics in ``prometheus_client.REGISTRY``)."""
+    transfer = {
+        "kv_connector": config.CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": failure_policy or FAILURE_POLICY.get(policy, "recompute"),
+    }
+    settings = dict(dtype="float32", async_scheduling=False, disable_log_stats=False, kv_transfer_config=transfer)
+    with started_engine(model, kv_budget=FLOAT32_BUDGET, policy=policy, environ=environ, **{**settings, **options}) as started:
+        yield started
+
+
+class Reported:
+    """What the worker's connector returned from get_block_ids_with_load_errors, step by step."""
+
+    def __init__(self, monkeypatch, worker_connector):
+        self.steps: list[set[int]] = []
+        original = worker_connector.get_block_ids_with_load_errors
+
+        def recording():
+            blocks = original()
+            self.steps.append(set(blocks))
+            return blocks
+
+        monkeypatch.setattr(worker_connector, "get_block_ids_with_load_errors", recording)
+
+    def take(self) -> set[int]:
+        blocks = set().union(*self.steps)
+        self.steps.clear()
+        return blocks
+
+
+def _greedy(max_tokens: int):
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _worker_connector():
+    state = plugin.active()
+    assert isinstance(state.connector, connector.KvCanaryConnector)
+    return state.connector
+
+
+def _metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        for sample in metric.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
