@@ -14,7 +14,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The benchmarks, build tools and tools live beside the package in the checkout
 # (benchmarks/, build_tools/, tools/), not in it: appended, so that an installed
 # torch_kvcanary still comes first. Tests import tools/'s modules (random_models,
-# vllm_serve, make_golden) by their names.
+# vllm_serve, make_golden) by their names; benchmarks.engine_step imports the tests' fake
+# runner from the checkout's root, as tests.vllm_plugin.fake_runner.
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))
 sys.path.append(str(REPO / "tools"))

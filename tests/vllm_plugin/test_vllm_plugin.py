@@ -9,6 +9,7 @@ import re
 import sys
 from fractions import Fraction
 
+import fake_runner
 import numpy as np
 import pytest
 import torch
@@ -265,11 +266,9 @@ def test_a_token_copy_follows_requests_across_rows():
 def test_a_policy_that_stops_the_step_under_tensor_parallelism_is_refused_where_the_engine_would_hang(
     monkeypatch, version, policy, tensor_parallel_size, refused
 ):
-    from benchmarks import engine_step
-
     monkeypatch.setattr(adapter, "vllm_version", lambda: version)
-    buffers = engine_step.StepBuffers("v1", layers=2, requests=2, context=8, decode_steps=1)
-    runner = engine_step.BenchRunner(buffers)
+    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=8, decode_steps=1)
+    runner = fake_runner.FakeRunner(buffers)
     runner.tensor_parallel_size = tensor_parallel_size
     if refused:
         message = (

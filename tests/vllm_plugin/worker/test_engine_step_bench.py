@@ -3,6 +3,7 @@ buffers shaped as vLLM's runners hold them, without vLLM. Its clean steps must f
 and a byte flipped in a context slot must be found and named, or its figures time a step
 that checks nothing."""
 
+import fake_runner
 import pytest
 import torch
 
@@ -13,8 +14,8 @@ from torch_kvcanary.sources import HashMode
 
 
 def _started(runner: str, requests: int = 3, context: int = 40):
-    buffers = engine_step.StepBuffers(runner, layers=2, requests=requests, context=context, decode_steps=4)
-    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=engine_step.BenchRunner(buffers))
+    buffers = fake_runner.StepBuffers(runner, layers=2, requests=requests, context=context, decode_steps=4)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
     canary.end_step(canary.begin_step(lambda: buffers.step(context)))
     return buffers, canary
 
@@ -36,7 +37,7 @@ def test_a_flipped_byte_in_a_context_slot_is_found_and_named(runner, caplog):
     request, position = 1, 17
     block = buffers.block_of(request, position)
     bits = buffers.caches[1].view(torch.int16)  # [num_blocks, heads, block_size, 2 * head_size]
-    bits[block, 0, position % engine_step.BLOCK_SIZE, 0] ^= 1
+    bits[block, 0, position % fake_runner.BLOCK_SIZE, 0] ^= 1
     with caplog.at_level("WARNING"):
         canary.end_step(canary.begin_step(lambda: buffers.step(1)))
     assert canary.stats()["violations"] == 1

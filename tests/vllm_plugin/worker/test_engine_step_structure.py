@@ -1,15 +1,15 @@
 """The plugin's engine step as it runs on the CPU, on buffers shaped as vLLM's runners hold them
-(`benchmarks.engine_step`), without vLLM: per steady step one canary op (two around the
+(`fake_runner.FakeRunner`), without vLLM: per steady step one canary op (two around the
 forward on a block-packed backend) and no other torch op, hence no copy to the host and no
 `item`, and no tensor allocated, by the step or in the op; a violation named by the request of its own step, read in that step
 where the op ran on the host, and one step later where the device had not finished it."""
 
 from __future__ import annotations
 
+import fake_runner
 import pytest
 import torch
 
-from benchmarks import engine_step
 from torch_kvcanary.integrations.vllm import reports, worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.paged_step import MailboxWord
@@ -18,9 +18,9 @@ from torch_kvcanary.sources import HashMode
 RANGE = "kvcanary_plugin_step"
 
 
-def _started(runner: str, backend: str = engine_step.BACKEND, requests: int = 4, context: int = 40):
-    buffers = engine_step.StepBuffers(runner, layers=2, requests=requests, context=context, decode_steps=8)
-    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=engine_step.BenchRunner(buffers, backend))
+def _started(runner: str, backend: str = fake_runner.BACKEND, requests: int = 4, context: int = 40):
+    buffers = fake_runner.StepBuffers(runner, layers=2, requests=requests, context=context, decode_steps=8)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers, backend))
     canary.end_step(canary.begin_step(lambda: buffers.step(context)))
     canary.end_step(canary.begin_step(lambda: buffers.step(1)))
     return buffers, canary
@@ -51,7 +51,7 @@ def test_a_steady_step_is_its_canary_calls_alone(runner, backend, calls):
 
 def _flip(buffers, request: int, position: int) -> None:
     bits = buffers.caches[0].view(torch.int16)  # [num_blocks, heads, block_size, 2 * head_size]
-    bits[buffers.block_of(request, position), 0, position % engine_step.BLOCK_SIZE, 0] ^= 1
+    bits[buffers.block_of(request, position), 0, position % fake_runner.BLOCK_SIZE, 0] ^= 1
 
 
 def _lines(caplog) -> list[str]:
@@ -69,7 +69,7 @@ def test_on_the_cpu_a_violation_is_read_in_its_step_and_names_its_request(runner
         canary.end_step(canary.begin_step(lambda: buffers.step(1)))
         (line,) = _lines(caplog)
     assert line.endswith(" request_id=request-2"), line
-    assert [slot.item() for slot in canary.step_flagged_slots()] == [buffers.block_of(2, 17) * engine_step.BLOCK_SIZE + 1]
+    assert [slot.item() for slot in canary.step_flagged_slots()] == [buffers.block_of(2, 17) * fake_runner.BLOCK_SIZE + 1]
 
 
 class UnfinishedDevice:
