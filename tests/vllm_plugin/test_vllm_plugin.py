@@ -9,8 +9,6 @@ import re
 import sys
 from fractions import Fraction
 
-import fake_runner
-import numpy as np
 import pytest
 import torch
 from helpers import REPO
@@ -18,7 +16,7 @@ from helpers import REPO
 import torch_kvcanary as kc
 from torch_kvcanary import HashMode
 from torch_kvcanary.canary import KvCanary
-from torch_kvcanary.integrations.vllm import adapter, config, plugin, step_buffers, worker
+from torch_kvcanary.integrations.vllm import adapter, config, plugin
 from torch_kvcanary.integrations.vllm.reports import Reports
 
 # An engine each policy can serve: the canary's connector with the failure policy repair
@@ -233,52 +231,3 @@ def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
     assert reports.summary(130.5) == (
         "kv_canary summary: launch_tag=vllm seconds=20.0 repeated_detections=1 repeated_slots=1 slots_logged=3 ring_dropped=0"
     )
-
-
-def test_a_token_copy_follows_requests_across_rows():
-    # The host's tokens of each request (what `adapter.RunnerV1.known_tokens` gives when it
-    # takes a row), and what the copy must hold row by row after each step.
-    host = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4], "d": [-1, 3]}
-    copy = step_buffers.TokenCopy(3, 6, torch.device("cpu"))
-
-    def follow(request_ids):
-        history = copy.follow(request_ids, lambda row: torch.tensor(host[request_ids[row]], dtype=torch.int32))
-        assert history.tokens is copy.tokens and history.known is None
-
-    def rows():
-        return copy.tokens.tolist()
-
-    follow(["a", "b"])
-    assert rows() == [[5, 6, 7, -1, -1, -1], [8, 9, -1, -1, -1, -1], [-1] * 6]
-    step = adapter.Step(["a", "b"], np.array([1, 2]), np.array([3, 2]), torch.tensor([70, 90, 91, 0]), torch.tensor([3, 2, 3, 0]))
-    copy.record(step, 3)  # a step's tokens (the runner's buffers hold one more)
-    assert rows() == [[5, 6, 7, 70, -1, -1], [8, 9, 90, 91, -1, -1], [-1] * 6]
-    follow(["b", "a", "c"])  # a and b swap rows (taken from the copy, not the host); c joins
-    assert rows() == [[8, 9, 90, 91, -1, -1], [5, 6, 7, 70, -1, -1], [1, 2, 3, 4, -1, -1]]
-    follow(["d", "a"])  # b and c leave; d joins b's old row, whose tokens do not linger
-    assert rows() == [[-1, 3, -1, -1, -1, -1], [5, 6, 7, 70, -1, -1], [1, 2, 3, 4, -1, -1]]
-
-
-@pytest.mark.parametrize("version, policy, tensor_parallel_size, refused", [
-    ("0.31.0", "raise", 2, True), ("0.30.0", "repair", 4, True), ("0.31.0", "quarantine", 2, True),
-    ("0.31.0", "log", 2, False), ("0.31.0", "raise", 1, False), ("0.32.0", "raise", 2, False), ("0.33.1", "raise", 2, False),
-])  # fmt: skip
-def test_a_policy_that_stops_the_step_under_tensor_parallelism_is_refused_where_the_engine_would_hang(
-    monkeypatch, version, policy, tensor_parallel_size, refused
-):
-    monkeypatch.setattr(adapter, "vllm_version", lambda: version)
-    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=8, decode_steps=1)
-    runner = fake_runner.FakeRunner(buffers)
-    runner.tensor_parallel_size = tensor_parallel_size
-    if refused:
-        message = (
-            rf"^kv-canary: KVCANARY_VLLM={policy} stops the engine step with an exception, and on vLLM {re.escape(version)} the other "
-            r"tensor-parallel ranks then wait for the raising one: .* or vLLM 0.32 or later, or unset KVCANARY_VLLM"
-        )
-        with pytest.raises(RuntimeError, match=message):
-            worker.WorkerCanary(buffers, config.Settings(policy, HashMode.ALL), runner_view=runner)
-    else:
-        try:
-            worker.WorkerCanary(buffers, config.Settings(policy, HashMode.ALL), runner_view=runner)
-        except ValueError as error:  # the connector policies' own needs, which the bench runner does not meet
-            assert "needs vLLM's KV connector" in str(error) and policy in ("repair", "quarantine")
