@@ -57,8 +57,8 @@ class WorkerCanary:
     The KV connector (`connector.KvCanaryConnector`) works through `port`, a
     `connector.CanaryPort` (`worker_port.WorkerPort`).
 
-    ``runner_view`` reads the runner in place of the adapter's view of a vLLM runner (a
-    benchmark's buffers: `benchmarks.engine_step`)."""
+    ``runner_view`` reads the runner in place of the adapter's view of a vLLM runner (the
+    tests' and benchmarks' fake runner: `tests/vllm_plugin/fake_runner.py`)."""
 
     def __init__(self, model_runner, chosen: Settings, *, runner_view: adapter.RunnerView | None = None):
         self.model_runner = model_runner
