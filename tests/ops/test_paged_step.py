@@ -2,8 +2,9 @@
 its contract transcribed in plain Python (spec_oracle.PagedStep over the spec's records) on
 simulated engines: prefill chunks and decodes over KV cache groups of full, sliding-window and
 chunked attention sharing one pool, a request reading a block another writes in the same step,
-block-packed backends (two calls a step), token histories, sampling, damaged bytes and a
-block table pointing at the wrong block; odd cases; refusals that change nothing. CPU: the
+block-packed backends (two calls a step), token histories (known in part), sampling, damaged
+bytes and a block table pointing at the wrong block; a context longer than one thread's share
+and block tables with strides; odd cases; refusals that change nothing. CPU: the
 CUDA kernel's checks are in test_paged_step_cuda.py."""
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Engine:
     table_dtype: torch.dtype = torch.int32
     num_blocks: int = 160
     layers: int = 1
+    max_blocks: int = MAX_BLOCKS  # per block table row
+    max_tokens: int = MAX_TOKENS  # a step's most tokens
+    strided_tables: bool = False  # block tables as views of every other column of wider ones
     requests: list[Request] = field(default_factory=list)
 
     def __post_init__(self):
@@ -61,13 +65,15 @@ class Engine:
         self.free = list(range(1, self.num_blocks))
         self.rng.shuffle(self.free)
         groups = len(self.groups)
-        self.tables = [torch.full((MAX_REQS + 1, MAX_BLOCKS), 0, dtype=self.table_dtype) for _ in range(groups)]
-        self.mappings = [torch.full((MAX_TOKENS + 5,), -1, dtype=torch.int64) for _ in range(groups)]
+        columns = 2 if self.strided_tables else 1
+        tables = [torch.full((MAX_REQS + 1, self.max_blocks * columns), 0, dtype=self.table_dtype) for _ in range(groups)]
+        self.tables = [table[:, ::columns] for table in tables]
+        self.mappings = [torch.full((self.max_tokens + 5,), -1, dtype=torch.int64) for _ in range(groups)]
         self.qsl = torch.zeros(MAX_REQS + 2, dtype=torch.int32)
         self.seq_lens = torch.zeros(MAX_REQS + 1, dtype=torch.int32)
-        self.positions = torch.zeros(MAX_TOKENS + 3, dtype=torch.int64)
-        self.input_ids = torch.zeros(MAX_TOKENS + 3, dtype=torch.int32)
-        self.history = torch.full((MAX_REQS * 4, MAX_BLOCKS * self.block_size), -1, dtype=torch.int32)
+        self.positions = torch.zeros(self.max_tokens + 3, dtype=torch.int64)
+        self.input_ids = torch.zeros(self.max_tokens + 3, dtype=torch.int32)
+        self.history = torch.full((MAX_REQS * 4, self.max_blocks * self.block_size), -1, dtype=torch.int32)
         self.history_rows = torch.zeros(MAX_REQS + 1, dtype=torch.int32)
         self.step_op = PagedStep(
             self.canary, self.tables, self.mappings, block_size=self.block_size,
@@ -95,9 +101,10 @@ class Engine:
         self.history[request.history_row, : len(request.tokens)] = torch.tensor(request.tokens, dtype=torch.int32)
         return request
 
-    def run(self, batch: list[tuple[Request, int]], *, every=1, tokens="history", damage=None):
-        """One step: each (request, tokens it runs) in batch order; the ring rows the op and
-        the spec give, each with its origin."""
+    def run(self, batch: list[tuple[Request, int]], *, every=1, tokens="history", damage=None, known=None):
+        """One step: each (request, tokens it runs) in batch order, the history's tokens
+        checked where ``known`` (bool, shaped like the history; None: everywhere); the ring
+        rows the op and the spec give, each with its origin."""
         rows = len(batch)
         bs = self.block_size
         qsl, seq_lens, positions, input_ids, mapping_values = [0], [], [], [], [[] for _ in self.groups]
@@ -131,9 +138,11 @@ class Engine:
         oracle_history = {}
         if history:
             oracle_history = dict(history=self.history.tolist(), history_rows=history["history_rows"])
+            if known is not None:
+                oracle_history["known"] = known.tolist()
         call = dict(num_reqs=rows, num_tokens=num_tokens, step=self.steps, every=every)
         if tokens == "history":
-            call.update(history=self.history, history_rows=self.history_rows)
+            call.update(history=self.history, history_rows=self.history_rows, history_known=known)
         spec = dict(phase=0, step=self.steps, every=every, padding_slot=self.padding, **oracle_history)
         args = (qsl, seq_lens, positions, input_ids)
         written = [s for values in mapping_values for s in values]
@@ -249,6 +258,48 @@ def test_every_turn_samples_the_context():
     assert len(engine.run([(a, 1)])) == 1  # every step
 
 
+def test_the_history_is_checked_where_known():
+    rng = random.Random(10)
+    engine = Engine(rng, 4, [(0, 0)])
+    a = engine.add(12)
+    engine.run([(a, 8)])
+    engine.history[a.history_row, 2] += 1  # the history disagrees with the records at positions 2 and 5
+    engine.history[a.history_row, 5] += 1
+    known = torch.ones(engine.history.shape, dtype=torch.bool)
+    known[a.history_row, 5] = False  # not known at position 5: not checked there
+    got = engine.run([(a, 1)], known=known)
+    assert [(v[2], v[7]) for v in got] == [(2, int(kc.FailReason.VERIFY_TOKEN_MISMATCH))]
+
+
+def test_a_context_past_one_thread_s_share_on_one_and_two_threads():
+    # 16,400 context entries, more than the 16,384 a thread takes: the walk over them is split
+    # among torch's threads.
+    rng = random.Random(11)
+    engine = Engine(rng, 16, [(0, 0)], num_blocks=1100, max_blocks=1040, max_tokens=16400)
+    a = engine.add(16403)
+    engine.run([(a, 16400)])
+    damaged = 700 * 16 + 3
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            engine.slot_bytes(a.blocks[0][damaged // 16] * 16 + damaged % 16)
+            assert [v[2] for v in engine.run([(a, 1)])] == [damaged]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_block_table_view_with_strides():
+    rng = random.Random(12)
+    engine = Engine(rng, 4, [(0, 0), (3, 0)], strided_tables=True)
+    assert not engine.tables[0].is_contiguous()
+    a, b = engine.add(20), engine.add(9)
+    engine.run([(a, 9), (b, 9)])
+    engine.slot_bytes(a.blocks[0][1] * 4 + 1)  # position 5 of a in group 0
+    got = engine.run([(a, 1), (b, 0)])
+    assert [(v[2], v[-3:]) for v in got] == [(5, [1, 0, 0])]
+
+
 def test_odd_cases():
     rng = random.Random(6)
     engine = Engine(rng, 4, [(0, 0)])
@@ -283,6 +334,17 @@ def fresh_call(engine: Engine, **changes):
         (dict(phase=3), "phase must be 0"),
         (dict(every=0), "every must be >= 1"),
         (dict(history_rows=torch.zeros(4, dtype=torch.int32)), "history_rows needs history"),
+        (dict(history_known=torch.ones(2, 8, dtype=torch.bool)), "history_known needs history"),
+        (dict(history=torch.zeros(2, 8)), "history must be an int32 or int64 tensor, got Float"),
+        (dict(history=torch.zeros(8, dtype=torch.int32)), "history must be \\[history_rows, max_positions\\], got shape \\[8\\]"),
+        (
+            dict(history=torch.zeros(2, 8, dtype=torch.int32), history_known=torch.ones(2, 8, dtype=torch.int32)),
+            "history_known must be a bool tensor, got Int",
+        ),
+        (
+            dict(history=torch.zeros(2, 8, dtype=torch.int32), history_known=torch.ones(2, 4, dtype=torch.bool)),
+            "history_known must be shaped like history, \\[2, 8\\], got shape \\[2, 4\\]",
+        ),
         (dict(query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device="meta")), "pass the step's buffers on the canary's device"),
     ],
 )
