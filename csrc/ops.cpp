@@ -95,77 +95,6 @@ constexpr const char* kSchemas[] = {
     // eager CUDA) and add nothing otherwise.
     "digest(Tensor[] views, Tensor slots, Tensor positions, Tensor? groups, "
     "int[] unit_offsets, SymInt num_groups, bool check_bounds=True) -> Tensor",
-    // context_slots -> (slots, positions, prev_slots, rows), int64
-    // [num_entries] each on block_table's device: the slots a step reads or
-    // writes, planned on the device from O(rows) host values. Row r's entries
-    // are [offsets[r], offsets[r + 1]) (offsets int64 [R + 1]: 0, nondecreasing,
-    // num_entries), its positions starts[r], starts[r] + 1, ... (starts int32
-    // or int64 [R]), read through row r of block_table (int32 or int64
-    // [>= R, max_blocks], any strides): entry i at position p of row r has
-    // slot = block_table[r, p / block_size] * block_size + p % block_size,
-    // positions[i] = p, rows[i] = r, and prev_slots[i] = -1 where p == 0,
-    // cut_slot where cut_slot >= 0 and p == starts[r] > 0 (the first
-    // position of a window whose predecessor may be freed), else the slot of
-    // p - 1. A negative block gives slot -1 and prev_slot -1. When
-    // check_bounds (CPU, or eager CUDA, which syncs to read offsets and
-    // starts) offsets that do not run from 0 to num_entries without
-    // decreasing raise ValueError, and a negative start or a block index
-    // past max_blocks raises IndexError; otherwise such an entry gets slot
-    // -1 and prev_slot -1 (entries of offsets out of order: -1 everywhere or
-    // some row's values), and nothing is read out of bounds.
-    "context_slots(Tensor block_table, Tensor offsets, Tensor starts, SymInt block_size, "
-    "SymInt num_entries, int cut_slot=-1, bool check_bounds=True) -> "
-    "(Tensor slots, Tensor positions, Tensor prev_slots, Tensor rows)",
-    // verify_context -> (slots, rows, flagged, waiting): verify of a step's
-    // context planned on the device in one call, the entries context_slots
-    // gives for (block_table, offsets, starts, block_size, num_entries,
-    // cut_slot), each checked as verify checks it (its fold, position, chain
-    // through its prev_slot, and token) where it is chosen, with no tags:
-    // slots (int64 [num_entries]) is the entry's slot where checked and -1
-    // elsewhere, rows its row, flagged verify's answer, waiting (int64 [1])
-    // the number of entries left for the deferred call. An entry with a slot
-    // is chosen, when deferred, if written (int64, sorted ascending: the slots
-    // the step writes) holds its slot; otherwise if written does not and,
-    // when every > 1, its block b = p / block_size has b % every == turn or is
-    // the block of its row's last position. Its token, checked unless -1, is
-    // history[history_rows[r], p] (history int32 or int64 [H, L], any
-    // strides; history_rows int32 or int64 [R], None: row r) where
-    // history_known (bool, shaped like history; None: everywhere) holds true,
-    // else -1; no history: tokens are not checked. When check_bounds, as
-    // context_slots and verify raise, and on the CPU also ValueError for
-    // written not ascending and IndexError for a row whose history row or
-    // positions the history does not hold; otherwise such a row's tokens are
-    // not checked, and nothing is read out of bounds.
-    "verify_context(Tensor[] sources, SymInt[] read_bytes, Tensor block_table, "
-    "Tensor offsets, Tensor starts, SymInt block_size, SymInt num_entries, Tensor? written, "
-    "Tensor? history, Tensor? history_known, Tensor? history_rows, Tensor records, "
-    "Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, int every=1, int turn=0, "
-    "bool deferred=False, int cut_slot=-1, int padding_slot=-1, bool check_bounds=True) -> "
-    "(Tensor slots, Tensor rows, Tensor flagged, Tensor waiting)",
-    "verify_context.bound(Tensor sources_table, Tensor block_table, Tensor offsets, "
-    "Tensor starts, SymInt block_size, SymInt num_entries, Tensor? written, Tensor? history, "
-    "Tensor? history_known, Tensor? history_rows, Tensor records, Tensor owner_tags, "
-    "Tensor(a!) counters, Tensor(b!) ring, int every=1, int turn=0, bool deferred=False, "
-    "int cut_slot=-1, int padding_slot=-1, bool check_bounds=True) -> "
-    "(Tensor slots, Tensor rows, Tensor flagged, Tensor waiting)",
-    // step_plan -> (plan, sets, in_batch_order): the host's plan of a paged
-    // serving step, for its context_slots and verify_context calls. Per row
-    // (request) r: c = computed[r] tokens in the cache, s = scheduled[r] run
-    // by the step, firsts[g, r] the first position KV cache group g attends to
-    // (int64 CPU tensors [R], [R], [G, R]; 0 <= firsts <= computed). The sets,
-    // in order, each one range [start, end) per row: written [c, c + s); when
-    // blocks_packed (a backend whose write to a slot changes its block's
-    // other slots) the tail [min(c + s, C), C) with C = c rounded up to the
-    // block, and the blocks written, [c rounded down, c + s rounded up) where
-    // s > 0 (both empty when not blocks_packed); the record order: the
-    // written entries' indices, rows stably ordered by c (an index set); then
-    // per group g its context [firsts[g, r], c). plan (int64) holds each range
-    // set as its context_slots offsets (R + 1 values from 0) and starts (R),
-    // in set order, then the index set's values; sets is int64 [2, 4 + G],
-    // each set's base in plan and number of entries; in_batch_order (bool [])
-    // whether c does not decrease (the record order is then the batch's).
-    "step_plan(Tensor computed, Tensor scheduled, Tensor firsts, int block_size, "
-    "bool blocks_packed) -> (Tensor plan, Tensor sets, Tensor in_batch_order)",
     // paged_step: one paged serving step's canary work for all its KV cache
     // groups, read from the engine's step buffers as they are (padded sizes
     // allowed): request r < num_reqs runs tokens [q[r], q[r + 1]) of
@@ -179,9 +108,14 @@ constexpr const char* kSchemas[] = {
     // (0: none). Record: every group's written tokens, requests in order of
     // c (stable), each chained through the block-table slot of its position
     // - 1, as record stores them. Verify: the context [f, c) of each request
-    // in each group, as verify_context checks it (chain through the slot of
-    // p - 1, or padding_slot at p = f > 0; the token from the history; under
-    // every > 1 the blocks of turn step % every and each request's last).
+    // in each group, each position p as verify checks an entry, with no tag:
+    // its fold, position, chain through the slot of p - 1 (padding_slot at
+    // p = f > 0), and token history[history_rows[r], p] (history int32 or
+    // int64 [H, L], any strides; history_rows int32 or int64, >= num_reqs
+    // entries, None: row r) where history_known (bool, shaped like history;
+    // None: everywhere) holds true (no history: tokens not checked); under
+    // every > 1 only the blocks b with b % every == step % every and each
+    // request's last block.
     // phase 0 (after the forward) records, then verifies the context; a
     // backend whose write to a slot changes its block's others calls twice:
     // phase 1 (before the forward) verifies the context at slots the step

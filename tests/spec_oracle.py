@@ -1,6 +1,6 @@
 """docs/spec.md transcribed in plain Python ints: the oracle of the fold, the canary records
-and the digest, for the tests and for tools/make_golden.py; and the slots of a step's ranges
-(`context_slots`), from the op's contract.
+and the digest, for the tests and for tools/make_golden.py; and a paged serving step
+(`PagedStep`), from kvcanary::paged_step's contract.
 
 It shares nothing with the package: bytes are taken from tensors by ordinary indexing in
 logical order (`tensor_bytes`), words are read with int.from_bytes, and splitmix64 is
@@ -190,10 +190,10 @@ def digest(views, slots, positions, unit_offsets, groups=None, num_groups: int =
 # --- the slots of a step's ranges ------------------------------------------------------------
 
 
-def context_slots(table: list[list[int]], lengths: list[int], starts: list[int], block_size: int, cut_slot: int = -1) -> list[list[int]]:
-    """[slots, positions, prev_slots, rows] of kvcanary::context_slots (its contract is in
-    csrc/ops.cpp, not in docs/spec.md), entry by entry: ``lengths[r]`` positions of row ``r``
-    from ``starts[r]``, each read through ``table[r]``."""
+def range_entries(table: list[list[int]], lengths: list[int], starts: list[int], block_size: int, cut_slot: int = -1) -> list[list[int]]:
+    """[slots, positions, prev_slots, rows] of one range of positions per row, entry by entry:
+    ``lengths[r]`` positions of row ``r`` from ``starts[r]``, each read through ``table[r]``;
+    a row's first position > 0 chains through ``cut_slot`` when it is >= 0."""
 
     def slot(row: int, p: int) -> int:
         return table[row][p // block_size] * block_size + p % block_size
@@ -212,7 +212,7 @@ def context_slots(table: list[list[int]], lengths: list[int], starts: list[int],
     return out
 
 
-def verify_context(
+def verify_ranges(
     records: Records,
     fold_of: Callable[[list[int]], list[int]],
     table: list[list[int]],
@@ -230,10 +230,11 @@ def verify_context(
     history_rows: list[int] | None = None,
     padding_slot: int | None = None,
 ) -> tuple[list[int], list[int], list[bool], int, list[list[int]]]:
-    """(slots, rows, flags, waiting, violation rows) of kvcanary::verify_context (its contract
-    is in csrc/ops.cpp), entry by entry: `context_slots`' entries, each chosen or not, then
-    `Records.verify` of the chosen ones with the folds ``fold_of`` gives."""
-    slots, positions, prev_slots, rows = context_slots(table, lengths, starts, block_size, cut_slot)
+    """(slots, rows, flags, waiting, violation rows) of a step's context check, entry by entry:
+    `range_entries`' entries, each chosen or not (a slot in ``written`` waits for the
+    ``deferred`` call; under ``every`` > 1 the blocks of the turn and each row's last block),
+    then `Records.verify` of the chosen ones with the folds ``fold_of`` gives."""
+    slots, positions, prev_slots, rows = range_entries(table, lengths, starts, block_size, cut_slot)
     checked, tokens, waiting = [], [], 0
     for slot, p, r in zip(slots, positions, rows):
         is_written = slot in written
@@ -297,11 +298,11 @@ class PagedStep:
         if phase != 2:
             self.flagged = set()
 
-        def verify_context(deferred: bool, with_written: bool) -> None:
+        def check_context(deferred: bool, with_written: bool) -> None:
             for g in groups:
                 starts = [self.first(g, computed[r]) for r in range(rows)]
                 lengths = [computed[r] - starts[r] for r in range(rows)]
-                checked, entry_rows, flags, _, ring = verify_context_oracle(
+                checked, entry_rows, flags, _, ring = verify_ranges(
                     self.records, self.fold_of, [self.tables[g][r] for r in range(rows)], lengths, starts, self.block_size,
                     cut_slot=-1 if padding_slot is None else padding_slot, written=written if with_written else (),
                     deferred=deferred, every=every, turn=step % every, history=history, known=known,
@@ -325,9 +326,9 @@ class PagedStep:
 
         if phase == 0:
             record()
-            verify_context(deferred=False, with_written=False)
+            check_context(deferred=False, with_written=False)
         elif phase == 1:
-            verify_context(deferred=False, with_written=True)
+            check_context(deferred=False, with_written=True)
             for g in groups:
                 for r in range(rows):
                     end = -(-computed[r] // self.block_size) * self.block_size
@@ -348,8 +349,5 @@ class PagedStep:
             slots = sorted(s for s in blocks - self.flagged if s >= 0)
             for s, fold in zip(slots, self.fold_of(slots)):
                 self.records.records[s][3] = fold
-            verify_context(deferred=True, with_written=True)
+            check_context(deferred=True, with_written=True)
         return out
-
-
-verify_context_oracle = verify_context

@@ -12,7 +12,7 @@ from importlib.metadata import version as _version
 # Importing the package registers every op's fake kernel, paged_step's among them.
 from . import digest, layouts, paged_step  # noqa: F401
 from .binding import SourceTable
-from .canary import ContextVerified, FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
+from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
 from .digest import kv_digest
 from .ops import fold
 from .reference import reference_fold
@@ -34,7 +34,6 @@ __version__ = _version("torch_kvcanary")
 
 __all__ = [
     "READ_ALIGN",
-    "ContextVerified",
     "FailReason",
     "HashMode",
     "KvCanary",

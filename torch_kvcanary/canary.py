@@ -15,13 +15,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from .binding import SourceTable, check_table_fake
-from .ops import c10_dtype_name, check_index_dtype, integer_view, may_check_bounds, refusal
-from .paged_step import _context_slots_fake
+from .ops import check_index_dtype, integer_view, may_check_bounds, refusal
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
@@ -36,15 +34,6 @@ _ORIGIN_FIELDS = 3  # a ring row's (step, group, row) of the paged step that wro
 SLOT_BYTES = 8 * (len(RECORD_FIELDS) + 1)
 """Device bytes a `KvCanary` holds per tracked slot: its record (four int64 fields) and its
 owner tag (one int64)."""
-
-
-class ContextVerified(NamedTuple):
-    """`KvCanary.verify_context`'s answer, on the canary's device."""
-
-    slots: torch.Tensor  # int64 [num_entries]: each entry's slot where checked, -1 elsewhere
-    rows: torch.Tensor  # int64 [num_entries]: each entry's row of the ranges
-    flagged: torch.Tensor  # bool [num_entries]: True where a check failed
-    waiting: torch.Tensor  # int64 [1]: the entries left for the deferred call
 
 
 class FailReason(enum.IntFlag):
@@ -168,31 +157,6 @@ def _verify_fake(
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
-@torch.library.register_fake("kvcanary::verify_context")
-def _verify_context_fake(
-    sources, read_bytes, block_table, offsets, starts, block_size, num_entries, written, history, history_known, history_rows,
-    records, owner_tags, counters, ring, every=1, turn=0, deferred=False, cut_slot=-1, padding_slot=-1, check_bounds=True,
-):  # fmt: skip
-    # context_slots' cheap checks and the canary's, then those of make_context_checks_plan
-    # (csrc/plan/context_slots_plan.cpp) that need no data.
-    _context_slots_fake(block_table, offsets, starts, block_size, num_entries, cut_slot, check_bounds)
-    _check_canary_fake_inputs(sources, block_table, {}, (records, owner_tags, counters, ring))
-    if every < 1:
-        raise ValueError(f"kv-canary: every must be >= 1, got {every}")
-    if not 0 <= turn < every:
-        raise ValueError(f"kv-canary: turn must be in [0, every) = [0, {every}), got {turn}")
-    if written is not None and written.dtype != torch.int64:
-        raise TypeError(f"kv-canary: written must be an int64 tensor, got {c10_dtype_name(written.dtype)}")
-    for name, value in (("history", history), ("history_rows", history_rows)):
-        if value is not None:
-            check_index_dtype(value, name)
-    for name, value in (("written", written), ("history", history), ("history_known", history_known), ("history_rows", history_rows)):
-        if value is not None and value.device != block_table.device:
-            raise ValueError(f"kv-canary: {name} is on {value.device} but block_table is on {block_table.device}; put them on one device")
-    entries = block_table.new_empty((num_entries,), dtype=torch.int64)
-    return entries, torch.empty_like(entries), torch.empty_like(entries, dtype=torch.bool), block_table.new_empty((1,), dtype=torch.int64)
-
-
 # The bound overloads' fakes: the table's check, then those of the Tensor[] form over no sources.
 @torch.library.register_fake("kvcanary::record.bound")
 def _record_bound_fake(sources_table, slots, *args, **kwargs):
@@ -210,12 +174,6 @@ def _refold_bound_fake(sources_table, slots, *args, **kwargs):
 def _verify_bound_fake(sources_table, slots, *args, **kwargs):
     check_table_fake(sources_table)
     return _verify_fake([], [], slots, *args, **kwargs)
-
-
-@torch.library.register_fake("kvcanary::verify_context.bound")
-def _verify_context_bound_fake(sources_table, *args, **kwargs):
-    check_table_fake(sources_table)
-    return _verify_context_fake([], [], *args, **kwargs)
 
 
 class KvCanary:
@@ -374,57 +332,6 @@ class KvCanary:
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
-
-    def verify_context(
-        self,
-        block_table: torch.Tensor,
-        offsets: torch.Tensor,
-        starts: torch.Tensor,
-        *,
-        block_size: int,
-        num_entries: int,
-        written: torch.Tensor | None = None,
-        deferred: bool = False,
-        every: int = 1,
-        turn: int = 0,
-        history: torch.Tensor | None = None,
-        history_known: torch.Tensor | None = None,
-        history_rows: torch.Tensor | None = None,
-        cut_slot: int = -1,
-    ) -> ContextVerified:
-        """Verify a serving step's context in one call, planned on the canary's device: the
-        entries `context_slots` gives for (``block_table``, ``offsets``, ``starts``,
-        ``block_size``, ``num_entries``, ``cut_slot``), each checked as `verify` checks it
-        (fold, position, chain through its previous slot, token) where it is chosen:
-
-        - ``written`` (int64, sorted ascending, e.g. by ``torch.sort``): the slots the step
-          writes. An entry at such a slot is left for the call after the step
-          (``deferred=True``, which checks only those); None: none.
-        - ``every`` > 1: only the blocks whose index ``b`` has ``b % every == turn``, and each
-          row's last block, are checked (a rotating sample; pass the step's ``turn``).
-        - ``history`` (int32 or int64 ``[H, L]``): the token at position ``p`` of row ``r`` is
-          ``history[history_rows[r], p]`` (``history_rows`` None: row ``r``), checked where
-          ``history_known`` (bool, shaped like ``history``; None: everywhere) holds true.
-          None: tokens are not checked.
-
-        Flagged entries go to the ring as `verify`'s do. Eager CPU calls raise for ranges
-        past the table (as `context_slots` does), slots past the capacity, ``written`` out of
-        order and rows the history does not hold; elsewhere such entries are skipped or their
-        tokens not checked, and nothing is read out of bounds.
-        """
-        padding = -1 if self.padding_slot is None else self.padding_slot
-        try:
-            found = self._call(
-                torch.ops.kvcanary.verify_context, block_table, offsets, starts, block_size, num_entries,
-                written, history, history_known, history_rows, self._records, self._owner_tags, self._counters, self._ring,
-                every, turn, deferred, cut_slot, padding, may_check_bounds(block_table),
-            )  # fmt: skip
-        except (ValueError, RuntimeError) as error:
-            int64_only = {"offsets": offsets, "written": written}
-            if any(value is not None and value.dtype != torch.int64 for value in int64_only.values()):
-                raise TypeError(str(error)) from None
-            raise refusal(error, {"block_table": block_table, "starts": starts, "history": history, "history_rows": history_rows}) from None
-        return ContextVerified(*found)
 
     def _call(self, op: torch._ops.OpOverloadPacket, *args):
         """``op`` over this canary's sources: its bound overload over the bound table, or under

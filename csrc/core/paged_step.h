@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "core/context_slots.h"
+#include "core/context_ranges.h"
 #include "core/indices.h"
 
 namespace kvcanary {
@@ -101,7 +101,8 @@ KVC_HOST_DEVICE int64_t group_slot(const PagedGroup& g, int64_t block_size, int6
   return block < 0 ? -1 : block * block_size + p % block_size;
 }
 
-// The group's block table as context_slots reads it.
+// The group's block table as the walk over a context range reads it (the
+// ranges, the cut slot and the outputs left for the caller to set).
 KVC_HOST_DEVICE ContextRanges group_ranges(const PagedGroup& g, int64_t block_size) {
   ContextRanges c{};
   c.block_table = g.block_table;

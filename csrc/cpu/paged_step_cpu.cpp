@@ -1,8 +1,10 @@
 // CPU kernel of kvcanary::paged_step: the step's ranges planned from the
-// engine's rows (cpu/kernels/step_plan_cpu.h), then its record, refold and
+// engine's rows (cpu/kernels/paged_step_cpu.h), then its record, refold and
 // verify batches, each folded on torch's threads and applied with the
 // bookkeeping of record and verify (cpu/kernels/canary_cpu.h). The batches
 // live in host memory the call owns: no tensor is allocated.
+#include "cpu/kernels/paged_step_cpu.h"
+
 #include <torch/csrc/stable/library.h>
 
 #include <algorithm>
@@ -12,8 +14,6 @@
 #include "core/paged_step.h"
 #include "cpu/fold_cpu_entry.h"
 #include "cpu/kernels/canary_cpu.h"
-#include "cpu/kernels/context_slots_cpu.h"
-#include "cpu/kernels/step_plan_cpu.h"
 #include "plan/paged_step_plan.h"
 
 namespace kvcanary {
@@ -130,7 +130,7 @@ class PagedStepCpu {
   }
 
   // Each group's written tokens, rows in record order (cpu/kernels/
-  // step_plan_cpu.h), each chained through the slot of its position - 1.
+  // paged_step_cpu.h), each chained through the slot of its position - 1.
   void record() {
     EntryBatch batch;
     const std::vector<int64_t> order = record_order(step_);
@@ -162,10 +162,11 @@ class PagedStepCpu {
     name_rows(first_row, batch, reported);
   }
 
-  // Each group's context entries (step_plan's context sets: the positions
-  // each request still attends to), chosen as verify_context chooses them:
-  // before the forward those at slots it does not write, after it those it
-  // writes (`deferred`); in a whole step all of them.
+  // Each group's context entries (the step's context sets: the positions
+  // each request still attends to), chosen by select_entry
+  // (core/context_ranges.h): before the forward those at slots it does not
+  // write, after it those it writes (`deferred`); in a whole step all of
+  // them.
   EntryBatch context(bool deferred) const {
     EntryBatch batch;
     ContextChecks checks = plan_.history;
@@ -196,10 +197,10 @@ class PagedStepCpu {
       c.prev_slots = prev_slots.data();
       c.rows = rows.data();
       int64_t* token_out = checks.history != nullptr ? tokens.data() : nullptr;
-      if (n <= kContextSlotsGrain) {
+      if (n <= kContextEntriesGrain) {
         context_checks_range(c, checks, token_out, 0, n);
       } else {
-        torch::stable::parallel_for(0, n, kContextSlotsGrain, [&](int64_t begin, int64_t end) {
+        torch::stable::parallel_for(0, n, kContextEntriesGrain, [&](int64_t begin, int64_t end) {
           context_checks_range(c, checks, token_out, begin, end);
         });
       }

@@ -1,7 +1,6 @@
-// CUDA backend of kvcanary::record, kvcanary::verify, kvcanary::refold and
-// kvcanary::verify_context: argument checks and launches (the kernels are in
-// cuda/canary_cuda_kernel.cu and, for verify_context's entries,
-// cuda/context_slots_cuda_kernel.cu). One launch per call
+// CUDA backend of kvcanary::record, kvcanary::verify and kvcanary::refold:
+// argument checks and launches (the kernels are in cuda/canary_cuda_kernel.cu).
+// One launch per call
 // when the sources fit one launch (kSourcesPerLaunch); more sources are
 // folded first by the fold's kernel, whose chain the canary kernel continues.
 #include "cuda/canary_cuda.h"
@@ -12,16 +11,13 @@
 #include <algorithm>
 #include <optional>
 #include <span>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "cuda/checks.h"
-#include "cuda/context_slots_cuda.h"
 #include "cuda/stream.h"
 #include "libtorch/tensors.h"
 #include "plan/canary_plan.h"
-#include "plan/context_slots_plan.h"
 
 namespace kvcanary {
 namespace {
@@ -151,52 +147,14 @@ void refold_cuda(const SourcesArg& sources, const Tensor& slots, Tensor& records
                            records.mutable_data_ptr<int64_t>(), plan.capacity, stream));
 }
 
-// The range checks of context_slots and verify run as those ops run them
-// (the ranges read on the host, which syncs, and never while a CUDA graph is
-// captured); those of written and the history rows, which would read more on
-// the host, do not: there the kernel's safe results stand.
-std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_cuda(const ContextVerifyInputs& in,
-                                                               const CanaryTables& tables,
-                                                               int64_t padding_slot,
-                                                               bool check_bounds) {
-  const Device device = in.block_table.device();
-  ContextSlotsPlan ranges_plan = make_context_slots_plan(
-      in.block_table, in.offsets, in.starts, in.block_size, in.num_entries, in.cut_slot);
-  ContextRanges& c = ranges_plan.ranges;
-  const ContextChecksPlan checks_plan =
-      make_context_checks_plan(in.block_table, c.num_rows, in.written, in.history, in.history_known,
-                               in.history_rows, in.every, in.turn, in.deferred);
-  const torch::stable::accelerator::DeviceGuard guard(in.block_table.get_device_index());
-  const cudaStream_t stream = current_stream(in.block_table.get_device_index());
-  if (check_bounds) {
-    check_context_ranges_on_host(c, in.block_table.get_device_index());
-  }
-  const ContextSlotsOutputs out = new_context_slots_outputs(c, device);
-  std::optional<Tensor> tokens;
-  if (in.history.has_value()) {
-    tokens = new_tensor({in.num_entries}, ScalarType::Long, device);
-  }
-  Tensor waiting = new_tensor({1}, ScalarType::Long, device);
-  check_cuda(launch_context_checks(
-      c, checks_plan.checks, tokens.has_value() ? tokens->mutable_data_ptr<int64_t>() : nullptr,
-      waiting.mutable_data_ptr<int64_t>(), stream));
-  const std::optional<Tensor> no_tags;
-  Tensor flagged =
-      verify_cuda({in.sources, out.slots, out.positions, tokens, out.prev_slots, no_tags}, tables,
-                  padding_slot, check_bounds);
-  return {out.slots, out.rows, flagged, waiting};
-}
-
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
   m.impl("record", TORCH_BOX(&record_op<record_cuda>));
   m.impl("verify", TORCH_BOX(&verify_op<verify_cuda>));
-  m.impl("verify_context", TORCH_BOX(&verify_context_op<verify_context_cuda>));
   m.impl("refold", TORCH_BOX(&refold_op<refold_cuda>));
   m.impl("record.bound", TORCH_BOX(&record_bound_op<record_cuda>));
   m.impl("verify.bound", TORCH_BOX(&verify_bound_op<verify_cuda>));
-  m.impl("verify_context.bound", TORCH_BOX(&verify_context_bound_op<verify_context_cuda>));
   m.impl("refold.bound", TORCH_BOX(&refold_bound_op<refold_cuda>));
 }
 

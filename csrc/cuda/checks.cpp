@@ -1,12 +1,11 @@
 #include "cuda/checks.h"
 
 #include <cstdint>
-#include <vector>
+#include <optional>
 
 #include "cuda/fold_cuda.h"
 #include "cuda/range_search.h"
 #include "cuda/stream.h"
-#include "plan/context_slots_plan.h"
 
 namespace kvcanary {
 namespace {
@@ -71,20 +70,6 @@ const IndexSearch kCudaSearch{first_at_least_cuda, first_bad_group_cuda};
 void check_slots_per_call(int64_t num_slots) {
   KVCANARY_CHECK_VALUE(num_slots <= kMaxSlotsPerCall, "at most ", kMaxSlotsPerCall,
                        " slots per call on CUDA, got ", num_slots, "; split the batch");
-}
-
-void check_context_ranges_on_host(const ContextRanges& c, int32_t device_index) {
-  const cudaStream_t stream = current_stream(device_index);
-  if (capturing(stream)) {
-    return;
-  }
-  std::vector<int64_t> offsets(static_cast<size_t>(c.num_rows + 1));
-  std::vector<int64_t> starts(static_cast<size_t>(c.num_rows));
-  copy_to_host(offsets.data(), c.offsets, offsets.size() * sizeof(int64_t), stream);
-  if (c.num_rows > 0) {
-    copy_to_host(starts.data(), c.starts, starts.size() * sizeof(int64_t), stream);
-  }
-  check_context_ranges(c, offsets.data(), starts.data());
 }
 
 }  // namespace kvcanary

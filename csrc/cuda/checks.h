@@ -8,17 +8,11 @@
 
 #include <cstdint>
 
-#include "core/context_slots.h"
 #include "plan/checks.h"
 
 namespace kvcanary {
 
 extern const IndexSearch kCudaSearch;
-
-// context_slots, verify_context: check_context_ranges on host copies of the
-// ranges' offsets and starts (one host sync), skipped while a CUDA graph is
-// being captured on the current stream.
-void check_context_ranges_on_host(const ContextRanges& ranges, int32_t device_index);
 
 // fold, record, verify: at most kMaxSlotsPerCall entries per call.
 void check_slots_per_call(int64_t num_slots);

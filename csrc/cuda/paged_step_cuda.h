@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "core/canary_records.h"
-#include "core/context_slots.h"
+#include "core/context_ranges.h"
 #include "core/fold_math.h"
 #include "core/paged_step.h"
 #include "cuda/launch_limits.h"

@@ -286,7 +286,8 @@ __global__ void __launch_bounds__(kStepThreads) write_records_kernel(const Args 
 }
 
 // The entry at position p of request r's context [first, computed) in group
-// g, as verify_context chooses and reads it: slot -1 where not checked.
+// g, chosen and read as select_entry (core/context_ranges.h) does it: slot -1
+// where not checked.
 struct ContextEntry {
   int64_t slot;
   int64_t prev;

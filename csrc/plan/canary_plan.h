@@ -4,7 +4,6 @@
 #pragma once
 
 #include <optional>
-#include <tuple>
 #include <vector>
 
 #include "core/canary_records.h"
@@ -82,83 +81,6 @@ Tensor verify_bound_op(const Tensor& sources_table, const Tensor& slots,
                        Tensor& ring, int64_t padding_slot, bool check_bounds) {
   return verify({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags},
                 {records, owner_tags, counters, ring}, padding_slot, check_bounds);
-}
-
-// The inputs of a verify_context call beyond the canary's tables (the schema
-// in ops.cpp): the sources, the context's ranges (as context_slots takes
-// them), and the choice of entries and tokens.
-struct ContextVerifyInputs {
-  SourcesArg sources;
-  const Tensor& block_table;
-  const Tensor& offsets;
-  const Tensor& starts;
-  int64_t block_size;
-  int64_t num_entries;
-  const std::optional<Tensor>& written;
-  const std::optional<Tensor>& history;
-  const std::optional<Tensor>& history_known;
-  const std::optional<Tensor>& history_rows;
-  int64_t every;
-  int64_t turn;
-  bool deferred;
-  int64_t cut_slot;
-};
-
-// (slots, rows, flagged, waiting): the checked entries' slots (-1 where not
-// checked), their rows, verify's answer, and how many entries wait for the
-// deferred call.
-using ContextVerifyKernel = std::tuple<Tensor, Tensor, Tensor, Tensor> (*)(
-    const ContextVerifyInputs& in, const CanaryTables& tables, int64_t padding_slot,
-    bool check_bounds);
-
-template <ContextVerifyKernel verify_context>
-std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_op(
-    const std::vector<Tensor>& sources, const std::vector<int64_t>& read_bytes,
-    const Tensor& block_table, const Tensor& offsets, const Tensor& starts, int64_t block_size,
-    int64_t num_entries, const std::optional<Tensor>& written, const std::optional<Tensor>& history,
-    const std::optional<Tensor>& history_known, const std::optional<Tensor>& history_rows,
-    const Tensor& records, const Tensor& owner_tags, Tensor& counters, Tensor& ring, int64_t every,
-    int64_t turn, bool deferred, int64_t cut_slot, int64_t padding_slot, bool check_bounds) {
-  return verify_context({{&sources, &read_bytes},
-                         block_table,
-                         offsets,
-                         starts,
-                         block_size,
-                         num_entries,
-                         written,
-                         history,
-                         history_known,
-                         history_rows,
-                         every,
-                         turn,
-                         deferred,
-                         cut_slot},
-                        {records, owner_tags, counters, ring}, padding_slot, check_bounds);
-}
-
-template <ContextVerifyKernel verify_context>
-std::tuple<Tensor, Tensor, Tensor, Tensor> verify_context_bound_op(
-    const Tensor& sources_table, const Tensor& block_table, const Tensor& offsets,
-    const Tensor& starts, int64_t block_size, int64_t num_entries,
-    const std::optional<Tensor>& written, const std::optional<Tensor>& history,
-    const std::optional<Tensor>& history_known, const std::optional<Tensor>& history_rows,
-    const Tensor& records, const Tensor& owner_tags, Tensor& counters, Tensor& ring, int64_t every,
-    int64_t turn, bool deferred, int64_t cut_slot, int64_t padding_slot, bool check_bounds) {
-  return verify_context({{.table = &sources_table},
-                         block_table,
-                         offsets,
-                         starts,
-                         block_size,
-                         num_entries,
-                         written,
-                         history,
-                         history_known,
-                         history_rows,
-                         every,
-                         turn,
-                         deferred,
-                         cut_slot},
-                        {records, owner_tags, counters, ring}, padding_slot, check_bounds);
 }
 
 // A backend's refold on either form of sources, and the op's two signatures.

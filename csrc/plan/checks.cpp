@@ -108,24 +108,4 @@ void check_groups_in_range(const Tensor& slots, const Tensor& groups, int64_t nu
   }
 }
 
-void check_range_offsets(const int64_t* offsets, int64_t num_rows, int64_t num_entries) {
-  KVCANARY_CHECK_VALUE(offsets[0] == 0, "offsets must start at 0, got offsets[0] = ", offsets[0]);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    KVCANARY_CHECK_VALUE(offsets[r + 1] >= offsets[r],
-                         "offsets must be nondecreasing, got offsets[", r + 1,
-                         "] = ", offsets[r + 1], " after offsets[", r, "] = ", offsets[r]);
-  }
-  KVCANARY_CHECK_VALUE(offsets[num_rows] == num_entries, "offsets must end at num_entries (",
-                       num_entries, "), got offsets[", num_rows, "] = ", offsets[num_rows]);
-}
-
-void check_range_positions(int64_t row, int64_t first, int64_t last, int64_t block_size,
-                           int64_t max_blocks) {
-  KVCANARY_CHECK_INDEX(first >= 0, "row ", row, " starts at position ", first,
-                       "; starts must be >= 0");
-  KVCANARY_CHECK_INDEX(last / block_size < max_blocks, "row ", row, " reaches position ", last,
-                       ", in block ", last / block_size, " of a block table of ", max_blocks,
-                       " blocks per row; positions must be < ", max_blocks * block_size);
-}
-
 }  // namespace kvcanary

@@ -115,13 +115,4 @@ void check_entries_in_range(const Tensor& index, const char* name, int64_t capac
 void check_groups_in_range(const Tensor& slots, const Tensor& groups, int64_t num_groups,
                            const IndexSearch& search);
 
-// context_slots: ValueError unless offsets (num_rows + 1 values) start at 0,
-// never decrease and end at num_entries.
-void check_range_offsets(const int64_t* offsets, int64_t num_rows, int64_t num_entries);
-
-// context_slots: IndexError when row `row`'s positions [first, last] start
-// below 0 or reach past the block table's max_blocks blocks of block_size.
-void check_range_positions(int64_t row, int64_t first, int64_t last, int64_t block_size,
-                           int64_t max_blocks);
-
 }  // namespace kvcanary

@@ -2,7 +2,6 @@
 
 #include "plan/bound_sources.h"
 #include "plan/checks.h"
-#include "plan/context_slots_plan.h"
 
 namespace kvcanary {
 namespace {
@@ -38,6 +37,47 @@ void check_step_table(const Tensor& t, const char* name, int64_t rows, int64_t c
   KVCANARY_CHECK_VALUE(t.device() == reference.device() || name == std::string("mailbox"),
                        "the canary's ", name, " is on ", device_of(t), " but its records are on ",
                        device_of(reference));
+}
+
+void check_on_table_device(const Tensor& t, const char* name, const Tensor& block_table) {
+  KVCANARY_CHECK_VALUE(t.device() == block_table.device(), name, " is on ", device_of(t),
+                       " but block_table is on ", device_of(block_table), "; ", kPutOnOneDevice);
+}
+
+// The token history (history, history_known) as the context's checks read it,
+// checked without reading its data: dtypes, shapes and devices; every entry
+// checked (every 1, nothing written) until a call sets the rest.
+ContextChecks history_checks(const Tensor& block_table, const std::optional<Tensor>& history,
+                             const std::optional<Tensor>& history_known) {
+  ContextChecks k{};
+  k.every = 1;
+  if (history.has_value()) {
+    check_index_dtype(*history, "history");
+    KVCANARY_CHECK_VALUE(history->dim() == 2,
+                         "history must be [history_rows, max_positions], got shape ",
+                         shape_of(*history));
+    check_on_table_device(*history, "history", block_table);
+    k.history = history->const_data_ptr();
+    k.history_int32 = history->scalar_type() == ScalarType::Int;
+    k.history_rows = history->size(0);
+    k.history_len = history->size(1);
+    k.history_row_stride = history->stride(0);
+    k.history_position_stride = history->stride(1);
+  }
+  if (history_known.has_value()) {
+    KVCANARY_CHECK_VALUE(history.has_value(), "history_known needs history");
+    KVCANARY_CHECK_TYPE(history_known->scalar_type() == ScalarType::Bool,
+                        "history_known must be a bool tensor, got ", dtype_of(*history_known));
+    KVCANARY_CHECK_VALUE(history_known->dim() == 2 && history_known->size(0) == k.history_rows &&
+                             history_known->size(1) == k.history_len,
+                         "history_known must be shaped like history, ", shape_of(*history),
+                         ", got shape ", shape_of(*history_known));
+    check_on_table_device(*history_known, "history_known", block_table);
+    k.known = history_known->const_data_ptr<bool>();
+    k.known_row_stride = history_known->stride(0);
+    k.known_position_stride = history_known->stride(1);
+  }
+  return k;
 }
 
 PagedGroup make_group(const PagedStepArgs& a, size_t g, const Tensor& records) {
@@ -119,10 +159,7 @@ PagedStepPlan make_paged_step_plan(const PagedStepArgs& a) {
     plan.input_ids = a.input_ids->const_data_ptr();
     plan.input_ids_int32 = a.input_ids->scalar_type() == ScalarType::Int;
   }
-  const std::optional<Tensor> none;
-  plan.history = make_context_checks_plan(a.block_tables[0], a.num_reqs, none, a.history,
-                                          a.history_known, none, 1, 0, false)
-                     .checks;
+  plan.history = history_checks(a.block_tables[0], a.history, a.history_known);
   if (a.history_rows.has_value()) {
     KVCANARY_CHECK_VALUE(a.history.has_value(), "history_rows needs history");
     check_step_buffer(*a.history_rows, "history_rows", a.num_reqs, "one per request", records);

@@ -7,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "core/context_slots.h"
+#include "core/context_ranges.h"
 #include "core/paged_step.h"
 #include "libtorch/tensors.h"
 #include "plan/canary_plan.h"

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_kvcanary as kc
 from benchmarks import upstream_baseline
 from torch_kvcanary import digest as digest_units
-from torch_kvcanary import layouts, ops, paged_step
+from torch_kvcanary import layouts, ops
 from torch_kvcanary.integrations.vllm import config, plugin
 from torch_kvcanary.transfer import verify_transfer
 
@@ -706,119 +706,6 @@ def test_canary_refused_calls_write_nothing(device):
             canary.record(slots, positions=slots.cuda())
     for table, saved in zip((canary._records, canary._owner_tags, canary._counters, canary._ring), before):
         assert torch.equal(table, saved)
-
-
-# --- context_slots ------------------------------------------------------------------------------
-
-
-def _ranges_call(table=None, offsets=None, starts=None, block_size=4, num_entries=5, check_bounds=True, device="cpu"):
-    table = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32, device=device) if table is None else table
-    offsets = torch.tensor([0, 3, 5], device=device) if offsets is None else offsets
-    starts = torch.tensor([0, 2], device=device) if starts is None else starts
-    return lambda: paged_step.context_slots(
-        table, offsets, starts, block_size=block_size, num_entries=num_entries, check_bounds=check_bounds
-    )
-
-
-class TestContextSlotsErrors(expecttest.TestCase):
-    def _message(self, exc_type, fn) -> str:
-        with self.assertRaises(exc_type) as info:
-            fn()
-        return str(info.exception)
-
-    def test_arguments(self):
-        cases = {
-            "table rank": (ValueError, _ranges_call(table=torch.zeros(8, dtype=torch.int32))),
-            "table rows": (ValueError, _ranges_call(table=torch.zeros(1, 2, dtype=torch.int32))),
-            "offsets rank": (ValueError, _ranges_call(offsets=torch.zeros(1, 3, dtype=torch.int64))),
-            "offsets empty": (
-                ValueError,
-                _ranges_call(offsets=torch.zeros(0, dtype=torch.int64), starts=torch.zeros(0, dtype=torch.int64)),
-            ),
-            "starts count": (ValueError, _ranges_call(starts=torch.tensor([0, 0, 0]))),
-            "block size": (ValueError, _ranges_call(block_size=0)),
-            "num_entries": (ValueError, _ranges_call(num_entries=-1)),
-            "offsets device": (ValueError, _ranges_call(offsets=torch.tensor([0, 3, 5], device="meta"))),
-        }
-        messages = {name: self._message(exception, fn) for name, (exception, fn) in cases.items()}
-        self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
-            """\
-table rank: kv-canary: block_table must be [num_table_rows, max_blocks], got shape [8]
-table rows: kv-canary: got 2 rows but block_table has 1; row r reads row r of block_table
-offsets rank: kv-canary: offsets must be 1-D with num_rows + 1 entries, got shape [1, 3]
-offsets empty: kv-canary: offsets must be 1-D with num_rows + 1 entries, got shape [0]
-starts count: kv-canary: starts must be 1-D with 2 entries (one per row; offsets has 3), got shape [3]
-block size: kv-canary: block_size must be >= 1, got 0
-num_entries: kv-canary: num_entries must be >= 0, got -1
-offsets device: kv-canary: offsets is on meta but block_table is on cpu; put them on one device""",
-        )
-
-    def test_dtypes(self):
-        self.assertExpectedInline(
-            self._message(TypeError, _ranges_call(table=torch.zeros(2, 2))),
-            """kv-canary: block_table must be an int32 or int64 tensor, got Float""",
-        )
-        self.assertExpectedInline(
-            self._message(TypeError, _ranges_call(starts=torch.zeros(2, dtype=torch.int16))),
-            """kv-canary: starts must be an int32 or int64 tensor, got Short""",
-        )
-        self.assertExpectedInline(
-            self._message(TypeError, _ranges_call(offsets=torch.tensor([0, 3, 5], dtype=torch.int32))),
-            """kv-canary: offsets must be an int64 tensor, got Int""",
-        )
-
-    def test_ranges(self):
-        cases = {
-            "first offset": (ValueError, _ranges_call(offsets=torch.tensor([1, 3, 5]))),
-            "decreasing": (ValueError, _ranges_call(offsets=torch.tensor([0, 4, 3]), num_entries=3)),
-            "last offset": (ValueError, _ranges_call(num_entries=6)),
-            "no rows, some entries": (ValueError, _ranges_call(offsets=torch.tensor([0]), starts=torch.zeros(0, dtype=torch.int64))),
-            "negative start": (IndexError, _ranges_call(starts=torch.tensor([-1, 0]))),
-            "past the table": (IndexError, _ranges_call(starts=torch.tensor([0, 7]))),
-        }
-        messages = {name: self._message(exception, fn) for name, (exception, fn) in cases.items()}
-        self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
-            """\
-first offset: kv-canary: offsets must start at 0, got offsets[0] = 1
-decreasing: kv-canary: offsets must be nondecreasing, got offsets[2] = 3 after offsets[1] = 4
-last offset: kv-canary: offsets must end at num_entries (6), got offsets[2] = 5
-no rows, some entries: kv-canary: offsets must end at num_entries (5), got offsets[0] = 0
-negative start: kv-canary: row 0 starts at position -1; starts must be >= 0
-past the table: kv-canary: row 1 reaches position 8, in block 2 of a block table of 2 blocks per row; positions must be < 8""",
-        )
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_context_slots_range_checks_on_each_device(device):
-    past = torch.tensor([0, 7], device=device)  # row 1's positions 7 and 8: block 2 of 2
-    with pytest.raises(IndexError, match="^kv-canary: row 1 reaches position 8, in block 2 of a block table of 2 blocks per row"):
-        _ranges_call(starts=past, device=device)()
-    with pytest.raises(ValueError, match=r"^kv-canary: offsets must end at num_entries \(6\), got offsets\[2\] = 5"):
-        _ranges_call(num_entries=6, device=device)()
-    found = _ranges_call(starts=past, check_bounds=False, device=device)()
-    assert found.slots.tolist() == [12, 13, 14, 11, -1] and found.prev_slots.tolist() == [-1, 12, 13, 10, -1]
-
-
-CONTEXT_FAKE_CASES = [
-    ("table dtype", lambda table, offsets, starts: ctx_op(table.float(), offsets, starts, 4, 5), TypeError),
-    ("starts dtype", lambda table, offsets, starts: ctx_op(table, offsets, starts.short(), 4, 5), TypeError),
-    ("offsets dtype", lambda table, offsets, starts: ctx_op(table, offsets.int(), starts, 4, 5), TypeError),
-    ("table rank", lambda table, offsets, starts: ctx_op(table.view(-1), offsets, starts, 4, 5), ValueError),
-    ("offsets rank", lambda table, offsets, starts: ctx_op(table, offsets.view(1, -1), starts, 4, 5), ValueError),
-]
-ctx_op = torch.ops.kvcanary.context_slots.default
-
-
-@pytest.mark.parametrize("name, call, exception", CONTEXT_FAKE_CASES, ids=[c[0] for c in CONTEXT_FAKE_CASES])
-def test_context_slots_fake_kernel_refuses_like_the_kernels(name, call, exception):
-    table, offsets, starts = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32), torch.tensor([0, 3, 5]), torch.tensor([0, 2])
-    with pytest.raises(RAW_OP_REFUSAL) as real:
-        call(table, offsets, starts)
-    with FakeTensorMode() as mode, pytest.raises(exception) as fake:
-        call(*(mode.from_tensor(t) for t in (table, offsets, starts)))
-    assert str(fake.value) == str(real.value)
 
 
 # --- the digest ---------------------------------------------------------------------------------

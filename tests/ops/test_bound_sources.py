@@ -141,39 +141,6 @@ def test_bound_record_verify_refold_are_the_tensor_list_ops_and_the_oracle(name,
     assert bound[0].tolist() == listed[0].tolist() == oracle.records
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bound_verify_context_is_the_tensor_list_op_and_the_oracle(device):
-    kv = _pool((2, 8, 16, 2, 32), device)  # capacity 128
-    views, read_bytes = [kv[0], kv[1]], [64, 64]
-    table = torch.ops.kvcanary.bind_sources(views, read_bytes)
-    oracle = spec_oracle.Records(128)
-    blocks = [[1, 2, 3]]
-    slots, positions, prev_slots, _ = spec_oracle.context_slots(blocks, [48], [0], 16)
-    longs = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    listed, bound = _canary_tables(128, device), _canary_tables(128, device)
-    for tables in (listed, bound):
-        torch.ops.kvcanary.record(views, read_bytes, longs(slots), longs(positions), None, longs(prev_slots), None, *tables)
-    oracle.record(slots, _oracle_folds(views, read_bytes, longs(slots)), positions=positions, prev_slots=prev_slots)
-    kv[1, 2, 5, 0, 3] += 1  # slot 37's V bytes change
-
-    block_table = torch.tensor(blocks, dtype=torch.int32, device=device)
-    offsets, starts = longs([0, 48]), longs([0])
-    args = (block_table, offsets, starts, 16, 48, None, None, None, None)
-    found = kc.ContextVerified(*torch.ops.kvcanary.verify_context.bound(table, *args, *bound))
-    expected = torch.ops.kvcanary.verify_context(views, read_bytes, *args, *listed)
-    assert [t.tolist() for t in found] == [t.tolist() for t in expected]
-    oracle_slots, oracle_rows, flags, waiting, _ = spec_oracle.verify_context(
-        oracle, lambda s: _oracle_folds(views, read_bytes, longs(s)), blocks, [48], [0], 16
-    )
-    assert [found.slots.tolist(), found.rows.tolist(), found.flagged.tolist(), found.waiting.item()] == [
-        oracle_slots,
-        oracle_rows,
-        flags,
-        waiting,
-    ]
-    assert found.flagged.nonzero().reshape(-1).tolist() == [37 - 16]
-
-
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -233,19 +200,6 @@ def test_a_released_table_is_refused_by_every_bound_op(device):
         "record": lambda: torch.ops.kvcanary.record.bound(table, slots, None, None, None, None, *tables),
         "verify": lambda: torch.ops.kvcanary.verify.bound(table, slots, None, None, None, None, *tables),
         "refold": lambda: torch.ops.kvcanary.refold.bound(table, slots, tables[0]),
-        "verify_context": lambda: torch.ops.kvcanary.verify_context.bound(
-            table,
-            torch.zeros(1, 1, dtype=torch.int32, device=device),
-            slots.new_tensor([0, 1]),
-            slots.new_tensor([0]),
-            16,
-            1,
-            None,
-            None,
-            None,
-            None,
-            *tables,
-        ),  # fmt: skip
     }
     for call in calls.values():
         with pytest.raises(RAW_OP_REFUSAL, match=message):

@@ -278,48 +278,6 @@ def _digest_program(device: str) -> Program:
     return Program(_request_digest, batches, replays, expect)
 
 
-# context_slots ------------------------------------------------------------------------------
-
-
-def _ranges(lengths: list[int], starts: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    return offsets.to(device), torch.tensor(starts, dtype=torch.int32, device=device)
-
-
-def _context_slots_samples(device: str) -> list[tuple]:
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randint(0, 40, (5, 6), dtype=torch.int32, generator=gen).to(device)
-    samples = []
-    for lengths, starts, cut in (([3, 0, 7, 1], [0, 5, 2, 23], 0), ([], [], -1), ([24, 24], [0, 0], -1)):
-        offsets, begin = _ranges(lengths, starts, device)
-        samples.append((table, offsets, begin, 4, sum(lengths), cut, True))
-    offsets, begin = _ranges([2, 5], [20, 0], device)
-    samples.append((table.long()[:, ::2], offsets, begin.long(), 2, 7, -1, False))  # strided int64 table
-    return samples
-
-
-def _step_slots(table, offsets, starts, num_entries):
-    found = paged_step.context_slots(table, offsets, starts, block_size=4, num_entries=num_entries, cut_slot=0)
-    return torch.stack(found)
-
-
-def _context_slots_program(device: str) -> Program:
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randint(1, 60, (6, 8), dtype=torch.int32, generator=gen).to(device)
-
-    def batch(lengths: list[int], starts: list[int]) -> tuple:
-        return (table, *_ranges(lengths, starts, device), sum(lengths))
-
-    batches = [batch([3, 0, 7], [0, 5, 2]), batch([1] * 6, [31, 0, 4, 9, 17, 30]), batch([32, 12], [0, 20]), batch([], [])]
-    replays = [batch([4, 4, 4], [0, 8, 28]), batch([1, 10, 1], [0, 3, 31]), batch([12, 0, 0], [20, 0, 0])]
-
-    def expect(table, offsets, starts, num_entries):
-        lengths = offsets.diff().tolist()
-        return spec_oracle.context_slots(table.tolist(), lengths, starts.tolist(), 4, cut_slot=0)
-
-    return Program(_step_slots, batches, replays, expect)
-
-
 # refold -------------------------------------------------------------------------------------
 
 
@@ -353,80 +311,6 @@ def _refold_program(device: str) -> Program:
     batches = [(_longs([16, -1, 17], device),), (torch.arange(18, 40, dtype=torch.int32, device=device),), (_longs([], device),)]
     replays = [(_longs([-1] * 8, device),), (torch.arange(40, 48, device=device),), (_longs([16, 20, 24, 28, 32, 36, 40, 44], device),)]
     return Program(fn, batches, replays, expect)
-
-
-# verify_context -----------------------------------------------------------------------------
-
-# A request through blocks 1, 2 and 3 of the canary's pool (8 blocks of 16), positions 0 .. 47.
-_BLOCKS = [1, 2, 3]
-
-
-def _recorded_request(device: str) -> tuple[torch.Tensor, kc.KvCanary, spec_oracle.Records, torch.Tensor]:
-    """The pool, its canary and the spec's records after one request wrote positions 0 .. 47,
-    a slot of it damaged since, and the request's token history (row 1 of two)."""
-    kv, canary = _canary(device)
-    oracle = spec_oracle.Records(canary.capacity)
-    history = (torch.arange(2 * 48, dtype=torch.int32) * 7 % 101).reshape(2, 48).to(device)
-    slots, positions, prev_slots, _ = spec_oracle.context_slots([_BLOCKS], [48], [0], 16)
-    tokens = history[1].tolist()
-    canary.record(
-        _longs(slots, device), positions=_longs(positions, device), tokens=_longs(tokens, device), prev_slots=_longs(prev_slots, device)
-    )
-    oracle.record(slots, _reference_folds(canary, _longs(slots, device)), positions=positions, tokens=tokens, prev_slots=prev_slots)
-    kv[1, 2, 5, 0, 3] += 1  # the V bytes of slot 2 * 16 + 5 = 37 (position 21) change
-    return kv, canary, oracle, history
-
-
-def _verify_context_samples(device: str) -> list[tuple]:
-    _, canary, _, history = _recorded_request(device)
-    table = torch.tensor([_BLOCKS, [4, 5, 6]], dtype=torch.int32, device=device)
-    offsets, starts = _ranges([20, 5], [0, 40], device)
-    head = (canary._views, canary._read_bytes, table, offsets, starts, 16, 25)
-    tables = (canary._records, canary._owner_tags, canary._counters, canary._ring)
-    known = torch.ones(2, 48, dtype=torch.bool, device=device)
-    rows = torch.tensor([1, 0], device=device)
-    written = _longs([17, 70], device)
-    return [
-        (*head, written, history, known, rows, *tables, 2, 1, False, 0, -1, True),
-        (*head, written, None, None, None, *tables, 1, 0, True, -1, -1, True),
-        (*head, None, history.long()[:, ::2], None, None, *tables, 1, 0, False, -1, -1, False),  # a strided int64 history
-    ]
-
-
-def _verify_context_program(device: str) -> Program:
-    _, canary, oracle, history = _recorded_request(device)
-    rows = []
-
-    def fn(table, offsets, starts, num_entries, written, history_rows):
-        found = canary.verify_context(
-            table, offsets, starts, block_size=16, num_entries=num_entries, written=written, every=2, turn=1,
-            history=history, history_rows=history_rows,
-        )  # fmt: skip
-        return torch.cat([found.slots, found.rows, found.flagged.long(), found.waiting])
-
-    def expect(table, offsets, starts, num_entries, written, history_rows):
-        slots, entry_rows, flags, waiting, flagged = spec_oracle.verify_context(
-            oracle, lambda s: _reference_folds(canary, _longs(s, device)), table.tolist(), offsets.diff().tolist(), starts.tolist(), 16,
-            written=set(written.tolist()), every=2, turn=1, history=history.tolist(), history_rows=history_rows.tolist(),
-        )  # fmt: skip
-        rows.extend(flagged)
-        return [*slots, *entry_rows, *map(int, flags), waiting]
-
-    def step(lengths: list[int], starts: list[int], written: list[int], history_rows: list[int], table=(_BLOCKS, [3, 2, 1])) -> tuple:
-        table = torch.tensor(table, dtype=torch.int32, device=device)
-        rows_of_history = torch.tensor(history_rows, dtype=torch.int32, device=device)
-        return (table, *_ranges(lengths, starts, device), sum(lengths), _longs(sorted(written), device), rows_of_history)
-
-    batches = [
-        step([48, 0], [0, 0], [40, 100], [1, 0]),
-        step([30, 10], [10, 2], [], [1, 1]),  # the second row reads the request's blocks in another order
-        step([1], [47], [63], [0], table=(_BLOCKS,)),  # its newest slot, written by the step: left for later
-        step([], [], [5], [], table=(_BLOCKS,)),
-    ]
-    replays = [step([16, 16], [0, 16], [20, 21], [1, 1]), step([20, 12], [28, 0], [3, 4], [1, 0]), step([8, 24], [40, 8], [17, 37], [1, 1])]
-    return Program(
-        fn, batches, replays, expect, state=lambda: {"rows": _ring_rows(canary.poll())}, expected_state=lambda: {"rows": sorted(rows)}
-    )
 
 
 # paged_step ---------------------------------------------------------------------------------
@@ -497,8 +381,6 @@ OPS = [
     OpCase("record", _record_samples, _record_program),
     OpCase("verify", _verify_samples, _verify_program),
     OpCase("digest", _digest_samples, _digest_program),
-    OpCase("context_slots", _context_slots_samples, _context_slots_program),
-    OpCase("verify_context", _verify_context_samples, _verify_context_program),
     OpCase("refold", _refold_samples, _refold_program),
 ]
 
@@ -514,17 +396,6 @@ HOST_QUERY_CHECKS = ("test_schema", "test_autograd_registration", "test_faketens
 # Ops that answer a size on the host from int arguments, for a caller to allocate by once:
 # the same checks as the queries', on their samples.
 HOST_SIZES = {"paged_step_scratch_size": [(1, 0, 0, 0), (2, 64, 8, 1024), (8, 4096, 256, 1 << 20)]}
-
-# Ops that plan a serving step on the host: CPU tensors in and out whatever device the step
-# runs on, called eagerly between two forwards (the size of an output depends on the
-# inputs' values), so of the contracts only opcheck's apply to them. Their samples.
-HOST_PLANS = {
-    "step_plan": [
-        (_longs([5, 2, 3], "cpu"), _longs([1, 7, 0], "cpu"), _longs([[0, 0, 0], [4, 0, 1]], "cpu"), 4, True),
-        (_longs([0, 40], "cpu"), _longs([16, 1], "cpu"), _longs([[0, 0]], "cpu"), 16, False),
-        (_longs([], "cpu"), _longs([], "cpu"), torch.zeros(2, 0, dtype=torch.int64), 32, True),
-    ],
-}
 
 # Ops that are a serving step's whole canary work, called through an object bound to the
 # engine's own step buffers (paged_step: PagedStep). Their samples on a device; of the
@@ -547,14 +418,14 @@ def _bound_fold_args(args: tuple) -> tuple:
     return torch.ops.kvcanary.bind_sources(sources, read_bytes), slots, check_bounds
 
 
-BOUND = {"fold": _bound_fold_args, "record": _bound_args, "verify": _bound_args, "verify_context": _bound_args, "refold": _bound_args}
+BOUND = {"fold": _bound_fold_args, "record": _bound_args, "verify": _bound_args, "refold": _bound_args}
 BOUND_CASES = [case for case in OPS if case.op in BOUND]
 
 
 def test_every_op_is_in_a_table():
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcanary::")}
     bound = {f"{op}.bound" for op in BOUND} | {"bind_sources"}
-    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_SIZES) | set(HOST_PLANS) | set(STEP_OPS) | bound
+    assert registered == {case.op for case in OPS} | set(HOST_QUERIES) | set(HOST_SIZES) | set(STEP_OPS) | bound
 
 
 # --- the contracts ---------------------------------------------------------------------------
@@ -582,13 +453,6 @@ def test_bind_sources_opcheck(device):
     # the contracts, those that do not compare values apply.
     for sources, _, read_bytes, _ in _fold_samples(device):
         torch.library.opcheck(torch.ops.kvcanary.bind_sources.default, (sources, read_bytes), test_utils=HOST_QUERY_CHECKS)
-
-
-@pytest.mark.parametrize("name", sorted(HOST_PLANS))
-def test_host_plan_opcheck(name):
-    op = getattr(torch.ops.kvcanary, name).default
-    for args in HOST_PLANS[name]:
-        torch.library.opcheck(op, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -691,8 +555,5 @@ def test_the_library_names_no_module_for_its_fake_kernels():
     # The package registers the fake kernels when it loads the library, so they are there
     # whenever the ops are. The library defines its ops the stable-ABI way at the floor (2.10),
     # where the stable ABI cannot name their module to torch (set_python_module, from 2.13 on).
-    stubs = {
-        op: torch._C._dispatch_pystub(f"kvcanary::{op}", "")
-        for op in ("fold", "record", "verify", "digest", "context_slots", "verify_context", "refold")
-    }
+    stubs = {op: torch._C._dispatch_pystub(f"kvcanary::{op}", "") for op in ("fold", "record", "verify", "digest", "refold")}
     assert stubs == dict.fromkeys(stubs)

@@ -1,6 +1,6 @@
 """The op library as the Python side and the documentation describe it: the schemas in
 docs/api.md are the registered ones, and what the paged step's ops name once in C++ and once
-in Python (step_plan's sets, paged_step's phases, mailbox words and ring-row origin fields)
+in Python (paged_step's phases, mailbox words and ring-row origin fields)
 agrees."""
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import torch
 from helpers import REPO
 
 from torch_kvcanary.canary import _ORIGIN_FIELDS
-from torch_kvcanary.paged_step import STEP_SETS, MailboxWord, StepPhase, StepSet
+from torch_kvcanary.paged_step import MailboxWord, StepPhase
 
 API_DOC = REPO / "docs" / "api.md"
-
-STEP_PLAN_HEADER = REPO / "csrc" / "cpu" / "kernels" / "step_plan_cpu.h"
 
 PAGED_STEP_HEADER = REPO / "csrc" / "core" / "paged_step.h"
 
@@ -28,18 +26,9 @@ def cxx_enum(path, name: str) -> dict[str, int]:
 
 
 def as_python_names(cxx: dict[str, int], prefix: str = "k") -> dict[str, int]:
-    """kBlocksWritten as BLOCKS_WRITTEN: the enumerators' names as the Python enums spell
+    """kWholeStep as WHOLE_STEP: the enumerators' names as the Python enums spell
     them, ``prefix`` left out."""
     return {re.sub(r"(?<!^)(?=[A-Z])", "_", key.removeprefix(prefix)).upper(): value for key, value in cxx.items()}
-
-
-def test_the_step_sets_are_the_cxx_enum():
-    # The kernel packs the sets in the C++ enum's order; the Python enum names them for the
-    # plan's readers: kBlocksWritten is BLOCKS_WRITTEN, kStepSets the number of them.
-    cxx = cxx_enum(STEP_PLAN_HEADER, "StepSet")
-    count = cxx.pop("kStepSets")
-    assert as_python_names(cxx) == {step_set.name: step_set.value for step_set in StepSet}
-    assert count == STEP_SETS == len(StepSet)
 
 
 def test_the_paged_step_phases_are_the_cxx_enum():

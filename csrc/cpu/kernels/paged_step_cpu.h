@@ -1,7 +1,6 @@
-// The host's plan of a paged serving step (kvcanary::step_plan, ops.cpp):
-// per request, the range sets the step verifies, records and refolds, packed
-// for context_slots and verify_context. Torch-free; O(sets * rows) plus the
-// index sets' entries.
+// The CPU loops of kvcanary::paged_step (ops.cpp), torch-free: per request,
+// the range sets the step verifies, records and refolds (O(sets * rows)), and
+// the walk over a group's context entries.
 #pragma once
 
 #include <algorithm>
@@ -9,22 +8,21 @@
 #include <numeric>
 #include <vector>
 
+#include "core/context_ranges.h"
+
 namespace kvcanary {
 
 // The step's sets, in order; each KV cache group's context (a range set)
-// follows kStepSets. torch_kvcanary/paged_step.py's StepSet names them for
-// Python (tests/test_op_library.py holds the two equal).
+// follows kStepSets.
 enum StepSet : int64_t {
   kWritten = 0,        // the positions the step writes
   kTail = 1,           // rest of the last block before the step, not written
   kBlocksWritten = 2,  // every position of the blocks the step writes into
-  kRecordOrder = 3,    // the written tokens' indices in record order (index set)
+  kRecordOrder = 3,    // the written tokens' indices in record order
   kStepSets = 4,
 };
 
 inline int64_t num_step_sets(int64_t num_groups) { return kStepSets + num_groups; }
-
-inline bool is_index_set(int64_t set) { return set == kRecordOrder; }
 
 struct StepInputs {
   const int64_t* computed;   // [rows] tokens in the cache before the step
@@ -96,57 +94,24 @@ inline StepRanges step_ranges(const StepInputs& in) {
   return r;
 }
 
-// Where each set starts in the packed plan and how many entries it has: range
-// sets first, in set order, each as its context_slots arguments (offsets,
-// rows + 1 values from 0, then starts, rows values); then the index sets'
-// values, in set order.
-struct StepLayout {
-  std::vector<int64_t> bases;
-  std::vector<int64_t> counts;
-  int64_t size = 0;
-};
+// Context entries a thread takes at least: each costs a few loads.
+constexpr int64_t kContextEntriesGrain = 16384;
 
-inline StepLayout step_layout(const StepRanges& r, int64_t num_rows, int64_t num_sets) {
-  StepLayout layout{std::vector<int64_t>(num_sets), std::vector<int64_t>(num_sets), 0};
-  for (int64_t s = 0; s < num_sets; ++s) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < num_rows; ++i) {
-      count += r.ends[s * num_rows + i] - r.starts[s * num_rows + i];
+// A group's context entries [begin, end), the row found once by a search and
+// then walked forward: each written (write_entry), then kept where it is
+// checked (select_entry); the number that wait for the deferred call.
+inline int64_t context_checks_range(const ContextRanges& c, const ContextChecks& k, int64_t* tokens,
+                                    int64_t begin, int64_t end) {
+  int64_t waiting = 0;
+  int64_t r = row_of(c, begin);
+  for (int64_t i = begin; i < end; ++i) {
+    while (r + 1 < c.num_rows && c.offsets[r + 1] <= i) {
+      ++r;
     }
-    layout.counts[s] = count;
+    write_entry(c, i, r);
+    waiting += select_entry(c, k, i, r, tokens) ? 1 : 0;
   }
-  for (const bool index_sets : {false, true}) {
-    for (int64_t s = 0; s < num_sets; ++s) {
-      if (is_index_set(s) == index_sets) {
-        layout.bases[s] = layout.size;
-        layout.size += index_sets ? layout.counts[s] : 2 * num_rows + 1;
-      }
-    }
-  }
-  return layout;
-}
-
-inline void write_step_plan(const StepRanges& r, const StepLayout& layout, int64_t num_rows,
-                            int64_t* plan) {
-  const int64_t num_sets = static_cast<int64_t>(layout.bases.size());
-  for (int64_t s = 0; s < num_sets; ++s) {
-    const int64_t* starts = r.starts.data() + s * num_rows;
-    const int64_t* ends = r.ends.data() + s * num_rows;
-    int64_t* out = plan + layout.bases[s];
-    if (is_index_set(s)) {
-      for (int64_t i = 0; i < num_rows; ++i) {
-        for (int64_t v = starts[i]; v < ends[i]; ++v) {
-          *out++ = v;
-        }
-      }
-      continue;
-    }
-    out[0] = 0;
-    for (int64_t i = 0; i < num_rows; ++i) {
-      out[i + 1] = out[i] + (ends[i] - starts[i]);
-      out[num_rows + 1 + i] = starts[i];
-    }
-  }
+  return waiting;
 }
 
 }  // namespace kvcanary

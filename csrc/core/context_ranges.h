@@ -1,7 +1,8 @@
-// The slots of a step's context ranges (kvcanary::context_slots; its contract
-// is in ops.cpp): entry i of row r is position starts[r] + (i - offsets[r]),
-// read through row r of a paged block table. Torch-free, shared by the CPU and
-// CUDA kernels.
+// The entries of a paged step's context ranges (kvcanary::paged_step; its
+// contract is in ops.cpp): entry i of row r is position starts[r] + (i -
+// offsets[r]), read through row r of a paged block table, and which of them
+// the step checks, against which token. Torch-free, shared by the CPU and CUDA
+// kernels.
 #pragma once
 
 #include <cstdint>
@@ -70,7 +71,7 @@ KVC_HOST_DEVICE void write_entry(const ContextRanges& c, int64_t i, int64_t r) {
   c.rows[i] = r;
 }
 
-// Which of a step's context entries kvcanary::verify_context checks, and the
+// Which of a step's context entries kvcanary::paged_step checks, and the
 // token each is checked against (its contract is in ops.cpp).
 struct ContextChecks {
   const int64_t* written;  // the slots the step writes, ascending; null: none
