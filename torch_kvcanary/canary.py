@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +35,18 @@ _ORIGIN_FIELDS = 3  # a ring row's (step, group, row) of the paged step that wro
 SLOT_BYTES = 8 * (len(RECORD_FIELDS) + 1)
 """Device bytes a `KvCanary` holds per tracked slot: its record (four int64 fields) and its
 owner tag (one int64)."""
+
+
+class StepTables(NamedTuple):
+    """The tables of a `KvCanary` that a paged step reads and updates in place
+    (`KvCanary.step_tables`, what `PagedStep` passes to `kvcanary::paged_step`)."""
+
+    sources_table: torch.Tensor  # the bound sources' table (`SourceTable.table`)
+    records: torch.Tensor  # int64 [capacity, 4]
+    owner_tags: torch.Tensor  # int64 [capacity]
+    counters: torch.Tensor  # int64 [counters]
+    ring: torch.Tensor  # int64 [ring_capacity, 8]: the violation ring
+    origins: torch.Tensor  # int64 [ring_capacity, 3]: each ring row's (step, group, row)
 
 
 class FailReason(enum.IntFlag):
@@ -332,6 +345,11 @@ class KvCanary:
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
+
+    def step_tables(self) -> StepTables:
+        """The tables a paged step (`PagedStep`) binds once and updates in place: the bound
+        sources, the records, owner tags, counters, violation ring and the ring rows' origins."""
+        return StepTables(self._bound.table, self._records, self._owner_tags, self._counters, self._ring, self._origins)
 
     def _call(self, op: torch._ops.OpOverloadPacket, *args):
         """``op`` over this canary's sources: its bound overload over the bound table, or under

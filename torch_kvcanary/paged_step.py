@@ -107,9 +107,10 @@ class PagedStep:
         self.mailbox = torch.full((len(MailboxWord),), -1, dtype=torch.int64, pin_memory=pinned)
         self._mail = self.mailbox.numpy()
         self._op = torch.ops.kvcanary.paged_step.default
-        self._groups = (canary._bound.table, list(block_tables), list(slot_mappings), sliding_windows, chunk_sizes)
+        tables = canary.step_tables()
+        self._groups = (tables.sources_table, list(block_tables), list(slot_mappings), sliding_windows, chunk_sizes)
         self.scratch = torch.empty(scratch_size(canary, block_tables, slot_mappings), dtype=torch.int64, device=canary.device)
-        self._tables = (canary._records, canary._owner_tags, canary._counters, canary._ring, canary._origins, self.mailbox, self.scratch)
+        self._tables = (tables.records, tables.owner_tags, tables.counters, tables.ring, tables.origins, self.mailbox, self.scratch)
         self._padding = -1 if canary.padding_slot is None else canary.padding_slot
 
     def __call__(
