@@ -67,24 +67,29 @@ class PagedStepCpu {
         firsts_[g * num_rows + r] = first_attended(plan.groups[g], computed_[r]);
       }
     }
-    step_ = {computed_.data(), scheduled_.data(), firsts_.data(),          num_rows,
-             num_groups,       args.block_size,   args.phase != kWholeStep};
+    step_ = {computed_.data(),
+             scheduled_.data(),
+             firsts_.data(),
+             num_rows,
+             num_groups,
+             args.engine.block_size,
+             args.call.phase != kWholeStep};
     ranges_ = step_ranges(step_);
-    counters_ = args.tables.counters.mutable_data_ptr<int64_t>();
-    ring_ = args.tables.ring.mutable_data_ptr<int64_t>();
-    ring_capacity_ = args.tables.ring.size(0);
-    origins_ = args.origins.mutable_data_ptr<int64_t>();
+    counters_ = args.engine.tables.counters.mutable_data_ptr<int64_t>();
+    ring_ = args.engine.tables.ring.mutable_data_ptr<int64_t>();
+    ring_capacity_ = args.engine.tables.ring.size(0);
+    origins_ = args.engine.origins.mutable_data_ptr<int64_t>();
   }
 
   void run() {
-    int64_t* mailbox = args_.mailbox.mutable_data_ptr<int64_t>();
-    if (args_.phase != kAfterForward) {
+    int64_t* mailbox = args_.engine.mailbox.mutable_data_ptr<int64_t>();
+    if (args_.call.phase != kAfterForward) {
       mailbox[kMailRingStart] = counters_[kRingWrite];
     }
-    if (args_.phase != kWholeStep) {
+    if (args_.call.phase != kWholeStep) {
       written_ = written_slots();
     }
-    switch (args_.phase) {
+    switch (args_.call.phase) {
       case kWholeStep:
         record();
         verify(context(false), true);
@@ -99,9 +104,9 @@ class PagedStepCpu {
         verify(context(true), true);
         break;
     }
-    mailbox[kMailPhase] = args_.phase;
+    mailbox[kMailPhase] = args_.call.phase;
     mailbox[kMailViolations] = counters_[kViolations];
-    mailbox[kMailStep] = args_.step;
+    mailbox[kMailStep] = args_.call.step;
   }
 
  private:
@@ -117,7 +122,7 @@ class PagedStepCpu {
   // Every slot the forward writes, in any group, ascending.
   std::vector<int64_t> written_slots() const {
     std::vector<int64_t> slots;
-    slots.reserve(num_groups() * args_.num_tokens);
+    slots.reserve(num_groups() * args_.call.num_tokens);
     for (int64_t g = 0; g < num_groups(); ++g) {
       for (int64_t r = 0; r < num_rows(); ++r) {
         for (int64_t t = token_starts_[r]; t < token_starts_[r] + scheduled_[r]; ++t) {
@@ -142,7 +147,7 @@ class PagedStepCpu {
           const int64_t token =
               plan_.input_ids ? load_index(plan_.input_ids, plan_.input_ids_int32, t) : -1;
           batch.add(token_slot(g, t), load_index(plan_.positions, plan_.positions_int32, t), token,
-                    group_slot(group(g), args_.block_size, r, p - 1), g, r);
+                    group_slot(group(g), args_.engine.block_size, r, p - 1), g, r);
         }
       }
     }
@@ -171,9 +176,9 @@ class PagedStepCpu {
     EntryBatch batch;
     ContextChecks checks = plan_.history;
     checks.deferred = deferred;
-    checks.every = args_.every;
-    checks.turn = args_.step % args_.every;
-    if (args_.phase != kWholeStep) {
+    checks.every = args_.call.every;
+    checks.turn = args_.call.step % args_.call.every;
+    if (args_.call.phase != kWholeStep) {
       checks.written = written_.data();
       checks.num_written = static_cast<int64_t>(written_.size());
     }
@@ -186,11 +191,11 @@ class PagedStepCpu {
       }
       const int64_t n = offsets[num_rows()];
       std::vector<int64_t> slots(n), positions(n), prev_slots(n), rows(n), tokens(n, -1);
-      ContextRanges c = group_ranges(group(g), args_.block_size);
+      ContextRanges c = group_ranges(group(g), args_.engine.block_size);
       c.offsets = offsets.data();
       c.starts = starts.data();
       c.num_rows = num_rows();
-      c.cut_slot = args_.padding_slot;
+      c.cut_slot = args_.engine.padding_slot;
       c.num_entries = n;
       c.slots = slots.data();
       c.positions = positions.data();
@@ -219,7 +224,7 @@ class PagedStepCpu {
     for (int64_t g = 0; g < num_groups(); ++g) {
       for (int64_t r = 0; r < num_rows(); ++r) {
         for (int64_t p = range_start(set, r); p < range_end(set, r); ++p) {
-          const int64_t s = group_slot(group(g), args_.block_size, r, p);
+          const int64_t s = group_slot(group(g), args_.engine.block_size, r, p);
           if (s >= 0) {
             batch.add(s, p, -1, -1, g, r);
           }
@@ -262,7 +267,7 @@ class PagedStepCpu {
     std::vector<int64_t> folds(slots.size());
     fold_slot_values_cpu(plan_.fold, slots.data(), false, static_cast<int64_t>(slots.size()),
                          folds.data());
-    int64_t* records = args_.tables.records.mutable_data_ptr<int64_t>();
+    int64_t* records = args_.engine.tables.records.mutable_data_ptr<int64_t>();
     for (size_t i = 0; i < slots.size(); ++i) {
       records[slots[i] * kRecordFields + kFold] = folds[i];
     }
@@ -279,12 +284,12 @@ class PagedStepCpu {
                                nullptr);
     std::vector<int64_t> folds(n);
     const auto flagged = std::make_unique<bool[]>(n);
-    const VerifySide side{verify_tables(), columns, folds.data(), args_.padding_slot,
+    const VerifySide side{verify_tables(), columns, folds.data(), args_.engine.padding_slot,
                           flagged.get()};
     fold_slot_values_cpu(plan_.fold, batch.slots.data(), false, n, folds.data(),
                          {&VerifySide::lines, &VerifySide::after, &side});
     const int64_t first_row = counters_[kRingWrite];
-    verify_rows(side.tables, columns, folds.data(), args_.padding_slot, flagged.get());
+    verify_rows(side.tables, columns, folds.data(), args_.engine.padding_slot, flagged.get());
     name_rows(first_row, batch, std::vector<bool>(flagged.get(), flagged.get() + n));
   }
 
@@ -295,7 +300,7 @@ class PagedStepCpu {
     for (int64_t i = 0; i < batch.size() && index < ring_capacity_; ++i) {
       if (!reported[i]) continue;
       int64_t* origin = origins_ + index * kOriginFields;
-      origin[kOriginStep] = args_.step;
+      origin[kOriginStep] = args_.call.step;
       origin[kOriginGroup] = batch.groups[i];
       origin[kOriginRow] = batch.rows[i];
       ++index;
@@ -303,8 +308,8 @@ class PagedStepCpu {
   }
 
   CpuRecordTables record_tables() const {
-    return {args_.tables.records.mutable_data_ptr<int64_t>(),
-            args_.tables.owner_tags.mutable_data_ptr<int64_t>(),
+    return {args_.engine.tables.records.mutable_data_ptr<int64_t>(),
+            args_.engine.tables.owner_tags.mutable_data_ptr<int64_t>(),
             counters_,
             ring_,
             ring_capacity_,
@@ -312,8 +317,8 @@ class PagedStepCpu {
   }
 
   CpuVerifyTables verify_tables() const {
-    return {args_.tables.records.const_data_ptr<int64_t>(),
-            args_.tables.owner_tags.const_data_ptr<int64_t>(),
+    return {args_.engine.tables.records.const_data_ptr<int64_t>(),
+            args_.engine.tables.owner_tags.const_data_ptr<int64_t>(),
             counters_,
             ring_,
             ring_capacity_,

@@ -65,36 +65,38 @@ int64_t* mailbox_on_device(const Tensor& mailbox, const Tensor& records) {
 PagedStepLaunchArgs launch_args(const PagedStepPlan& plan, const PagedStepArgs& a,
                                 int64_t* mailbox) {
   PagedStepLaunchArgs l{};
+  PagedEngineLaunch& e = l.engine;
   const int64_t num_groups = static_cast<int64_t>(plan.groups.size());
   for (int64_t g = 0; g < num_groups; ++g) {
-    l.groups[g] = plan.groups[g];
+    e.groups[g] = plan.groups[g];
   }
-  l.num_groups = num_groups;
-  l.rows = plan.rows;
-  l.positions = plan.positions;
-  l.positions_int32 = plan.positions_int32;
-  l.input_ids = plan.input_ids;
-  l.input_ids_int32 = plan.input_ids_int32;
-  l.checks = plan.history;
-  l.checks.written = nullptr;
-  l.checks.num_written = 0;
-  l.checks.deferred = false;
-  l.checks.every = a.every;
-  l.checks.turn = a.step % a.every;
-  l.num_tokens = a.num_tokens;
-  l.num_entries = num_groups * a.num_tokens;
-  l.block_size = a.block_size;
-  l.padding_slot = a.padding_slot;
-  l.step = a.step;
-  l.phase = a.phase;
-  l.capacity = plan.capacity;
-  l.records = a.tables.records.mutable_data_ptr<int64_t>();
-  l.owner_tags = a.tables.owner_tags.mutable_data_ptr<int64_t>();
-  l.counters = a.tables.counters.mutable_data_ptr<int64_t>();
-  l.ring = a.tables.ring.mutable_data_ptr<int64_t>();
-  l.ring_capacity = a.tables.ring.size(0);
-  l.origins = a.origins.mutable_data_ptr<int64_t>();
-  l.mailbox = mailbox;
+  e.num_groups = num_groups;
+  e.block_size = a.engine.block_size;
+  e.padding_slot = a.engine.padding_slot;
+  e.capacity = plan.capacity;
+  e.records = a.engine.tables.records.mutable_data_ptr<int64_t>();
+  e.owner_tags = a.engine.tables.owner_tags.mutable_data_ptr<int64_t>();
+  e.counters = a.engine.tables.counters.mutable_data_ptr<int64_t>();
+  e.ring = a.engine.tables.ring.mutable_data_ptr<int64_t>();
+  e.ring_capacity = a.engine.tables.ring.size(0);
+  e.origins = a.engine.origins.mutable_data_ptr<int64_t>();
+  e.mailbox = mailbox;
+  PagedCallLaunch& c = l.call;
+  c.rows = plan.rows;
+  c.positions = plan.positions;
+  c.positions_int32 = plan.positions_int32;
+  c.input_ids = plan.input_ids;
+  c.input_ids_int32 = plan.input_ids_int32;
+  c.checks = plan.history;
+  c.checks.written = nullptr;
+  c.checks.num_written = 0;
+  c.checks.deferred = false;
+  c.checks.every = a.call.every;
+  c.checks.turn = a.call.step % a.call.every;
+  c.num_tokens = a.call.num_tokens;
+  c.num_entries = num_groups * a.call.num_tokens;
+  c.step = a.call.step;
+  c.phase = a.call.phase;
   return l;
 }
 
@@ -112,26 +114,27 @@ void clear_scratch(const PagedStepScratch& s, int64_t capacity, bool no_sources,
 
 void paged_step_cuda(const PagedStepArgs& args) {
   const PagedStepPlan plan = make_paged_step_plan(args);
-  check_whole_step(args.phase);
+  check_whole_step(args.call.phase);
   const int64_t num_groups = static_cast<int64_t>(plan.groups.size());
   KVCANARY_CHECK_VALUE(num_groups <= kMaxPagedGroups, "paged_step on CUDA takes at most ",
                        kMaxPagedGroups, " KV cache groups, got ", num_groups);
-  const int64_t num_entries = num_groups * args.num_tokens;
-  check_key_range(num_groups, args.num_reqs, num_entries);
+  const int64_t num_entries = num_groups * args.call.num_tokens;
+  check_key_range(num_groups, args.call.num_reqs, num_entries);
   // The plan found every tensor but the mailbox on the records' device, a
   // CUDA one.
-  const Tensor& records = args.tables.records;
+  const Tensor& records = args.engine.tables.records;
   const torch::stable::accelerator::DeviceGuard guard(records.get_device_index());
   const cudaStream_t stream = current_stream(records.get_device_index());
-  PagedStepLaunchArgs launch = launch_args(plan, args, mailbox_on_device(args.mailbox, records));
-  const int64_t needed = paged_step_scratch_values(num_entries, args.num_reqs, plan.capacity);
-  KVCANARY_CHECK_VALUE(args.scratch.numel() >= needed, "paged_step's scratch holds ",
-                       args.scratch.numel(), " values; this call on CUDA needs ", needed, " (",
-                       num_groups, " groups, ", args.num_tokens, " tokens, ", args.num_reqs,
-                       " requests, ", plan.capacity,
+  PagedStepLaunchArgs launch =
+      launch_args(plan, args, mailbox_on_device(args.engine.mailbox, records));
+  const int64_t needed = paged_step_scratch_values(num_entries, args.call.num_reqs, plan.capacity);
+  KVCANARY_CHECK_VALUE(args.engine.scratch.numel() >= needed, "paged_step's scratch holds ",
+                       args.engine.scratch.numel(), " values; this call on CUDA needs ", needed,
+                       " (", num_groups, " groups, ", args.call.num_tokens, " tokens, ",
+                       args.call.num_reqs, " requests, ", plan.capacity,
                        " slots): size it with torch.ops.kvcanary.paged_step_scratch_size");
-  launch.scratch = carve_paged_step_scratch(args.scratch.mutable_data_ptr<int64_t>(), num_entries,
-                                            args.num_reqs, plan.capacity);
+  launch.scratch = carve_paged_step_scratch(args.engine.scratch.mutable_data_ptr<int64_t>(),
+                                            num_entries, args.call.num_reqs, plan.capacity);
   const int num_sources = static_cast<int>(plan.fold.sources.size());
   clear_scratch(launch.scratch, plan.capacity, num_sources == 0, stream);
   check_cuda(launch_paged_step(launch, plan.fold.sources.data(), num_sources, stream));

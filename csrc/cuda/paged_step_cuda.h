@@ -16,21 +16,13 @@
 
 namespace kvcanary {
 
-struct PagedStepLaunchArgs {
+// What the kernels read of the engine's constants (PagedEngineArgs): the KV
+// cache groups, the block size, the padding slot and the canary's tables.
+struct PagedEngineLaunch {
   PagedGroup groups[kMaxPagedGroups];
   int64_t num_groups;
-  PagedStepRows rows;
-  const void* positions;
-  bool positions_int32;
-  const void* input_ids;  // null: no tokens
-  bool input_ids_int32;
-  ContextChecks checks;  // the history, every and turn; nothing written
-  int64_t num_tokens;
-  int64_t num_entries;  // num_groups * num_tokens
   int64_t block_size;
   int64_t padding_slot;
-  int64_t step;
-  int64_t phase;
   int64_t capacity;
   int64_t* records;
   int64_t* owner_tags;
@@ -39,7 +31,27 @@ struct PagedStepLaunchArgs {
   int64_t ring_capacity;
   int64_t* origins;
   int64_t* mailbox;  // device-visible address of the mailbox
-  PagedStepScratch scratch;
+};
+
+// What the kernels read of one call (PagedCallArgs): the step's buffers and
+// values.
+struct PagedCallLaunch {
+  PagedStepRows rows;
+  const void* positions;
+  bool positions_int32;
+  const void* input_ids;  // null: no tokens
+  bool input_ids_int32;
+  ContextChecks checks;  // the history, every and turn; nothing written
+  int64_t num_tokens;
+  int64_t num_entries;  // num_groups * num_tokens
+  int64_t step;
+  int64_t phase;
+};
+
+struct PagedStepLaunchArgs {
+  PagedEngineLaunch engine;
+  PagedCallLaunch call;
+  PagedStepScratch scratch;  // carved from the engine's scratch for this call's sizes
 };
 static_assert(sizeof(PagedStepLaunchArgs) <= kMaxLaunchArgBytes,
               "a launch's arguments must fit the limit");

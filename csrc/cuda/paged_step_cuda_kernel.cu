@@ -48,13 +48,13 @@ __device__ __forceinline__ int64_t grid_threads() {
 
 // Appends a violation row with its origin (cuda/ring_cuda.cuh).
 __device__ void append_row(const Args& a, const int64_t* row, int64_t group, int64_t request) {
-  const int64_t index = claim_ring_row(a.counters, a.ring_capacity);
+  const int64_t index = claim_ring_row(a.engine.counters, a.engine.ring_capacity);
   if (index < 0) {
     return;
   }
-  write_ring_row(a.ring, index, row);
-  int64_t* origin = a.origins + index * kOriginFields;
-  origin[kOriginStep] = a.step;
+  write_ring_row(a.engine.ring, index, row);
+  int64_t* origin = a.engine.origins + index * kOriginFields;
+  origin[kOriginStep] = a.call.step;
   origin[kOriginGroup] = group;
   origin[kOriginRow] = request;
 }
@@ -72,22 +72,22 @@ __device__ __forceinline__ EntryInputs one_entry(const int64_t* values) {
 }
 
 __device__ __forceinline__ int64_t token_of(const Args& a, int64_t t) {
-  return a.input_ids != nullptr ? load_index(a.input_ids, a.input_ids_int32, t) : -1;
+  return a.call.input_ids != nullptr ? load_index(a.call.input_ids, a.call.input_ids_int32, t) : -1;
 }
 
 __device__ __forceinline__ int64_t position_of(const Args& a, int64_t t) {
-  return load_index(a.positions, a.positions_int32, t);
+  return load_index(a.call.positions, a.call.positions_int32, t);
 }
 
 __device__ __forceinline__ int64_t query_start(const Args& a, int64_t r) {
-  return load_index(a.rows.query_start_loc, a.rows.query_start_loc_int32, r);
+  return load_index(a.call.rows.query_start_loc, a.call.rows.query_start_loc_int32, r);
 }
 
 // The request whose tokens [q[r], q[r + 1]) hold token t, or -1: the last r
 // with q[r] <= t (a binary search), checked, since query_start_loc may be out
 // of order.
 __device__ int64_t request_of_token(const Args& a, int64_t t) {
-  int64_t lo = 0, hi = a.rows.num_reqs;  // the first r in [0, num_reqs) with q[r] > t
+  int64_t lo = 0, hi = a.call.rows.num_reqs;  // the first r in [0, num_reqs) with q[r] > t
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (query_start(a, mid) <= t) {
@@ -103,15 +103,15 @@ __device__ int64_t request_of_token(const Args& a, int64_t t) {
 // Each request's place in record order (by tokens in the cache, stable), and
 // the ring's write index before the call appends anything.
 __global__ void __launch_bounds__(kStepThreads) rank_kernel(const Args a) {
-  const int64_t n = a.rows.num_reqs;
+  const int64_t n = a.call.rows.num_reqs;
   if (global_thread() == 0) {
-    a.scratch.words[kWordRingStart] = a.counters[kRingWrite];
+    a.scratch.words[kWordRingStart] = a.engine.counters[kRingWrite];
   }
   for (int64_t r = global_thread(); r < n; r += grid_threads()) {
-    const int64_t mine = computed_of(a.rows, r);
+    const int64_t mine = computed_of(a.call.rows, r);
     int64_t rank = 0;
     for (int64_t o = 0; o < n; ++o) {
-      const int64_t other = computed_of(a.rows, o);
+      const int64_t other = computed_of(a.call.rows, o);
       rank += other < mine || (other == mine && o < r);
     }
     a.scratch.row_ranks[r] = rank;
@@ -124,23 +124,23 @@ __global__ void __launch_bounds__(kStepThreads) rank_kernel(const Args a) {
 __global__ void __launch_bounds__(kStepThreads) entries_kernel(const Args a) {
   const PagedStepScratch& s = a.scratch;
   int64_t recorded = 0;
-  for (int64_t e = global_thread(); e < a.num_entries; e += grid_threads()) {
-    const int64_t g = e / a.num_tokens, t = e % a.num_tokens;
+  for (int64_t e = global_thread(); e < a.call.num_entries; e += grid_threads()) {
+    const int64_t g = e / a.call.num_tokens, t = e % a.call.num_tokens;
     const int64_t r = request_of_token(a, t);
     int64_t slot = -1, prev = -1, key = -1;
     if (r >= 0) {
       s.words[kWordRecorded] = 1;
-      const PagedGroup& group = a.groups[g];
+      const PagedGroup& group = a.engine.groups[g];
       slot = load_index(group.slot_mapping, group.slot_mapping_int32, t);
-      const int64_t p = computed_of(a.rows, r) + (t - query_start(a, r));
-      prev = group_slot(group, a.block_size, r, p - 1);
-      if (slot >= 0 && (slot >= a.capacity || prev >= a.capacity)) {
+      const int64_t p = computed_of(a.call.rows, r) + (t - query_start(a, r));
+      prev = group_slot(group, a.engine.block_size, r, p - 1);
+      if (slot >= 0 && (slot >= a.engine.capacity || prev >= a.engine.capacity)) {
         const int64_t values[4] = {slot, position_of(a, t), token_of(a, t), prev};
         int64_t row[kViolationFields];
         out_of_range_row(row, kKindRecord, one_entry(values), 0);
         append_row(a, row, g, r);
       } else if (slot >= 0) {
-        key = (g * a.rows.num_reqs + s.row_ranks[r]) * a.num_entries + e;
+        key = (g * a.call.rows.num_reqs + s.row_ranks[r]) * a.call.num_entries + e;
         atomicMax(reinterpret_cast<long long*>(s.writers + slot), static_cast<long long>(key));
         s.marked[slot] = 1;
         ++recorded;
@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kStepThreads) entries_kernel(const Args a) {
     s.entry_keys[e] = key;
   }
   if (recorded > 0) {
-    atomicAdd(as_counter(a.counters + kSlotsRecorded), static_cast<unsigned long long>(recorded));
+    atomicAdd(as_counter(a.engine.counters + kSlotsRecorded),
+              static_cast<unsigned long long>(recorded));
   }
 }
 
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kStepThreads) entries_kernel(const Args a) {
 // the entry just before it in record order.
 __device__ __forceinline__ bool continues_run(const Args& a, int64_t e) {
   const PagedStepScratch& s = a.scratch;
-  if (e % a.num_tokens == 0 || s.entry_keys[e] < 0 || s.entry_keys[e - 1] < 0) {
+  if (e % a.call.num_tokens == 0 || s.entry_keys[e] < 0 || s.entry_keys[e - 1] < 0) {
     return false;
   }
   return s.entry_keys[e] - s.entry_keys[e - 1] == 1 && s.entry_prevs[e] >= 0 &&
@@ -174,7 +175,7 @@ __device__ int64_t last_writer_before(const Args& a, int64_t slot, int64_t key) 
     return last;  // every entry recording the slot comes before
   }
   int64_t best = -1;  // an entry at or after `key` records it too: search them all
-  for (int64_t i = 0; i < a.num_entries; ++i) {
+  for (int64_t i = 0; i < a.call.num_entries; ++i) {
     const int64_t k = s.entry_keys[i];
     if (k >= 0 && k < key && k > best && s.entry_slots[i] == slot) {
       best = k;
@@ -188,17 +189,17 @@ __device__ int64_t last_writer_before(const Args& a, int64_t slot, int64_t key) 
 // entry it waits on, listed for the dependent pass.
 __global__ void __launch_bounds__(kStepThreads) run_heads_kernel(const Args a) {
   const PagedStepScratch& s = a.scratch;
-  for (int64_t e = global_thread(); e < a.num_entries; e += grid_threads()) {
+  for (int64_t e = global_thread(); e < a.call.num_entries; e += grid_threads()) {
     if (s.entry_keys[e] < 0 || continues_run(a, e)) {
       continue;
     }
     const int64_t prev = s.entry_prevs[e];
     const int64_t writer = prev >= 0 ? last_writer_before(a, prev, s.entry_keys[e]) : -1;
     if (writer < 0) {
-      s.entry_chains[e] = link_at(a.records, prev);
+      s.entry_chains[e] = link_at(a.engine.records, prev);
       s.entry_deps[e] = -1;
     } else {
-      s.entry_deps[e] = writer % a.num_entries;
+      s.entry_deps[e] = writer % a.call.num_entries;
       const auto at = atomicAdd(as_counter(s.words + kWordDeps), 1ull);
       s.deps[at] = e;
     }
@@ -212,8 +213,8 @@ __global__ void __launch_bounds__(kStepThreads) run_heads_kernel(const Args a) {
 __device__ void chain_run(const Args& a, int64_t e, int64_t chain) {
   for (;;) {
     a.scratch.entry_chains[e] = chain;
-    const int64_t t = e % a.num_tokens;
-    if (t + 1 == a.num_tokens || !continues_run(a, e + 1)) {
+    const int64_t t = e % a.call.num_tokens;
+    if (t + 1 == a.call.num_tokens || !continues_run(a, e + 1)) {
       return;
     }
     chain = static_cast<int64_t>(mix3<uint64_t>(static_cast<uint64_t>(chain),
@@ -226,7 +227,7 @@ __device__ void chain_run(const Args& a, int64_t e, int64_t chain) {
 // The chains of the runs that wait on no other.
 __global__ void __launch_bounds__(kStepThreads) independent_runs_kernel(const Args a) {
   const PagedStepScratch& s = a.scratch;
-  for (int64_t e = global_thread(); e < a.num_entries; e += grid_threads()) {
+  for (int64_t e = global_thread(); e < a.call.num_entries; e += grid_threads()) {
     if (s.entry_keys[e] >= 0 && !continues_run(a, e) && s.entry_deps[e] < 0) {
       chain_run(a, e, s.entry_chains[e]);
     }
@@ -243,7 +244,7 @@ __global__ void __launch_bounds__(kSortThreads) dependent_runs_kernel(const Args
   if (n == 0) {
     return;
   }
-  int64_t* sorted = s.deps + a.num_entries;
+  int64_t* sorted = s.deps + a.call.num_entries;
   for (int64_t i = threadIdx.x; i < n; i += kSortThreads) {
     const int64_t key = s.entry_keys[s.deps[i]];
     int64_t place = 0;
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(kSortThreads) dependent_runs_kernel(const Args
   for (int64_t i = 0; i < n; ++i) {
     const int64_t e = sorted[i];
     const int64_t w = s.entry_deps[e];
-    const int64_t t = w % a.num_tokens;
+    const int64_t t = w % a.call.num_tokens;
     const auto chain = static_cast<int64_t>(mix3<uint64_t>(
         static_cast<uint64_t>(s.entry_chains[w]), static_cast<uint64_t>(token_of(a, t)),
         static_cast<uint64_t>(position_of(a, t))));
@@ -270,18 +271,18 @@ __global__ void __launch_bounds__(kSortThreads) dependent_runs_kernel(const Args
 // Each slot's record from its last entry, once every chain is known.
 __global__ void __launch_bounds__(kStepThreads) write_records_kernel(const Args a) {
   const PagedStepScratch& s = a.scratch;
-  for (int64_t e = global_thread(); e < a.num_entries; e += grid_threads()) {
+  for (int64_t e = global_thread(); e < a.call.num_entries; e += grid_threads()) {
     const int64_t key = s.entry_keys[e];
     if (key < 0 || s.writers[s.entry_slots[e]] != key) {
       continue;
     }
-    const int64_t slot = s.entry_slots[e], t = e % a.num_tokens;
-    int64_t* record = a.records + slot * kRecordFields;
+    const int64_t slot = s.entry_slots[e], t = e % a.call.num_tokens;
+    int64_t* record = a.engine.records + slot * kRecordFields;
     record[kToken] = token_of(a, t);
     record[kPosition] = position_of(a, t);
     record[kChain] = s.entry_chains[e];
     record[kFold] = s.folds[slot];
-    a.owner_tags[slot] = -1;
+    a.engine.owner_tags[slot] = -1;
   }
 }
 
@@ -296,16 +297,17 @@ struct ContextEntry {
 
 __device__ ContextEntry context_entry(const Args& a, const PagedGroup& group, int64_t r,
                                       int64_t first, int64_t computed, int64_t p) {
-  ContextEntry c{group_slot(group, a.block_size, r, p), -1, -1};
-  if (c.slot < 0 || !position_in_turn(a.checks, a.block_size, p, computed - 1)) {
+  ContextEntry c{group_slot(group, a.engine.block_size, r, p), -1, -1};
+  if (c.slot < 0 || !position_in_turn(a.call.checks, a.engine.block_size, p, computed - 1)) {
     c.slot = -1;
     return c;
   }
   if (p > 0) {
-    c.prev = p == first && a.padding_slot >= 0 ? a.padding_slot
-                                               : group_slot(group, a.block_size, r, p - 1);
+    c.prev = p == first && a.engine.padding_slot >= 0
+                 ? a.engine.padding_slot
+                 : group_slot(group, a.engine.block_size, r, p - 1);
   }
-  c.token = history_token(a.checks, history_row(a.checks, r), p);
+  c.token = history_token(a.call.checks, history_row(a.call.checks, r), p);
   return c;
 }
 
@@ -314,13 +316,13 @@ __device__ ContextEntry context_entry(const Args& a, const PagedGroup& group, in
 // (those past the block table have no slot, so are not walked).
 template <typename Visit>
 __device__ void for_each_context_entry(const Args& a, Visit visit) {
-  const int64_t units = a.num_groups * a.rows.num_reqs;
+  const int64_t units = a.engine.num_groups * a.call.rows.num_reqs;
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const int64_t g = u / a.rows.num_reqs, r = u % a.rows.num_reqs;
-    const PagedGroup& group = a.groups[g];
-    const int64_t computed = computed_of(a.rows, r);
+    const int64_t g = u / a.call.rows.num_reqs, r = u % a.call.rows.num_reqs;
+    const PagedGroup& group = a.engine.groups[g];
+    const int64_t computed = computed_of(a.call.rows, r);
     const int64_t first = first_attended(group, computed);
-    const int64_t table_end = group.max_blocks * a.block_size;
+    const int64_t table_end = group.max_blocks * a.engine.block_size;
     const int64_t end = computed < table_end ? computed : table_end;
     for (int64_t p = (first > 0 ? first : 0) + threadIdx.x; p < end; p += blockDim.x) {
       const ContextEntry c = context_entry(a, group, r, first, computed, p);
@@ -333,7 +335,7 @@ __device__ void for_each_context_entry(const Args& a, Visit visit) {
 
 __global__ void __launch_bounds__(kStepThreads) mark_context_kernel(const Args a) {
   for_each_context_entry(a, [&](int64_t, int64_t, int64_t, const ContextEntry& c) {
-    if (c.slot < a.capacity && c.slot != a.padding_slot) {
+    if (c.slot < a.engine.capacity && c.slot != a.engine.padding_slot) {
       a.scratch.marked[c.slot] = 1;
     }
   });
@@ -364,10 +366,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     fold_marked_kernel(const Args a, const MarkedFoldArgs<kCapacity> f) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   const PagedStepScratch& s = a.scratch;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock; base < a.capacity;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock; base < a.engine.capacity;
        base += static_cast<int64_t>(gridDim.x) * kThreadsPerBlock) {
     const int64_t slot = base + threadIdx.x;
-    const bool live = slot < a.capacity && s.marked[slot] != 0;
+    const bool live = slot < a.engine.capacity && s.marked[slot] != 0;
     const uint64_t start = live && f.continue_chain ? static_cast<uint64_t>(s.folds[slot]) : 0;
     const uint64_t fold = fold_lane_slot(f.sources, f.num_sources, live ? slot : -1, live,
                                          tiles[threadIdx.x / kWarpSize], start);
@@ -382,27 +384,28 @@ __global__ void __launch_bounds__(kStepThreads) verify_context_kernel(const Args
   int64_t checked = 0;
   for_each_context_entry(a, [&](int64_t g, int64_t r, int64_t p, const ContextEntry& c) {
     a.scratch.words[kWordVerified] = 1;
-    if (c.slot == a.padding_slot) {
+    if (c.slot == a.engine.padding_slot) {
       return;
     }
     ++checked;
     const int64_t values[4] = {c.slot, p, c.token, c.prev};
     const EntryInputs in = one_entry(values);
     int64_t row[kViolationFields];
-    if (c.slot >= a.capacity || c.prev >= a.capacity) {
+    if (c.slot >= a.engine.capacity || c.prev >= a.engine.capacity) {
       out_of_range_row(row, kKindVerify, in, 0);
       append_row(a, row, g, r);
       return;
     }
-    const VerifyOutcome outcome = verify_entry(a.records, a.owner_tags, in, 0, c.slot,
-                                               a.scratch.folds[c.slot], a.padding_slot);
+    const VerifyOutcome outcome = verify_entry(a.engine.records, a.engine.owner_tags, in, 0, c.slot,
+                                               a.scratch.folds[c.slot], a.engine.padding_slot);
     if (outcome.reasons != 0) {
-      verify_row(row, a.records, in, 0, c.slot, outcome);
+      verify_row(row, a.engine.records, in, 0, c.slot, outcome);
       append_row(a, row, g, r);
     }
   });
   if (checked > 0) {
-    atomicAdd(as_counter(a.counters + kSlotsVerified), static_cast<unsigned long long>(checked));
+    atomicAdd(as_counter(a.engine.counters + kSlotsVerified),
+              static_cast<unsigned long long>(checked));
   }
 }
 
@@ -411,14 +414,14 @@ __global__ void __launch_bounds__(kStepThreads) verify_context_kernel(const Args
 // the words before it as this call left them.
 __global__ void finish_kernel(const Args a) {
   const int64_t* words = a.scratch.words;
-  a.counters[kRecordCalls] += words[kWordRecorded] != 0;
-  a.counters[kVerifyCalls] += words[kWordVerified] != 0;
-  volatile int64_t* mailbox = a.mailbox;
+  a.engine.counters[kRecordCalls] += words[kWordRecorded] != 0;
+  a.engine.counters[kVerifyCalls] += words[kWordVerified] != 0;
+  volatile int64_t* mailbox = a.engine.mailbox;
   mailbox[kMailRingStart] = words[kWordRingStart];
-  mailbox[kMailPhase] = a.phase;
-  mailbox[kMailViolations] = a.counters[kViolations];
+  mailbox[kMailPhase] = a.call.phase;
+  mailbox[kMailViolations] = a.engine.counters[kViolations];
   __threadfence_system();
-  mailbox[kMailStep] = a.step;
+  mailbox[kMailStep] = a.call.step;
 }
 
 unsigned int step_blocks(int64_t n) { return grid_blocks(n, kStepThreads, kMaxStepBlocks); }
@@ -433,8 +436,9 @@ void launch_fold_marked(const Args& a, const SourceLayout* sources, int num_sour
       f.sources[i] = sources[first + i];
     }
     f.continue_chain = first > 0;
-    fold_marked_kernel<kCapacity><<<grid_blocks(a.capacity, kThreadsPerBlock, kMaxStepBlocks),
-                                    kThreadsPerBlock, 0, stream>>>(a, f);
+    fold_marked_kernel<kCapacity>
+        <<<grid_blocks(a.engine.capacity, kThreadsPerBlock, kMaxStepBlocks), kThreadsPerBlock, 0,
+           stream>>>(a, f);
   }
 }
 
@@ -442,19 +446,19 @@ void launch_fold_marked(const Args& a, const SourceLayout* sources, int num_sour
 
 cudaError_t launch_paged_step(const PagedStepLaunchArgs& a, const SourceLayout* sources,
                               int num_sources, cudaStream_t stream) {
-  const int64_t units = a.num_groups * a.rows.num_reqs;
-  rank_kernel<<<step_blocks(a.rows.num_reqs), kStepThreads, 0, stream>>>(a);
-  entries_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
+  const int64_t units = a.engine.num_groups * a.call.rows.num_reqs;
+  rank_kernel<<<step_blocks(a.call.rows.num_reqs), kStepThreads, 0, stream>>>(a);
+  entries_kernel<<<step_blocks(a.call.num_entries), kStepThreads, 0, stream>>>(a);
   mark_context_kernel<<<grid_blocks(units, 1, kMaxStepBlocks), kStepThreads, 0, stream>>>(a);
   if (num_sources <= kSourcesPerLaunch) {
     launch_fold_marked<kSourcesPerLaunch>(a, sources, num_sources, stream);
   } else {
     launch_fold_marked<kWideSources>(a, sources, num_sources, stream);
   }
-  run_heads_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
-  independent_runs_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
+  run_heads_kernel<<<step_blocks(a.call.num_entries), kStepThreads, 0, stream>>>(a);
+  independent_runs_kernel<<<step_blocks(a.call.num_entries), kStepThreads, 0, stream>>>(a);
   dependent_runs_kernel<<<1, kSortThreads, 0, stream>>>(a);
-  write_records_kernel<<<step_blocks(a.num_entries), kStepThreads, 0, stream>>>(a);
+  write_records_kernel<<<step_blocks(a.call.num_entries), kStepThreads, 0, stream>>>(a);
   verify_context_kernel<<<grid_blocks(units, 1, kMaxStepBlocks), kStepThreads, 0, stream>>>(a);
   finish_kernel<<<1, 1, 0, stream>>>(a);
   return cudaGetLastError();

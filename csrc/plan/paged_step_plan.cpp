@@ -81,20 +81,20 @@ ContextChecks history_checks(const Tensor& block_table, const std::optional<Tens
 }
 
 PagedGroup make_group(const PagedStepArgs& a, size_t g, const Tensor& records) {
-  const Tensor& table = a.block_tables[g];
-  const Tensor& mapping = a.slot_mappings[g];
+  const Tensor& table = a.engine.block_tables[g];
+  const Tensor& mapping = a.engine.slot_mappings[g];
   check_index_dtype(table, "block_tables[g]");
-  KVCANARY_CHECK_VALUE(table.dim() == 2 && table.size(0) >= a.num_reqs, "block_tables[", g,
-                       "] must be [>= num_reqs = ", a.num_reqs, ", max_blocks], got shape ",
+  KVCANARY_CHECK_VALUE(table.dim() == 2 && table.size(0) >= a.call.num_reqs, "block_tables[", g,
+                       "] must be [>= num_reqs = ", a.call.num_reqs, ", max_blocks], got shape ",
                        shape_of(table));
   KVCANARY_CHECK_VALUE(table.device() == records.device(), "block_tables[", g, "] is on ",
                        device_of(table), " but the canary is on ", device_of(records),
                        "; pass the step's buffers on the canary's device");
-  check_step_buffer(mapping, "slot_mappings[g]", a.num_tokens, "one per token", records);
-  KVCANARY_CHECK_VALUE(a.sliding_windows[g] >= 0 && a.chunk_sizes[g] >= 0 &&
-                           (a.sliding_windows[g] == 0 || a.chunk_sizes[g] == 0),
-                       "group ", g, " has sliding window ", a.sliding_windows[g],
-                       " and chunk size ", a.chunk_sizes[g],
+  check_step_buffer(mapping, "slot_mappings[g]", a.call.num_tokens, "one per token", records);
+  KVCANARY_CHECK_VALUE(a.engine.sliding_windows[g] >= 0 && a.engine.chunk_sizes[g] >= 0 &&
+                           (a.engine.sliding_windows[g] == 0 || a.engine.chunk_sizes[g] == 0),
+                       "group ", g, " has sliding window ", a.engine.sliding_windows[g],
+                       " and chunk size ", a.engine.chunk_sizes[g],
                        "; give each group at most one of them, > 0 (0: none)");
   PagedGroup group{};
   group.block_table = table.const_data_ptr();
@@ -104,67 +104,76 @@ PagedGroup make_group(const PagedStepArgs& a, size_t g, const Tensor& records) {
   group.max_blocks = table.size(1);
   group.slot_mapping = mapping.const_data_ptr();
   group.slot_mapping_int32 = mapping.scalar_type() == ScalarType::Int;
-  group.sliding_window = a.sliding_windows[g];
-  group.chunk_size = a.chunk_sizes[g];
+  group.sliding_window = a.engine.sliding_windows[g];
+  group.chunk_size = a.engine.chunk_sizes[g];
   return group;
 }
 
 }  // namespace
 
 PagedStepPlan make_paged_step_plan(const PagedStepArgs& a) {
-  const size_t num_groups = a.block_tables.size();
-  KVCANARY_CHECK_VALUE(num_groups >= 1 && a.slot_mappings.size() == num_groups &&
-                           a.sliding_windows.size() == num_groups &&
-                           a.chunk_sizes.size() == num_groups,
-                       "got ", a.block_tables.size(), " block tables, ", a.slot_mappings.size(),
-                       " slot mappings, ", a.sliding_windows.size(), " sliding windows and ",
-                       a.chunk_sizes.size(), " chunk sizes; pass one of each per KV cache group");
-  KVCANARY_CHECK_VALUE(a.phase >= 0 && a.phase < kNumPhases, "phase must be 0 (the whole step), ",
-                       "1 (before the forward) or 2 (after it), got ", a.phase);
-  KVCANARY_CHECK_VALUE(a.num_reqs >= 0 && a.num_tokens >= 0 && a.num_tokens < kMaxTokens,
-                       "num_reqs and num_tokens must be >= 0, got ", a.num_reqs, " and ",
-                       a.num_tokens);
-  KVCANARY_CHECK_VALUE(a.block_size >= 1 && a.block_size < kMaxTokens,
-                       "block_size must be in [1, 2**48), got ", a.block_size);
-  KVCANARY_CHECK_VALUE(a.every >= 1, "every must be >= 1, got ", a.every);
-  KVCANARY_CHECK_VALUE(a.step >= 0, "step must be >= 0, got ", a.step);
+  const size_t num_groups = a.engine.block_tables.size();
+  KVCANARY_CHECK_VALUE(
+      num_groups >= 1 && a.engine.slot_mappings.size() == num_groups &&
+          a.engine.sliding_windows.size() == num_groups &&
+          a.engine.chunk_sizes.size() == num_groups,
+      "got ", a.engine.block_tables.size(), " block tables, ", a.engine.slot_mappings.size(),
+      " slot mappings, ", a.engine.sliding_windows.size(), " sliding windows and ",
+      a.engine.chunk_sizes.size(), " chunk sizes; pass one of each per KV cache group");
+  KVCANARY_CHECK_VALUE(a.call.phase >= 0 && a.call.phase < kNumPhases,
+                       "phase must be 0 (the whole step), ",
+                       "1 (before the forward) or 2 (after it), got ", a.call.phase);
+  KVCANARY_CHECK_VALUE(
+      a.call.num_reqs >= 0 && a.call.num_tokens >= 0 && a.call.num_tokens < kMaxTokens,
+      "num_reqs and num_tokens must be >= 0, got ", a.call.num_reqs, " and ", a.call.num_tokens);
+  KVCANARY_CHECK_VALUE(a.engine.block_size >= 1 && a.engine.block_size < kMaxTokens,
+                       "block_size must be in [1, 2**48), got ", a.engine.block_size);
+  KVCANARY_CHECK_VALUE(a.call.every >= 1, "every must be >= 1, got ", a.call.every);
+  KVCANARY_CHECK_VALUE(a.call.step >= 0, "step must be >= 0, got ", a.call.step);
 
   PagedStepPlan plan;
-  plan.fold = bound_fold_plan(a.sources_table, a.slot_mappings[0]);
-  plan.capacity = check_canary_tables(a.tables, a.slot_mappings[0], plan.fold.capacity);
-  KVCANARY_CHECK_VALUE(a.padding_slot < plan.capacity, "padding_slot must be < the canary's ",
-                       plan.capacity, " slots, got ", a.padding_slot);
-  const Tensor& records = a.tables.records;
-  check_step_table(a.origins, "ring origins", a.tables.ring.size(0), kOriginFields, records);
-  check_step_table(a.mailbox, "mailbox", kMailboxWords, 0, records);
-  KVCANARY_CHECK_VALUE(a.scratch.scalar_type() == ScalarType::Long && a.scratch.dim() == 1 &&
-                           a.scratch.is_contiguous() && a.scratch.device() == records.device(),
+  plan.fold = bound_fold_plan(a.engine.sources_table, a.engine.slot_mappings[0]);
+  plan.capacity =
+      check_canary_tables(a.engine.tables, a.engine.slot_mappings[0], plan.fold.capacity);
+  KVCANARY_CHECK_VALUE(a.engine.padding_slot < plan.capacity,
+                       "padding_slot must be < the canary's ", plan.capacity, " slots, got ",
+                       a.engine.padding_slot);
+  const Tensor& records = a.engine.tables.records;
+  check_step_table(a.engine.origins, "ring origins", a.engine.tables.ring.size(0), kOriginFields,
+                   records);
+  check_step_table(a.engine.mailbox, "mailbox", kMailboxWords, 0, records);
+  KVCANARY_CHECK_VALUE(a.engine.scratch.scalar_type() == ScalarType::Long &&
+                           a.engine.scratch.dim() == 1 && a.engine.scratch.is_contiguous() &&
+                           a.engine.scratch.device() == records.device(),
                        "paged_step's scratch must be a contiguous 1-D int64 tensor on the "
                        "canary's device (",
-                       device_of(records), "), got ", dtype_of(a.scratch), " of shape ",
-                       shape_of(a.scratch), " on ", device_of(a.scratch));
+                       device_of(records), "), got ", dtype_of(a.engine.scratch), " of shape ",
+                       shape_of(a.engine.scratch), " on ", device_of(a.engine.scratch));
   for (size_t g = 0; g < num_groups; ++g) {
     plan.groups.push_back(make_group(a, g, records));
   }
-  check_step_buffer(a.query_start_loc, "query_start_loc", a.num_reqs + 1, "num_reqs + 1", records);
-  check_step_buffer(a.seq_lens, "seq_lens", a.num_reqs, "one per request", records);
-  check_step_buffer(a.positions, "positions", a.num_tokens, "one per token", records);
-  plan.rows = {a.query_start_loc.const_data_ptr(),
-               a.query_start_loc.scalar_type() == ScalarType::Int, a.seq_lens.const_data_ptr(),
-               a.seq_lens.scalar_type() == ScalarType::Int, a.num_reqs};
-  plan.positions = a.positions.const_data_ptr();
-  plan.positions_int32 = a.positions.scalar_type() == ScalarType::Int;
-  if (a.input_ids.has_value()) {
-    check_step_buffer(*a.input_ids, "input_ids", a.num_tokens, "one per token", records);
-    plan.input_ids = a.input_ids->const_data_ptr();
-    plan.input_ids_int32 = a.input_ids->scalar_type() == ScalarType::Int;
+  check_step_buffer(a.call.query_start_loc, "query_start_loc", a.call.num_reqs + 1, "num_reqs + 1",
+                    records);
+  check_step_buffer(a.call.seq_lens, "seq_lens", a.call.num_reqs, "one per request", records);
+  check_step_buffer(a.call.positions, "positions", a.call.num_tokens, "one per token", records);
+  plan.rows = {a.call.query_start_loc.const_data_ptr(),
+               a.call.query_start_loc.scalar_type() == ScalarType::Int,
+               a.call.seq_lens.const_data_ptr(), a.call.seq_lens.scalar_type() == ScalarType::Int,
+               a.call.num_reqs};
+  plan.positions = a.call.positions.const_data_ptr();
+  plan.positions_int32 = a.call.positions.scalar_type() == ScalarType::Int;
+  if (a.call.input_ids.has_value()) {
+    check_step_buffer(*a.call.input_ids, "input_ids", a.call.num_tokens, "one per token", records);
+    plan.input_ids = a.call.input_ids->const_data_ptr();
+    plan.input_ids_int32 = a.call.input_ids->scalar_type() == ScalarType::Int;
   }
-  plan.history = history_checks(a.block_tables[0], a.history, a.history_known);
-  if (a.history_rows.has_value()) {
-    KVCANARY_CHECK_VALUE(a.history.has_value(), "history_rows needs history");
-    check_step_buffer(*a.history_rows, "history_rows", a.num_reqs, "one per request", records);
-    plan.history.history_row_of = a.history_rows->const_data_ptr();
-    plan.history.history_row_of_int32 = a.history_rows->scalar_type() == ScalarType::Int;
+  plan.history = history_checks(a.engine.block_tables[0], a.call.history, a.call.history_known);
+  if (a.call.history_rows.has_value()) {
+    KVCANARY_CHECK_VALUE(a.call.history.has_value(), "history_rows needs history");
+    check_step_buffer(*a.call.history_rows, "history_rows", a.call.num_reqs, "one per request",
+                      records);
+    plan.history.history_row_of = a.call.history_rows->const_data_ptr();
+    plan.history.history_row_of_int32 = a.call.history_rows->scalar_type() == ScalarType::Int;
   }
   return plan;
 }
@@ -176,20 +185,21 @@ void check_paged_step_rows(const PagedStepPlan& plan, const PagedStepArgs& a) {
   for (int64_t r = 0; r < rows.num_reqs; ++r) {
     const int64_t end = load_index(rows.query_start_loc, rows.query_start_loc_int32, r + 1);
     const int64_t scheduled = scheduled_of(rows, r);
-    KVCANARY_CHECK_VALUE(scheduled >= 0 && end <= a.num_tokens, "request ", r, " runs tokens [",
-                         end - scheduled, ", ", end,
+    KVCANARY_CHECK_VALUE(scheduled >= 0 && end <= a.call.num_tokens, "request ", r,
+                         " runs tokens [", end - scheduled, ", ", end,
                          ") of query_start_loc; each request's tokens must follow the one "
                          "before's, within num_tokens = ",
-                         a.num_tokens);
+                         a.call.num_tokens);
     const int64_t seq_len = load_index(rows.seq_lens, rows.seq_lens_int32, r);
     KVCANARY_CHECK_VALUE(seq_len >= scheduled && seq_len < kMaxTokens, "request ", r,
                          " has seq_lens ", seq_len, " but runs ", scheduled,
                          " tokens; seq_lens counts the tokens in the cache once the step is done");
     for (size_t g = 0; g < plan.groups.size(); ++g) {
-      const int64_t blocks = (seq_len + a.block_size - 1) / a.block_size;
+      const int64_t blocks = (seq_len + a.engine.block_size - 1) / a.engine.block_size;
       KVCANARY_CHECK_VALUE(blocks <= plan.groups[g].max_blocks, "request ", r, " has ", seq_len,
-                           " tokens, ", blocks, " blocks of ", a.block_size, ", but block_tables[",
-                           g, "] holds ", plan.groups[g].max_blocks, " per row");
+                           " tokens, ", blocks, " blocks of ", a.engine.block_size,
+                           ", but block_tables[", g, "] holds ", plan.groups[g].max_blocks,
+                           " per row");
     }
   }
 }

@@ -15,13 +15,26 @@
 
 namespace kvcanary {
 
-// The op's arguments (the schema in ops.cpp), bundled.
-struct PagedStepArgs {
+// The op's arguments (the schema in ops.cpp) in two parts. The engine's
+// constants, which PagedStep binds once: the canary's sources and tables, each
+// KV cache group's block table, slot mapping and attention window, the block
+// size and padding slot, and the call's mailbox and scratch.
+struct PagedEngineArgs {
   const Tensor& sources_table;
   const std::vector<Tensor>& block_tables;
   const std::vector<Tensor>& slot_mappings;
   const std::vector<int64_t>& sliding_windows;
   const std::vector<int64_t>& chunk_sizes;
+  CanaryTables tables;
+  const Tensor& origins;  // int64 [ring_capacity, kOriginFields]
+  const Tensor& mailbox;  // int64 [kMailboxWords]
+  const Tensor& scratch;  // int64 [>= what the backend needs]
+  int64_t block_size;
+  int64_t padding_slot;
+};
+
+// What each step passes: the engine's step buffers and the step's values.
+struct PagedCallArgs {
   const Tensor& query_start_loc;
   const Tensor& seq_lens;
   const Tensor& positions;
@@ -29,17 +42,16 @@ struct PagedStepArgs {
   const std::optional<Tensor>& history;
   const std::optional<Tensor>& history_known;
   const std::optional<Tensor>& history_rows;
-  CanaryTables tables;
-  const Tensor& origins;  // int64 [ring_capacity, kOriginFields]
-  const Tensor& mailbox;  // int64 [kMailboxWords]
-  const Tensor& scratch;  // int64 [>= what the backend needs]
   int64_t num_reqs;
   int64_t num_tokens;
-  int64_t block_size;
   int64_t phase;
   int64_t step;
   int64_t every;
-  int64_t padding_slot;
+};
+
+struct PagedStepArgs {
+  PagedEngineArgs engine;
+  PagedCallArgs call;
 };
 
 // A checked call: the sources, the canary's capacity, the groups and the
@@ -76,29 +88,19 @@ void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block
                    Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
                    Tensor& scratch, int64_t num_reqs, int64_t num_tokens, int64_t block_size,
                    int64_t phase, int64_t step, int64_t every, int64_t padding_slot) {
-  kernel({sources_table,
-          block_tables,
-          slot_mappings,
-          sliding_windows,
-          chunk_sizes,
-          query_start_loc,
-          seq_lens,
-          positions,
-          input_ids,
-          history,
-          history_known,
-          history_rows,
-          {records, owner_tags, counters, ring},
-          origins,
-          mailbox,
-          scratch,
-          num_reqs,
-          num_tokens,
-          block_size,
-          phase,
-          step,
-          every,
-          padding_slot});
+  kernel({{sources_table,
+           block_tables,
+           slot_mappings,
+           sliding_windows,
+           chunk_sizes,
+           {records, owner_tags, counters, ring},
+           origins,
+           mailbox,
+           scratch,
+           block_size,
+           padding_slot},
+          {query_start_loc, seq_lens, positions, input_ids, history, history_known, history_rows,
+           num_reqs, num_tokens, phase, step, every}});
 }
 
 // Checks what the contract says of the arguments without reading their data:
