@@ -269,3 +269,14 @@ def decoding(llm, lines: Lines, label: str, prompts: list[list[int]], params: li
     driver.run_until_decoding()
     assert lines.take() == []
     return driver
+
+
+def assert_a_wrong_block_entry(found, request_id: str) -> None:
+    """``found`` (`parse_violations`) after a block-table entry of ``request_id`` pointed at
+    another request's block, bytes intact: named by that request alone, by token and chain,
+    never by the bytes."""
+    assert found, "the wrong block table entry was not reported"
+    assert {r for _, _, requests in found for r in requests} == {request_id}
+    reasons = {r for found_reasons, _, _ in found for r in found_reasons}
+    assert "verify_token" in reasons and "verify_chain_hash" in reasons
+    assert "verify_real_kv_hash" not in reasons  # every byte is intact

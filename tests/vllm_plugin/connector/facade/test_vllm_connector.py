@@ -532,31 +532,36 @@ def test_the_connector_forwards_the_gpu_block_pool_to_the_inner_connector():
     assert bound == [pool]
 
 
-@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
-def test_an_inner_connector_that_would_load_unverified_kv_is_refused(role):
-    from vllm.config import KVTransferConfig
-
-    connector.check_inner(KVTransferConfig(kv_connector="ExampleConnector", kv_role=role))  # verified
-    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))  # verified (test_vllm_pd.py)
-    connector.check_inner(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"))  # saves only
-    message = (
+# A connector whose loads the canary cannot verify (LMCacheConnectorV1), refused where it
+# would load KV: as the inner connector, and in the canary's place; ROLE is its kv_role.
+UNVERIFIED_LOADS = {
+    "check_inner": (
         r"^kv-canary: KvCanaryConnector verifies the KV an inner connector loads for ExampleConnector, NixlConnector only; "
-        rf'LMCacheConnectorV1 with "kv_role": "{role}" would load KV the canary has no records of: give it "kv_role": "kv_producer", '
+        r'LMCacheConnectorV1 with "kv_role": "ROLE" would load KV the canary has no records of: give it "kv_role": "kv_producer", '
         r"or unset KVCANARY_VLLM to serve it without the canary$"
-    )
-    with pytest.raises(ValueError, match=message):
-        connector.check_inner(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
-
-
-@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
-def test_a_connector_in_the_canarys_place_whose_loads_it_cannot_verify_is_refused(role):
-    from vllm.config import KVTransferConfig
-
-    connector.check_unwrapped(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"))  # saves only
-    message = (
-        rf'^kv-canary: vLLM\'s KV connector LMCacheConnectorV1 with "kv_role": "{role}" loads KV into the cache outside the model\'s '
+    ),
+    "check_unwrapped": (
+        r'^kv-canary: vLLM\'s KV connector LMCacheConnectorV1 with "kv_role": "ROLE" loads KV into the cache outside the model\'s '
         r'forward, into slots the canary holds no records of, which it would report as corrupt: give it "kv_role": "kv_producer" '
         r"\(KvCanaryConnector verifies the loads of ExampleConnector, NixlConnector only\), or unset KVCANARY_VLLM to serve it without the canary$"
-    )
-    with pytest.raises(ValueError, match=message):
-        connector.check_unwrapped(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
+    ),
+}
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_the_inner_connectors_whose_loads_are_verified_are_accepted(role):
+    from vllm.config import KVTransferConfig
+
+    connector.check_inner(KVTransferConfig(kv_connector="ExampleConnector", kv_role=role))
+    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))  # (connector/nixl/test_vllm_pd.py)
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+@pytest.mark.parametrize("check", list(UNVERIFIED_LOADS))
+def test_a_connector_that_would_load_unverified_kv_is_refused(check, role):
+    from vllm.config import KVTransferConfig
+
+    refuse = getattr(connector, check)
+    refuse(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"))  # saves only
+    with pytest.raises(ValueError, match=UNVERIFIED_LOADS[check].replace("ROLE", role)):
+        refuse(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role=role))
