@@ -27,7 +27,8 @@ from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, fo
 _MASK64 = (1 << 64) - 1
 RECORD_FIELDS = ("token", "position", "chain", "fold")
 """The columns of `KvCanary.records`, SGLang's canary-buffer order."""
-_FOLD = RECORD_FIELDS.index("fold")
+FOLD = RECORD_FIELDS.index("fold")
+"""The records' fold column; those before it (token, position, chain) do not depend on how the KV heads are sharded."""
 
 _VIOLATION_FIELDS = 8
 _ORIGIN_FIELDS = 3  # a ring row's (step, group, row) of the paged step that wrote it
@@ -287,7 +288,7 @@ class KvCanary:
     @property
     def fingerprints(self) -> torch.Tensor:
         """The fold column of `records`."""
-        return self._records[:, _FOLD]
+        return self._records[:, FOLD]
 
     def record(
         self,
@@ -482,7 +483,7 @@ class KvCanary:
         ``[0, capacity)`` (IndexError). Eager (the range check syncs)."""
         self.refold(slots)
         kept = slots.reshape(-1).long()
-        self._records[torch.unique(kept[kept >= 0]), _FOLD] ^= 1
+        self._records[torch.unique(kept[kept >= 0]), FOLD] ^= 1
 
     def _check_slot_tensor(self, value, name: str) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):

@@ -1,9 +1,10 @@
-// CUDA kernels of kvcanary::paged_step, phase 0: the step's record entries,
-// then its context's verify entries, as the CPU kernel (cpu/paged_step_cpu.cpp)
-// applies them one after another, here in a fixed sequence of launches that
-// read device values only on the device (so that a CUDA graph can capture
-// them), each safe for any values: entries outside their request, past a block
-// table or past the capacity are skipped or reported, never read.
+// CUDA kernels of kvcanary::paged_step, in its one CUDA phase (kWholeStep): the
+// step's record entries, then its context's verify entries, as the CPU kernel
+// (cpu/paged_step_cpu.cpp) applies them one after another, here in a fixed
+// sequence of launches that read device values only on the device (so that a
+// CUDA graph can capture them), each safe for any values: entries outside their
+// request, past a block table or past the capacity are skipped or reported,
+// never read.
 //
 // Record order and exactness. The CPU records entry after entry, in order of
 // (group, request in record order, token); an entry's chain is the link of the

@@ -13,7 +13,7 @@ MAX_LEN = 32
 PROMPT = 6
 NEW_TOKENS = 12
 # generate() takes the cache as `cache` in recent transformers (5.24), as `past_key_values` in
-# older ones (5.17, on the GPU machine).
+# older ones (5.17).
 CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 

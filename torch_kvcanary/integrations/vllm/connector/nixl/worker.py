@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .....canary import RECORD_FIELDS
+from .....canary import FOLD
 from ... import adapter
 from ...config import CONNECTOR
 from ..delegate import inner_config
@@ -20,9 +20,6 @@ from .orders import LoadOrder, NixlOrders, slots_of
 from .sharding import Sharding
 
 logger = logging.getLogger(adapter.LOGGER)
-
-FOLD = RECORD_FIELDS.index("fold")
-"""The records' fold column; those before it (token, position, chain) do not depend on the sharding."""
 
 
 @dataclass
