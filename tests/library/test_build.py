@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from helpers import REPO
 
@@ -131,6 +132,14 @@ def test_the_torch_floor_is_said_alike_everywhere():
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump on x86-64")
+def test_the_wheel_lists_every_package_of_the_source_tree():
+    """pyproject.toml names the wheel's packages one by one: a subpackage it misses would
+    import from a checkout and be absent from the wheel."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(path.parent.relative_to(REPO).parts) for path in (REPO / "torch_kvcanary").rglob("__init__.py")}
+    assert listed == on_disk
+
+
 @pytest.mark.parametrize("path", ["scalar", "avx2"])
 def test_cpu_path_prefetches_the_next_group(path):
     # These paths have no in-row prefetch, so a prefetch in their code is the next-group
