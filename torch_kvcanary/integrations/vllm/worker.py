@@ -127,7 +127,7 @@ class WorkerCanary:
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
         self._flagged = self._no_slots  # the slots verify flagged in the last step read
         mla = any(b in layouts.VLLM_MLA_BACKENDS for b in backends)
-        self.port = WorkerPort(self, head_views=head_views, mla=mla, blocks_packed=self.blocks_packed)
+        self.port = WorkerPort(self, head_views=head_views, mla=mla)
         if self.connector is not None:
             self.connector.attach(self.port)
         copy_bytes = 0 if self._token_copy is None else self._token_copy.nbytes

@@ -15,18 +15,16 @@ class WorkerPort:
     """`connector.CanaryPort` over the worker's canary (``worker``, a `worker.WorkerCanary`):
     the records of the slots a transfer moves, the breaking of records the step or a
     transfer found bad, and the drills' targets. ``head_views`` are the watched caches' per-head views
-    (`digest.vllm_head_views`), ``mla`` whether they are MLA's latent, ``blocks_packed``
-    whether the backend packs a block's tokens (`layouts.VLLM_BLOCK_PACKED_BACKENDS`).
+    (`digest.vllm_head_views`), ``mla`` whether they are MLA's latent.
 
     Where the connector needs each request's blocks it reads Model Runner V1's input batch
     (`adapter.RunnerV1.context`), the runner the connector is served on."""
 
-    def __init__(self, worker, *, head_views: list, mla: bool, blocks_packed: bool):
+    def __init__(self, worker, *, head_views: list, mla: bool):
         self._worker = worker
         self._canary = worker.canary
         self._head_views = head_views
         self._mla = mla
-        self._blocks_packed = blocks_packed
 
     @property
     def policy(self) -> str:
@@ -41,7 +39,7 @@ class WorkerPort:
         return self._worker.on
 
     def counters(self) -> dict[str, int]:
-        return self._canary.stats()
+        return self._worker.stats()
 
     def flagged_slots(self) -> torch.Tensor:
         return self._worker.step_flagged_slots()
@@ -99,7 +97,7 @@ class WorkerPort:
     def refold_blocks(self, slots: torch.Tensor) -> None:
         """A block's slots are verified together, and a transfer that wrote whole blocks
         wrote the unrecorded slots past a prompt's end too: `KvCanary.refold`, records kept."""
-        if not self._blocks_packed or not len(slots):
+        if not self._worker.blocks_packed or not len(slots):
             return
         block_size = self._worker.block_size
         blocks = torch.unique(slots.to(self._canary.device, torch.int64) // block_size)
