@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pd_proxy import Proxy
-from vllm_serve import Server, _free_port, complete, free_ports, install_vllm_plugin, path_with
+from vllm_serve import Server, _free_port, complete, install_vllm_plugin, path_with
 
 # A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
 PD_OPTIONS = (
@@ -42,7 +42,7 @@ CONCURRENCY = 4
 PROGRESS_DELAY_US = 1000
 
 
-def nixl_config(*, canary: bool, records_port: int, failure_policy: str = "recompute", lease_s: int | None = None) -> dict:
+def nixl_config(*, canary: bool, failure_policy: str = "recompute", lease_s: int | None = None) -> dict:
     """The ``--kv-transfer-config`` of a P/D server: NixlConnector with the KV cache in host
     memory, pulling every prompt however short (``kv_recompute_threshold`` 0), holding P's
     blocks for D ``lease_s`` seconds (NIXL's default: 30), inside KvCanaryConnector with the canary."""
@@ -55,7 +55,7 @@ def nixl_config(*, canary: bool, records_port: int, failure_policy: str = "recom
     return {
         "kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
         "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {"inner": inner, "records_port": records_port, "nixl_progress_delay_us": PROGRESS_DELAY_US},
+        "kv_connector_extra_config": {"inner": inner, "nixl_progress_delay_us": PROGRESS_DELAY_US},
     }  # fmt: skip
 
 
@@ -100,7 +100,7 @@ def pd_server(
         environment["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(cores)
     environment.update(env or {})
     failure = "fail" if policy == "quarantine" else "recompute"
-    config = nixl_config(canary=canary, records_port=free_ports(tensor_parallel), failure_policy=failure, lease_s=lease_s)
+    config = nixl_config(canary=canary, failure_policy=failure, lease_s=lease_s)
     options = (*PD_OPTIONS, "--tensor-parallel-size", str(tensor_parallel), "--kv-transfer-config", json.dumps(config))
     pinned = cores is not None and tensor_parallel == 1 and shutil.which("taskset")
     return Server(model, environment, options, prefix=("taskset", "-c", cores[0]) if pinned else ())
@@ -153,7 +153,8 @@ def main() -> None:
         pair = pd_pair(arguments.model, policy=arguments.policy, env=env, tensor_parallel=tuple(arguments.tensor_parallel))
         prefill, decode, proxy = stack.enter_context(pair)
         serve(arguments.model, arguments.policy, prompts, prefill, decode, proxy)
-    print("\n".join(line for line in decode.log_path.read_text().splitlines() if "kv-canary: verified" in line))
+    for server in (prefill, decode):
+        print("\n".join(line for line in server.log_path.read_text().splitlines() if "kv-canary: verified" in line or "kv-canary: wrote" in line))
 
 
 def serve(model: Path, policy: str, prompts: list, prefill: Server, decode: Server, proxy: Proxy) -> None:
@@ -174,8 +175,7 @@ def serve(model: Path, policy: str, prompts: list, prefill: Server, decode: Serv
     if policy != "off":
         names = ("violations_total", "transfer_slots_verified_total", "transfer_slots_failed_total", "blocks_repaired_total")
         print("decode side: " + ", ".join(f"{name} {decode.metric('vllm:kv_canary_' + name):.0f}" for name in names))
-        names = ("transfer_slots_handed_over_total", "transfer_records_served_total", "transfer_records_missing_total")
-        print("prefill side: " + ", ".join(f"{name} {prefill.metric('vllm:kv_canary_' + name):.0f}" for name in names))
+        print(f"prefill side: transfer_slots_handed_over_total {prefill.metric('vllm:kv_canary_transfer_slots_handed_over_total'):.0f}")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ them, with the KV pulled over NIXL and nothing flagged. Then faults, each inject
 plugin of the test's own: a byte flipped in a block on the prefill side after the prefill
 and before the transfer; a byte flipped on the decode side after the transfer; the decode
 side told to read another request's blocks; the decode side's read cut short (a block not
-read); records the prefill side no longer holds. Under ``repair`` each is named as a load
+read); blocks read after P's lease on them expired and P reused them; a load without P's
+records. Under ``repair`` each is named as a load
 error and recomputed, the answer equals the clean one, the decode server keeps serving and
 both servers' /metrics count it; without the canary the same fault changes the answer with
 HTTP 200. `make test-vllm-pd` runs these.
 """
 
+import re
 import time
 import urllib.request
 
@@ -251,10 +253,8 @@ def test_clean_requests_through_nixl_are_verified_and_unflagged(clean, canary_pa
     assert by_source["local_compute"] <= len(workload), by_source
     verified = decode.metric("vllm:kv_canary_transfer_slots_verified_total")
     assert verified == by_source["external_kv_transfer"] > 0, (verified, by_source)
-    # P snapshotted every prompt it handed over and served D its records of each request D pulled.
+    # P wrote the records of every prompt it handed over.
     assert _prefill_metric(faults, "vllm:kv_canary_transfer_slots_handed_over_total") >= verified
-    assert prefill.metric("vllm:kv_canary_transfer_records_served_total") >= len(workload) // 2
-    assert prefill.metric("vllm:kv_canary_transfer_records_missing_total") == 0
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") == 0
     assert decode.metric("vllm:kv_canary_blocks_repaired_total") == 0
     assert decode.metric("vllm:kv_canary_violations_total") == 0
@@ -281,43 +281,52 @@ def _assert_repaired(faults, fault: str, clean_answer: str) -> None:
 @pytest.mark.parametrize("fault", list(FAULT_PROMPTS))
 def test_each_fault_is_a_load_error_repaired_to_the_clean_answer(fault, clean, canary_pair):
     faulted = clean[1]
-    faults = canary_pair[3]
-    served = _prefill_metric(faults, "vllm:kv_canary_transfer_records_served_total")
-    _assert_repaired(faults, fault, faulted[FAULT_PROMPTS[fault]])
-    assert _prefill_metric(faults, "vllm:kv_canary_transfer_records_served_total") > served  # P served what D compared with
+    _assert_repaired(canary_pair[3], fault, faulted[FAULT_PROMPTS[fault]])
 
 
-def test_missing_records_are_load_errors(clean, canary_pair):
-    """D pointed at a records server that does not answer: the request's blocks are a load error, repaired."""
+def test_a_load_without_the_prefill_sides_records_is_a_load_error(clean, canary_pair):
+    """D told that P wrote no records of the request (its params without them): the
+    request's blocks are a load error, repaired."""
     faulted = clean[1]
     _, decode, _, faults = canary_pair
     before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
     faults.forget()
     params = faults.prefilled(FAULTED[4])
-    servers = {**params["kv_canary_records"], "address": "127.0.0.1:1"}
-    answer = faults.decoded(FAULTED[4], {**params, "kv_canary_records": servers})
+    del params["kv_canary_records"]
+    answer = faults.decoded(FAULTED[4], params)
     assert _tokens(answer) == faulted[4] and decode.alive()
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
     assert any("no records of its prefilled KV" in line[3] for line in decode.canary_lines())
 
 
-def test_a_request_read_after_its_lease_expired_is_a_load_error(clean, canary_pair):
-    """D reads P's blocks after P's lease on them expired: P freed them (free to be reused)
-    and dropped their records, so they are a load error, repaired (vLLM counts no failed
-    transfer for it: NIXL's read itself succeeds)."""
+def _fill_kv_cache(server, model) -> None:
+    """Prompts of P's own, each of distinct tokens, until P has written every block of its
+    KV cache since the call: freed blocks are reused in the order they were freed."""
+    info = server.metrics()
+    blocks = int(re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', info).group(1))
+    length = 480
+    for k in range(blocks * 32 // length + 2):
+        complete(server.url, model, [(1000 + 13 * k + i) % VOCAB_SIZE for i in range(length)], 1)
+
+
+def test_a_request_read_after_its_lease_expired_and_its_blocks_were_reused_is_a_load_error(clean, canary_pair, tiny_llama):
+    """D reads P's blocks after P's lease on them expired and P reused them for other
+    prompts: the blocks hold other KV than the records that rode with them say, so they are
+    a load error, repaired (vLLM counts no failed transfer for it: NIXL's read itself
+    succeeds)."""
     faulted = clean[1]
-    _, decode, _, faults = canary_pair
+    prefill, decode, _, faults = canary_pair
     before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
-    missing = _prefill_metric(faults, "vllm:kv_canary_transfer_records_missing_total")
     faults.forget()
     params = faults.prefilled(FAULTED[5])
     time.sleep(LEASE_S + 1)
-    faults.prefilled(FAULTED[0])  # a step on P after the lease: it frees the blocks and drops their records
+    faults.prefilled(FAULTED[0])  # a step on P after the lease: it frees the blocks
+    faults.forget()
+    _fill_kv_cache(prefill, tiny_llama)
     answer = faults.decoded(FAULTED[5], params)
     assert _tokens(answer) == faulted[5] and decode.alive()
     assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
-    assert _prefill_metric(faults, "vllm:kv_canary_transfer_records_missing_total") == missing + 1
-    assert any("holds no records of it" in line[3] for line in decode.canary_lines())
+    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
 
 
 def test_a_block_p_repairs_before_the_handover_is_handed_over_recomputed(clean, canary_pair):
@@ -401,137 +410,6 @@ def test_heterogeneous_tp_faults_are_load_errors_repaired(fault, heterogeneous_p
 # The pieces on their own -------------------------------------------------------------------
 
 
-def _snapshot(records: torch.Tensor, first_head: int = 0, heads: int = 2):
-    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
-
-    digests = (records[:, :1] * 1000 + torch.arange(first_head, first_head + heads)).contiguous()
-    return records_channel.Snapshot(records, digests, range(first_head, first_head + heads))
-
-
-def _records_server(port: int, **held):
-    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
-
-    server = records_channel.RecordsServer("127.0.0.1", port, max_age_s=60)
-    for request_id, snapshot in held.items():
-        server.hold(request_id, snapshot)
-    return server
-
-
-def _ask(client, *questions: tuple[str, str]) -> list:
-    return client.fetch(list(questions))
-
-
-def _same(got, snapshot) -> bool:
-    return (
-        got is not None
-        and torch.equal(got.records, snapshot.records)
-        and torch.equal(got.digests, snapshot.digests)
-        and got.heads == snapshot.heads
-    )
-
-
-NOT_HELD = "the prefill side holds no records of it (its lease expired, or it was never snapshotted)"
-
-
-def test_the_records_server_serves_what_it_holds_and_says_what_it_does_not():
-    from vllm_serve import _free_port
-
-    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
-
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    snapshot = _snapshot(torch.arange(12, dtype=torch.int64).view(3, 4), first_head=2, heads=3)
-    server = _records_server(port, a=snapshot, empty=_snapshot(torch.zeros(0, 4, dtype=torch.int64)))
-    client = records_channel.RecordsClient(timeout=2)
-    try:
-        (got, why), missing, (empty, _) = _ask(client, (address, "a"), (address, "b"), (address, "empty"))
-        assert why == "" and _same(got, snapshot)
-        assert torch.stack([got.digest_of(4), got.digest_of(2)], dim=1).tolist() == [[4, 2], [4004, 4002], [8004, 8002]]
-        assert missing == (None, NOT_HELD)
-        assert empty.records.shape == (0, 4) and empty.digests.shape == (0, 2)
-        server.release(["a"])
-        assert _ask(client, (address, "a")) == [(None, NOT_HELD)]
-        assert server.take_answers() == {"served": 2, "missing": 2}
-        server.max_age_s = 0
-        server.hold("c", snapshot)
-        server.hold("d", snapshot)  # drops c, held longer than max_age_s
-        assert server.get("c") is None and server.get("d") is not None
-    finally:
-        server.close()
-    [(got, why)] = _ask(client, (address, "a"))  # the kept connection is gone, and no server listens
-    assert got is None and why.startswith(f"the records server at {address} failed: ")
-    client.close()
-
-
-def test_the_records_client_asks_each_server_once_a_step_and_reconnects_once():
-    from vllm_serve import _free_port
-
-    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
-
-    ports = _free_port(), _free_port()
-    first, second = (f"127.0.0.1:{port}" for port in ports)
-    held = {name: _snapshot(torch.full((2 + k, 4), k, dtype=torch.int64), first_head=k) for k, name in enumerate("abc")}
-    servers = [_records_server(ports[0], a=held["a"], b=held["b"]), _records_server(ports[1], c=held["c"])]
-    client = records_channel.RecordsClient(timeout=2)
-    try:
-        # Two servers' questions interleaved: the answers come back in the questions' order.
-        answers = _ask(client, (first, "b"), (second, "c"), (first, "a"), (second, "a"))
-        assert [why for _, why in answers] == ["", "", "", NOT_HELD]
-        for (got, _), name in zip(answers[:3], "bca"):
-            assert _same(got, held[name])
-        # P restarts on its port, holding other records: the kept connection fails, the client opens another.
-        servers[0].close()
-        servers[0] = _records_server(ports[0], a=held["c"])
-        [(got, why)] = _ask(client, (first, "a"))
-        assert why == "" and _same(got, held["c"])
-        assert servers[0].take_answers() == {"served": 1, "missing": 0}
-    finally:
-        for server in servers:
-            server.close()
-        client.close()
-
-
-def test_the_records_server_outlives_a_client_that_does_not_speak_its_protocol():
-    import socket
-
-    from vllm_serve import _free_port
-
-    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
-
-    port = _free_port()
-    snapshot = _snapshot(torch.ones(1, 4, dtype=torch.int64))
-    server = _records_server(port, a=snapshot)
-    client = records_channel.RecordsClient(timeout=2)
-    try:
-        for nonsense in (b"GET / HTTP/1.1\r\n\r\n", b"{" * (records_channel.MAX_QUESTION_BYTES + 1)):
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as stranger:
-                stranger.sendall(nonsense)
-                assert stranger.recv(1) == b""  # closed without an answer
-        [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
-        assert why == "" and _same(got, snapshot)
-    finally:
-        server.close()
-        client.close()
-
-
-def test_a_records_server_that_does_not_answer_is_a_failed_fetch_not_a_hang():
-    import socket
-
-    from vllm_serve import _free_port
-
-    from torch_kvcanary.integrations.vllm.connector.nixl import channel as records_channel
-
-    port = _free_port()
-    with socket.create_server(("127.0.0.1", port)) as silent:  # accepts (the kernel's backlog) and never answers
-        client = records_channel.RecordsClient(timeout=1)
-        begin = time.monotonic()
-        [(got, why)] = _ask(client, (f"127.0.0.1:{port}", "a"))
-        assert got is None and why == f"the records server at 127.0.0.1:{port} failed: timed out"
-        assert time.monotonic() - begin < 10
-        client.close()
-        assert silent.fileno() >= 0
-
-
 def test_slots_of_a_request_follow_its_blocks():
     from torch_kvcanary.integrations.vllm.connector import nixl
 
@@ -543,10 +421,9 @@ def test_what_the_nixl_verification_cannot_watch_is_refused():
 
     from torch_kvcanary.integrations.vllm.connector import nixl
 
-    def config(tp=1, pp=1, dcp=1, extra=None):
+    def config(tp=1, pp=1, dcp=1):
         parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp)
-        transfer = SimpleNamespace(kv_connector_extra_config={"records_port": 5700} if extra is None else extra)
-        return SimpleNamespace(parallel_config=parallel, kv_transfer_config=transfer)
+        return SimpleNamespace(parallel_config=parallel, kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}))
 
     nixl.check_nixl(config())
     nixl.check_nixl(config(tp=4))  # tensor parallelism is verified
@@ -555,25 +432,6 @@ def test_what_the_nixl_verification_cannot_watch_is_refused():
             ValueError, match=rf"^kv-canary: KvCanaryConnector verifies NixlConnector's transfers with one pipeline stage .*{said}"
         ):
             nixl.check_nixl(config(**parallel))
-    with pytest.raises(ValueError, match=r'^kv-canary: KvCanaryConnector wrapping NixlConnector serves .* set "records_port": PORT'):
-        nixl.check_nixl(config(extra={}))
-
-
-def test_a_records_port_already_taken_is_said_at_start():
-    import socket
-
-    from vllm_serve import free_ports
-
-    from torch_kvcanary.integrations.vllm.connector import nixl
-
-    port = free_ports(2)
-    with socket.create_server(("127.0.0.1", port + 1)):  # taken: rank 1 of a server given `port` cannot listen there
-        said = rf"^kv-canary: tensor-parallel rank 1 serves the canary's records on records_port \+ 1 = {port + 1}, .* whose 2 ports"
-        with pytest.raises(ValueError, match=said):
-            nixl.NixlWorker(32, "127.0.0.1", port, 60, sharding=nixl.Sharding(2, 2), rank=1)
-    worker = nixl.NixlWorker(32, "127.0.0.1", port, 60, sharding=nixl.Sharding(2, 2), rank=1)
-    assert worker.heads == range(1, 2)
-    worker.close()
 
 
 # vLLM's sharding of KV heads over tensor-parallel ranks, written out: with at least as many
@@ -605,3 +463,26 @@ def test_a_decode_rank_asks_the_prefill_ranks_holding_its_heads():
     assert prefill.sources(nixl.Sharding(1, 8).heads(0)) == [0, 1]  # P_TP > D_TP: both halves
     assert [prefill.sources(nixl.Sharding(4, 8).heads(rank)) for rank in range(4)] == [[0], [0], [1], [1]]
     assert nixl.Sharding(4, 2).sources(range(0, 2)) == [0, 2]  # replicas: the first holder of each head
+
+
+def test_the_records_region_holds_each_slots_rows_by_kernel_block_heads_outermost():
+    """A slot's rows lie in its kernel block, each head's rows of a kernel block contiguous
+    (NIXL splits a block's bytes between tensor-parallel ranks by heads), and read back as
+    written: the records alike for every head, each head's digest its own."""
+    from torch_kvcanary.integrations.vllm.connector.nixl import region
+
+    records_region = region.RecordsRegion(num_blocks=3, heads=2, block_size=8, kernel_block_size=4, device=torch.device("cpu"))
+    assert records_region.tensor.shape == (6, 2, 4, 5) and records_region.page_bytes == 2 * 4 * 5 * 8
+    slots = torch.tensor([17, 6, 9])  # block 2 offset 1, block 0 offset 6, block 1 offset 1
+    records = torch.arange(12, dtype=torch.int64).view(3, 4) + 100
+    digests = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    records_region.write(slots, records, digests)
+    rows = records_region.read(slots)
+    assert rows.shape == (3, 2, 5)
+    assert torch.equal(rows[:, :, : region.DIGEST], records[:, None, :].expand(3, 2, 4))
+    assert torch.equal(rows[:, :, region.DIGEST], digests)
+    # slot 6: kernel block 1, offset 2; head 1's rows of that kernel block follow head 0's.
+    assert records_region.tensor[1, 1, 2].tolist() == [104, 105, 106, 107, 4]
+    assert int(records_region.tensor.count_nonzero()) == 3 * 2 * 5
+    with pytest.raises(ValueError, match=r"^kv-canary: NixlConnector moves kernel blocks of 3 slots, which do not divide"):
+        region.RecordsRegion(num_blocks=3, heads=2, block_size=8, kernel_block_size=3, device=torch.device("cpu"))

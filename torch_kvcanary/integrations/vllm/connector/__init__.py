@@ -6,7 +6,7 @@
 * `delegate`: `InnerDelegate`, every connector call forwarded to the inner connector;
 * `verifier`: the transfer verifier's two halves (`SchedulerVerifier`, `WorkerVerifier`)
   and the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``) and `nixl`
-  (``NixlConnector``, with the side channel of its records, `nixl.channel`);
+  (``NixlConnector``, whose records travel with the blocks, `nixl.region`);
 * `port`: `CanaryPort`, what the connector asks of its worker's canary (the plugin's
   worker implements it);
 * `checks`: the connectors refused at start.

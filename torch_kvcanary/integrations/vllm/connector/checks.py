@@ -41,14 +41,7 @@ def check_unwrapped(config: KVTransferConfig) -> None:
         if config.kv_connector_extra_config:
             inner["kv_connector_extra_config"] = config.kv_connector_extra_config
         wrapped = {"kv_connector": CONNECTOR, "kv_role": config.kv_role, "kv_connector_extra_config": {INNER: inner}}
-        port = (
-            f', with "{nixl.RECORDS_PORT}": a free TCP port in its kv_connector_extra_config'
-            if config.kv_connector in nixl.CONNECTORS
-            else ""
-        )
-        change = (
-            f"serve it as {CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}'{port})"
-        )
+        change = f"serve it as {CONNECTOR}'s inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}')"
     else:
         change = f'give it "kv_role": "kv_producer" ({CONNECTOR} verifies the loads of {", ".join(VERIFIED)} only)'
     raise ValueError(

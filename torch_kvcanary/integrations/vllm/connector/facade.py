@@ -124,6 +124,11 @@ class KvCanaryConnector(InnerDelegate):
 
     # Worker side -----------------------------------------------------------------
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """The inner connector registers the KV caches, and any layer the transfer verifier
+        moves with them (NIXL's records region)."""
+        super().register_kv_caches(self._verifier.transfer_caches(kv_caches) if self._verifier is not None else kv_caches)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._forward = connector_metadata.forward

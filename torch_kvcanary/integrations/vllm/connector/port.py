@@ -50,7 +50,7 @@ class CanaryPort(Protocol):
         one before and the first through ``prev_slot`` (-1 from position 0): their records."""
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
-        """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the host."""
+        """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the canary's device."""
 
     def refold_blocks(self, slots: torch.Tensor) -> None:
         """Recomputes the folds of the whole blocks holding ``slots`` where the backend packs

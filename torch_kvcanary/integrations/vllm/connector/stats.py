@@ -24,14 +24,12 @@ COUNTS = (
     "transfer_slots_verified",
     "transfer_slots_failed",
     "transfer_slots_handed_over",
-    "transfer_records_served",
-    "transfer_records_missing",
 )
 """The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
 from each caught drill's flip to its detection, summed; ``transfer_slots_verified`` and
 ``_failed``: slots an inner connector loaded, verified against the records stored with
-them, and those that failed; ``transfer_slots_handed_over`` and ``transfer_records_*``:
-a prefill side's, see `CanaryPromMetrics`)."""
+them, and those that failed; ``transfer_slots_handed_over``: a prefill side's, see
+`CanaryPromMetrics`)."""
 
 
 @dataclass
@@ -93,12 +91,7 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             "drill_steps_to_catch": "Engine steps from each caught drill's flip to its detection, summed.",
             "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
             "transfer_slots_failed": "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors).",
-            "transfer_slots_handed_over": "Prompt slots whose records a prefill side snapshotted for the decode side (NixlConnector).",
-            "transfer_records_served": "Requests a prefill side served its records of to a decode side (NixlConnector).",
-            "transfer_records_missing": (
-                "Requests a decode side asked a prefill side's records of, which it did not hold "
-                "(their lease expired, or they were never snapshotted; NixlConnector)."
-            ),
+            "transfer_slots_handed_over": "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
         }
         self._counts = {}
         for name in COUNTS:

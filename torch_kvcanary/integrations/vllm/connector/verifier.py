@@ -46,6 +46,10 @@ class WorkerVerifier(Protocol):
     """Whether the inner connector's loads land within its ``start_load_kv`` (verified by
     `after_load`; a load that raises is a failed load), or later (verified by `on_done`)."""
 
+    def transfer_caches(self, kv_caches: dict):
+        """The caches the inner connector registers (``kv_caches``, with any layer of the
+        verifier's own it moves with the KV)."""
+
     def before_load(self, port: CanaryPort, orders) -> None: ...
 
     def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:

@@ -3,27 +3,30 @@
 
 The prefill side (P) computes a request's prompt and hands its blocks to the decode side
 (D), which reads them over NIXL. The canary's records are relocation-invariant (token,
-position, chain and fold do not depend on the slot), so:
+position, chain and fold do not depend on the slot), so they can travel with the blocks:
 
-- P, in the step that completes a request's prompt, snapshots what its rank holds of the
-  prompt's slots (`NixlWorker.after_save`, after the forward recorded them): their records
-  and each slot's transfer digest over each of the rank's KV heads (`channel.Snapshot`).
-  Where P's own canary flagged a block the step read, vLLM rolls the request back and
-  recomputes it, and the step that completes the prompt again takes the snapshot anew.
-  It holds the snapshot until NIXL reports the request's blocks sent or their lease expired
-  (`release`): a block freed and reused after the snapshot cannot change what is compared.
-  A small TCP server on the loopback (`RecordsServer`) serves the snapshots, one per rank on
-  consecutive ports; the address of rank 0's and P's tensor-parallel size ride in the
-  request's ``kv_transfer_params`` (`RECORDS_KEY`), since vLLM builds those params before
-  the worker's results of the step reach the scheduler.
-- D fetches the snapshots of the P ranks holding its heads before NIXL starts reading the
-  blocks (`NixlWorker.fetch`), and when NIXL reports the read done (before vLLM marks the
-  request's load done) records what landed with the request's prompt tokens and positions
-  and compares (`NixlWorker.land`): every block holding a slot whose records differ, or
-  whose snapshot is missing (no address, no snapshot, a timeout, another request's
-  snapshot), is a load error of that step, which vLLM recomputes (``"recompute"``) or fails
-  the request for (``"fail"``); the bad slots' records are broken, so a forward reading them
-  first is flagged too.
+- Each worker of either side holds a records region (`region.RecordsRegion`) indexed by
+  block like a KV layer, which NixlConnector registers and moves as one more layer of the
+  request's blocks (`adapter.nixl.add_transfer_layer`): NIXL's own read brings D the rows
+  of the blocks it reads, each D rank's heads from the P ranks holding them.
+- P, in the step that completes a request's prompt, writes the rows of the prompt's slots
+  (`NixlWorker.after_save`, after the forward recorded them, on the device): their records
+  and each slot's transfer digest over each of the rank's KV heads. Where P's own canary
+  flagged a block the step read, vLLM rolls the request back and recomputes it, and the
+  step that completes the prompt again writes the rows anew. The rows live as long as the
+  blocks: once P's lease on them expires and they are reused, they hold their next owner's
+  rows, or their former owner's beside a new owner's KV, and either differs from what D
+  expects. P says in the request's ``kv_transfer_params`` that its blocks carry records,
+  and its tensor-parallel size (`RECORDS_KEY`).
+- D, when NIXL reports the read done (before vLLM marks the request's load done), records
+  what landed with the request's prompt tokens and positions and compares with the rows
+  that landed with it (`NixlWorker.land`): every block holding a slot that differs, or of
+  a load whose params carry no records, is a load error of that step, which vLLM
+  recomputes (``"recompute"``) or fails the request for (``"fail"``); the bad slots'
+  records are broken, so a forward reading them first is flagged too.
+
+Both sides must run the canary: NixlConnector's handshake compares the layers each side
+registers, and refuses a pair of which only one side moves the records region.
 
 What is compared depends on how the two sides shard the KV heads (`Sharding`). Where a D
 rank holds the heads of one P rank exactly (the same tensor-parallel size on both sides,
@@ -35,13 +38,14 @@ each of the D rank's heads, which `digest.kv_digest` numbers by global head so t
 digests alike wherever it is held.
 """
 
-from .config import CONNECTORS, PROGRESS_DELAY, RECORDS_KEY, RECORDS_PORT, check_nixl, prepare_worker
+from .config import CONNECTORS, PROGRESS_DELAY, RECORDS_KEY, check_nixl, prepare_worker
 from .orders import LoadOrder, NixlOrders, SnapshotOrder, slots_of
+from .region import RecordsRegion
 from .scheduler import NixlScheduler
 from .sharding import Sharding
 from .worker import NixlWorker, PendingLoad
 
 __all__ = [
-    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "RECORDS_PORT", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
-    "PendingLoad", "Sharding", "SnapshotOrder", "check_nixl", "prepare_worker", "slots_of",
+    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
+    "PendingLoad", "RecordsRegion", "Sharding", "SnapshotOrder", "check_nixl", "prepare_worker", "slots_of",
 ]  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class SnapshotOrder:
-    """P: a request whose prompt the step completes; its records of positions [0, tokens) are held."""
+    """P: a request whose prompt the step completes; its records of positions [0, tokens) are written for D."""
 
     request_id: str
     block_ids: list[int]
@@ -20,13 +20,11 @@ class SnapshotOrder:
 @dataclass
 class LoadOrder:
     """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
-    (all of the request's blocks), from P's request ``remote_request_id`` whose records
-    P's ``remote_tp_size`` ranks serve from ``address`` on (`RECORDS_KEY`)."""
+    (all of the request's blocks) from a prefill side of ``remote_tp_size`` tensor-parallel
+    ranks (`RECORDS_KEY`; None: the prefill side wrote no records)."""
 
     request_id: str
-    remote_request_id: str | None
-    address: str | None
-    remote_tp_size: int
+    remote_tp_size: int | None
     tokens: list[int]
     block_ids: list[int]
     start: int

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from ... import adapter
-from .config import RECORDS_KEY, RECORDS_PORT
+from .config import RECORDS_KEY
 from .orders import LoadOrder, NixlOrders, SnapshotOrder
 
 
 class NixlScheduler:
-    """The scheduler side: which requests P snapshots and D verifies, and P's address in
-    the params it hands over. ``kv_cache_manager`` is the scheduler's, which vLLM binds to
-    the connector once it has built both."""
+    """The scheduler side: which requests P writes the records of and D verifies, and P's
+    tensor-parallel size in the params it hands over. ``kv_cache_manager`` is the
+    scheduler's, which vLLM binds to the connector once it has built both."""
 
-    def __init__(self, block_size: int, address: str, tp_size: int):
+    def __init__(self, block_size: int, tp_size: int):
         self.block_size = block_size
-        self.address = address
         self.tp_size = tp_size
         self.kv_cache_manager = None
         self._prefills: dict[str, object] = {}  # P: requests it hands over to a decode side, until they finish
@@ -22,10 +21,7 @@ class NixlScheduler:
 
     @classmethod
     def build(cls, vllm_config, block_size: int) -> NixlScheduler:
-        """The scheduler half of a server whose records servers listen on NIXL's side-channel host."""
-        port = vllm_config.kv_transfer_config.kv_connector_extra_config[RECORDS_PORT]
-        address = f"{adapter.nixl.side_channel_host()}:{port}"
-        return cls(block_size, address, vllm_config.parallel_config.tensor_parallel_size)
+        return cls(block_size, vllm_config.parallel_config.tensor_parallel_size)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -39,20 +35,19 @@ class NixlScheduler:
         elif adapter.nixl.loads_remotely(params) and num_external_tokens > 0:
             start = adapter.locally_cached_blocks(blocks) * self.block_size
             end = start + num_external_tokens
-            address, tp_size = _records_servers(params.get(RECORDS_KEY))
             self._loads.append(
                 LoadOrder(
-                    request.request_id, adapter.nixl.remote_request_id(params), address, tp_size,
+                    request.request_id, _prefill_tp_size(params.get(RECORDS_KEY)),
                     list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end,
                 )
             )  # fmt: skip
 
     def plan(self, scheduler_output) -> NixlOrders:
-        """The step's orders: D's loads allocated since the last step, and a snapshot of each
-        request of P whose prompt the step completes. A request stays watched until it
-        finishes: where P's own canary flags a block in that step, vLLM rolls the request
-        back and recomputes it, and the step that completes the prompt again snapshots the
-        recomputed KV in place of the KV P threw away."""
+        """The step's orders: D's loads allocated since the last step, and the records to
+        write of each request of P whose prompt the step completes. A request stays watched
+        until it finishes: where P's own canary flags a block in that step, vLLM rolls the
+        request back and recomputes it, and the step that completes the prompt again writes
+        the records of the recomputed KV over those of the KV P threw away."""
         orders = NixlOrders(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -64,16 +59,16 @@ class NixlScheduler:
         return orders
 
     def on_finished(self, request, params: dict | None) -> None:
-        """Adds P's records servers to the params of a request handed to a decode side."""
+        """Says, in the params of a request handed to a decode side, that its blocks carry the
+        canary's records, and how many tensor-parallel ranks P splits the heads over."""
         self._prefills.pop(request.request_id, None)
         if params is not None and adapter.nixl.loads_remotely(params):
-            params[RECORDS_KEY] = {"address": self.address, "tp_size": self.tp_size}
+            params[RECORDS_KEY] = {"tp_size": self.tp_size}
 
 
-def _records_servers(value) -> tuple[str | None, int]:
-    """(rank 0's address, P's tensor-parallel size) of a `RECORDS_KEY` value; (None, 1)
-    for anything else, whose load then has no records to compare with."""
-    if isinstance(value, dict) and isinstance(value.get("address"), str) and isinstance(value.get("tp_size"), int):
-        if value["tp_size"] > 0:
-            return value["address"], value["tp_size"]
-    return None, 1
+def _prefill_tp_size(value) -> int | None:
+    """P's tensor-parallel size of a `RECORDS_KEY` value; None for anything else, whose
+    load then has no records to compare with."""
+    if isinstance(value, dict) and isinstance(value.get("tp_size"), int) and value["tp_size"] > 0:
+        return value["tp_size"]
+    return None

@@ -1,5 +1,6 @@
-"""The worker half of the NIXL transport (`NixlWorker`): P's snapshots and their server, D's
-fetches and comparisons."""
+"""The worker half of the NIXL transport (`NixlWorker`): P writes the records of the prompts
+it hands over into the region NIXL moves with the KV (`region.RecordsRegion`); D compares
+what landed with the region's rows that landed with it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import torch
 from .....canary import FOLD
 from ... import adapter
 from ...config import CONNECTOR
-from ..delegate import inner_config
 from ..port import CanaryPort
-from .channel import RecordsClient, RecordsServer, Snapshot
-from .config import RECORDS_KEY, RECORDS_PORT
+from .config import RECORDS_KEY
 from .orders import LoadOrder, NixlOrders, slots_of
+from .region import DIGEST, FIELDS, LAYER_NAME, RecordsRegion
 from .sharding import Sharding
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -24,81 +24,81 @@ logger = logging.getLogger(adapter.LOGGER)
 
 @dataclass
 class PendingLoad:
-    """D: a load and the snapshots of the P ranks holding this rank's heads, by rank (None: why not)."""
+    """D: a load whose blocks NIXL is reading, and how the prefill side holds its heads
+    (None: the load carries no records of P's, and ``why``)."""
 
     load: LoadOrder
-    remote: Sharding  # the prefill side's
-    snapshots: dict[int, Snapshot] | None
+    remote: Sharding | None  # the prefill side's
     why: str
     same_heads: bool  # this rank holds exactly the heads of its one source rank: the folds compare
 
 
 class NixlWorker:
     """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
-    model's KV heads as ``sharding`` says: P's snapshots and server (on ``port + rank``),
-    D's fetches and verification."""
+    model's KV heads as ``sharding`` says: P's records written into the region NIXL moves
+    (`after_save`), D's comparison of what landed (`land`)."""
 
     LOADS_IN_STEP = False  # NIXL reads the blocks asynchronously: get_finished reports them landed
 
-    def __init__(self, block_size: int, host: str, port: int, max_age_s: float, *, sharding: Sharding, rank: int):
+    def __init__(self, block_size: int, *, sharding: Sharding, rank: int, inner=None):
         self.block_size = block_size
         self.sharding = sharding
         self.rank = rank
         self.heads = sharding.heads(rank)
-        try:
-            self.server = RecordsServer(host, port + rank, max_age_s)
-        except OSError as error:
-            raise ValueError(
-                f"kv-canary: tensor-parallel rank {rank} serves the canary's records on {RECORDS_PORT} + {rank} = "
-                f"{port + rank}, and {host}:{port + rank} cannot be listened on ({error}): give each server a {RECORDS_PORT} "
-                f"whose {sharding.tp_size} ports from there on are free"
-            ) from error
-        self.client = RecordsClient()
+        self.inner = inner  # NixlConnector, whose worker registers the region (`transfer_caches`)
+        self.region: RecordsRegion | None = None
         self._pending: dict[str, PendingLoad] = {}
         self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
-        self.verify_seconds = 0.0  # D: spent recording and comparing landed requests
-        self.fetch_seconds = 0.0  # D: spent fetching P's records
+        self.verify_seconds = 0.0  # D: host time spent recording and comparing landed requests
+        self.write_seconds = 0.0  # P: host time spent writing the records of handed-over requests
         self.verified_requests = 0
-        self._handed_over = 0  # P: slots snapshotted since `take_counts`
+        self.written_requests = 0
+        self._handed_over = 0  # P: slots written since `take_counts`
 
     @classmethod
     def build(cls, vllm_config, inner, block_size: int) -> NixlWorker:
-        """The worker half of this tensor-parallel rank: P's snapshots are held for twice
-        NixlConnector's lease (``kv_lease_duration``)."""
-        lease_s = adapter.nixl.lease_seconds(inner_config(vllm_config).kv_transfer_config)
-        port = vllm_config.kv_transfer_config.kv_connector_extra_config[RECORDS_PORT]
         sharding = Sharding(vllm_config.parallel_config.tensor_parallel_size, adapter.total_kv_heads(vllm_config))
-        host = adapter.nixl.side_channel_host()
-        return cls(block_size, host, port, max_age_s=2 * lease_s, sharding=sharding, rank=adapter.tensor_parallel_rank())
+        return cls(block_size, sharding=sharding, rank=adapter.tensor_parallel_rank(), inner=inner)
+
+    def transfer_caches(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The caches NixlConnector registers: the KV and the records region, which it
+        moves as one more layer of the request's blocks."""
+        num_blocks, heads, kernel_block_size = adapter.nixl.transfer_geometry(self.inner)
+        if heads != len(self.heads):
+            raise ValueError(
+                f"kv-canary: NixlConnector moves {heads} KV heads per block on tensor-parallel rank {self.rank}, and the "
+                f"canary expects {len(self.heads)} ({list(self.heads)} of {self.sharding.num_kv_heads}): report this layout"
+            )
+        device = next(iter(kv_caches.values())).device
+        self.region = RecordsRegion(num_blocks, heads, self.block_size, kernel_block_size, device)
+        page_bytes = self.region.page_bytes * (self.block_size // kernel_block_size)
+        adapter.nixl.add_transfer_layer(self.inner, LAYER_NAME, cell_bytes=8 * len(FIELDS), page_bytes=page_bytes)
+        return {**kv_caches, LAYER_NAME: self.region.tensor}
 
     def after_save(self, port: CanaryPort, orders: NixlOrders | None) -> None:
-        """P: holds the records and head digests of each request whose prompt the step
-        completed (after its forward)."""
-        for order in orders.snapshots if orders is not None else ():
+        """P: writes the records and head digests of each request whose prompt the step
+        completed (after its forward) into the region, on the device."""
+        if orders is None or not orders.snapshots:
+            return
+        begin = time.perf_counter()
+        for order in orders.snapshots:
             slots = slots_of(order.block_ids, order.tokens, self.block_size)
             digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
-            self.server.hold(order.request_id, Snapshot(port.records_of(slots).cpu(), digests, self.heads))
+            self.region.write(slots, port.records_of(slots), digests)
             self._handed_over += order.tokens
+        self.written_requests += len(orders.snapshots)
+        self.write_seconds += time.perf_counter() - begin
 
     def take_counts(self) -> dict[str, int]:
-        """P's counters since the last call, by their names in `stats.COUNTS`: the slots
-        whose records it snapshotted for a decode side, and the decode sides' requests for
-        records it answered with them and without."""
-        answers = self.server.take_answers()
-        counts = {
-            "transfer_slots_handed_over": self._handed_over,
-            "transfer_records_served": answers["served"],
-            "transfer_records_missing": answers["missing"],
-        }
+        """P's counter since the last call, by its name in `stats.COUNTS`: the prompt slots
+        whose records it wrote for a decode side."""
+        counts = {"transfer_slots_handed_over": self._handed_over}
         self._handed_over = 0
         return counts
 
     def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
-        """P: drops the snapshots of the requests whose blocks NIXL sent (or whose lease
-        expired: their blocks are freed). D: verifies the requests whose blocks landed
-        (`land`), before vLLM marks their load done."""
-        if sent:
-            self.server.release(sent)
+        """D: verifies the requests whose blocks landed (`land`), before vLLM marks their
+        load done. (P: nothing; the records live as long as the blocks.)"""
         return self.land(port, landed, failed) if landed else (set(), 0, 0)
 
     def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
@@ -106,34 +106,19 @@ class NixlWorker:
         return 0, 0
 
     def before_load(self, port: CanaryPort, orders: NixlOrders | None) -> None:
-        """D: the snapshots of each load held by the P ranks holding this rank's heads,
-        before NIXL starts reading its blocks: P holds them until it learns the blocks were
-        read, so a question sent later could find them gone. One round trip per prefill
-        rank and step."""
+        """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
         if orders is None:
             return
-        begin = time.perf_counter()
-        questions, asked = [], []
         for load in orders.loads:
+            if load.remote_tp_size is None:
+                why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
+                self._pending[load.request_id] = PendingLoad(load, None, why, same_heads=False)
+                continue
             remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
             sources = remote.sources(self.heads)
-            pending = PendingLoad(load, remote, {}, "", same_heads=len(sources) == 1 and remote.heads(sources[0]) == self.heads)
-            self._say_comparison(remote, sources, pending.same_heads)
-            self._pending[load.request_id] = pending
-            if load.address is None or load.remote_request_id is None:
-                pending.snapshots = None
-                pending.why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
-                continue
-            host, _, port = load.address.rpartition(":")
-            for rank in sources:
-                questions.append((f"{host}:{int(port) + rank}", load.remote_request_id))
-                asked.append((pending, rank))
-        for (pending, rank), (snapshot, why) in zip(asked, self.client.fetch(questions)):
-            if snapshot is None:
-                pending.snapshots, pending.why = None, pending.why or why
-            elif pending.snapshots is not None:
-                pending.snapshots[rank] = snapshot
-        self.fetch_seconds += time.perf_counter() - begin
+            same_heads = len(sources) == 1 and remote.heads(sources[0]) == self.heads
+            self._say_comparison(remote, sources, same_heads)
+            self._pending[load.request_id] = PendingLoad(load, remote, "", same_heads)
 
     def _say_comparison(self, remote: Sharding, sources: list[int], same_heads: bool) -> None:
         """Logs, once per prefill tensor-parallel size, what this rank compares with which prefill ranks."""
@@ -149,8 +134,9 @@ class NixlWorker:
 
     def land(self, port: CanaryPort, finished_recving, failed_recving) -> tuple[set[int], int, int]:
         """D: records the slots of each request NIXL finished loading and compares them with
-        P's: (the blocks of the bad slots, slots verified, slots that failed). A load NIXL
-        itself failed is NIXL's load error and is not recorded."""
+        the rows of P's records that landed with them: (the blocks of the bad slots, slots
+        verified, slots that failed). A load NIXL itself failed is NIXL's load error and is
+        not recorded."""
         errors: set[int] = set()
         verified = failed = 0
         begin = time.perf_counter()
@@ -172,13 +158,13 @@ class NixlWorker:
         landed_slots = slots[load.start : load.end]
         prev = int(slots[load.start - 1]) if load.start else -1
         tokens = torch.tensor(load.tokens[load.start : load.end], dtype=torch.int64)
-        landed = port.record_landed(landed_slots, tokens, start=load.start, prev_slot=prev).cpu()
+        landed = port.record_landed(landed_slots, tokens, start=load.start, prev_slot=prev)
         port.refold_blocks(landed_slots)  # NIXL wrote whole blocks
-        bad = self._differs(port, pending, slots, landed)
+        bad = self._differs(port, pending, landed_slots, landed).cpu()
         bad_slots = landed_slots[bad]
         if len(bad_slots):
             port.break_records(bad_slots)
-            if pending.snapshots is not None:
+            if pending.remote is not None:
                 logger.warning(
                     "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
                     "(first at position %d); their blocks are load errors",
@@ -186,47 +172,29 @@ class NixlWorker:
                 )  # fmt: skip
         return bad_slots
 
-    def _differs(self, port: CanaryPort, pending: PendingLoad, slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
-        """Which landed slots differ from P's snapshots (all of them where there are none):
-        the whole records where the heads are sharded alike, else the token, position and
-        chain, and the digest of each of this rank's heads."""
-        load, remote = pending.load, pending.remote
-        if pending.snapshots is not None:
-            pending.why = self._unusable(pending.snapshots, remote, load.end)
-            if pending.why:
-                pending.snapshots = None
-        if pending.snapshots is None:
+    def _differs(self, port: CanaryPort, pending: PendingLoad, landed_slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
+        """Which landed slots differ from the rows of P's records that landed with them (all
+        of them where there are none): the whole records where the heads are sharded alike,
+        else the token, position and chain, and the digest of each of this rank's heads."""
+        load = pending.load
+        if pending.remote is None:
             logger.warning("kv-canary: request %s: no records of its prefilled KV to compare with: %s", load.request_id, pending.why)
             return torch.ones(len(landed), dtype=torch.bool)
-        theirs = pending.snapshots[min(pending.snapshots)].records[load.start : load.end]
+        theirs = self.region.read(landed_slots)  # [n, heads, FIELDS]
         if pending.same_heads:
-            return (landed != theirs).any(dim=1)
-        bad = (landed[:, :FOLD] != theirs[:, :FOLD]).any(dim=1)
-        mine = port.head_digests(slots[load.start : load.end], self.heads, self.sharding.num_kv_heads, start=load.start)
-        for index, head in enumerate(self.heads):
-            held = pending.snapshots[remote.holder(head)]
-            bad |= mine[:, index] != held.digest_of(head)[load.start : load.end]
-        return bad
-
-    def _unusable(self, snapshots: dict[int, Snapshot], remote: Sharding, end: int) -> str:
-        """Why P's snapshots cannot be compared with a load of positions [0, end) (empty: they can)."""
-        for rank, snapshot in sorted(snapshots.items()):
-            if len(snapshot.records) < end:
-                return f"the prefill side's records cover {len(snapshot.records)} positions, not {end}"
-            if snapshot.heads != remote.heads(rank):
-                return (
-                    f"prefill rank {rank} holds KV heads {list(snapshot.heads)}, not the {list(remote.heads(rank))} of "
-                    f"{remote.num_kv_heads} heads over {remote.tp_size} ranks (do both sides serve one model?)"
-                )
-        return ""
+            return (landed != theirs[:, 0, :DIGEST]).any(dim=1)
+        bad = (landed[:, :FOLD] != theirs[:, 0, :FOLD]).any(dim=1)
+        mine = port.head_digests(landed_slots, self.heads, self.sharding.num_kv_heads, start=load.start)
+        return bad | (mine != theirs[:, :, DIGEST]).any(dim=1)
 
     def close(self) -> None:
         if self.verified_requests:
             logger.info(
-                "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us each fetching the prefill side's "
-                "records, %.0f us each recording and comparing",
-                self.verified_requests, 1e6 * self.fetch_seconds / self.verified_requests,
-                1e6 * self.verify_seconds / self.verified_requests,
+                "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us of host time each recording and comparing",
+                self.verified_requests, 1e6 * self.verify_seconds / self.verified_requests,
             )  # fmt: skip
-        self.client.close()
-        self.server.close()
+        if self.written_requests:
+            logger.info(
+                "kv-canary: wrote the records of %d requests handed over through NIXL: %.0f us of host time each",
+                self.written_requests, 1e6 * self.write_seconds / self.written_requests,
+            )  # fmt: skip
