@@ -154,7 +154,11 @@ def main() -> None:
         prefill, decode, proxy = stack.enter_context(pair)
         serve(arguments.model, arguments.policy, prompts, prefill, decode, proxy)
     for server in (prefill, decode):
-        print("\n".join(line for line in server.log_path.read_text().splitlines() if "kv-canary: verified" in line or "kv-canary: wrote" in line))
+        print(
+            "\n".join(
+                line for line in server.log_path.read_text().splitlines() if "kv-canary: verified" in line or "kv-canary: wrote" in line
+            )
+        )
 
 
 def serve(model: Path, policy: str, prompts: list, prefill: Server, decode: Server, proxy: Proxy) -> None:

@@ -405,8 +405,7 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
         "KV Transfer metrics: kv_canary_violations_verify_real_kv_hash=6, kv_canary_violations_verify_token=1, "
         "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
         "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, "
-        "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0, kv_canary_transfer_slots_handed_over=0, "
-        "kv_canary_transfer_records_served=0, kv_canary_transfer_records_missing=0"
+        "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0, kv_canary_transfer_slots_handed_over=0"
     )
 
 

@@ -1,6 +1,6 @@
 """The canary's KV connector and vLLM's NixlConnector without NIXL: NixlConnector in the
 canary's place is refused, and told how to serve it as KvCanaryConnector's inner connector
-with a records port (the P/D pair itself: test_vllm_pd.py)."""
+(the P/D pair itself: test_vllm_pd.py)."""
 
 import json
 
@@ -11,7 +11,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 from torch_kvcanary.integrations.vllm import config, connector  # noqa: E402
 
 
-def test_nixl_in_the_canarys_place_is_told_to_be_wrapped_with_a_records_port():
+def test_nixl_in_the_canarys_place_is_told_to_be_wrapped():
     from vllm.config import KVTransferConfig
 
     with pytest.raises(ValueError) as raised:
@@ -24,6 +24,6 @@ def test_nixl_in_the_canarys_place_is_told_to_be_wrapped_with_a_records_port():
     assert str(raised.value) == (
         'kv-canary: vLLM\'s KV connector NixlConnector with "kv_role": "kv_both" loads KV into the cache outside the '
         "model's forward, into slots the canary holds no records of, which it would report as corrupt: serve it as "
-        f"KvCanaryConnector's inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}', "
-        'with "records_port": a free TCP port in its kv_connector_extra_config), or unset KVCANARY_VLLM to serve it without the canary'
+        f"KvCanaryConnector's inner connector, which verifies what it loads (--kv-transfer-config '{json.dumps(wrapped)}'), "
+        "or unset KVCANARY_VLLM to serve it without the canary"
     )

@@ -14,9 +14,11 @@ both servers' /metrics count it; without the canary the same fault changes the a
 HTTP 200. `make test-vllm-pd` runs these.
 """
 
+import os
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,7 +222,8 @@ def clean(tiny_llama, workload, tmp_path_factory):
         faults.forget()
         silent = {fault: faults.inject(fault) for fault in FAULT_PROMPTS}
         assert decode.alive()
-    return answers, faulted, single, silent
+        listening = [len(listening_sockets(server)) for server in (prefill, decode)]
+    return answers, faulted, single, silent, listening
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +235,7 @@ def canary_pair(tiny_llama, tmp_path_factory):
 
 
 def test_without_the_canary_each_fault_changes_the_answer_silently(clean):
-    _, faulted, single, silent = clean
+    _, faulted, single, silent, _ = clean
     assert faulted == single  # disaggregated or not, a clean answer is the same
     for fault, answer in silent.items():
         assert _tokens(answer) != faulted[FAULT_PROMPTS[fault]], f"{fault}: the fault did not change the answer"
@@ -259,6 +262,50 @@ def test_clean_requests_through_nixl_are_verified_and_unflagged(clean, canary_pa
     assert decode.metric("vllm:kv_canary_blocks_repaired_total") == 0
     assert decode.metric("vllm:kv_canary_violations_total") == 0
     assert not [line for line in decode.canary_lines() if line[2] == "WARNING"]
+
+
+def listening_sockets(server) -> list[tuple[str, int]]:
+    """The (address, port) of each TCP socket listening in the server's processes (its own
+    and its descendants'), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a process gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, todo = set(), [server._process.pid]
+    while todo:
+        pid = todo.pop()
+        pids.add(pid)
+        todo.extend(children.get(pid, []))
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+            if state == "0A" and inode in inodes:  # LISTEN
+                address, port = local.rsplit(":", 1)
+                found.append((address, int(port, 16)))
+    return sorted(found)
+
+
+def test_the_canary_listens_on_no_socket_of_its_own(clean, canary_pair):
+    """P and D with the canary listen on as many TCP sockets as without it (vLLM's HTTP
+    server, NIXL's side channel, vLLM's and UCX's own): the records ride with NIXL's reads."""
+    prefill, decode, _, _ = canary_pair
+    with_canary = [listening_sockets(server) for server in (prefill, decode)]
+    assert [len(sockets) for sockets in with_canary] == clean[4], with_canary
+    for server, sockets in zip((prefill, decode), with_canary):
+        assert ("0100007F", server.port) in sockets, sockets  # the sockets are the servers' own
 
 
 def _repair_counts(decode) -> tuple[float, float]:

@@ -9,7 +9,6 @@ import json
 from vllm.config import KVTransferConfig
 
 from ..config import CONNECTOR, POLICY_ENV
-from . import nixl
 from .delegate import INNER
 from .verifier import TRANSPORTS
 
