@@ -21,6 +21,9 @@ from .sharding import Sharding
 
 logger = logging.getLogger(adapter.LOGGER)
 
+TIMES_EVERY = 100
+"""Each side logs its host time per request after every this many requests, and at shutdown."""
+
 
 @dataclass
 class PendingLoad:
@@ -86,8 +89,10 @@ class NixlWorker:
             digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
             self.region.write(slots, port.records_of(slots), digests)
             self._handed_over += order.tokens
-        self.written_requests += len(orders.snapshots)
         self.write_seconds += time.perf_counter() - begin
+        before, self.written_requests = self.written_requests, self.written_requests + len(orders.snapshots)
+        if before // TIMES_EVERY != self.written_requests // TIMES_EVERY:
+            self._say_write_time()
 
     def take_counts(self) -> dict[str, int]:
         """P's counter since the last call, by its name in `stats.COUNTS`: the prompt slots
@@ -149,6 +154,10 @@ class NixlWorker:
             verified += pending.load.end - pending.load.start
             failed += len(bad_slots)
             errors |= set((bad_slots // self.block_size).tolist())
+            if self.verified_requests % TIMES_EVERY == 0:
+                self.verify_seconds += time.perf_counter() - begin
+                begin = time.perf_counter()
+                self._say_verify_time()
         self.verify_seconds += time.perf_counter() - begin
         return errors, verified, failed
 
@@ -187,14 +196,20 @@ class NixlWorker:
         mine = port.head_digests(landed_slots, self.heads, self.sharding.num_kv_heads, start=load.start)
         return bad | (mine != theirs[:, :, DIGEST]).any(dim=1)
 
+    def _say_verify_time(self) -> None:
+        logger.info(
+            "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us of host time each recording and comparing",
+            self.verified_requests, 1e6 * self.verify_seconds / self.verified_requests,
+        )  # fmt: skip
+
+    def _say_write_time(self) -> None:
+        logger.info(
+            "kv-canary: wrote the records of %d requests handed over through NIXL: %.0f us of host time each",
+            self.written_requests, 1e6 * self.write_seconds / self.written_requests,
+        )  # fmt: skip
+
     def close(self) -> None:
         if self.verified_requests:
-            logger.info(
-                "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us of host time each recording and comparing",
-                self.verified_requests, 1e6 * self.verify_seconds / self.verified_requests,
-            )  # fmt: skip
+            self._say_verify_time()
         if self.written_requests:
-            logger.info(
-                "kv-canary: wrote the records of %d requests handed over through NIXL: %.0f us of host time each",
-                self.written_requests, 1e6 * self.write_seconds / self.written_requests,
-            )  # fmt: skip
+            self._say_write_time()
