@@ -48,6 +48,7 @@ def kv_digest(
     unit_offsets: Sequence[int],
     groups: torch.Tensor | None = None,
     num_groups: int = 1,
+    check_bounds: bool = True,
 ) -> torch.Tensor:
     """The digest of the entries ``(slots[i], positions[i], groups[i])`` over ``views``.
 
@@ -62,6 +63,9 @@ def kv_digest(
             ``[0, num_groups)`` (a request of a batch, a chunk of a transfer); None sends
             every entry to group 0.
         num_groups: the length of the result.
+        check_bounds: False skips the range check (for slots in range by construction, such
+            as an engine's own block ids, where the check's host sync would cost more than
+            it guards).
 
     Returns:
         int64 ``[num_groups]``: for each group, the wrapping sum over its entries and every
@@ -69,8 +73,9 @@ def kv_digest(
         parts (ranks, pages, chunks, calls) add up, wrapping, to the digest of the whole.
 
     Slots past the smallest view capacity and groups out of range raise IndexError (on
-    CUDA the check syncs with the host, so under torch.compile and CUDA-graph capture it
-    is skipped and such entries add nothing); nothing is ever read outside a view.
+    CUDA the check syncs with the host, so under torch.compile and CUDA-graph capture, or
+    with ``check_bounds`` False, it is skipped and such entries add nothing); nothing is
+    ever read outside a view.
     """
     views = None if isinstance(views, torch.Tensor) else list(views)
     if views is None or not all(isinstance(v, torch.Tensor) for v in views):
@@ -82,7 +87,7 @@ def kv_digest(
     offsets = [int(u) for u in unit_offsets]
     views = [integer_view(v) for v in views]
     try:
-        return torch.ops.kvcanary.digest(views, slots, positions, groups, offsets, num_groups, may_check_bounds(slots))
+        return torch.ops.kvcanary.digest(views, slots, positions, groups, offsets, num_groups, check_bounds and may_check_bounds(slots))
     except (ValueError, RuntimeError) as error:
         raise refusal(error, {"slots": slots, "positions": positions, "groups": groups}) from None
 
@@ -273,7 +278,14 @@ def vllm_head_views(kv_cache: torch.Tensor, backend: str, layout: str) -> list[t
 
 
 def kv_digest_by_head(
-    caches: list[list[tuple[int, torch.Tensor]]], slots: torch.Tensor, heads: range, *, num_kv_heads: int, mla: bool, start: int
+    caches: list[list[tuple[int, torch.Tensor]]],
+    slots: torch.Tensor,
+    heads: range,
+    *,
+    num_kv_heads: int,
+    mla: bool,
+    start: int,
+    check_bounds: bool = True,
 ) -> torch.Tensor:
     """The transfer digest of each of ``slots``, which hold a request's positions from
     ``start`` on, over each KV head a rank holds (global heads ``heads`` of the model's
@@ -281,7 +293,8 @@ def kv_digest_by_head(
     ``caches`` holds each cache's views (`vllm_head_views`: digest kind, ``[num_blocks,
     block_size, len(heads), ...]``). A head's column is `kv_digest` of its K and V (MLA:
     latent) in every cache, numbered by cache, kind and global head, so that it does not
-    depend on how the ranks of either side of a transfer split the heads."""
+    depend on how the ranks of either side of a transfer split the heads. ``check_bounds``
+    as `kv_digest`'s."""
     kinds = MLA_KINDS if mla else MHA_KINDS
     local_heads = {view.shape[2] for views in caches for _, view in views}
     if local_heads != {len(heads)}:
@@ -295,7 +308,9 @@ def kv_digest_by_head(
             for kind, view in cache_views:
                 views.append(view[:, :, local : local + 1])
                 offsets.append(unit_id(layer, kind, head, num_kv_heads=num_kv_heads, kinds=kinds))
-        digests[:, local] = kv_digest(views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=len(slots))
+        digests[:, local] = kv_digest(
+            views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=len(slots), check_bounds=check_bounds
+        )
     return digests
 
 

@@ -724,6 +724,13 @@ class TestDigestErrors(expecttest.TestCase):
             """kv-canary: slot 8 is out of range for sources of capacity 8; slots must be < 8 (or negative for padding)""",
         )
 
+    def test_slot_past_capacity_unchecked_adds_nothing(self):
+        views = [torch.randint(0, 256, (3, 4, 2, 16), dtype=torch.uint8), torch.randn(2, 4, 2)]
+        entries, positions = torch.tensor([0, 8, 5, 12]), torch.tensor([0, 1, 2, 3])
+        unchecked = kc.kv_digest(views, entries, positions, unit_offsets=[0, 2], check_bounds=False)
+        in_range = kc.kv_digest(views, torch.tensor([0, -1, 5, -1]), positions, unit_offsets=[0, 2])
+        assert torch.equal(unchecked, in_range) and int(in_range) != 0
+
     def test_groups_out_of_range(self):
         view = torch.zeros(3, 4, 2, 16, dtype=torch.uint8)
         entries = torch.tensor([0, 1, -1])

@@ -92,7 +92,10 @@ class WorkerPort:
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
         slots = slots.to(self._canary.device, torch.int64)
-        return digest.kv_digest_by_head(self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start)
+        # The slots are the scheduler's own blocks, in range: no range check, which syncs on a GPU.
+        return digest.kv_digest_by_head(
+            self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start, check_bounds=False
+        )
 
     def refold_blocks(self, slots: torch.Tensor) -> None:
         """A block's slots are verified together, and a transfer that wrote whole blocks

@@ -533,3 +533,50 @@ def test_the_records_region_holds_each_slots_rows_by_kernel_block_heads_outermos
     assert int(records_region.tensor.count_nonzero()) == 3 * 2 * 5
     with pytest.raises(ValueError, match=r"^kv-canary: NixlConnector moves kernel blocks of 3 slots, which do not divide"):
         region.RecordsRegion(num_blocks=3, heads=2, block_size=8, kernel_block_size=3, device=torch.device("cpu"))
+
+
+def test_the_prefill_side_writes_a_prompts_records_without_waiting_on_the_device():
+    """P's write of a handed-over prompt's records, on the plugin's canary over buffers
+    shaped as vLLM's runner holds them (`fake_runner`): no op that waits on the device
+    (``item``, ``nonzero``, a copy to the host) and the digest's range check, which syncs
+    on a GPU, skipped; the rows written are the canary's records of the prompt's slots."""
+    import fake_runner
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_kvcanary.integrations.vllm import worker
+    from torch_kvcanary.integrations.vllm.config import Settings
+    from torch_kvcanary.integrations.vllm.connector import nixl
+    from torch_kvcanary.integrations.vllm.connector.nixl import region
+    from torch_kvcanary.sources import HashMode
+
+    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
+    canary.end_step(canary.begin_step(lambda: buffers.step(40)))
+    blocks = [buffers.block_of(0, position) for position in range(0, 40, fake_runner.BLOCK_SIZE)]
+    nixl_worker = nixl.NixlWorker(fake_runner.BLOCK_SIZE, sharding=nixl.Sharding(1, fake_runner.NUM_KV_HEADS), rank=0)
+    num_blocks = buffers.caches[0].shape[0]
+    nixl_worker.region = region.RecordsRegion(
+        num_blocks, fake_runner.NUM_KV_HEADS, fake_runner.BLOCK_SIZE, fake_runner.BLOCK_SIZE, canary.canary.device
+    )
+    orders = nixl.NixlOrders(snapshots=[nixl.SnapshotOrder("request-0", blocks, 40)])
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((str(func.overloadpacket), args))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as seen:
+        nixl_worker.after_save(canary.port, orders)
+    names = [name for name, _ in seen.calls]
+    waits = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim")
+    assert "aten.index_put_" in names and not [name for name in names if name in waits], names
+    digests = [args for name, args in seen.calls if name == "kvcanary.digest"]
+    assert digests and all(args[-1] is False for args in digests), sorted(set(names))  # the range check is skipped
+    slots = nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE)
+    rows = nixl_worker.region.read(slots)
+    assert torch.equal(rows[:, 0, : region.DIGEST], canary.canary.records[slots])
+    assert nixl_worker.take_counts() == {"transfer_slots_handed_over": 40}
