@@ -3,7 +3,7 @@ proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and
 docs/vllm_connector.md's commands start.
 
     python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20] [--progress-delay]
-                                  [--tensor-parallel P D]
+                                  [--tensor-parallel P D] [--single]
 
 Each server of one tensor-parallel rank runs on a core of its own where the host has two
 (``taskset``, and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``), a server of several ranks one rank
@@ -13,7 +13,10 @@ NIXL's side channel on 127.0.0.1. With the canary (``policy`` repair or quaranti
 is ``KvCanaryConnector``'s inner connector, which slows NIXL's progress thread down
 (``PROGRESS_DELAY_US``); without it (``off``) NixlConnector serves alone, its progress
 thread as NIXL ships it unless ``--progress-delay`` gives it the connector's delay (through
-a vLLM plugin of this tool's own), so that the pairs differ by the canary alone.
+a vLLM plugin of this tool's own), so that the pairs differ by the canary alone. With
+``--single`` the same requests go to one server of the pair's options without NIXL (the
+canary's own cost beside which a pair's is read): ``KvCanaryConnector`` with no inner
+connector under the policy, or no connector with ``off``.
 """
 
 from __future__ import annotations
@@ -125,6 +128,41 @@ def pd_pair(
             yield prefill, decode, proxy
 
 
+def single_server(model: Path, policy: str) -> Server:
+    """One server of a pair's options and core, without NIXL: the canary under ``policy``
+    with its connector and no inner one, or neither (``off``)."""
+    environment = {"KVCANARY_VLLM_SUMMARY_S": "0"}
+    options = PD_OPTIONS
+    if policy != "off":
+        environment["KVCANARY_VLLM"] = policy
+        failure = "fail" if policy == "quarantine" else "recompute"
+        config = {"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": failure}
+        options = (*PD_OPTIONS, "--kv-transfer-config", json.dumps(config))
+    cores = _cores(0, 1)
+    if cores is not None:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = cores[0]
+    pinned = cores is not None and shutil.which("taskset")
+    return Server(model, environment, options, prefix=("taskset", "-c", cores[0]) if pinned else ())
+
+
+def serve_single(model: Path, policy: str, prompts: list) -> None:
+    """Sends ``prompts`` to `single_server`, CONCURRENCY at a time, and prints the output tokens per second."""
+    with single_server(model, policy) as server:
+        print(f"single server, policy {policy}: {send(server.url, model, prompts)}")
+
+
+def send(url: str, model: Path, prompts: list) -> str:
+    """Sends ``prompts`` to ``url``, CONCURRENCY at a time: how many, the errors, the wall
+    time and the output tokens per second, in words."""
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        answers = list(pool.map(lambda request: complete(url, model, *request), prompts))
+    seconds = time.perf_counter() - begin
+    errors = [answer for answer in answers if "error" in answer]
+    tokens = sum(answer["usage"]["completion_tokens"] for answer in answers if "error" not in answer)
+    return f"{len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path)
@@ -141,6 +179,7 @@ def main() -> None:
         metavar=("P", "D"),
         help="the prefill and decode sides' tensor-parallel sizes",
     )
+    parser.add_argument("--single", action="store_true", help="one server without NIXL, the canary under --policy (or off)")
     arguments = parser.parse_args()
     from random_models import VOCAB_SIZE  # noqa: PLC0415
     from vllm_serve import mixed_prompts  # noqa: PLC0415
@@ -148,6 +187,9 @@ def main() -> None:
     if arguments.progress_delay and arguments.policy != "off":
         parser.error("--progress-delay is for --policy off: the connector slows the progress thread itself")
     prompts = mixed_prompts(arguments.requests, VOCAB_SIZE)
+    if arguments.single:
+        serve_single(arguments.model, arguments.policy, prompts)
+        return
     with contextlib.ExitStack() as stack:
         env = progress_delay_env(Path(stack.enter_context(tempfile.TemporaryDirectory()))) if arguments.progress_delay else None
         pair = pd_pair(arguments.model, policy=arguments.policy, env=env, tensor_parallel=tuple(arguments.tensor_parallel))
@@ -166,13 +208,7 @@ def serve(model: Path, policy: str, prompts: list, prefill: Server, decode: Serv
     tokens per second, where the decode side's prompt tokens came from, and the canary's
     counters on both sides."""
     print(f"prefill {prefill.url} (log {prefill.log_path}), decode {decode.url} (log {decode.log_path}), proxy {proxy.url}")
-    begin = time.perf_counter()
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        answers = list(pool.map(lambda request: complete(proxy.url, model, *request), prompts))
-    seconds = time.perf_counter() - begin
-    errors = [answer for answer in answers if "error" in answer]
-    tokens = sum(answer["usage"]["completion_tokens"] for answer in answers if "error" not in answer)
-    print(f"policy {policy}: {len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s")
+    print(f"policy {policy}: {send(proxy.url, model, prompts)}")
     sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
     tokens_by_source = {source: decode.metric("vllm:prompt_tokens_by_source_total", source=source) for source in sources}
     print("decode side, prompt tokens: " + ", ".join(f"{source} {count:.0f}" for source, count in tokens_by_source.items()))

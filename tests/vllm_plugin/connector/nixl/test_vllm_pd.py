@@ -558,7 +558,7 @@ def test_the_prefill_side_writes_a_prompts_records_without_waiting_on_the_device
     nixl_worker.region = region.RecordsRegion(
         num_blocks, fake_runner.NUM_KV_HEADS, fake_runner.BLOCK_SIZE, fake_runner.BLOCK_SIZE, canary.canary.device
     )
-    orders = nixl.NixlOrders(snapshots=[nixl.SnapshotOrder("request-0", blocks, 40)])
+    orders = nixl.NixlOrders(handovers=[nixl.HandOverOrder("request-0", blocks, 40)])
 
     class Calls(TorchDispatchMode):
         def __init__(self):

@@ -163,7 +163,7 @@ class KvCanaryConnector(InnerDelegate):
         self.stats.data["transfer_slots_failed"] += failed
 
     def wait_for_save(self):
-        """The inner connector's saves; the verifier then stores or snapshots the canary's
+        """The inner connector's saves; the verifier then stores or hands over the canary's
         records of the saved slots (the forward's slots are recorded by now)."""
         super().wait_for_save()
         if self._verifying():

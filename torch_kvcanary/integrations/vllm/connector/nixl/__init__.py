@@ -39,13 +39,13 @@ digests alike wherever it is held.
 """
 
 from .config import CONNECTORS, PROGRESS_DELAY, RECORDS_KEY, check_nixl, prepare_worker
-from .orders import LoadOrder, NixlOrders, SnapshotOrder, slots_of
+from .orders import HandOverOrder, LoadOrder, NixlOrders, slots_of
 from .region import RecordsRegion
 from .scheduler import NixlScheduler
 from .sharding import Sharding
 from .worker import NixlWorker, PendingLoad
 
 __all__ = [
-    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
-    "PendingLoad", "RecordsRegion", "Sharding", "SnapshotOrder", "check_nixl", "prepare_worker", "slots_of",
+    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "HandOverOrder", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
+    "PendingLoad", "RecordsRegion", "Sharding", "check_nixl", "prepare_worker", "slots_of",
 ]  # fmt: skip

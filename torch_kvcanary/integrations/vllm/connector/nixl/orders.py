@@ -1,5 +1,5 @@
-"""What the scheduler half orders the worker halves each step (`NixlOrders`): snapshot a
-request on P (`SnapshotOrder`), verify a load on D (`LoadOrder`)."""
+"""What the scheduler half orders the worker halves each step (`NixlOrders`): hand over a
+request on P (`HandOverOrder`), verify a load on D (`LoadOrder`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 @dataclass
-class SnapshotOrder:
+class HandOverOrder:
     """P: a request whose prompt the step completes; its records of positions [0, tokens) are written for D."""
 
     request_id: str
@@ -33,9 +33,9 @@ class LoadOrder:
 
 @dataclass
 class NixlOrders:
-    """What the scheduler side orders the workers to do this step: snapshot on P, load on D."""
+    """What the scheduler side orders the workers to do this step: hand over on P, load on D."""
 
-    snapshots: list[SnapshotOrder] = field(default_factory=list)
+    handovers: list[HandOverOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
 
 

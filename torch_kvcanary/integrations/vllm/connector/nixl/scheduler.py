@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ... import adapter
 from .config import RECORDS_KEY
-from .orders import LoadOrder, NixlOrders, SnapshotOrder
+from .orders import HandOverOrder, LoadOrder, NixlOrders
 
 
 class NixlScheduler:
@@ -55,7 +55,7 @@ class NixlScheduler:
             computed, count = request.num_computed_tokens, scheduled.get(request_id, 0)
             if computed < request.num_prompt_tokens <= computed + count:
                 block_ids = list(self.kv_cache_manager.get_block_ids(request_id)[0])
-                orders.snapshots.append(SnapshotOrder(request_id, block_ids, request.num_prompt_tokens))
+                orders.handovers.append(HandOverOrder(request_id, block_ids, request.num_prompt_tokens))
         return orders
 
     def on_finished(self, request, params: dict | None) -> None:

@@ -30,5 +30,5 @@ class Sharding:
         return head * (self.tp_size // self.num_kv_heads)
 
     def sources(self, heads: range) -> list[int]:
-        """The ranks whose snapshots hold ``heads``: for each head, its first holder."""
+        """The ranks whose records of ``heads`` a rank holding ``heads`` reads: for each head, its first holder."""
         return sorted({self.holder(head) for head in heads})

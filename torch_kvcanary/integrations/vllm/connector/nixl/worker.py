@@ -81,16 +81,16 @@ class NixlWorker:
     def after_save(self, port: CanaryPort, orders: NixlOrders | None) -> None:
         """P: writes the records and head digests of each request whose prompt the step
         completed (after its forward) into the region, on the device."""
-        if orders is None or not orders.snapshots:
+        if orders is None or not orders.handovers:
             return
         begin = time.perf_counter()
-        for order in orders.snapshots:
+        for order in orders.handovers:
             slots = slots_of(order.block_ids, order.tokens, self.block_size)
             digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
             self.region.write(slots, port.records_of(slots), digests)
             self._handed_over += order.tokens
         self.write_seconds += time.perf_counter() - begin
-        before, self.written_requests = self.written_requests, self.written_requests + len(orders.snapshots)
+        before, self.written_requests = self.written_requests, self.written_requests + len(orders.handovers)
         if before // TIMES_EVERY != self.written_requests // TIMES_EVERY:
             self._say_write_time()
 
