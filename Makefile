@@ -35,7 +35,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -184,6 +184,17 @@ test-prometheus: $(VLLM_VENV)/.built
 SOAK_ARGS ?= --requests 1000
 soak-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python tools/vllm_serve.py soak $(SOAK_ARGS)
+
+# A chaos soak through `vllm serve` (tools/vllm_chaos.py, docs/chaos.md): 1,000 requests
+# under repair, then under quarantine, each a clean pass and then a pass with faults injected
+# into live KV by the tool's own vLLM plugin (tools/chaos_faults.py); fails unless every
+# fault is named, every completed answer equals the clean pass's, quarantine fails exactly
+# the corrupted blocks' holders, the counters match the log and the worker stays within
+# 48 MiB. --table-fault then points a block-table entry at another request's block and
+# records what happens (the step stops: reported, not asserted).
+CHAOS_ARGS ?= --requests 1000 --policy both --faults 12 --table-fault
+chaos-vllm: $(VLLM_VENV)/.built
+	$(VLLM_BIN)/python tools/vllm_chaos.py $(CHAOS_ARGS)
 
 # Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
 bench-vllm: $(VLLM_VENV)/.built

@@ -1,0 +1,118 @@
+"""The chaos soak (tools/vllm_chaos.py) in its short form: 100 requests under `repair`, then
+under `quarantine`, each on a `vllm serve` of its own with the tool's fault injector
+(tools/chaos_faults.py), six faults a policy (flipped bits in a block one request reads, in a
+shared prefix block, in a preempted request's block at its resume). The test fails on any of
+the tool's checks (`ChaosResult.problems`); the checks themselves are shown to bite on
+made-up evidence first, without a server. `make chaos-vllm` runs 1,000 requests.
+"""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from random_models import VOCAB_SIZE  # noqa: E402
+from vllm_chaos import FLIP_KINDS, ChaosResult, Pass, _check, chaos, install_chaos_plugin, table, user_id  # noqa: E402
+
+REQUESTS, FAULTS = 100, 6
+
+
+def test_engine_ids_map_to_the_tools_request_ids():
+    assert user_id("cmpl-chaos-repair-00024-0-82edb461") == "chaos-repair-00024"
+    assert user_id("cmpl-chaos-quarantine-00007-0") == "chaos-quarantine-00007"
+
+
+def _violation(slot, *requests, reason="verify_real_kv_hash"):
+    return (
+        f"(Worker pid=1) WARNING 12-05 11:09:35 [policy.py:49] kv_canary violation: launch_tag=vllm fail_reason={reason} "
+        f"slot_idx={slot} position=16 stored_token=199 expected_token=199 stored_chain_hash=0x1 expected_aux=0x1 "
+        f"request_id={','.join(f'cmpl-{r}-0-abcdef12' for r in requests)}"
+    )
+
+
+RECOVERED = "(EngineCore pid=2) WARNING 12-05 11:09:35 [scheduler.py:3426] Recovered from KV load failure: 1 request(s) rescheduled (81 tokens affected)."
+
+
+def _metrics(violations=0, repaired=0, failed=0, hits=100, preemptions=3):
+    return (
+        f'vllm:kv_canary_violations_total{{engine="0",reason="verify_real_kv_hash"}} {violations}\n'
+        f'vllm:kv_canary_blocks_repaired_total{{engine="0"}} {repaired}\n'
+        f'vllm:kv_canary_requests_failed_total{{engine="0"}} {failed}\n'
+        f"vllm:prefix_cache_hits_total {hits}\nvllm:num_preemptions_total {preemptions}\n"
+    )
+
+
+def _evidence(policy="repair"):
+    """What a passing chaos pass of two requests looks like to `_check`: one fault in block 4
+    (slot 130) read by request 0, named in one violation line, repaired."""
+    prompts = [([5] * 200, 4), ([6] * 10, 4)]
+    clean = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    answers = [{"choices": [{"token_ids": tokens, "finish_reason": "length"}]} for tokens in clean]
+    fault = dict(kind="single", slot=130, block=4, holders=[f"cmpl-chaos-{policy}-00000-0-abcdef12"])
+    fault["readers"] = fault["holders"]
+    log = [_violation(130, f"chaos-{policy}-00000"), RECOVERED]
+    return prompts, clean, answers, fault, log
+
+
+def _problems(policy, prompts, clean, answers, faults, log, metrics):
+    result = ChaosResult(policy, len(prompts), len(faults), injected=faults)
+    _check(result, None, prompts, clean, Pass(answers, 1.0), log, metrics, _metrics(0))
+    return result.problems
+
+
+def test_the_checks_pass_clean_evidence_and_fail_each_broken_one():
+    prompts, clean, answers, fault, log = _evidence()
+    good = _metrics(violations=1, repaired=1)
+    assert _problems("repair", prompts, clean, answers, [fault], log, good) == []
+    # An answer that differs from the clean pass's.
+    wrong = [answers[0], {"choices": [{"token_ids": [5, 6, 7, 9], "finish_reason": "length"}]}]
+    assert any("differ" in p for p in _problems("repair", prompts, clean, wrong, [fault], log, good))
+    # A fault no violation line names; a violation line no fault explains.
+    assert any("not named" in p for p in _problems("repair", prompts, clean, answers, [fault], [RECOVERED], _metrics()))
+    stray = [*log, _violation(900, "chaos-repair-00001")]
+    assert any("no injected fault" in p for p in _problems("repair", prompts, clean, answers, [fault], stray, _metrics(2, 2)))
+    # Counters that disagree with the log.
+    assert any("violations_total" in p for p in _problems("repair", prompts, clean, answers, [fault], log, _metrics(3, 1)))
+    assert any("blocks_repaired" in p for p in _problems("repair", prompts, clean, answers, [fault], log, _metrics(1, 2)))
+    # A request failing under repair; no preemption.
+    failed = [{"error": 500, "body": "x"}, answers[1]]
+    assert any("failed under repair" in p for p in _problems("repair", prompts, clean, failed, [fault], log, good))
+    assert any("preempt" in p for p in _problems("repair", prompts, clean, answers, [fault], log, _metrics(1, 1, preemptions=0)))
+
+
+def test_the_quarantine_check_wants_exactly_the_holders_failed():
+    prompts, clean, answers, fault, log = _evidence("quarantine")
+    log = [log[0], "(EngineCore pid=2) ERROR 12-05 11:09:35 [scheduler.py:3417] Failing 1 request(s) due to KV load failure "
+           "(failure_policy=fail, 81 tokens affected). Request IDs: {'cmpl-chaos-quarantine-00000-0-abcdef12'}"]  # fmt: skip
+    failed_first = [{"choices": [{"token_ids": [1], "finish_reason": "error"}]}, answers[1]]
+    assert _problems("quarantine", prompts, clean, failed_first, [fault], log, _metrics(1, failed=1)) == []
+    # The holder served instead of failing; a request that held no corrupted block failed.
+    assert any("holders" in p for p in _problems("quarantine", prompts, clean, answers, [fault], log, _metrics(1, failed=1)))
+    failed_both = [failed_first[0], {"error": 500, "body": "x"}]
+    assert any("holders" in p for p in _problems("quarantine", prompts, clean, failed_both, [fault], log, _metrics(1, failed=2)))
+
+
+@pytest.fixture(scope="module")
+def chaos_site(tmp_path_factory):
+    return install_chaos_plugin(tmp_path_factory.mktemp("chaos-site"))
+
+
+@pytest.mark.parametrize("policy", ["repair", "quarantine"])
+def test_a_chaos_soak_is_repaired_or_quarantined_and_named(policy, tiny_llama, chaos_site):
+    result = chaos(tiny_llama, VOCAB_SIZE, policy, REQUESTS, FAULTS, FLIP_KINDS, False, chaos_site)
+    print(table([result]))
+    for note in result.notes:
+        print(note)
+    for fault in result.injected:
+        print(json.dumps({k: fault.get(k) for k in ("kind", "slot", "block", "user_readers", "user_holders", "named")}))
+    assert result.problems == []
+    # What the checks above rest on: every fault armed was injected, each kind at least once.
+    assert len(result.injected) == FAULTS and {f["kind"] for f in result.injected} == set(FLIP_KINDS)
+    assert result.named == FAULTS and not result.differing
+    if policy == "quarantine":
+        assert result.failed and result.failed == result.expected_failed
+    else:
+        assert result.repaired_blocks >= FAULTS and not result.failed
+    assert all(re.fullmatch(rf"chaos-{policy}-\d{{5}}", r) for r in result.failed)
