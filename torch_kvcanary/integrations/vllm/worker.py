@@ -126,6 +126,7 @@ class WorkerCanary:
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
         self._flagged = self._no_slots  # the slots verify flagged in the last step read
+        self.step_forward: adapter.Step | None = None  # the current step's forward, once read
         mla = any(b in layouts.VLLM_MLA_BACKENDS for b in backends)
         self.port = WorkerPort(self, head_views=head_views, mla=mla)
         if self.connector is not None:
@@ -244,6 +245,7 @@ class WorkerCanary:
         """The step's rows for its call (O(requests) NumPy on the host), the records of the
         blocks vLLM copied, and under a block-packed backend the call before the forward."""
         run = _StepRun(self._steps, forward, self._token_history(forward), self._rows.fill(forward))
+        self.step_forward = forward
         self._names[run.number] = forward.request_ids
         self._names.pop(run.number - _NAMED_STEPS, None)
         if len(forward.block_copies):

@@ -45,22 +45,40 @@ class WorkerPort:
         return self._worker.step_flagged_slots()
 
     def break_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
-        """In every watched group, from the first block holding a slot of ``flagged`` of each
-        request of the input batch on."""
+        """In every watched group, for each request of the step whose blocks hold a slot of
+        ``flagged``: the flagged blocks, and what the step's forward wrote after reading them
+        (the request's new slots); where the canary verifies a request's reads only every
+        few steps (``KVCANARY_VLLM_EVERY`` > 1), everything from its first flagged block on,
+        since the steps in between may have read the bad block unverified.
+
+        This follows what vLLM recomputes: the first request it finds reading a bad block is
+        rolled back to that block, and every later reader of the block keeps what it
+        computed before the step (the first recomputes the block) and drops the step's
+        tokens. Verified at every step, those earlier blocks were computed from intact KV;
+        breaking them would report intact slots and roll their request back again. The
+        step's own new slots are broken for every reader: one completed in the step is in
+        the prefix cache already, and another request could read it before it is written
+        again."""
         worker = self._worker
-        flagged_blocks = list(set((flagged // worker.block_size).tolist()))
-        request_ids, _ = worker.runner_view.context()
+        block_size = worker.block_size
+        flagged_blocks = np.unique((flagged // block_size).cpu().numpy())
+        forward = worker.step_forward
         stale = []
         for group in worker.groups:
-            for row in range(len(request_ids)):
+            for row in range(len(forward.request_ids)):
                 blocks = group.row_blocks(row)
                 bad = np.flatnonzero(np.isin(blocks, flagged_blocks))
-                if len(bad):
-                    stale.append(blocks[bad[0] :])
+                if not len(bad):
+                    continue
+                if worker.every > 1:
+                    stale.append(_block_slots(blocks[bad[0] :], block_size))
+                    continue
+                stale.append(_block_slots(blocks[bad], block_size))
+                written = np.arange(forward.num_computed[row], forward.num_computed[row] + forward.num_scheduled[row])
+                stale.append(blocks[written // block_size] * block_size + written % block_size)
         if not stale:
             return
-        blocks = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self._canary.device)
-        slots = (blocks[:, None] * worker.block_size + torch.arange(worker.block_size, device=blocks.device)).reshape(-1)
+        slots = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self._canary.device)
         self._canary.invalidate(slots[(slots != adapter.NULL_SLOT) & (slots < self._canary.capacity)])
 
     def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
@@ -109,3 +127,8 @@ class WorkerPort:
 
     def break_records(self, slots: torch.Tensor) -> None:
         self._canary.invalidate(slots.to(self._canary.device, torch.int64))
+
+
+def _block_slots(blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Every slot of ``blocks``."""
+    return (blocks[:, None].astype(np.int64) * block_size + np.arange(block_size)).reshape(-1)

@@ -34,8 +34,10 @@ class CanaryPort(Protocol):
         """The distinct slots verify flagged in the current step (empty before its forward ended)."""
 
     def break_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
-        """Breaks the records of every slot from each affected request's first block holding
-        a slot of ``flagged`` on, so that verify flags them until a forward rewrites them."""
+        """Breaks the records of what the step's flagged slots spoiled, as vLLM recomputes it:
+        the blocks holding a slot of ``flagged`` and what the step wrote after reading them
+        (from each affected request's first such block on where reads are verified only every
+        few steps), so that verify flags them until a forward rewrites them."""
 
     def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
         """A slot a request of the step reads as context, chosen with ``rng``, and a view of
