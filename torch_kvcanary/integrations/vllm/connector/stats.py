@@ -75,7 +75,10 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         counter_class = metric_types[Counter]  # vLLM's class for prometheus_client's counters
         violations = counter_class(
             name="vllm:kv_canary_violations",
-            documentation="KV cache slots the canary flagged, by reason (a slot failing two checks counts under both).",
+            documentation=(
+                "KV cache slot reads the canary flagged, by reason: a slot counts once per request of the step that read it, "
+                "and under each check it failed."
+            ),
             labelnames=[*labelnames, "reason"],
         )
         self._violations = {
