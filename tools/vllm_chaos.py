@@ -162,6 +162,9 @@ def tokens(answer: dict) -> list[int] | None:
 
 @dataclass
 class ChaosResult:
+    """One policy's chaos pass: what was injected and named, what failed or differed, the
+    server's memory growth and restarts, and every check that did not hold (``problems``)."""
+
     policy: str
     requests: int
     faults_armed: int
