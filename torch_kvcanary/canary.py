@@ -298,6 +298,7 @@ class KvCanary:
         positions: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
         prev_slots: torch.Tensor | None = None,
+        check_bounds: bool = True,
     ) -> None:
         """Store the records of ``slots`` after the engine wrote them.
 
@@ -310,13 +311,17 @@ class KvCanary:
         On CUDA, runs of entries that chain through each other (``prev_slots[i] ==
         slots[i - 1]``) are applied concurrently: a run must not chain through a slot another
         run of the same call writes, and a slot is written at most once per call.
+
+        ``check_bounds`` False skips the range check of ``slots`` and ``prev_slots``, which
+        waits on a GPU, for slots in range by construction (the engine's own blocks); an
+        entry out of range is then skipped and reported, as in captured CUDA code.
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
         try:
             self._call(
                 torch.ops.kvcanary.record, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
-                self._records, self._owner_tags, self._counters, self._ring, may_check_bounds(slots),
+                self._records, self._owner_tags, self._counters, self._ring, check_bounds and may_check_bounds(slots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
@@ -458,21 +463,22 @@ class KvCanary:
         self._records[dst] = self._records[src]
         self._owner_tags[dst] = self._owner_tags[src]
 
-    def refold(self, slots: torch.Tensor) -> None:
+    def refold(self, slots: torch.Tensor, *, check_bounds: bool = True) -> None:
         """Recompute the fold of ``slots`` after the engine changed their bytes on purpose,
         keeping each slot's token, position, chain and owner: a backend that packs a block's
         tokens together changes the bytes of the block's other slots when it writes one
         (`layouts.VLLM_BLOCK_PACKED_BACKENDS`). ``slots`` are int32 or int64 on the canary's
         device; negative ones are skipped, the others must lie in ``[0, capacity)``
-        (IndexError; where a call cannot raise, in compiled or captured CUDA code, a slot out
-        of range is skipped)."""
+        (IndexError; where a call cannot raise, in compiled or captured CUDA code, or with
+        ``check_bounds`` False, which skips the check that waits on a GPU, a slot out of
+        range is skipped)."""
         self._check_slot_tensor(slots, "slots")
         try:
-            self._call(torch.ops.kvcanary.refold, slots, self._records, may_check_bounds(slots))
+            self._call(torch.ops.kvcanary.refold, slots, self._records, check_bounds and may_check_bounds(slots))
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots}) from None
 
-    def invalidate(self, slots: torch.Tensor) -> None:
+    def invalidate(self, slots: torch.Tensor, *, where: torch.Tensor | None = None) -> None:
         """Make `verify` flag ``slots`` (a fold mismatch) until a `record` call writes them
         again: for slots the engine knows to be bad or stale (blocks it was told to
         recompute, KV loaded that does not match what was stored with it). Each fold is
@@ -480,10 +486,29 @@ class KvCanary:
         differs from the fold of those bytes however many times a slot is invalidated; the
         token, position, chain and owner are kept. ``slots`` are int32 or int64 on the
         canary's device; negative ones are skipped, the others must lie in
-        ``[0, capacity)`` (IndexError). Eager (the range check syncs)."""
-        self.refold(slots)
-        kept = slots.reshape(-1).long()
-        self._records[torch.unique(kept[kept >= 0]), FOLD] ^= 1
+        ``[0, capacity)`` (IndexError). Eager (the range check syncs).
+
+        With ``where``, a bool tensor shaped like ``slots`` on the canary's device, only the
+        slots where it is True are invalidated, and nothing waits on the device (for a
+        verdict the device has not handed to the host): ``slots`` must then be distinct and
+        in ``[0, capacity)``, as the caller knows them to be (the engine's own blocks); they
+        are not checked, and each one is refolded."""
+        if where is None:
+            self.refold(slots)
+            kept = slots.reshape(-1).long()
+            self._records[torch.unique(kept[kept >= 0]), FOLD] ^= 1
+            return
+        self._check_slot_tensor(slots, "slots")
+        if not isinstance(where, torch.Tensor) or where.dtype != torch.bool or where.shape != slots.shape:
+            raise ValueError(
+                f"kv-canary: where must be a bool tensor shaped like slots {tuple(slots.shape)}, got "
+                f"{getattr(where, 'dtype', type(where).__name__)} {tuple(getattr(where, 'shape', ()))}"
+            )
+        if where.device != self.device:
+            raise ValueError(f"kv-canary: where must be on the canary's device {self.device}, got {where.device}")
+        self.refold(slots, check_bounds=False)
+        flat = slots.reshape(-1).long()
+        self._records[flat, FOLD] ^= where.reshape(-1).long()
 
     def _check_slot_tensor(self, value, name: str) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):

@@ -252,3 +252,45 @@ def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
     assert not canary.verify(block, 3, **checks).any()
     with pytest.raises(IndexError):
         canary.invalidate(torch.tensor([canary.capacity]))
+
+
+def test_invalidate_where_breaks_only_the_slots_it_marks_without_waiting_on_the_device():
+    """`KvCanary.invalidate` with ``where`` (a transfer's verdict still on the device): the
+    marked slots fail verify on their bytes alone, the others pass, nothing in the call waits
+    on the device (no op that hands a value to the host), and a ``where`` of another shape
+    or dtype is refused with nothing changed."""
+    import pytest
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import torch_kvcanary as kc
+    from torch_kvcanary import FailReason, layouts
+
+    kv = torch.randn(2, 8, 16, 2, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
+    block = torch.arange(32, 48)
+    checks = dict(positions=torch.arange(16), tokens=torch.arange(300, 316), prev_slots=torch.cat([torch.tensor([-1]), block[:-1]]))
+    canary.record(block, **checks, check_bounds=False)
+    before = canary.records.clone()
+    where = torch.zeros(16, dtype=torch.bool)
+    where[[1, 7]] = True
+
+    class Calls(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as seen:
+        canary.invalidate(block, where=where)
+    waits = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select"}
+    assert not waits & set(seen.names), seen.names
+    assert canary.verify(block, **checks).nonzero().flatten().tolist() == [1, 7]
+    assert all(v.reasons == FailReason.VERIFY_REAL_KV_HASH_MISMATCH for v in canary.poll())
+    assert torch.equal(canary.records[:, :3], before[:, :3])
+    broken = canary.records.clone()
+    for bad in (where[:3], where.long(), [True] * 16):
+        with pytest.raises(ValueError, match=r"^kv-canary: where must be a bool tensor shaped like slots \(16,\)"):
+            canary.invalidate(block, where=bad)
+    assert torch.equal(canary.records, broken)

@@ -97,6 +97,10 @@ class WorkerPort:
         token = view[slot // view.shape[1], slot % view.shape[1]]
         return slot, token[(0,) * token.dim()]
 
+    def step_requests(self) -> list[str]:
+        forward = self._worker.step_forward
+        return list(forward.request_ids) if forward is not None else []
+
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         return self._canary.records[slots.to(self._canary.device, torch.int64)]
 
@@ -105,7 +109,8 @@ class WorkerPort:
         slots = slots.to(device, torch.int64)
         prev_slots = torch.cat([torch.full((1,), prev_slot, dtype=torch.int64, device=device), slots[:-1]])
         positions = torch.arange(start, start + len(slots), device=device)
-        self._canary.record(slots, positions=positions, tokens=tokens.to(device, torch.int64), prev_slots=prev_slots)
+        tokens = tokens.to(device, torch.int64)
+        self._canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots, check_bounds=False)
         return self.records_of(slots)
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
@@ -115,18 +120,16 @@ class WorkerPort:
             self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start, check_bounds=False
         )
 
-    def refold_blocks(self, slots: torch.Tensor) -> None:
+    def refold_blocks(self, blocks: list[int]) -> None:
         """A block's slots are verified together, and a transfer that wrote whole blocks
         wrote the unrecorded slots past a prompt's end too: `KvCanary.refold`, records kept."""
-        if not self._worker.blocks_packed or not len(slots):
+        if not self._worker.blocks_packed or not len(blocks):
             return
-        block_size = self._worker.block_size
-        blocks = torch.unique(slots.to(self._canary.device, torch.int64) // block_size)
-        offsets = torch.arange(block_size, device=blocks.device)
-        self._canary.refold((blocks[:, None] * block_size + offsets).flatten())
+        slots = _block_slots(np.unique(np.asarray(blocks, dtype=np.int64)), self._worker.block_size)
+        self._canary.refold(torch.from_numpy(slots).to(self._canary.device), check_bounds=False)
 
-    def break_records(self, slots: torch.Tensor) -> None:
-        self._canary.invalidate(slots.to(self._canary.device, torch.int64))
+    def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        self._canary.invalidate(slots.to(self._canary.device, torch.int64), where=where)
 
 
 def _block_slots(blocks: np.ndarray, block_size: int) -> np.ndarray:

@@ -580,3 +580,55 @@ def test_the_prefill_side_writes_a_prompts_records_without_waiting_on_the_device
     rows = nixl_worker.region.read(slots)
     assert torch.equal(rows[:, 0, : region.DIGEST], canary.canary.records[slots])
     assert nixl_worker.take_counts() == {"transfer_slots_handed_over": 40}
+
+
+def test_the_decode_side_compares_what_landed_without_waiting_on_the_device():
+    """D's comparison of a landed prompt with the rows that landed with it, on the plugin's
+    canary over buffers shaped as vLLM's runner holds them (`fake_runner`): no op that
+    waits on the device, the record's range check skipped; the one slot whose row differs
+    (its position, as if another prompt's block had landed) has its record broken, so that
+    verify flags it on its bytes and no other slot; the step that reads it names that slot
+    of the request once (`on_flagged`), and no later step."""
+    import fake_runner
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_kvcanary.integrations.vllm import worker
+    from torch_kvcanary.integrations.vllm.config import Settings
+    from torch_kvcanary.integrations.vllm.connector import nixl
+    from torch_kvcanary.integrations.vllm.connector.nixl import region
+    from torch_kvcanary.sources import HashMode
+
+    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
+    canary.end_step(canary.begin_step(lambda: buffers.step(40)))
+    blocks = [buffers.block_of(0, position) for position in range(0, 40, fake_runner.BLOCK_SIZE)]
+    slots = nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE)
+    nixl_worker = nixl.NixlWorker(fake_runner.BLOCK_SIZE, sharding=nixl.Sharding(1, fake_runner.NUM_KV_HEADS), rank=0)
+    nixl_worker.region = region.RecordsRegion(
+        buffers.caches[0].shape[0], fake_runner.NUM_KV_HEADS, fake_runner.BLOCK_SIZE, fake_runner.BLOCK_SIZE, canary.canary.device
+    )
+    nixl_worker.after_save(canary.port, nixl.NixlOrders(handovers=[nixl.HandOverOrder("request-0", blocks, 40)]))  # P's rows
+    block, offset = divmod(int(slots[9]), fake_runner.BLOCK_SIZE)
+    nixl_worker.region.tensor[block, :, offset, region.FIELDS.index("position")] += 1
+    tokens = canary.canary.records[slots, 0].tolist()
+    nixl_worker.before_load(canary.port, nixl.NixlOrders(loads=[nixl.LoadOrder("request-0", 1, tokens, blocks, 0, 40)]))
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((str(func.overloadpacket), args))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as seen:
+        assert nixl_worker.on_done(canary.port, (), {"request-0"}, ()) == (40, 0)
+    names = [name for name, _ in seen.calls]
+    waits = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select")
+    assert "kvcanary.record" in names and not [name for name in names if name in waits], names
+    assert all(args[-1] is False for name, args in seen.calls if name == "kvcanary.record")  # no range check
+    assert canary.canary.verify(slots).nonzero().flatten().tolist() == [9]
+    canary.canary.poll()
+    assert nixl_worker.on_flagged(canary.port, {int(slots[9]), 10_000}) == 1
+    assert nixl_worker.on_flagged(canary.port, {int(slots[9])}) == 0  # read once: no longer the transfer's

@@ -93,9 +93,16 @@ class DiskVerifier:
             return None
         return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None
 
-    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
+    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
         """Nothing: every load was verified as it landed (`after_load`)."""
-        return set(), 0, 0
+        return 0, 0
+
+    def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
+        """Nothing: the loads' failures were counted as they landed."""
+        return 0
+
+    def forget(self, request_ids) -> None:
+        """Nothing: the verifier holds nothing across steps."""
 
     def take_counts(self) -> dict[str, int]:
         return {}

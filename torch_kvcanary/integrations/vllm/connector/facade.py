@@ -94,7 +94,6 @@ class KvCanaryConnector(InnerDelegate):
         if transport is not None and role == KVConnectorRole.WORKER:
             self._verifier = transport.worker(vllm_config, self.inner, self._block_size)
         self._orders = None  # the verifier's orders of the bound step
-        self._transfer_errors: set[int] = set()  # blocks that landed bad, reported at the next load-error call
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self.port: CanaryPort | None = None  # the worker's canary, once the plugin has built it (`attach`)
         self.stats = CanaryStats()
@@ -171,23 +170,23 @@ class KvCanaryConnector(InnerDelegate):
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)
-        self._transfers_done(sending, recving, ())
+        self._transfers_done(finished_req_ids, sending, recving, ())
         return sending, recving
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)
         if self.inner is not None:
-            self._transfers_done(results.finished_sending, results.finished_recving, results.failed_recving)
+            self._transfers_done(finished_req_ids, results.finished_sending, results.finished_recving, results.failed_recving)
         return results
 
-    def _transfers_done(self, sending, recving, failed) -> None:
-        """The verifier's verdicts on the transfers the inner connector finished: their bad
-        blocks are reported at this step's load errors, before vLLM marks the loads done."""
+    def _transfers_done(self, finished_req_ids, sending, recving, failed) -> None:
+        """The verifier's comparison of the transfers the inner connector finished, before
+        vLLM marks the loads done: the records of what landed bad are broken, and the step
+        that reads them reports their blocks."""
         if not self._verifying():
             return
-        errors, verified, bad = self._verifier.on_done(self.port, sending, recving, failed)
-        self._transfer_errors |= errors
-        self._count_landed((verified, bad))
+        self._verifier.forget(finished_req_ids)
+        self._count_landed(self._verifier.on_done(self.port, sending, recving, failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The inner connector's, and under repair or quarantine the blocks of the slots the
@@ -195,15 +194,13 @@ class KvCanaryConnector(InnerDelegate):
         block on are invalidated, so that a request reading them before they are
         recomputed is flagged too."""
         errors = super().get_block_ids_with_load_errors()
-        if self._transfer_errors and self._reports_blocks():  # blocks that landed bad in this step, forward or not
-            errors |= self._transfer_errors
-            if self.port.policy == "repair":
-                self.stats.data["blocks_repaired"] += len(self._transfer_errors)
-        self._transfer_errors = set()  # under the other policies their broken records are flagged where they are read
         if not self._forward or self.port is None:
             return errors
         flagged = self.port.flagged_slots()
         self._catch_drills(flagged)
+        if self._verifying():
+            flagged_set = set(flagged.tolist()) if flagged.numel() else set()
+            self.stats.data["transfer_slots_failed"] += self._verifier.on_flagged(self.port, flagged_set)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
             self.port.break_from_flagged_blocks(flagged)

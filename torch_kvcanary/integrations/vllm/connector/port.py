@@ -46,17 +46,23 @@ class CanaryPort(Protocol):
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The records of ``slots`` (int64 ``[len(slots), RECORD_FIELDS]``), a copy on the canary's device."""
 
+    def step_requests(self) -> list[str]:
+        """The vLLM request ids of the current step's forward, in batch order."""
+
     def record_landed(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
         """Records ``slots``, which a transfer has just landed with consecutive tokens of a
         request (``tokens``, one per slot) from position ``start``, each chained through the
-        one before and the first through ``prev_slot`` (-1 from position 0): their records."""
+        one before and the first through ``prev_slot`` (-1 from position 0): their records.
+        The slots are the scheduler's own, in range: nothing waits on the device."""
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
         """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the canary's device."""
 
-    def refold_blocks(self, slots: torch.Tensor) -> None:
-        """Recomputes the folds of the whole blocks holding ``slots`` where the backend packs
-        a block's tokens (a transfer wrote whole blocks); nothing under other backends."""
+    def refold_blocks(self, blocks: list[int]) -> None:
+        """Recomputes the folds of every slot of ``blocks`` where the backend packs a
+        block's tokens (a transfer wrote whole blocks); nothing under other backends."""
 
-    def break_records(self, slots: torch.Tensor) -> None:
-        """Breaks the records of ``slots``: verify flags each until a forward writes it again."""
+    def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Breaks the records of ``slots`` (with ``where``, a bool tensor shaped like them on
+        the canary's device, of those where it is True, without waiting on the device):
+        verify flags each until a forward writes it again."""

@@ -58,9 +58,16 @@ class WorkerVerifier(Protocol):
     def after_save(self, port: CanaryPort, orders) -> None:
         """After the inner connector's ``wait_for_save``: the forward's slots are recorded."""
 
-    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
+    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
         """The requests the inner connector finished sending and loading (and failed to
-        load): (the blocks of the bad slots, slots verified, slots that failed)."""
+        load): (slots verified, slots that failed) of the loads verified as they are done."""
+
+    def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
+        """After each forward, with the slots the step's verify flagged: how many of them
+        are slots a transfer landed that this step read for the first time."""
+
+    def forget(self, request_ids) -> None:
+        """Requests vLLM finished: whatever the verifier holds for them."""
 
     def take_counts(self) -> dict[str, int]:
         """Counters of `stats.COUNTS` since the last call."""

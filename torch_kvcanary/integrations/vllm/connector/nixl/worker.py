@@ -1,6 +1,12 @@
 """The worker half of the NIXL transport (`NixlWorker`): P writes the records of the prompts
 it hands over into the region NIXL moves with the KV (`region.RecordsRegion`); D compares
-what landed with the region's rows that landed with it."""
+what landed with the region's rows that landed with it.
+
+Neither side waits on the device. D's comparison runs where NIXL reports a request's blocks
+landed, and its verdict stays on the device: the records of the slots that differ are
+broken there (`CanaryPort.break_records` with ``where``), so the step that first reads them
+has verify flag them, and its verdict, which the connector reads in each step anyway, names
+their blocks as that step's load errors (`on_flagged`)."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .....canary import FOLD
@@ -36,6 +43,16 @@ class PendingLoad:
     same_heads: bool  # this rank holds exactly the heads of its one source rank: the folds compare
 
 
+@dataclass
+class LandedLoad:
+    """D: a load that landed and that no step has read yet: its slots from prompt position
+    ``start`` on, and whether they were compared with records of P's."""
+
+    slots: np.ndarray
+    start: int
+    compared: bool
+
+
 class NixlWorker:
     """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
     model's KV heads as ``sharding`` says: P's records written into the region NIXL moves
@@ -51,6 +68,7 @@ class NixlWorker:
         self.inner = inner  # NixlConnector, whose worker registers the region (`transfer_caches`)
         self.region: RecordsRegion | None = None
         self._pending: dict[str, PendingLoad] = {}
+        self._landed: dict[str, LandedLoad] = {}  # D: loads landed and not yet read, by request id
         self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
         self.verify_seconds = 0.0  # D: host time spent recording and comparing landed requests
         self.write_seconds = 0.0  # P: host time spent writing the records of handed-over requests
@@ -101,10 +119,11 @@ class NixlWorker:
         self._handed_over = 0
         return counts
 
-    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[set[int], int, int]:
-        """D: verifies the requests whose blocks landed (`land`), before vLLM marks their
-        load done. (P: nothing; the records live as long as the blocks.)"""
-        return self.land(port, landed, failed) if landed else (set(), 0, 0)
+    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
+        """D: compares the requests whose blocks landed (`land`), before vLLM marks their
+        load done; the slots that failed are counted where a step reads them (`on_flagged`).
+        (P: nothing; the records live as long as the blocks.)"""
+        return (self.land(port, landed, failed) if landed else 0), 0
 
     def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
         """Nothing yet: the blocks land later (`on_done`)."""
@@ -137,64 +156,80 @@ class NixlWorker:
             heads, compared, sources, remote.tp_size,
         )  # fmt: skip
 
-    def land(self, port: CanaryPort, finished_recving, failed_recving) -> tuple[set[int], int, int]:
-        """D: records the slots of each request NIXL finished loading and compares them with
-        the rows of P's records that landed with them: (the blocks of the bad slots, slots
-        verified, slots that failed). A load NIXL itself failed is NIXL's load error and is
-        not recorded."""
-        errors: set[int] = set()
-        verified = failed = 0
+    def land(self, port: CanaryPort, finished_recving, failed_recving) -> int:
+        """D: records the slots of each request NIXL finished loading, compares them with the
+        rows of P's records that landed with them and breaks the records of those that
+        differ, all on the device; returns how many slots it compared. A load NIXL itself
+        failed is NIXL's load error and is not recorded."""
+        verified = 0
         begin = time.perf_counter()
         for request_id in finished_recving:
             pending = self._pending.pop(request_id, None)
             if pending is None or request_id in (failed_recving or ()):
                 continue
-            bad_slots = self._verify(port, pending)
+            load = pending.load
+            slots = slots_of(load.block_ids, load.end, self.block_size)
+            self._verify(port, pending, slots)
+            self._landed[request_id] = LandedLoad(slots.numpy()[load.start : load.end], load.start, pending.remote is not None)
+            verified += load.end - load.start
             self.verified_requests += 1
-            verified += pending.load.end - pending.load.start
-            failed += len(bad_slots)
-            errors |= set((bad_slots // self.block_size).tolist())
             if self.verified_requests % TIMES_EVERY == 0:
                 self.verify_seconds += time.perf_counter() - begin
                 begin = time.perf_counter()
                 self._say_verify_time()
         self.verify_seconds += time.perf_counter() - begin
-        return errors, verified, failed
+        return verified
 
-    def _verify(self, port: CanaryPort, pending: PendingLoad) -> torch.Tensor:
+    def _verify(self, port: CanaryPort, pending: PendingLoad, slots: torch.Tensor) -> None:
         load = pending.load
-        slots = slots_of(load.block_ids, load.end, self.block_size)
         landed_slots = slots[load.start : load.end]
-        prev = int(slots[load.start - 1]) if load.start else -1
+        prev = int(slots.numpy()[load.start - 1]) if load.start else -1
         tokens = torch.tensor(load.tokens[load.start : load.end], dtype=torch.int64)
+        port.refold_blocks(load.block_ids[load.start // self.block_size : -(-load.end // self.block_size)])  # NIXL wrote whole blocks
         landed = port.record_landed(landed_slots, tokens, start=load.start, prev_slot=prev)
-        port.refold_blocks(landed_slots)  # NIXL wrote whole blocks
-        bad = self._differs(port, pending, landed_slots, landed).cpu()
-        bad_slots = landed_slots[bad]
-        if len(bad_slots):
-            port.break_records(bad_slots)
-            if pending.remote is not None:
-                logger.warning(
-                    "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
-                    "(first at position %d); their blocks are load errors",
-                    load.request_id, len(bad_slots), len(landed_slots), load.start + int(bad.nonzero()[0]),
-                )  # fmt: skip
-        return bad_slots
-
-    def _differs(self, port: CanaryPort, pending: PendingLoad, landed_slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
-        """Which landed slots differ from the rows of P's records that landed with them (all
-        of them where there are none): the whole records where the heads are sharded alike,
-        else the token, position and chain, and the digest of each of this rank's heads."""
-        load = pending.load
         if pending.remote is None:
             logger.warning("kv-canary: request %s: no records of its prefilled KV to compare with: %s", load.request_id, pending.why)
-            return torch.ones(len(landed), dtype=torch.bool)
+            bad = torch.ones(len(landed_slots), dtype=torch.bool, device=landed.device)
+        else:
+            bad = self._differs(port, pending, landed_slots, landed)
+        port.break_records(landed_slots, where=bad)
+
+    def _differs(self, port: CanaryPort, pending: PendingLoad, landed_slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
+        """Which landed slots differ from the rows of P's records that landed with them, on
+        the device: the whole records where the heads are sharded alike, else the token,
+        position and chain, and the digest of each of this rank's heads."""
         theirs = self.region.read(landed_slots)  # [n, heads, FIELDS]
         if pending.same_heads:
             return (landed != theirs[:, 0, :DIGEST]).any(dim=1)
         bad = (landed[:, :FOLD] != theirs[:, 0, :FOLD]).any(dim=1)
-        mine = port.head_digests(landed_slots, self.heads, self.sharding.num_kv_heads, start=load.start)
+        mine = port.head_digests(landed_slots, self.heads, self.sharding.num_kv_heads, start=pending.load.start)
         return bad | (mine != theirs[:, :, DIGEST]).any(dim=1)
+
+    def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
+        """D, after each forward: the landed slots the step's verify flagged (``flagged``, the
+        step's verdict) among those of the loads it read for the first time, each such load
+        logged; those loads are then no longer tracked. Returns how many slots failed."""
+        failed = 0
+        for request_id in port.step_requests():
+            landed = self._landed.pop(request_id, None)
+            if landed is None or not flagged:
+                continue
+            bad = np.flatnonzero(np.isin(landed.slots, np.fromiter(flagged, dtype=np.int64, count=len(flagged))))
+            failed += len(bad)
+            if not len(bad) or not landed.compared:  # a load without records was logged as it landed
+                continue
+            logger.warning(
+                "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
+                "(first at position %d); their blocks are load errors",
+                request_id, len(bad), len(landed.slots), landed.start + int(bad[0]),
+            )  # fmt: skip
+        return failed
+
+    def forget(self, request_ids) -> None:
+        """D: requests vLLM finished (or aborted) before a step read what landed for them."""
+        for request_id in request_ids or ():
+            self._landed.pop(request_id, None)
+            self._pending.pop(request_id, None)
 
     def _say_verify_time(self) -> None:
         logger.info(
