@@ -35,7 +35,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm chaos-vllm-pd bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -195,6 +195,13 @@ soak-vllm: $(VLLM_VENV)/.built
 CHAOS_ARGS ?= --requests 1000 --policy both --faults 12 --table-fault
 chaos-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python tools/vllm_chaos.py $(CHAOS_ARGS)
+
+# The same through a P/D pair (tools/vllm_chaos_pd.py): faults on the prefill server after
+# the records that travel with a prompt's blocks were written, and on the decode server
+# after the handover, and the prefill server killed and started again once mid-run.
+CHAOS_PD_ARGS ?= --requests 1000 --policy both --faults 12 --restart-prefill
+chaos-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
+	$(VLLM_BIN)/python tools/vllm_chaos_pd.py $(CHAOS_PD_ARGS)
 
 # Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
 bench-vllm: $(VLLM_VENV)/.built

@@ -15,7 +15,12 @@ step reads), and records what it hit; `chaos_report()` answers the records as JS
   and reads again at the step that resumes it (its own block, kept by the prefix cache);
 - ``table``: a block-table entry of a request of the step pointing at another live request's
   block (every byte intact; the canary's token and chain checks see it, and no policy can
-  repair it: the step stops).
+  repair it: the step stops);
+- ``handover`` (a prefill server of a P/D pair): one bit of the slot of a prompt's
+  next-to-last position, in the step that completes the prompt, after the connector wrote
+  the records that travel with its blocks to the decode server: what the decode server
+  loads differs from them. (The position's block is the prompt's last, or its last full
+  one: rarely a prefix the decode server holds already.)
 
 A bit flip is the top byte's bit 4 of the first element of the slot's bytes in the canary's
 first source (the first layer's K), which every fold covers: for float32 an exponent bit.
@@ -34,7 +39,7 @@ INJECTED: list = []  # a dict per injected fault
 _PREEMPTED: dict = {}  # request id -> the block ids it held when preempted (runner.requests keeps them stale)
 _STEP = [0]
 _RNG = random.Random(0)
-KINDS = ("single", "shared", "preempted", "table")
+KINDS = ("single", "shared", "preempted", "table", "handover")
 
 
 def register():
@@ -74,8 +79,62 @@ def register():
 
     GPUModelRunner._update_states = update_states_with_chaos
     GPUModelRunner._kvcanary_chaos_hooked = True
+    _hook_handover()
     WorkerBase.chaos_arm = chaos_arm
     WorkerBase.chaos_report = chaos_report
+
+
+def _hook_handover():
+    """The ``handover`` kind: after KvCanaryConnector's ``wait_for_save``, where a prefill
+    server wrote the records of the prompts the step completed."""
+    from torch_kvcanary.integrations.vllm.connector.facade import KvCanaryConnector
+
+    wait_for_save = KvCanaryConnector.wait_for_save
+
+    def wait_for_save_with_chaos(self):
+        wait_for_save(self)
+        handovers = getattr(self._orders, "handovers", None)
+        if "handover" in ARMED and handovers:
+            try:
+                _inject_handover(handovers)
+            except Exception:
+                logger.exception("kvcanary-chaos: the injector failed")
+
+    KvCanaryConnector.wait_for_save = wait_for_save_with_chaos
+
+
+def _inject_handover(handovers):
+    from torch_kvcanary.integrations.vllm import plugin
+
+    canary = plugin.active()
+    orders = [order for order in handovers if order.tokens >= 2]
+    if canary is None or not orders:
+        return
+    order = _RNG.choice(orders)
+    position = order.tokens - 2
+    block = order.block_ids[position // canary.block_size]
+    offset = position % canary.block_size
+    _flip(canary, block, offset)
+    ARMED.remove("handover")
+    record = dict(
+        kind="handover", request=order.request_id, block=block, index=position // canary.block_size, offset=offset,
+        position=position, slot=block * canary.block_size + offset, step=_STEP[0], holders=[order.request_id],
+        readers=[order.request_id],
+    )  # fmt: skip
+    INJECTED.append(record)
+    logger.info("kvcanary-chaos: injected %s", json.dumps(record, sort_keys=True))
+
+
+def _flip(canary, block, offset):
+    """Flips the top byte's bit 4 of the first element of the slot's bytes in the canary's first source."""
+    import torch
+
+    view = canary.canary.sources[0].as_view()
+    first = view[block, offset]
+    first = first[(0,) * first.dim()]
+    size = first.element_size()
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    first.view(integer).bitwise_xor_(1 << (8 * (size - 1) + 4))
 
 
 def _inject(runner, scheduler_output):
@@ -144,14 +203,6 @@ def _target(kind, runner, canary, live, holders, full, resumed, hit):
         runner.input_batch.block_table.block_tables[0].block_table.np[row, index] = other
         record.update(points_at=other, owners_of_points_at=sorted(holders[other]), slot=block * block_size + offset)
         return record
-    import torch
-
-    view = canary.canary.sources[0].as_view()
-    first = view[block, offset]
-    first = first[(0,) * first.dim()]
-    size = first.element_size()
-    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    mask = 1 << (8 * (size - 1) + 4)
-    first.view(integer).bitwise_xor_(mask)
+    _flip(canary, block, offset)
     record.update(slot=block * block_size + offset)
     return record

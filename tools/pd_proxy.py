@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,20 +24,29 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 TIMEOUT_S = 600
 
 
-def _post(url: str, body: dict) -> tuple[int, bytes]:
+def _post(url: str, body: dict, retry_s: float = 0.0) -> tuple[int, bytes]:
+    """(status, body) of ``url``'s answer; 502 with the error where the server did not answer
+    (stopped, restarting), after trying again every second for ``retry_s`` seconds."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
-            return answer.status, answer.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+                return answer.status, answer.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+        except OSError as error:  # refused, reset: no answer from the server
+            if time.monotonic() >= deadline:
+                return 502, json.dumps({"error": f"{url} did not answer: {type(error).__name__}: {error}"}).encode()
+        time.sleep(1.0)
 
 
-def disaggregated(prefill: str, decode: str, body: dict) -> tuple[int, bytes]:
-    """One completion through the prefill server then the decode server: (status, body)."""
+def disaggregated(prefill: str, decode: str, body: dict, retry_s: float = 0.0) -> tuple[int, bytes]:
+    """One completion through the prefill server then the decode server: (status, body).
+    The prefill server is tried again for ``retry_s`` seconds while it does not answer."""
     first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     first.pop("max_completion_tokens", None)
-    status, answer = _post(prefill + "/v1/completions", first)
+    status, answer = _post(prefill + "/v1/completions", first, retry_s)
     if status != 200:
         return status, answer
     params = json.loads(answer).get("kv_transfer_params")
@@ -44,9 +54,10 @@ def disaggregated(prefill: str, decode: str, body: dict) -> tuple[int, bytes]:
 
 
 class Proxy:
-    """The proxy on 127.0.0.1:``port`` (0: a free one) in a thread of this process."""
+    """The proxy on 127.0.0.1:``port`` (0: a free one) in a thread of this process; it tries
+    a prefill server that does not answer again for ``retry_s`` seconds (a restart)."""
 
-    def __init__(self, prefill: str, decode: str, port: int = 0):
+    def __init__(self, prefill: str, decode: str, port: int = 0, retry_s: float = 0.0):
         urls = (prefill, decode)
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,7 +66,7 @@ class Proxy:
                     self.send_error(404)
                     return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, answer = disaggregated(*urls, body)
+                status, answer = disaggregated(*urls, body, retry_s)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))

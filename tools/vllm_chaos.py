@@ -112,9 +112,10 @@ class Pass:
     health_failures: int = 0
 
 
-def run_pass(server: Server, prompts, tag: str, on_done=None) -> Pass:
+def run_pass(server: Server, prompts, tag: str, on_done=None, timings: dict | None = None) -> Pass:
     """Sends ``prompts`` ``CONCURRENCY`` at a time, request ids ``tag-i``; ``on_done(count)``
-    after each completion; /health polled every second meanwhile."""
+    after each completion; /health polled every second meanwhile; each request's (sent,
+    answered) monotonic times in ``timings`` by index, where given."""
     done = [0]
     lock = threading.Lock()
     stop = threading.Event()
@@ -127,6 +128,7 @@ def run_pass(server: Server, prompts, tag: str, on_done=None) -> Pass:
 
     def one(item):
         index, (prompt, max_tokens) = item
+        sent = time.monotonic()
         try:
             answer = complete(server.url, server.model, prompt, max_tokens, request_id=f"{tag}-{index:05d}", return_token_ids=True)
         except OSError as error:  # the connection reset or refused: a server that stopped
@@ -134,6 +136,8 @@ def run_pass(server: Server, prompts, tag: str, on_done=None) -> Pass:
         with lock:
             done[0] += 1
             count = done[0]
+            if timings is not None:
+                timings[index] = (sent, time.monotonic())
         if on_done is not None:
             on_done(count)
         return answer

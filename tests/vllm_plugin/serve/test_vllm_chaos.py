@@ -116,3 +116,43 @@ def test_a_chaos_soak_is_repaired_or_quarantined_and_named(policy, tiny_llama, c
     else:
         assert result.repaired_blocks >= FAULTS and not result.failed
     assert all(re.fullmatch(rf"chaos-{policy}-\d{{5}}", r) for r in result.failed)
+
+
+# The P/D soak's checks (tools/vllm_chaos_pd.py), on made-up evidence: one handover fault
+# on the prefill server (request 0's position 70, slot 198 there), named by the decode
+# server's transfer line, and nothing else.
+TRANSFER_LINE = (
+    "(Worker pid=3) WARNING 12-05 11:09:35 [worker.py:225] kv-canary: request cmpl-chaos-{policy}-00000-0-abcdef12: 1 of the "
+    "71 slots NIXL loaded differ from the prefill side's records (first at position 70); their blocks are load errors"
+)
+
+
+def _pd_problems(policy, answers, log, *, transfer_slots_failed=1, timings=None, window=()):
+    from vllm_chaos_pd import PdChaosResult
+    from vllm_chaos_pd import _check as check_pd
+
+    clean = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    fault = dict(kind="handover", request=f"cmpl-chaos-{policy}-00000-0-abcdef12", slot=198, position=70, block=6)
+    fault["readers"] = fault["holders"] = [fault["request"]]
+    result = PdChaosResult(policy, 2, injected=[fault], transfer_slots_failed=transfer_slots_failed)
+    check_pd(result, None, clean, Pass(answers, 1.0), timings or {}, list(window), log, [])
+    return result.problems
+
+
+def test_the_pd_checks_pass_clean_evidence_and_fail_each_broken_one():
+    answers = [{"choices": [{"token_ids": tokens, "finish_reason": "length"}]} for tokens in ([1, 2, 3, 4], [5, 6, 7, 8])]
+    log = [TRANSFER_LINE.format(policy="repair")]
+    assert _pd_problems("repair", answers, log) == []
+    assert any("not named" in p for p in _pd_problems("repair", answers, [], transfer_slots_failed=0))
+    assert any("transfer_slots_failed" in p for p in _pd_problems("repair", answers, log, transfer_slots_failed=3))
+    wrong = [answers[0], {"choices": [{"token_ids": [5, 6, 7, 9], "finish_reason": "length"}]}]
+    assert any("differ" in p for p in _pd_problems("repair", wrong, log))
+    failed = [answers[0], {"error": 502, "body": "x"}]
+    assert any("failed under repair" in p for p in _pd_problems("repair", failed, log))
+    # ... unless it was in flight while the prefill server restarted.
+    assert _pd_problems("repair", failed, log, timings={0: (0.0, 1.0), 1: (5.0, 9.0)}, window=(8.0, 20.0)) == []
+    # Under quarantine the handover's request fails, and no other.
+    quarantine_log = [TRANSFER_LINE.format(policy="quarantine")]
+    first_failed = [{"choices": [{"token_ids": [1], "finish_reason": "error"}]}, answers[1]]
+    assert _pd_problems("quarantine", first_failed, quarantine_log) == []
+    assert any("readers of corrupted blocks" in p for p in _pd_problems("quarantine", answers, quarantine_log))

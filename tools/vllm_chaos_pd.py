@@ -1,0 +1,345 @@
+"""A chaos soak of a P/D pair (`vllm_pd`: a prefill and a decode `vllm serve` through NIXL,
+`KvCanaryConnector` around NixlConnector on both) under `repair` or `quarantine` (issue 51,
+the P/D half).
+
+    python tools/vllm_chaos_pd.py --requests 1000 --policy repair|quarantine|both --faults K [--restart-prefill]
+
+For each policy: the pair on 127.0.0.1 with the injector of `tools/vllm_chaos.py` on both
+servers (`tools/chaos_faults.py`). A clean pass of the workload through the proxy first (the
+reference answers), then the same requests again while K faults are armed at even intervals
+of completed requests, in turn: ``handover`` on the prefill server (a bit of a prompt's KV
+flipped after the records that travel with its blocks were written: the decode server loads
+KV that differs from them), and ``single`` and ``shared`` on the decode server (a bit of a
+block it holds, read by one request or by several). With ``--restart-prefill`` the prefill
+server is killed (SIGKILL, its whole process group) once half the requests completed, and
+started again on the same ports, after the last fault was armed (the proxy tries it again until it
+answers). Then it checks:
+
+- every answer that completed equals the clean pass's, token for token;
+- under quarantine the failed requests are exactly the requests that read a corrupted block
+  (the decode server's holders of its corrupted blocks, each handover's request, and the
+  prefill server's readers of a flipped block it kept in its prefix cache), and, with the
+  restart, requests in flight while the prefill server was down; under repair only those;
+- the decode server kept serving throughout (/health polled), the prefill server but for
+  its restart;
+- every injected fault is named: a decode-side fault by a violation line at its slot naming
+  its readers, a handover by the decode server's line for its request (``N of the M slots
+  NIXL loaded differ from the prefill side's records``) at its position;
+- the decode server's ``vllm:kv_canary_transfer_slots_failed_total`` equals the slots its
+  lines name;
+- the decode server's worker's anonymous resident memory grew by less than 48 MiB;
+- the clean pass reported nothing on either server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pd_proxy import Proxy  # noqa: E402
+from vllm_chaos import (  # noqa: E402
+    MEMORY_BOUND,
+    MIB,
+    VIOLATION,
+    install_chaos_plugin,
+    run_pass,
+    tokens,
+    user_id,
+    workload,
+)
+from vllm_pd import pd_server  # noqa: E402
+from vllm_serve import Server, anonymous_resident_bytes, collective_rpc, path_with  # noqa: E402
+
+# The decode server's line for a load whose slots differ from the records that travelled with them.
+TRANSFER = re.compile(r"kv-canary: request (\S+): (\d+) of the (\d+) slots NIXL loaded differ .*\(first at position (\d+)\)")
+# How long the proxy tries a prefill server that does not answer again (its restart).
+RESTART_S = 300.0
+# Fault kinds in turn, and the server each is armed on.
+KINDS = (("handover", "prefill"), ("single", "decode"), ("shared", "decode"))
+
+
+@dataclass
+class PairTarget:
+    """The pair as `vllm_chaos.run_pass` drives a server: the proxy's URL, alive while the
+    decode server is."""
+
+    url: str
+    model: Path
+    decode: Server
+
+    def alive(self) -> bool:
+        return self.decode.alive()
+
+
+@dataclass
+class PdChaosResult:
+    """One policy's chaos pass over the pair; ``problems`` are the checks that did not hold."""
+
+    policy: str
+    requests: int
+    injected: list = field(default_factory=list)
+    not_injected: list = field(default_factory=list)
+    named: int = 0
+    transfer_slots_failed: float = 0
+    repaired_blocks: float = 0
+    failed: set = field(default_factory=set)
+    restart_casualties: set = field(default_factory=set)
+    differing: list = field(default_factory=list)
+    restarts: int = 0
+    seconds: float = 0.0
+    growth: int = 0
+    problems: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def row(self) -> list[str]:
+        failed = str(len(self.failed - self.restart_casualties)) if self.policy == "quarantine" else "-"
+        return [
+            self.policy, str(self.requests), str(len(self.injected)), str(self.named), f"{self.repaired_blocks:.0f}", failed,
+            str(len(self.restart_casualties)), str(len(self.differing)), str(self.restarts), f"{self.seconds:.1f}",
+            f"{self.growth / MIB:+.1f}",
+        ]  # fmt: skip
+
+
+HEADER = ["policy", "requests", "faults injected", "named", "repaired (blocks, decode side)", "failed (quarantine)",
+          "failed while P restarted", "answers differing", "prefill restarts", "wall time (s)", "decode memory growth (MiB)"]  # fmt: skip
+
+
+def _pair_servers(model: Path, policy: str, env: dict) -> tuple[Server, Server]:
+    """The pair's servers, each in a session of its own (so that a kill reaches all of its processes)."""
+    servers = [pd_server(model, index, policy=policy, env=env) for index in (0, 1)]
+    return tuple(dataclasses.replace(server, prefix=("setsid", *server.prefix)) for server in servers)
+
+
+def _kill_group(server: Server) -> None:
+    try:
+        os.killpg(server._process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._process.wait()
+
+
+def chaos_pd(model: Path, vocab_size: int, policy: str, requests: int, faults: int, restart: bool, site: Path) -> PdChaosResult:
+    env = dict(VLLM_SERVER_DEV_MODE="1", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONPATH=path_with(site))
+    prefill, decode = _pair_servers(model, policy, env)
+    result = PdChaosResult(policy, requests)
+    servers = [prefill, decode]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_healthy()
+        with Proxy(prefill.url, decode.url, retry_s=RESTART_S if restart else 0.0) as proxy:
+            _chaos_on(PairTarget(proxy.url, model, decode), prefill, servers, result, workload(requests, vocab_size), faults, restart)
+    finally:
+        for server in servers:
+            _kill_group(server)
+    return result
+
+
+def _chaos_on(target: PairTarget, prefill: Server, servers: list, result: PdChaosResult, prompts, faults: int, restart: bool):
+    policy, decode = result.policy, target.decode
+    print(
+        f"[{policy}] pair serving: prefill {prefill.url} (log {prefill.log_path}), decode {decode.url} (log {decode.log_path})", flush=True
+    )
+    clean = run_pass(target, prompts, f"clean-{policy}")
+    clean_tokens = [tokens(a) for a in clean.answers]
+    if any(t is None for t in clean_tokens):
+        result.problems.append(f"the clean pass had {sum(t is None for t in clean_tokens)} failed requests")
+    for name, server in (("prefill", prefill), ("decode", decode)):
+        noisy = [m for _, _, level, m in server.canary_lines() if level in ("WARNING", "ERROR") or m.startswith("kv_canary")]
+        if noisy:
+            result.problems.append(f"the clean pass reported {len(noisy)} kv-canary lines on the {name} server: {noisy[:3]}")
+    print(f"[{policy}] clean pass: {len(prompts)} requests in {clean.seconds:.1f} s", flush=True)
+    decode_pids = decode.engine_pids()
+    resident_before = anonymous_resident_bytes(decode_pids[1:])
+    lines_before = {id(server): len(server.log().splitlines()) for server in (prefill, decode)}
+    failed_before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
+    repaired_before = decode.metric("vllm:kv_canary_blocks_repaired_total")
+
+    marks = [int(0.7 * (i + 1) * len(prompts) / (faults + 1)) for i in range(faults)]
+    restart_at = int(0.8 * len(prompts)) if restart else None  # after the last fault is armed
+    lock = threading.Lock()
+    armed = [0]
+    reports = []  # the prefill server's injector reports, one per prefill server that served
+    window = []  # [killed, serving again] (monotonic)
+    current = {"prefill": prefill}
+
+    def restart_prefill():
+        old = current["prefill"]
+        reports.append(json.loads(collective_rpc(old, "chaos_report")[0]))
+        window[0] = time.monotonic()
+        _kill_group(old)
+        new = dataclasses.replace(old, log_path=None)
+        new.start()
+        servers.append(new)
+        new.wait_healthy()
+        window.append(time.monotonic())
+        current["prefill"] = new
+        result.restarts += 1
+        print(f"[{policy}] prefill server restarted in {window[1] - window[0]:.0f} s, log {new.log_path}", flush=True)
+
+    def on_done(count):
+        with lock:
+            while armed[0] < len(marks) and count >= marks[armed[0]]:
+                kind, side = KINDS[armed[0] % len(KINDS)]
+                server = current["prefill"] if side == "prefill" else decode
+                if server.alive():
+                    collective_rpc(server, "chaos_arm", kind)
+                armed[0] += 1
+            if restart_at is not None and count >= restart_at and not window:
+                window.append(None)  # taken: restart_prefill fills it
+                threading.Thread(target=restart_prefill, name="restart-prefill", daemon=True).start()
+
+    timings = {}
+    chaotic = run_pass(target, prompts, f"chaos-{policy}", on_done, timings)
+    result.seconds = chaotic.seconds
+    if restart_at is not None:
+        restarting = [t for t in threading.enumerate() if t.name == "restart-prefill"]
+        for thread in restarting:
+            thread.join()
+    time.sleep(2.0)
+    result.growth = anonymous_resident_bytes(decode_pids[1:]) - resident_before
+    reports.append(json.loads(collective_rpc(current["prefill"], "chaos_report")[0]))
+    decode_report = json.loads(collective_rpc(decode, "chaos_report")[0])
+    result.injected = [f for r in reports for f in r["injected"]] + decode_report["injected"]
+    result.not_injected = [k for r in reports for k in r["armed"]] + decode_report["armed"]
+    if chaotic.health_failures or not decode.alive():
+        result.problems.append(f"the decode server stopped serving: /health failed {chaotic.health_failures} times")
+    if not current["prefill"].alive():
+        result.problems.append("the prefill server is not serving at the end")
+    decode_lines = decode.log().splitlines()[lines_before[id(decode)] :]
+    prefill_lines = prefill.log().splitlines()[lines_before[id(prefill)] :] + [
+        line for server in servers[2:] for line in server.log().splitlines()
+    ]
+    result.transfer_slots_failed = decode.metric("vllm:kv_canary_transfer_slots_failed_total") - failed_before
+    result.repaired_blocks = decode.metric("vllm:kv_canary_blocks_repaired_total") - repaired_before
+    _check(result, prompts, clean_tokens, chaotic, timings, window, decode_lines, prefill_lines)
+
+
+def _check(result, prompts, clean_tokens, chaotic, timings, window, decode_lines, prefill_lines):
+    policy = result.policy
+    if result.not_injected:
+        result.problems.append(f"{len(result.not_injected)} armed faults found no target: {result.not_injected}")
+    failed = set()
+    for index, (answer, reference) in enumerate(zip(chaotic.answers, clean_tokens)):
+        got = tokens(answer)
+        rid = f"chaos-{policy}-{index:05d}"
+        if got is None:
+            failed.add(rid)
+        elif got != reference:
+            result.differing.append(rid)
+    result.failed = failed
+    if window:  # in flight while the prefill server was down or starting
+        killed, back = window[0], window[1] if len(window) > 1 else float("inf")
+        result.restart_casualties = {
+            f"chaos-{policy}-{i:05d}" for i, (start, end) in timings.items() if start <= back and end >= killed
+        } & failed
+    if result.differing:
+        result.problems.append(f"{len(result.differing)} completed answers differ from the clean pass's: {result.differing[:10]}")
+    violations = {}  # (server, slot) -> requests named
+    for side, lines in (("decode", decode_lines), ("prefill", prefill_lines)):
+        for line in lines:
+            match = VIOLATION.search(line)
+            if match:
+                violations.setdefault((side, int(match[2])), set()).update(user_id(r) for r in match[3].split(","))
+    transfers = {}
+    for line in decode_lines:
+        match = TRANSFER.search(line)
+        if match:
+            transfers.setdefault(user_id(match[1]), []).append((int(match[2]), int(match[4])))
+    named = 0
+    expected_failed = set()
+    for fault in result.injected:
+        readers = sorted(user_id(r) for r in fault["readers"])
+        if fault["kind"] == "handover":
+            request = user_id(fault["request"])
+            ok = any(position == fault["position"] for _, position in transfers.get(request, []))
+            expected_failed.add(request)
+            # The prefill server's own later readers of the flipped block (its prefix cache).
+            expected_failed |= violations.get(("prefill", fault["slot"]), set())
+        else:
+            ok = set(readers) <= violations.get(("decode", fault["slot"]), set())
+            expected_failed |= {user_id(r) for r in fault["holders"]}
+        fault["named"] = ok
+        named += ok
+        if not ok:
+            result.problems.append(f"fault not named as injected: {fault}")
+    result.named = named
+    logged = sum(count for found in transfers.values() for count, _ in found)
+    if result.transfer_slots_failed != logged:
+        result.problems.append(
+            f"vllm:kv_canary_transfer_slots_failed_total counted {result.transfer_slots_failed:.0f}, the decode log's lines {logged}"
+        )
+    unexplained = failed - result.restart_casualties
+    if policy == "quarantine":
+        if unexplained != expected_failed:
+            result.problems.append(
+                f"quarantine failed {sorted(unexplained)} (besides the restart's {len(result.restart_casualties)}), the readers of "
+                f"corrupted blocks are {sorted(expected_failed)}"
+            )
+    elif unexplained:
+        result.problems.append(f"{len(unexplained)} requests failed under {policy}: {sorted(unexplained)[:10]}")
+    if result.growth >= MEMORY_BOUND:
+        result.problems.append(f"the decode worker's anonymous resident memory grew {result.growth / MIB:.1f} MiB (bound 48 MiB)")
+    kinds = {}
+    for fault in result.injected:
+        kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
+    result.notes.append(
+        f"faults by kind: {kinds}; decode side: transfer slots failed {result.transfer_slots_failed:.0f}, blocks repaired "
+        f"{result.repaired_blocks:.0f}; worker memory {result.growth / MIB:+.1f} MiB; failed while P restarted "
+        f"{len(result.restart_casualties)}"
+    )
+
+
+def table(results: list[PdChaosResult]) -> str:
+    rows = [HEADER, ["---"] * len(HEADER)] + [r.row() for r in results]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--policy", choices=("repair", "quarantine", "both"), default="both")
+    parser.add_argument("--faults", type=int, default=12)
+    parser.add_argument("--restart-prefill", action="store_true", help="kill the prefill server once mid-run and start it again")
+    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
+    args = parser.parse_args(argv)
+    from random_models import VOCAB_SIZE, make_llama
+
+    policies = ("repair", "quarantine") if args.policy == "both" else (args.policy,)
+    results = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="vllm-chaos-pd-") as scratch:
+        scratch = Path(scratch)
+        model = args.model or make_llama(scratch / "tiny-llama")
+        (scratch / "site").mkdir()
+        site = install_chaos_plugin(scratch / "site")
+        for policy in policies:
+            results.append(chaos_pd(model, VOCAB_SIZE, policy, args.requests, args.faults, args.restart_prefill, site))
+    print(table(results))
+    for result in results:
+        for note in result.notes:
+            print(f"[{result.policy}] {note}")
+        for fault in result.injected:
+            keys = ("kind", "step", "slot", "block", "position", "readers", "named")
+            print(f"[{result.policy}] fault " + " ".join(f"{k}={fault.get(k)}" for k in keys))
+        for problem in result.problems:
+            print(f"[{result.policy}] FAILED: {problem}")
+    print(f"chaos-pd: {sum(not r.problems for r in results)} of {len(results)} policies passed in {time.monotonic() - started:.0f} s")
+    return 0 if all(not r.problems for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
