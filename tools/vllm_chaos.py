@@ -115,7 +115,7 @@ class Pass:
 def run_pass(server: Server, prompts, tag: str, on_done=None, timings: dict | None = None) -> Pass:
     """Sends ``prompts`` ``CONCURRENCY`` at a time, request ids ``tag-i``; ``on_done(count)``
     after each completion; /health polled every second meanwhile; each request's (sent,
-    answered) monotonic times in ``timings`` by index, where given."""
+    answered) times (epoch seconds) in ``timings`` by index, where given."""
     done = [0]
     lock = threading.Lock()
     stop = threading.Event()
@@ -128,7 +128,7 @@ def run_pass(server: Server, prompts, tag: str, on_done=None, timings: dict | No
 
     def one(item):
         index, (prompt, max_tokens) = item
-        sent = time.monotonic()
+        sent = time.time()
         try:
             answer = complete(server.url, server.model, prompt, max_tokens, request_id=f"{tag}-{index:05d}", return_token_ids=True)
         except OSError as error:  # the connection reset or refused: a server that stopped
@@ -137,7 +137,7 @@ def run_pass(server: Server, prompts, tag: str, on_done=None, timings: dict | No
             done[0] += 1
             count = done[0]
             if timings is not None:
-                timings[index] = (sent, time.monotonic())
+                timings[index] = (sent, time.time())
         if on_done is not None:
             on_done(count)
         return answer

@@ -156,3 +156,32 @@ def test_the_pd_checks_pass_clean_evidence_and_fail_each_broken_one():
     first_failed = [{"choices": [{"token_ids": [1], "finish_reason": "error"}]}, answers[1]]
     assert _pd_problems("quarantine", first_failed, quarantine_log) == []
     assert any("readers of corrupted blocks" in p for p in _pd_problems("quarantine", answers, quarantine_log))
+
+
+def test_the_pd_quarantine_check_allows_only_holders_of_the_corrupted_block_in_flight():
+    """A decode-side fault in block 0 of request 0, read by it alone when found: a request
+    whose prompt shares that block and was in flight then may fail with it (vLLM fails every
+    holder of a reported block); one that shares no block, or ran after, may not."""
+    from vllm_chaos_pd import PdChaosResult, _line_time
+    from vllm_chaos_pd import _check as check_pd
+
+    prompts = [([5] * 40, 4), ([5] * 40, 4), ([6] * 40, 4), ([5] * 40, 4)]
+    clean = [[1, 2, 3, 4]] * 4
+    ok = {"choices": [{"token_ids": [1, 2, 3, 4], "finish_reason": "length"}]}
+    error = {"choices": [{"token_ids": [1], "finish_reason": "error"}]}
+    line = _violation(7, "chaos-quarantine-00000")
+    when = _line_time(line)
+    timings = {0: (when - 1, when), 1: (when - 1, when), 2: (when - 1, when), 3: (when + 30, when + 31)}
+    fault = dict(kind="single", request="cmpl-chaos-quarantine-00000-0-abcdef12", slot=7, index=0, position=7, block=0)
+    fault["readers"] = fault["holders"] = [fault["request"]]
+
+    def problems(answers):
+        result = PdChaosResult("quarantine", 4, injected=[dict(fault)])
+        check_pd(result, prompts, clean, Pass(answers, 1.0), timings, [], [line], [])
+        return result.problems
+
+    assert problems([error, ok, ok, ok]) == []
+    assert problems([error, error, ok, ok]) == []  # shared block 0, in flight
+    assert problems([ok, ok, ok, ok])  # the reader served
+    assert problems([error, ok, error, ok])  # shares no block
+    assert problems([error, ok, ok, error])  # came after
