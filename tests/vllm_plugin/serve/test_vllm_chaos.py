@@ -123,7 +123,7 @@ def test_a_chaos_soak_is_repaired_or_quarantined_and_named(policy, tiny_llama, c
 # server's transfer line, and nothing else.
 TRANSFER_LINE = (
     "(Worker pid=3) WARNING 12-05 11:09:35 [worker.py:225] kv-canary: request cmpl-chaos-{policy}-00000-0-abcdef12: 1 of the "
-    "71 slots NIXL loaded differ from the prefill side's records (first at position 70); their blocks are load errors"
+    "71 slots NIXL loaded differ from the prefill side's records at their first read (first at position 70); their blocks are load errors"
 )
 
 

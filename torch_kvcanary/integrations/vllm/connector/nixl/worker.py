@@ -220,7 +220,7 @@ class NixlWorker:
                 continue
             logger.warning(
                 "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
-                "(first at position %d); their blocks are load errors",
+                "at their first read (first at position %d); their blocks are load errors",
                 request_id, len(bad), len(landed.slots), landed.start + int(bad[0]),
             )  # fmt: skip
         return failed
