@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
@@ -456,6 +457,21 @@ def test_heterogeneous_tp_faults_are_load_errors_repaired(fault, heterogeneous_p
 
 # The pieces on their own -------------------------------------------------------------------
 
+# Ops that hand a value to the host, and so wait on a GPU: none may be on either side's step path.
+SYNCING_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select")
+
+
+class OpRecorder(TorchDispatchMode):
+    """Notes each op dispatched within it, as (name, args) in ``calls``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((str(func.overloadpacket), args))
+        return func(*args, **(kwargs or {}))
+
 
 def test_slots_of_a_request_follow_its_blocks():
     from torch_kvcanary.integrations.vllm.connector import nixl
@@ -541,7 +557,6 @@ def test_the_prefill_side_writes_a_prompts_records_without_waiting_on_the_device
     (``item``, ``nonzero``, a copy to the host) and the digest's range check, which syncs
     on a GPU, skipped; the rows written are the canary's records of the prompt's slots."""
     import fake_runner
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch_kvcanary.integrations.vllm import worker
     from torch_kvcanary.integrations.vllm.config import Settings
@@ -560,20 +575,10 @@ def test_the_prefill_side_writes_a_prompts_records_without_waiting_on_the_device
     )
     orders = nixl.NixlOrders(handovers=[nixl.HandOverOrder("request-0", blocks, 40)])
 
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append((str(func.overloadpacket), args))
-            return func(*args, **(kwargs or {}))
-
-    with Calls() as seen:
+    with OpRecorder() as seen:
         nixl_worker.after_save(canary.port, orders)
     names = [name for name, _ in seen.calls]
-    waits = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim")
-    assert "aten.index_put_" in names and not [name for name in names if name in waits], names
+    assert "aten.index_put_" in names and not [name for name in names if name in SYNCING_OPS], names
     digests = [args for name, args in seen.calls if name == "kvcanary.digest"]
     assert digests and all(args[-1] is False for args in digests), sorted(set(names))  # the range check is skipped
     slots = nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE)
@@ -590,7 +595,6 @@ def test_the_decode_side_compares_what_landed_without_waiting_on_the_device():
     verify flags it on its bytes and no other slot; the step that reads it names that slot
     of the request once (`on_flagged`), and no later step."""
     import fake_runner
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch_kvcanary.integrations.vllm import worker
     from torch_kvcanary.integrations.vllm.config import Settings
@@ -613,20 +617,10 @@ def test_the_decode_side_compares_what_landed_without_waiting_on_the_device():
     tokens = canary.canary.records[slots, 0].tolist()
     nixl_worker.before_load(canary.port, nixl.NixlOrders(loads=[nixl.LoadOrder("request-0", 1, tokens, blocks, 0, 40)]))
 
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append((str(func.overloadpacket), args))
-            return func(*args, **(kwargs or {}))
-
-    with Calls() as seen:
+    with OpRecorder() as seen:
         assert nixl_worker.on_done(canary.port, (), {"request-0"}, ()) == (40, 0)
     names = [name for name, _ in seen.calls]
-    waits = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select")
-    assert "kvcanary.record" in names and not [name for name in names if name in waits], names
+    assert "kvcanary.record" in names and not [name for name in names if name in SYNCING_OPS], names
     assert all(args[-1] is False for name, args in seen.calls if name == "kvcanary.record")  # no range check
     assert canary.canary.verify(slots).nonzero().flatten().tolist() == [9]
     canary.canary.poll()
