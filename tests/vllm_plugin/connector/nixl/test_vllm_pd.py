@@ -63,11 +63,16 @@ def _nixl_worker():
     return getattr(connector, "inner", None) or connector
 
 
+# Whether ``fault`` is armed, disarming it: true in one process only where several (the
+# tensor-parallel ranks of a server) ask at once, the one whose removal of the file succeeds.
 def armed(fault):
-    if os.path.exists(ARM) and open(ARM).read() == fault:
+    try:
+        if open(ARM).read() != fault:
+            return False
         os.remove(ARM)
-        return True
-    return False
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def flip(worker, block_id):
