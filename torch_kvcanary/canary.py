@@ -478,7 +478,7 @@ class KvCanary:
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots}) from None
 
-    def invalidate(self, slots: torch.Tensor, *, where: torch.Tensor | None = None) -> None:
+    def invalidate(self, slots: torch.Tensor, *, where: torch.Tensor | None = None, refold: bool = True) -> None:
         """Make `verify` flag ``slots`` (a fold mismatch) until a `record` call writes them
         again: for slots the engine knows to be bad or stale (blocks it was told to
         recompute, KV loaded that does not match what was stored with it). Each fold is
@@ -492,9 +492,13 @@ class KvCanary:
         slots where it is True are invalidated, and nothing waits on the device (for a
         verdict the device has not handed to the host): ``slots`` must then be distinct and
         in ``[0, capacity)``, as the caller knows them to be (the engine's own blocks); they
-        are not checked, and each one is refolded."""
+        are not checked.
+
+        ``refold`` False skips the refold, for slots the caller has just recorded from their
+        bytes as they are (their folds are current): one pass over their bytes fewer."""
         if where is None:
-            self.refold(slots)
+            if refold:
+                self.refold(slots)
             kept = slots.reshape(-1).long()
             self._records[torch.unique(kept[kept >= 0]), FOLD] ^= 1
             return
@@ -506,7 +510,8 @@ class KvCanary:
             )
         if where.device != self.device:
             raise ValueError(f"kv-canary: where must be on the canary's device {self.device}, got {where.device}")
-        self.refold(slots, check_bounds=False)
+        if refold:
+            self.refold(slots, check_bounds=False)
         flat = slots.reshape(-1).long()
         self._records[flat, FOLD] ^= where.reshape(-1).long()
 

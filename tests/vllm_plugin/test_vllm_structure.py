@@ -5,6 +5,7 @@ itself through others, and only the vLLM adapter subpackage
 import ast
 from pathlib import Path
 
+import pytest
 from helpers import REPO
 
 PACKAGE = REPO / "torch_kvcanary"
@@ -230,7 +231,6 @@ def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
     """`KvCanary.invalidate`, which the vLLM connector breaks records with: the slots fail
     verify on their bytes alone (token, position, chain and owner kept), however often they
     are invalidated, until a record call writes them again; negative slots are skipped."""
-    import pytest
     import torch
 
     import torch_kvcanary as kc
@@ -254,12 +254,13 @@ def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
         canary.invalidate(torch.tensor([canary.capacity]))
 
 
-def test_invalidate_where_breaks_only_the_slots_it_marks_without_waiting_on_the_device():
+@pytest.mark.parametrize("refold", [True, False])
+def test_invalidate_where_breaks_only_the_slots_it_marks_without_waiting_on_the_device(refold):
     """`KvCanary.invalidate` with ``where`` (a transfer's verdict still on the device): the
     marked slots fail verify on their bytes alone, the others pass, nothing in the call waits
     on the device (no op that hands a value to the host), and a ``where`` of another shape
-    or dtype is refused with nothing changed."""
-    import pytest
+    or dtype is refused with nothing changed. With ``refold=False`` (slots just recorded
+    from their bytes as they are) no refold is dispatched, and the verdicts are the same."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -283,7 +284,8 @@ def test_invalidate_where_breaks_only_the_slots_it_marks_without_waiting_on_the_
             return func(*args, **(kwargs or {}))
 
     with Calls() as seen:
-        canary.invalidate(block, where=where)
+        canary.invalidate(block, where=where, refold=refold)
+    assert ("kvcanary.refold" in seen.names) == refold, seen.names
     waits = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select"}
     assert not waits & set(seen.names), seen.names
     assert canary.verify(block, **checks).nonzero().flatten().tolist() == [1, 7]
