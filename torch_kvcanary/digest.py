@@ -284,11 +284,12 @@ def kv_digest_by_head(
     *,
     num_kv_heads: int,
     mla: bool,
-    start: int,
+    positions: torch.Tensor,
     check_bounds: bool = True,
 ) -> torch.Tensor:
-    """The transfer digest of each of ``slots``, which hold a request's positions from
-    ``start`` on, over each KV head a rank holds (global heads ``heads`` of the model's
+    """The transfer digest of each of ``slots``, which hold the positions ``positions``
+    (int64, shaped like ``slots``, on their device) of the requests they belong to, over each
+    KV head a rank holds (global heads ``heads`` of the model's
     ``num_kv_heads``; MLA's latent is head 0 of 1): int64 ``[len(slots), len(heads)]``.
     ``caches`` holds each cache's views (`vllm_head_views`: digest kind, ``[num_blocks,
     block_size, len(heads), ...]``). A head's column is `kv_digest` of its K and V (MLA:
@@ -299,7 +300,6 @@ def kv_digest_by_head(
     local_heads = {view.shape[2] for views in caches for _, view in views}
     if local_heads != {len(heads)}:
         raise ValueError(f"kv-canary: this rank's caches hold {sorted(local_heads)} KV heads, not the {len(heads)} of {heads}")
-    positions = torch.arange(start, start + len(slots), device=slots.device)
     groups = torch.arange(len(slots), device=slots.device)
     digests = torch.empty(len(slots), len(heads), dtype=torch.int64, device=slots.device)
     for local, head in enumerate(heads):

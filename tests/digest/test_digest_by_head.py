@@ -32,7 +32,8 @@ def _heads(rank: int, tp_size: int, num_kv_heads: int) -> range:
 
 def _digests(caches, blocks, heads, *, tokens, num_kv_heads, start=0):
     views = [digest.vllm_head_views(cache, "CPU_ATTN", "LBHNC") for cache in caches]
-    return digest.kv_digest_by_head(views, _slots(blocks, tokens), heads, num_kv_heads=num_kv_heads, mla=False, start=start)
+    positions = torch.arange(start, start + tokens)
+    return digest.kv_digest_by_head(views, _slots(blocks, tokens), heads, num_kv_heads=num_kv_heads, mla=False, positions=positions)
 
 
 def test_head_digests_do_not_depend_on_how_the_ranks_split_the_heads():

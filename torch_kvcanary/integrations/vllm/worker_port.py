@@ -104,32 +104,38 @@ class WorkerPort:
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         return self._canary.records[slots.to(self._canary.device, torch.int64)]
 
-    def record_landed(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
+    @property
+    def blocks_packed(self) -> bool:
+        return self._worker.blocks_packed
+
+    def to_device(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """One host-to-device copy of all of ``arrays``: from pinned memory and without
+        waiting on a GPU (a copy from pageable memory waits for the stream's work first)."""
+        sizes = [array.size for array in arrays]
+        host = torch.from_numpy(np.concatenate([np.asarray(array, dtype=np.int64).reshape(-1) for array in arrays]))
         device = self._canary.device
-        slots = slots.to(device, torch.int64)
-        prev_slots = torch.cat([torch.full((1,), prev_slot, dtype=torch.int64, device=device), slots[:-1]])
-        positions = torch.arange(start, start + len(slots), device=device)
-        tokens = tokens.to(device, torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True).split(sizes)
+
+    def record_landed(
+        self, slots: torch.Tensor, *, tokens: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor
+    ) -> torch.Tensor:
         self._canary.record(slots, positions=positions, tokens=tokens, prev_slots=prev_slots, check_bounds=False)
         return self.records_of(slots)
 
-    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
-        slots = slots.to(self._canary.device, torch.int64)
+    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, positions: torch.Tensor) -> torch.Tensor:
         # The slots are the scheduler's own blocks, in range: no range check, which syncs on a GPU.
         return digest.kv_digest_by_head(
-            self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, start=start, check_bounds=False
+            self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, positions=positions, check_bounds=False
         )
 
-    def refold_blocks(self, blocks: list[int]) -> None:
-        """A block's slots are verified together, and a transfer that wrote whole blocks
-        wrote the unrecorded slots past a prompt's end too: `KvCanary.refold`, records kept."""
-        if not self._worker.blocks_packed or not len(blocks):
-            return
-        slots = _block_slots(np.unique(np.asarray(blocks, dtype=np.int64)), self._worker.block_size)
-        self._canary.refold(torch.from_numpy(slots).to(self._canary.device), check_bounds=False)
+    def refold(self, slots: torch.Tensor) -> None:
+        """`KvCanary.refold`, records kept; the slots are the scheduler's own, in range."""
+        self._canary.refold(slots, check_bounds=False)
 
-    def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None) -> None:
-        self._canary.invalidate(slots.to(self._canary.device, torch.int64), where=where)
+    def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None, *, just_recorded: bool = False) -> None:
+        self._canary.invalidate(slots.to(self._canary.device, torch.int64), where=where, refold=not just_recorded)
 
 
 def _block_slots(blocks: np.ndarray, block_size: int) -> np.ndarray:

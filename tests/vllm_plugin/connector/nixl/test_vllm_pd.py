@@ -586,7 +586,7 @@ def test_the_prefill_side_writes_a_prompts_records_without_waiting_on_the_device
     assert "aten.index_put_" in names and not [name for name in names if name in SYNCING_OPS], names
     digests = [args for name, args in seen.calls if name == "kvcanary.digest"]
     assert digests and all(args[-1] is False for args in digests), sorted(set(names))  # the range check is skipped
-    slots = nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE)
+    slots = torch.from_numpy(nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE))
     rows = nixl_worker.region.read(slots)
     assert torch.equal(rows[:, 0, : region.DIGEST], canary.canary.records[slots])
     assert nixl_worker.take_counts() == {"transfer_slots_handed_over": 40}
@@ -611,7 +611,7 @@ def test_the_decode_side_compares_what_landed_without_waiting_on_the_device():
     canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
     canary.end_step(canary.begin_step(lambda: buffers.step(40)))
     blocks = [buffers.block_of(0, position) for position in range(0, 40, fake_runner.BLOCK_SIZE)]
-    slots = nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE)
+    slots = torch.from_numpy(nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE))
     nixl_worker = nixl.NixlWorker(fake_runner.BLOCK_SIZE, sharding=nixl.Sharding(1, fake_runner.NUM_KV_HEADS), rank=0)
     nixl_worker.region = region.RecordsRegion(
         buffers.caches[0].shape[0], fake_runner.NUM_KV_HEADS, fake_runner.BLOCK_SIZE, fake_runner.BLOCK_SIZE, canary.canary.device
@@ -631,6 +631,58 @@ def test_the_decode_side_compares_what_landed_without_waiting_on_the_device():
     canary.canary.poll()
     assert nixl_worker.on_flagged(canary.port, {int(slots[9]), 10_000}) == 1
     assert nixl_worker.on_flagged(canary.port, {int(slots[9])}) == 0  # read once: no longer the transfer's
+
+
+def test_loads_landing_together_are_compared_at_once_each_in_its_own_way():
+    """Three loads NIXL reports landed in one call, compared in one pass: one whose heads
+    are sharded alike on both sides, from a prefix hit on (its whole records compare: a
+    changed position and a changed fold are each found), one compared by head digests (the
+    fold is not compared, a changed digest is found) and one that carries no records (every
+    slot is bad). Exactly those slots fail verify afterwards, on their bytes."""
+    import fake_runner
+
+    from torch_kvcanary.integrations.vllm import worker
+    from torch_kvcanary.integrations.vllm.config import Settings
+    from torch_kvcanary.integrations.vllm.connector import nixl
+    from torch_kvcanary.integrations.vllm.connector.nixl import region
+    from torch_kvcanary.sources import HashMode
+
+    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
+    canary.end_step(canary.begin_step(lambda: buffers.step(40)))
+    blocks = [[buffers.block_of(request, p) for p in range(0, 40, fake_runner.BLOCK_SIZE)] for request in range(2)]
+    slots = [torch.from_numpy(nixl.slots_of(blocks[request], 40, fake_runner.BLOCK_SIZE)) for request in range(2)]
+    heads = fake_runner.NUM_KV_HEADS
+    nixl_worker = nixl.NixlWorker(fake_runner.BLOCK_SIZE, sharding=nixl.Sharding(1, heads), rank=0)
+    nixl_worker.region = region.RecordsRegion(
+        buffers.caches[0].shape[0], heads, fake_runner.BLOCK_SIZE, fake_runner.BLOCK_SIZE, canary.canary.device
+    )
+    handovers = [nixl.HandOverOrder(f"request-{request}", blocks[request], 40) for request in range(2)]
+    nixl_worker.after_save(canary.port, nixl.NixlOrders(handovers=handovers))  # P's rows
+
+    def change(request: int, position: int, field: str) -> None:
+        block, offset = divmod(int(slots[request][position]), fake_runner.BLOCK_SIZE)
+        nixl_worker.region.tensor[block, :, offset, region.FIELDS.index(field)] += 1
+
+    change(0, 20, "position")
+    change(0, 33, "fold")
+    change(1, 3, "fold")  # compared by digests: the fold is not compared
+    change(1, 21, "digest")
+    tokens = [canary.canary.records[slots[request], 0].tolist() for request in range(2)]
+    whole = nixl.LoadOrder("whole", 1, tokens[0], blocks[0], 16, 40)
+    by_digests = nixl.LoadOrder("by-digests", 1, tokens[1], blocks[1], 0, 24)
+    unrecorded = nixl.LoadOrder("unrecorded", None, tokens[1], blocks[1], 24, 40)
+    nixl_worker.before_load(canary.port, nixl.NixlOrders(loads=[whole, unrecorded]))
+    # One KV head on either side is sharded alike; the digests compare just as well there.
+    nixl_worker._pending["by-digests"] = nixl.PendingLoad(by_digests, nixl.Sharding(1, heads), "", same_heads=False)
+
+    with OpRecorder() as seen:
+        assert nixl_worker.on_done(canary.port, (), {"whole", "by-digests", "unrecorded"}, ()) == (24 + 24 + 16, 0)
+    names = [name for name, _ in seen.calls]
+    assert names.count("kvcanary.record") == 1 and not [name for name in names if name in SYNCING_OPS], names
+    assert "kvcanary.refold" not in names  # the slots were just recorded: no refold before the break
+    assert canary.canary.verify(slots[0]).nonzero().flatten().tolist() == [20, 33]
+    assert canary.canary.verify(slots[1]).nonzero().flatten().tolist() == [21, *range(24, 40)]
 
 
 # The P/D chaos soak (tools/vllm_chaos_pd.py) in its short form: 100 requests, three faults

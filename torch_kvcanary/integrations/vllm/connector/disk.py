@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import safetensors.torch
 import torch
 
@@ -72,9 +73,11 @@ class DiskVerifier:
         for request in self._requests():
             if request.is_store:
                 continue
-            slots = request.slot_mapping.to(torch.int64)
-            count = len(slots)
-            landed = port.record_landed(slots, request.token_ids[:count])
+            count = len(request.slot_mapping)
+            slots, tokens, positions, prev_slots = port.to_device(
+                *_landed_prompt(request.slot_mapping.cpu().numpy(), request.token_ids[:count])
+            )
+            landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots)
             stored = None if failed else self._stored(request, count)
             if stored is None:
                 bad = torch.ones(count, dtype=torch.bool, device=landed.device)
@@ -109,3 +112,11 @@ class DiskVerifier:
 
     def close(self) -> None:
         """Nothing held."""
+
+
+def _landed_prompt(slots: np.ndarray, tokens) -> tuple[np.ndarray, ...]:
+    """A prompt loaded from position 0 into ``slots``: its slots, tokens, positions and the
+    slot each position chains through (-1 at position 0)."""
+    slots = slots.astype(np.int64)
+    prev_slots = np.concatenate([np.full(1, -1, dtype=np.int64), slots[:-1]])
+    return slots, np.asarray(tokens, dtype=np.int64), np.arange(len(slots), dtype=np.int64), prev_slots

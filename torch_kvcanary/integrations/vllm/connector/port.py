@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -49,20 +50,34 @@ class CanaryPort(Protocol):
     def step_requests(self) -> list[str]:
         """The vLLM request ids of the current step's forward, in batch order."""
 
-    def record_landed(self, slots: torch.Tensor, tokens: torch.Tensor, *, start: int = 0, prev_slot: int = -1) -> torch.Tensor:
-        """Records ``slots``, which a transfer has just landed with consecutive tokens of a
-        request (``tokens``, one per slot) from position ``start``, each chained through the
-        one before and the first through ``prev_slot`` (-1 from position 0): their records.
-        The slots are the scheduler's own, in range: nothing waits on the device."""
+    @property
+    def blocks_packed(self) -> bool:
+        """Whether the backend packs a block's tokens, so that a write of whole blocks changes
+        the bytes of slots that hold no recorded token (`refold` them)."""
 
-    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, start: int) -> torch.Tensor:
-        """`digest.kv_digest_by_head` of ``slots`` in the watched caches, on the canary's device."""
+    def to_device(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Each of the host ``arrays`` as a flat int64 tensor on the canary's device, all in
+        one copy that does not wait on the device."""
 
-    def refold_blocks(self, blocks: list[int]) -> None:
-        """Recomputes the folds of every slot of ``blocks`` where the backend packs a
-        block's tokens (a transfer wrote whole blocks); nothing under other backends."""
+    def record_landed(
+        self, slots: torch.Tensor, *, tokens: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Records ``slots``, which a transfer has just landed, each holding its token and
+        position (``tokens``, ``positions``) and chained through ``prev_slots`` (-1 at a
+        request's position 0; entries in order, so an entry may chain through the one
+        before): their records. All on the canary's device; the slots are the scheduler's
+        own, in range, and distinct: nothing waits on the device."""
 
-    def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, positions: torch.Tensor) -> torch.Tensor:
+        """`digest.kv_digest_by_head` of ``slots`` holding ``positions`` in the watched caches, on the canary's device."""
+
+    def refold(self, slots: torch.Tensor) -> None:
+        """Recomputes the folds of ``slots`` (on the canary's device, in range), records kept:
+        slots of blocks a transfer wrote whole that hold no recorded token (`blocks_packed`)."""
+
+    def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None, *, just_recorded: bool = False) -> None:
         """Breaks the records of ``slots`` (with ``where``, a bool tensor shaped like them on
         the canary's device, of those where it is True, without waiting on the device):
-        verify flags each until a forward writes it again."""
+        verify flags each until a forward writes it again. ``just_recorded``: the slots were
+        recorded from their bytes as they are (`record_landed`), so their folds are not
+        recomputed first."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -39,8 +39,7 @@ class NixlOrders:
     loads: list[LoadOrder] = field(default_factory=list)
 
 
-def slots_of(block_ids: list[int], count: int, block_size: int) -> torch.Tensor:
-    """The slots of a request's first ``count`` positions in its blocks ``block_ids``."""
-    positions = torch.arange(count, dtype=torch.int64)
-    blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
-    return blocks * block_size + positions % block_size
+def slots_of(block_ids: list[int], end: int, block_size: int, *, start: int = 0) -> np.ndarray:
+    """The slots of a request's positions [start, end) in its blocks ``block_ids``, int64."""
+    positions = np.arange(start, end, dtype=np.int64)
+    return np.asarray(block_ids, dtype=np.int64)[positions // block_size] * block_size + positions % block_size

@@ -2,11 +2,13 @@
 it hands over into the region NIXL moves with the KV (`region.RecordsRegion`); D compares
 what landed with the region's rows that landed with it.
 
-Neither side waits on the device. D's comparison runs where NIXL reports a request's blocks
-landed, and its verdict stays on the device: the records of the slots that differ are
-broken there (`CanaryPort.break_records` with ``where``), so the step that first reads them
-has verify flag them, and its verdict, which the connector reads in each step anyway, names
-their blocks as that step's load errors (`on_flagged`)."""
+Neither side waits on the device, and each handles all the requests of a call at once: P
+the prompts the step completed, D the loads NIXL reported landed together (`LandingBatch`),
+with one copy of the host's arrays to the device (`CanaryPort.to_device`). D's comparison
+runs where NIXL reports the blocks landed, and its verdict stays on the device: the records
+of the slots that differ are broken there (`CanaryPort.break_records` with ``where``), so
+the step that first reads them has verify flag them, and its verdict, which the connector
+reads in each step anyway, names their blocks as that step's load errors (`on_flagged`)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,43 @@ class LandedLoad:
     compared: bool
 
 
+class LandingBatch:
+    """D: the loads that landed together, as host arrays with an entry per landed slot: the
+    slot, its token and position, and the slot of its request's position before it (-1 at
+    position 0); and how each is compared with P's rows: ``whole_records`` (1: its records,
+    the heads being sharded alike on both sides), ``digest_rows`` (the entries compared by
+    token, position, chain and their heads' digests), ``no_records`` (1: the load carries no
+    rows of P's, the slot is bad)."""
+
+    def __init__(self, landing: list[PendingLoad], block_size: int):
+        self.block_size = block_size
+        self.request_slots, prev_slots = [], []
+        for pending in landing:
+            load = pending.load
+            with_prev = slots_of(load.block_ids, load.end, block_size, start=max(load.start - 1, 0))
+            slots = with_prev[1:] if load.start else with_prev
+            prev = with_prev[:1] if load.start else np.full(1, -1, dtype=np.int64)
+            self.request_slots.append(slots)
+            prev_slots.append(np.concatenate([prev, slots])[: len(slots)])
+        loads = [pending.load for pending in landing]
+        lengths = [len(slots) for slots in self.request_slots]
+        self.slots = np.concatenate(self.request_slots)
+        self.prev_slots = np.concatenate(prev_slots)
+        self.tokens = np.concatenate([np.asarray(load.tokens[load.start : load.end], dtype=np.int64) for load in loads])
+        self.positions = np.concatenate([np.arange(load.start, load.end, dtype=np.int64) for load in loads])
+        has_records = np.repeat([pending.remote is not None for pending in landing], lengths)
+        same_heads = np.repeat([pending.same_heads for pending in landing], lengths)
+        self.whole_records = (has_records & same_heads).astype(np.int64)
+        self.no_records = (~has_records).astype(np.int64)
+        self.digest_rows = np.flatnonzero(has_records & ~same_heads).astype(np.int64)
+
+    def unrecorded_block_slots(self) -> np.ndarray:
+        """The slots of the landed blocks that hold no landed token (NIXL writes whole blocks)."""
+        blocks = np.unique(self.slots // self.block_size)
+        every = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        return np.setdiff1d(every, self.slots, assume_unique=True)
+
+
 class NixlWorker:
     """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
     model's KV heads as ``sharding`` says: P's records written into the region NIXL moves
@@ -97,18 +136,20 @@ class NixlWorker:
         return {**kv_caches, LAYER_NAME: self.region.tensor}
 
     def after_save(self, port: CanaryPort, orders: NixlOrders | None) -> None:
-        """P: writes the records and head digests of each request whose prompt the step
-        completed (after its forward) into the region, on the device."""
+        """P: writes the records and head digests of the requests whose prompts the step
+        completed (after its forward) into the region, all of them at once, on the device."""
         if orders is None or not orders.handovers:
             return
         begin = time.perf_counter()
-        for order in orders.handovers:
-            slots = slots_of(order.block_ids, order.tokens, self.block_size)
-            digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, start=0)
-            self.region.write(slots, port.records_of(slots), digests)
-            self._handed_over += order.tokens
+        handovers = orders.handovers
+        host_slots = np.concatenate([slots_of(order.block_ids, order.tokens, self.block_size) for order in handovers])
+        host_positions = np.concatenate([np.arange(order.tokens) for order in handovers])
+        slots, positions = port.to_device(host_slots, host_positions)
+        digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, positions=positions)
+        self.region.write(slots, port.records_of(slots), digests)
+        self._handed_over += len(host_slots)
         self.write_seconds += time.perf_counter() - begin
-        before, self.written_requests = self.written_requests, self.written_requests + len(orders.handovers)
+        before, self.written_requests = self.written_requests, self.written_requests + len(handovers)
         if before // TIMES_EVERY != self.written_requests // TIMES_EVERY:
             self._say_write_time()
 
@@ -157,53 +198,50 @@ class NixlWorker:
         )  # fmt: skip
 
     def land(self, port: CanaryPort, finished_recving, failed_recving) -> int:
-        """D: records the slots of each request NIXL finished loading, compares them with the
+        """D: records the slots of the requests NIXL finished loading, compares them with the
         rows of P's records that landed with them and breaks the records of those that
-        differ, all on the device; returns how many slots it compared. A load NIXL itself
-        failed is NIXL's load error and is not recorded."""
-        verified = 0
+        differ, all of them at once and on the device; returns how many slots it compared.
+        A load NIXL itself failed is NIXL's load error and is not recorded."""
+        failed = set(failed_recving or ())
+        landing = [self._pending.pop(request_id) for request_id in finished_recving if request_id in self._pending]
+        landing = [pending for pending in landing if pending.load.request_id not in failed]
+        if not landing:
+            return 0
         begin = time.perf_counter()
-        for request_id in finished_recving:
-            pending = self._pending.pop(request_id, None)
-            if pending is None or request_id in (failed_recving or ()):
-                continue
-            load = pending.load
-            slots = slots_of(load.block_ids, load.end, self.block_size)
-            self._verify(port, pending, slots)
-            self._landed[request_id] = LandedLoad(slots.numpy()[load.start : load.end], load.start, pending.remote is not None)
-            verified += load.end - load.start
-            self.verified_requests += 1
-            if self.verified_requests % TIMES_EVERY == 0:
-                self.verify_seconds += time.perf_counter() - begin
-                begin = time.perf_counter()
-                self._say_verify_time()
+        for pending in landing:
+            if pending.remote is None:
+                logger.warning(
+                    "kv-canary: request %s: no records of its prefilled KV to compare with: %s", pending.load.request_id, pending.why
+                )
+        batch = LandingBatch(landing, self.block_size)
+        self._verify(port, batch)
+        for pending, slots in zip(landing, batch.request_slots):
+            self._landed[pending.load.request_id] = LandedLoad(slots, pending.load.start, pending.remote is not None)
         self.verify_seconds += time.perf_counter() - begin
-        return verified
+        before, self.verified_requests = self.verified_requests, self.verified_requests + len(landing)
+        if before // TIMES_EVERY != self.verified_requests // TIMES_EVERY:
+            self._say_verify_time()
+        return len(batch.slots)
 
-    def _verify(self, port: CanaryPort, pending: PendingLoad, slots: torch.Tensor) -> None:
-        load = pending.load
-        landed_slots = slots[load.start : load.end]
-        prev = int(slots.numpy()[load.start - 1]) if load.start else -1
-        tokens = torch.tensor(load.tokens[load.start : load.end], dtype=torch.int64)
-        port.refold_blocks(load.block_ids[load.start // self.block_size : -(-load.end // self.block_size)])  # NIXL wrote whole blocks
-        landed = port.record_landed(landed_slots, tokens, start=load.start, prev_slot=prev)
-        if pending.remote is None:
-            logger.warning("kv-canary: request %s: no records of its prefilled KV to compare with: %s", load.request_id, pending.why)
-            bad = torch.ones(len(landed_slots), dtype=torch.bool, device=landed.device)
-        else:
-            bad = self._differs(port, pending, landed_slots, landed)
-        port.break_records(landed_slots, where=bad)
-
-    def _differs(self, port: CanaryPort, pending: PendingLoad, landed_slots: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
-        """Which landed slots differ from the rows of P's records that landed with them, on
-        the device: the whole records where the heads are sharded alike, else the token,
-        position and chain, and the digest of each of this rank's heads."""
-        theirs = self.region.read(landed_slots)  # [n, heads, FIELDS]
-        if pending.same_heads:
-            return (landed != theirs[:, 0, :DIGEST]).any(dim=1)
+    def _verify(self, port: CanaryPort, batch: LandingBatch) -> None:
+        """Records the batch's slots, compares them with the rows that landed with them and
+        breaks the records of those that differ: one copy to the device, no wait on it."""
+        refolded = batch.unrecorded_block_slots() if port.blocks_packed else np.empty(0, dtype=np.int64)
+        slots, tokens, positions, prev_slots, whole_records, no_records, digest_rows, refold = port.to_device(
+            batch.slots, batch.tokens, batch.positions, batch.prev_slots,
+            batch.whole_records, batch.no_records, batch.digest_rows, refolded,
+        )  # fmt: skip
+        if len(refolded):
+            port.refold(refold)  # NIXL wrote whole blocks, these slots' bytes too
+        landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots)
+        theirs = self.region.read(slots)  # [n, heads, FIELDS]
         bad = (landed[:, :FOLD] != theirs[:, 0, :FOLD]).any(dim=1)
-        mine = port.head_digests(landed_slots, self.heads, self.sharding.num_kv_heads, start=pending.load.start)
-        return bad | (mine != theirs[:, :, DIGEST]).any(dim=1)
+        bad |= (landed[:, FOLD] != theirs[:, 0, FOLD]) & whole_records.bool()
+        bad |= no_records.bool()
+        if len(batch.digest_rows):
+            mine = port.head_digests(slots[digest_rows], self.heads, self.sharding.num_kv_heads, positions=positions[digest_rows])
+            bad[digest_rows] |= (mine != theirs[digest_rows, :, DIGEST]).any(dim=1)
+        port.break_records(slots, where=bad, just_recorded=True)
 
     def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
         """D, after each forward: the landed slots the step's verify flagged (``flagged``, the
