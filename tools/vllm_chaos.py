@@ -41,8 +41,9 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -165,26 +166,66 @@ def tokens(answer: dict) -> list[int] | None:
 
 
 @dataclass
-class ChaosResult:
-    """One policy's chaos pass: what was injected and named, what failed or differed, the
-    server's memory growth and restarts, and every check that did not hold (``problems``)."""
+class SoakResult:
+    """One policy's chaos pass, of a server or a pair: what was injected and named, what
+    failed or differed, the restarts and memory growth, and every check that did not hold
+    (``problems``). ``HEADER`` names the columns of `row`; ``FAULT_KEYS`` the fields of an
+    injected fault that `report` prints."""
+
+    HEADER: ClassVar[list[str]] = []
+    FAULT_KEYS: ClassVar[tuple[str, ...]] = ()
 
     policy: str
     requests: int
-    faults_armed: int
+    _: KW_ONLY
     injected: list = field(default_factory=list)
     not_injected: list = field(default_factory=list)
     named: int = 0
     repaired_blocks: float = 0
     failed: set = field(default_factory=set)
-    expected_failed: set = field(default_factory=set)
     differing: list = field(default_factory=list)
     restarts: int = 0
     seconds: float = 0.0
-    clean_seconds: float = 0.0
     growth: int = 0
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+
+    def row(self) -> list[str]:
+        raise NotImplementedError
+
+
+def table(results: list[SoakResult]) -> str:
+    """The results as a Markdown table of their ``HEADER``."""
+    header = results[0].HEADER
+    rows = [header, ["---"] * len(header)] + [r.row() for r in results]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def report(results: list[SoakResult]) -> None:
+    """Prints the results' table, then each policy's notes, injected faults and failed checks."""
+    print(table(results))
+    for result in results:
+        for note in result.notes:
+            print(f"[{result.policy}] {note}")
+        for fault in result.injected:
+            print(f"[{result.policy}] fault " + " ".join(f"{k}={fault.get(k)}" for k in result.FAULT_KEYS))
+        for problem in result.problems:
+            print(f"[{result.policy}] FAILED: {problem}")
+
+
+@dataclass
+class ChaosResult(SoakResult):
+    """One policy's chaos pass of a single server."""
+
+    HEADER: ClassVar[list[str]] = [
+        "policy", "requests", "faults injected", "named", "repaired (blocks)", "failed (quarantine)",
+        "answers differing", "server restarts", "wall time (s)", "memory growth (MiB)",
+    ]  # fmt: skip
+    FAULT_KEYS: ClassVar[tuple[str, ...]] = ("kind", "step", "slot", "block", "position", "token", "user_readers", "user_holders", "named")
+
+    faults_armed: int
+    expected_failed: set = field(default_factory=set)
+    clean_seconds: float = 0.0
     metrics: dict = field(default_factory=dict)
     violation_lines: int = 0
     core_growth: int = 0
@@ -198,15 +239,6 @@ class ChaosResult:
             f"{self.repaired_blocks:.0f}", str(len(self.failed)) if self.policy == "quarantine" else "-",
             str(len(self.differing)), str(self.restarts), f"{self.seconds:.1f}", f"{self.growth / MIB:+.1f}",
         ]  # fmt: skip
-
-
-HEADER = ["policy", "requests", "faults injected", "named", "repaired (blocks)", "failed (quarantine)",
-          "answers differing", "server restarts", "wall time (s)", "memory growth (MiB)"]  # fmt: skip
-
-
-def table(results: list[ChaosResult]) -> str:
-    rows = [HEADER, ["---"] * len(HEADER)] + [r.row() for r in results]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 def install_chaos_plugin(directory: Path) -> Path:
@@ -318,22 +350,26 @@ def _chaos_on(server: Server, result: ChaosResult, prompts, faults: int, kinds: 
             _table_fault(result, server, prompts)
 
 
-def _check(result, server, prompts, clean_tokens, chaotic, log_lines, metrics, clean_metrics):
-    policy = result.policy
+def check_answers(result: SoakResult, answers: list[dict], clean_tokens: list) -> None:
+    """Every armed fault found a target; the chaos pass's failed requests (``result.failed``)
+    and its completed answers that differ from the clean pass's (``result.differing``, a problem)."""
     if result.not_injected:
         result.problems.append(f"{len(result.not_injected)} armed faults found no target: {result.not_injected}")
-    # Answers.
-    failed = set()
-    for index, (answer, reference) in enumerate(zip(chaotic.answers, clean_tokens)):
+    for index, (answer, reference) in enumerate(zip(answers, clean_tokens)):
         got = tokens(answer)
-        rid = f"chaos-{policy}-{index:05d}"
+        rid = f"chaos-{result.policy}-{index:05d}"
         if got is None:
-            failed.add(rid)
+            result.failed.add(rid)
         elif got != reference:
             result.differing.append(rid)
-    result.failed = failed
     if result.differing:
         result.problems.append(f"{len(result.differing)} completed answers differ from the clean pass's: {result.differing[:10]}")
+
+
+def _check(result, server, prompts, clean_tokens, chaotic, log_lines, metrics, clean_metrics):
+    policy = result.policy
+    check_answers(result, chaotic.answers, clean_tokens)
+    failed = result.failed
     # Violation lines of the chaos pass.
     violations = []
     repeated = 0
@@ -505,28 +541,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
     args = parser.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
-    from random_models import VOCAB_SIZE, make_llama
+    from random_models import VOCAB_SIZE
 
-    policies = ("repair", "quarantine") if args.policy == "both" else (args.policy,)
-    results = []
+    def run(model: Path, policy: str, site: Path) -> ChaosResult:
+        return chaos(model, VOCAB_SIZE, policy, args.requests, args.faults, kinds, args.table_fault, site)
+
+    return soak_policies("chaos", args.policy, run, args.model)
+
+
+def soak_policies(name: str, policy: str, run, model: Path | None) -> int:
+    """Runs ``run(model, policy, site)`` under ``policy`` (``both``: repair, then quarantine)
+    in a scratch folder, with the injector installed there and, unless ``model`` is given,
+    a tiny random Llama made there; reports the results and returns the exit status."""
+    from random_models import make_llama
+
+    policies = ("repair", "quarantine") if policy == "both" else (policy,)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="vllm-chaos-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"vllm-{name}-") as scratch:
         scratch = Path(scratch)
-        model = args.model or make_llama(scratch / "tiny-llama")
+        model = model or make_llama(scratch / "tiny-llama")
         (scratch / "site").mkdir()
         site = install_chaos_plugin(scratch / "site")
-        for policy in policies:
-            results.append(chaos(model, VOCAB_SIZE, policy, args.requests, args.faults, kinds, args.table_fault, site))
-    print(table(results))
-    for result in results:
-        for note in result.notes:
-            print(f"[{result.policy}] {note}")
-        for fault in result.injected:
-            keys = ("kind", "step", "slot", "block", "position", "token", "user_readers", "user_holders", "named")
-            print(f"[{result.policy}] fault " + " ".join(f"{k}={fault.get(k)}" for k in keys))
-        for problem in result.problems:
-            print(f"[{result.policy}] FAILED: {problem}")
-    print(f"chaos: {sum(len(r.problems) == 0 for r in results)} of {len(results)} policies passed in {time.monotonic() - started:.0f} s")
+        results = [run(model, policy, site) for policy in policies]
+    report(results)
+    print(f"{name}: {sum(not r.problems for r in results)} of {len(results)} policies passed in {time.monotonic() - started:.0f} s")
     return 0 if all(not r.problems for r in results) else 1
 
 

@@ -43,11 +43,11 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -57,8 +57,10 @@ from vllm_chaos import (  # noqa: E402
     MEMORY_BOUND,
     MIB,
     VIOLATION,
-    install_chaos_plugin,
+    SoakResult,
+    check_answers,
     run_pass,
+    soak_policies,
     tokens,
     user_id,
     workload,
@@ -88,25 +90,18 @@ class PairTarget:
 
 
 @dataclass
-class PdChaosResult:
-    """One policy's chaos pass over the pair; ``problems`` are the checks that did not hold."""
+class PdChaosResult(SoakResult):
+    """One policy's chaos pass over the pair."""
 
-    policy: str
-    requests: int
-    injected: list = field(default_factory=list)
-    not_injected: list = field(default_factory=list)
-    named: int = 0
+    HEADER: ClassVar[list[str]] = [
+        "policy", "requests", "faults injected", "named", "repaired (blocks, decode side)", "failed (quarantine)",
+        "failed while P restarted", "answers differing", "prefill restarts", "wall time (s)", "decode memory growth (MiB)",
+    ]  # fmt: skip
+    FAULT_KEYS: ClassVar[tuple[str, ...]] = ("kind", "step", "slot", "block", "position", "readers", "named")
+
     transfer_slots_failed: float = 0
-    repaired_blocks: float = 0
-    failed: set = field(default_factory=set)
     restart_casualties: set = field(default_factory=set)
-    differing: list = field(default_factory=list)
-    restarts: int = 0
-    seconds: float = 0.0
-    growth: int = 0
     baseline_growth: int = 0
-    problems: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
 
     def row(self) -> list[str]:
         failed = str(len(self.failed - self.restart_casualties)) if self.policy == "quarantine" else "-"
@@ -115,10 +110,6 @@ class PdChaosResult:
             str(len(self.restart_casualties)), str(len(self.differing)), str(self.restarts), f"{self.seconds:.1f}",
             f"{self.growth / MIB:+.1f}",
         ]  # fmt: skip
-
-
-HEADER = ["policy", "requests", "faults injected", "named", "repaired (blocks, decode side)", "failed (quarantine)",
-          "failed while P restarted", "answers differing", "prefill restarts", "wall time (s)", "decode memory growth (MiB)"]  # fmt: skip
 
 
 def _pair_servers(model: Path, policy: str, env: dict) -> tuple[Server, Server]:
@@ -243,24 +234,13 @@ def _chaos_on(target: PairTarget, prefill: Server, servers: list, result: PdChao
 
 def _check(result, prompts, clean_tokens, chaotic, timings, window, decode_lines, prefill_lines):
     policy = result.policy
-    if result.not_injected:
-        result.problems.append(f"{len(result.not_injected)} armed faults found no target: {result.not_injected}")
-    failed = set()
-    for index, (answer, reference) in enumerate(zip(chaotic.answers, clean_tokens)):
-        got = tokens(answer)
-        rid = f"chaos-{policy}-{index:05d}"
-        if got is None:
-            failed.add(rid)
-        elif got != reference:
-            result.differing.append(rid)
-    result.failed = failed
+    check_answers(result, chaotic.answers, clean_tokens)
+    failed = result.failed
     if window:  # in flight while the prefill server was down or starting
         killed, back = window[0], window[1] if len(window) > 1 else float("inf")
         result.restart_casualties = {
             f"chaos-{policy}-{i:05d}" for i, (start, end) in timings.items() if start <= back and end >= killed
         } & failed
-    if result.differing:
-        result.problems.append(f"{len(result.differing)} completed answers differ from the clean pass's: {result.differing[:10]}")
     violations = {}  # (server, slot) -> requests named
     detected = {}  # slot -> when the decode server first named it (epoch seconds, to the second)
     for side, lines in (("decode", decode_lines), ("prefill", prefill_lines)):
@@ -349,11 +329,6 @@ def _sharers_in_flight(policy: str, prompts, fault: dict, timings: dict, when: f
     }
 
 
-def table(results: list[PdChaosResult]) -> str:
-    rows = [HEADER, ["---"] * len(HEADER)] + [r.row() for r in results]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -362,29 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart-prefill", action="store_true", help="kill the prefill server once mid-run and start it again")
     parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
     args = parser.parse_args(argv)
-    from random_models import VOCAB_SIZE, make_llama
+    from random_models import VOCAB_SIZE
 
-    policies = ("repair", "quarantine") if args.policy == "both" else (args.policy,)
-    results = []
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="vllm-chaos-pd-") as scratch:
-        scratch = Path(scratch)
-        model = args.model or make_llama(scratch / "tiny-llama")
-        (scratch / "site").mkdir()
-        site = install_chaos_plugin(scratch / "site")
-        for policy in policies:
-            results.append(chaos_pd(model, VOCAB_SIZE, policy, args.requests, args.faults, args.restart_prefill, site))
-    print(table(results))
-    for result in results:
-        for note in result.notes:
-            print(f"[{result.policy}] {note}")
-        for fault in result.injected:
-            keys = ("kind", "step", "slot", "block", "position", "readers", "named")
-            print(f"[{result.policy}] fault " + " ".join(f"{k}={fault.get(k)}" for k in keys))
-        for problem in result.problems:
-            print(f"[{result.policy}] FAILED: {problem}")
-    print(f"chaos-pd: {sum(not r.problems for r in results)} of {len(results)} policies passed in {time.monotonic() - started:.0f} s")
-    return 0 if all(not r.problems for r in results) else 1
+    def run(model: Path, policy: str, site: Path) -> PdChaosResult:
+        return chaos_pd(model, VOCAB_SIZE, policy, args.requests, args.faults, args.restart_prefill, site)
+
+    return soak_policies("chaos-pd", args.policy, run, args.model)
 
 
 if __name__ == "__main__":

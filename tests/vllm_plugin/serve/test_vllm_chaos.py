@@ -6,7 +6,6 @@ the tool's checks (`ChaosResult.problems`); the checks themselves are shown to b
 made-up evidence first, without a server. `make chaos-vllm` runs 1,000 requests.
 """
 
-import json
 import re
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from random_models import VOCAB_SIZE  # noqa: E402
-from vllm_chaos import FLIP_KINDS, ChaosResult, Pass, _check, chaos, install_chaos_plugin, table, user_id  # noqa: E402
+from vllm_chaos import FLIP_KINDS, ChaosResult, Pass, _check, chaos, install_chaos_plugin, report, user_id  # noqa: E402
 
 REQUESTS, FAULTS = 100, 6
 
@@ -102,11 +101,7 @@ def chaos_site(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["repair", "quarantine"])
 def test_a_chaos_soak_is_repaired_or_quarantined_and_named(policy, tiny_llama, chaos_site):
     result = chaos(tiny_llama, VOCAB_SIZE, policy, REQUESTS, FAULTS, FLIP_KINDS, False, chaos_site)
-    print(table([result]))
-    for note in result.notes:
-        print(note)
-    for fault in result.injected:
-        print(json.dumps({k: fault.get(k) for k in ("kind", "slot", "block", "user_readers", "user_holders", "named")}))
+    report([result])
     assert result.problems == []
     # What the checks above rest on: every fault armed was injected, each kind at least once.
     assert len(result.injected) == FAULTS and {f["kind"] for f in result.injected} == set(FLIP_KINDS)

@@ -692,12 +692,11 @@ def test_loads_landing_together_are_compared_at_once_each_in_its_own_way():
 @pytest.mark.parametrize("policy, restart", [("repair", True), ("quarantine", False)])
 def test_a_pd_chaos_soak_is_repaired_or_quarantined_and_named(policy, restart, tiny_llama, tmp_path):
     from random_models import VOCAB_SIZE
-    from vllm_chaos import install_chaos_plugin
-    from vllm_chaos_pd import chaos_pd, table
+    from vllm_chaos import install_chaos_plugin, report
+    from vllm_chaos_pd import chaos_pd
 
     result = chaos_pd(tiny_llama, VOCAB_SIZE, policy, 100, 3, restart, install_chaos_plugin(tmp_path))
-    print(table([result]))
-    print("\n".join(result.notes))
+    report([result])
     assert result.problems == []
     assert sorted(f["kind"] for f in result.injected if f["named"]) == ["handover", "shared", "single"]
     assert result.restarts == int(restart) and not result.differing
