@@ -85,7 +85,11 @@ def kv_digest(
     if groups is not None:
         groups = _index_tensor(groups, "groups")
     offsets = [int(u) for u in unit_offsets]
-    views = [integer_view(v) for v in views]
+    return _digest([integer_view(v) for v in views], slots, positions, groups, offsets, num_groups, check_bounds)
+
+
+def _digest(views, slots, positions, groups, offsets, num_groups, check_bounds) -> torch.Tensor:
+    """``torch.ops.kvcanary.digest`` over integer views, its refusals as ``kv-canary:`` errors."""
     try:
         return torch.ops.kvcanary.digest(views, slots, positions, groups, offsets, num_groups, check_bounds and may_check_bounds(slots))
     except (ValueError, RuntimeError) as error:
@@ -289,29 +293,42 @@ def kv_digest_by_head(
 ) -> torch.Tensor:
     """The transfer digest of each of ``slots``, which hold the positions ``positions``
     (int64, shaped like ``slots``, on their device) of the requests they belong to, over each
-    KV head a rank holds (global heads ``heads`` of the model's
-    ``num_kv_heads``; MLA's latent is head 0 of 1): int64 ``[len(slots), len(heads)]``.
-    ``caches`` holds each cache's views (`vllm_head_views`: digest kind, ``[num_blocks,
-    block_size, len(heads), ...]``). A head's column is `kv_digest` of its K and V (MLA:
-    latent) in every cache, numbered by cache, kind and global head, so that it does not
-    depend on how the ranks of either side of a transfer split the heads. ``check_bounds``
-    as `kv_digest`'s."""
-    kinds = MLA_KINDS if mla else MHA_KINDS
-    local_heads = {view.shape[2] for views in caches for _, view in views}
-    if local_heads != {len(heads)}:
-        raise ValueError(f"kv-canary: this rank's caches hold {sorted(local_heads)} KV heads, not the {len(heads)} of {heads}")
-    groups = torch.arange(len(slots), device=slots.device)
-    digests = torch.empty(len(slots), len(heads), dtype=torch.int64, device=slots.device)
-    for local, head in enumerate(heads):
-        views, offsets = [], []
-        for layer, cache_views in enumerate(caches):
-            for kind, view in cache_views:
-                views.append(view[:, :, local : local + 1])
-                offsets.append(unit_id(layer, kind, head, num_kv_heads=num_kv_heads, kinds=kinds))
-        digests[:, local] = kv_digest(
-            views, slots, positions, unit_offsets=offsets, groups=groups, num_groups=len(slots), check_bounds=check_bounds
-        )
-    return digests
+    KV head a rank holds (global heads ``heads`` of the model's ``num_kv_heads``; MLA's latent
+    is head 0 of 1): int64 ``[len(slots), len(heads)]``. ``caches`` holds each cache's views
+    (`vllm_head_views`: digest kind, ``[num_blocks, block_size, len(heads), ...]``). A head's
+    column is `kv_digest` of its K and V (MLA: latent) in every cache, numbered by cache,
+    kind and global head, so that it does not depend on how the ranks of either side of a
+    transfer split the heads. ``check_bounds`` as `kv_digest`'s. (`HeadDigests` is the same
+    for caches that stay put, built once.)"""
+    return HeadDigests(caches, heads, num_kv_heads=num_kv_heads, mla=mla)(slots, positions=positions, check_bounds=check_bounds)
+
+
+class HeadDigests:
+    """`kv_digest_by_head` over caches that stay put: each head's views, as the digest reads
+    them, and unit ids are built once, so that a call dispatches one digest per head and
+    nothing per cache."""
+
+    def __init__(self, caches: list[list[tuple[int, torch.Tensor]]], heads: range, *, num_kv_heads: int, mla: bool):
+        local_heads = {view.shape[2] for views in caches for _, view in views}
+        if local_heads != {len(heads)}:
+            raise ValueError(f"kv-canary: this rank's caches hold {sorted(local_heads)} KV heads, not the {len(heads)} of {heads}")
+        kinds = MLA_KINDS if mla else MHA_KINDS
+        self.heads = heads
+        self._units = []  # per local head: (integer views, unit ids)
+        for local, head in enumerate(heads):
+            views, offsets = [], []
+            for layer, cache_views in enumerate(caches):
+                for kind, view in cache_views:
+                    views.append(integer_view(view[:, :, local : local + 1]))
+                    offsets.append(unit_id(layer, kind, head, num_kv_heads=num_kv_heads, kinds=kinds))
+            self._units.append((views, offsets))
+
+    def __call__(self, slots: torch.Tensor, *, positions: torch.Tensor, check_bounds: bool = True) -> torch.Tensor:
+        slots = _index_tensor(slots, "slots")
+        positions = _index_tensor(positions, "positions")
+        groups = torch.arange(len(slots), device=slots.device)
+        columns = [_digest(views, slots, positions, groups, offsets, len(slots), check_bounds) for views, offsets in self._units]
+        return torch.stack(columns, dim=1)
 
 
 def hf_static_cache_units(

@@ -86,3 +86,24 @@ def test_each_column_is_the_specs_digest_of_its_head():
                 offsets.append(layer * 4 * heads + kind * heads + head)
         expected = oracle.digest(views, slots, positions, offsets, groups=torch.arange(tokens), num_groups=tokens)
         assert got[:, local].tolist() == expected
+
+
+def test_head_digests_built_once_read_the_caches_as_they_are_at_each_call():
+    """`digest.HeadDigests`, built once over a rank's caches: each call equals
+    `kv_digest_by_head` of the caches as they are then (its views are the caches' own
+    memory: a byte changed after it was built changes its head's digest), whatever slots
+    and positions a call gives."""
+    generator = torch.Generator().manual_seed(2)
+    layers, heads, tokens = 3, 4, 40
+    caches = [_cpu_attn_cache(4, 2, generator) for _ in range(layers)]
+    views = [digest.vllm_head_views(cache, "CPU_ATTN", "LBHNC") for cache in caches]
+    built = digest.HeadDigests(views, range(2, 4), num_kv_heads=heads, mla=False)
+    for blocks, start in (([2, 0, 3], 0), ([1, 3, 0], 5)):
+        slots, positions = _slots(blocks, tokens)[start:], torch.arange(start, tokens)
+        fresh = digest.kv_digest_by_head(views, slots, range(2, 4), num_kv_heads=heads, mla=False, positions=positions)
+        assert torch.equal(built(slots, positions=positions), fresh)
+    before = built(slots, positions=positions)
+    # Local head 1 (global 3) of the block of positions 0-15: CPU_ATTN packs a block-head's
+    # 16 K rows of 8 elements, then its V rows; element 12 * 16 + 2 is V of position 8 (row 3).
+    caches[1].view(torch.int32)[blocks[0], 1, 12, 2] ^= 1 << 7
+    assert (built(slots, positions=positions) != before).nonzero().tolist() == [[8 - start, 1]]

@@ -25,6 +25,7 @@ class WorkerPort:
         self._canary = worker.canary
         self._head_views = head_views
         self._mla = mla
+        self._head_digests: dict[tuple[range, int], digest.HeadDigests] = {}  # by (heads, num_kv_heads), built at first use
 
     @property
     def policy(self) -> str:
@@ -125,10 +126,11 @@ class WorkerPort:
         return self.records_of(slots)
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, positions: torch.Tensor) -> torch.Tensor:
+        key = (heads, num_kv_heads)
+        if key not in self._head_digests:
+            self._head_digests[key] = digest.HeadDigests(self._head_views, heads, num_kv_heads=num_kv_heads, mla=self._mla)
         # The slots are the scheduler's own blocks, in range: no range check, which syncs on a GPU.
-        return digest.kv_digest_by_head(
-            self._head_views, slots, heads, num_kv_heads=num_kv_heads, mla=self._mla, positions=positions, check_bounds=False
-        )
+        return self._head_digests[key](slots, positions=positions, check_bounds=False)
 
     def refold(self, slots: torch.Tensor) -> None:
         """`KvCanary.refold`, records kept; the slots are the scheduler's own, in range."""
