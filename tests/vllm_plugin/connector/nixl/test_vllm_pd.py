@@ -685,6 +685,26 @@ def test_loads_landing_together_are_compared_at_once_each_in_its_own_way():
     assert canary.canary.verify(slots[1]).nonzero().flatten().tolist() == [21, *range(24, 40)]
 
 
+def test_the_transfer_benchmark_times_a_comparison_that_finds_a_flipped_byte(capsys):
+    """`benchmarks.pd_transfer`'s cell: a byte of a prompt's KV flipped after P wrote its
+    rows is found by D's landing (the benchmark times a comparison that compares), and the
+    benchmark prints its table."""
+    from fake_runner import BLOCK_SIZE
+
+    from benchmarks import pd_transfer
+    from torch_kvcanary.integrations.vllm.connector import nixl
+
+    cell = pd_transfer.TransferCell(layers=2, requests=2, tokens=40)
+    cell.write()
+    block = cell.buffers.block_of(1, 17)
+    cell.buffers.caches[1].view(torch.int16)[block, 0, 17 % BLOCK_SIZE, 0] ^= 1
+    cell.land()
+    assert cell.canary.canary.verify(torch.from_numpy(nixl.slots_of(cell.blocks[0], 40, BLOCK_SIZE))).sum() == 0
+    assert cell.canary.canary.verify(torch.from_numpy(nixl.slots_of(cell.blocks[1], 40, BLOCK_SIZE))).nonzero().flatten().tolist() == [17]
+    assert pd_transfer.main(["--layers", "1", "--requests", "2", "--tokens", "16", "--calls", "1"]) == 0
+    assert "| 1 | 2 | 16 |" in capsys.readouterr().out
+
+
 # The P/D chaos soak (tools/vllm_chaos_pd.py) in its short form: 100 requests, three faults
 # (a handover on P, a block one request reads on D, a block several read on D); under repair
 # P is killed and restarted once mid-run. Its checks are shown to bite on made-up evidence in
