@@ -25,6 +25,7 @@ over the calls, per request:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import platform
@@ -103,23 +104,19 @@ class TransferCell:
             call()
         return count.ops
 
+    @contextlib.contextmanager
     def without_canary_ops(self):
-        """The canary's ops made no-ops (a digest of zeros): the host's work alone."""
-        self.canary.canary._call = lambda op, *args: None
-        return _NoDigest()
-
-
-class _NoDigest:
-    """The digest op's call (`digest._digest`) as zeros while entered: its work taken off the CPU."""
-
-    def __enter__(self):
-        self.call = digest._digest
+        """While entered, the canary's ops are no-ops and the digest's are zeros: the host's work alone."""
+        canary, digest_call = self.canary.canary, digest._digest
+        canary._call = lambda op, *args: None
         digest._digest = lambda views, slots, positions, groups, offsets, num_groups, check_bounds: torch.zeros(
             num_groups, dtype=torch.int64
         )
-
-    def __exit__(self, *exc):
-        digest._digest = self.call
+        try:
+            yield
+        finally:
+            del canary._call  # the class's own again
+            digest._digest = digest_call
 
 
 def run_cell(layers: int, requests: int, tokens: int, calls: int) -> dict:

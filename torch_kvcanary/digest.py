@@ -313,7 +313,6 @@ class HeadDigests:
         if local_heads != {len(heads)}:
             raise ValueError(f"kv-canary: this rank's caches hold {sorted(local_heads)} KV heads, not the {len(heads)} of {heads}")
         kinds = MLA_KINDS if mla else MHA_KINDS
-        self.heads = heads
         self._units = []  # per local head: (integer views, unit ids)
         for local, head in enumerate(heads):
             views, offsets = [], []

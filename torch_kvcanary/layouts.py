@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 
 from . import engines
@@ -63,6 +64,11 @@ def vllm(kv_cache: torch.Tensor, *, layout=None, backend: str | None = None, rea
             "legacy [2, num_blocks, block_size, num_kv_heads, head_size] layer); the shape alone is ambiguous"
         )
     return _views(*engines.vllm(kv_cache, layout=layout, backend=backend), read_bytes=read_bytes)
+
+
+def vllm_block_slots(blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Every slot of vLLM blocks ``blocks`` (slot = block * block_size + offset), int64, block by block."""
+    return (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).reshape(-1)
 
 
 def vllm_mla(kv_cache: torch.Tensor, *, read_bytes: int = sys.maxsize) -> Sources:

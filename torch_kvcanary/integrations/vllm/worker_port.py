@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from ... import digest
+from ... import digest, layouts
 from . import adapter
 
 
@@ -72,9 +72,9 @@ class WorkerPort:
                 if not len(bad):
                     continue
                 if worker.every > 1:
-                    stale.append(_block_slots(blocks[bad[0] :], block_size))
+                    stale.append(layouts.vllm_block_slots(blocks[bad[0] :], block_size))
                     continue
-                stale.append(_block_slots(blocks[bad], block_size))
+                stale.append(layouts.vllm_block_slots(blocks[bad], block_size))
                 written = np.arange(forward.num_computed[row], forward.num_computed[row] + forward.num_scheduled[row])
                 stale.append(blocks[written // block_size] * block_size + written % block_size)
         if not stale:
@@ -138,8 +138,3 @@ class WorkerPort:
 
     def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None, *, just_recorded: bool = False) -> None:
         self._canary.invalidate(slots.to(self._canary.device, torch.int64), where=where, refold=not just_recorded)
-
-
-def _block_slots(blocks: np.ndarray, block_size: int) -> np.ndarray:
-    """Every slot of ``blocks``."""
-    return (blocks[:, None].astype(np.int64) * block_size + np.arange(block_size)).reshape(-1)

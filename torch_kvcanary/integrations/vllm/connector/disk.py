@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import safetensors.torch
 import torch
 
 from ....canary import RECORD_FIELDS
 from .. import adapter
-from .port import CanaryPort
+from .port import CanaryPort, landed_entries
 
 
 def check(vllm_config) -> None:
@@ -75,7 +74,7 @@ class DiskVerifier:
                 continue
             count = len(request.slot_mapping)
             slots, tokens, positions, prev_slots = port.to_device(
-                *_landed_prompt(request.slot_mapping.cpu().numpy(), request.token_ids[:count])
+                *landed_entries(request.slot_mapping.cpu().numpy(), request.token_ids[:count], start=0, prev_slot=-1)
             )
             landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots)
             stored = None if failed else self._stored(request, count)
@@ -112,11 +111,3 @@ class DiskVerifier:
 
     def close(self) -> None:
         """Nothing held."""
-
-
-def _landed_prompt(slots: np.ndarray, tokens) -> tuple[np.ndarray, ...]:
-    """A prompt loaded from position 0 into ``slots``: its slots, tokens, positions and the
-    slot each position chains through (-1 at position 0)."""
-    slots = slots.astype(np.int64)
-    prev_slots = np.concatenate([np.full(1, -1, dtype=np.int64), slots[:-1]])
-    return slots, np.asarray(tokens, dtype=np.int64), np.arange(len(slots), dtype=np.int64), prev_slots

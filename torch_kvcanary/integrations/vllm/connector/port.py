@@ -11,6 +11,16 @@ import numpy as np
 import torch
 
 
+def landed_entries(slots: np.ndarray, tokens, *, start: int, prev_slot: int) -> tuple[np.ndarray, ...]:
+    """What `CanaryPort.record_landed` takes for a request's positions from ``start`` on,
+    which a transfer landed in ``slots`` holding ``tokens``: the slots, tokens and positions,
+    and the slot each position chains through (``prev_slot`` for the first: -1 at position
+    0), int64 host arrays."""
+    slots = np.asarray(slots, dtype=np.int64)
+    prev_slots = np.concatenate([np.full(1, prev_slot, dtype=np.int64), slots])[: len(slots)]
+    return slots, np.asarray(tokens, dtype=np.int64), np.arange(start, start + len(slots), dtype=np.int64), prev_slots
+
+
 class CanaryPort(Protocol):
     """The worker's canary as the connector, its transfer verifiers and its drills use it.
     Slots are the canary's (block * block_size + offset); tensors of slots are int64 on any

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..... import layouts
 from .....canary import FOLD
 from ... import adapter
 from ...config import CONNECTOR
-from ..port import CanaryPort
+from ..port import CanaryPort, landed_entries
 from .config import RECORDS_KEY
 from .orders import LoadOrder, NixlOrders, slots_of
 from .region import DIGEST, FIELDS, LAYER_NAME, RecordsRegion
@@ -65,30 +66,27 @@ class LandingBatch:
 
     def __init__(self, landing: list[PendingLoad], block_size: int):
         self.block_size = block_size
-        self.request_slots, prev_slots = [], []
-        for pending in landing:
-            load = pending.load
-            with_prev = slots_of(load.block_ids, load.end, block_size, start=max(load.start - 1, 0))
-            slots = with_prev[1:] if load.start else with_prev
-            prev = with_prev[:1] if load.start else np.full(1, -1, dtype=np.int64)
-            self.request_slots.append(slots)
-            prev_slots.append(np.concatenate([prev, slots])[: len(slots)])
-        loads = [pending.load for pending in landing]
+        entries = [self._entries(pending.load, block_size) for pending in landing]
+        self.request_slots = [slots for slots, *_ in entries]
+        self.slots, self.tokens, self.positions, self.prev_slots = (np.concatenate(column) for column in zip(*entries))
         lengths = [len(slots) for slots in self.request_slots]
-        self.slots = np.concatenate(self.request_slots)
-        self.prev_slots = np.concatenate(prev_slots)
-        self.tokens = np.concatenate([np.asarray(load.tokens[load.start : load.end], dtype=np.int64) for load in loads])
-        self.positions = np.concatenate([np.arange(load.start, load.end, dtype=np.int64) for load in loads])
         has_records = np.repeat([pending.remote is not None for pending in landing], lengths)
         same_heads = np.repeat([pending.same_heads for pending in landing], lengths)
         self.whole_records = (has_records & same_heads).astype(np.int64)
         self.no_records = (~has_records).astype(np.int64)
         self.digest_rows = np.flatnonzero(has_records & ~same_heads).astype(np.int64)
 
+    @staticmethod
+    def _entries(load: LoadOrder, block_size: int) -> tuple[np.ndarray, ...]:
+        """The load's `port.landed_entries`: its slots chain through that of the position before ``start``."""
+        slots = slots_of(load.block_ids, load.end, block_size, start=max(load.start - 1, 0))
+        prev_slot = int(slots[0]) if load.start else -1
+        slots = slots[1:] if load.start else slots
+        return landed_entries(slots, load.tokens[load.start : load.end], start=load.start, prev_slot=prev_slot)
+
     def unrecorded_block_slots(self) -> np.ndarray:
         """The slots of the landed blocks that hold no landed token (NIXL writes whole blocks)."""
-        blocks = np.unique(self.slots // self.block_size)
-        every = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        every = layouts.vllm_block_slots(np.unique(self.slots // self.block_size), self.block_size)
         return np.setdiff1d(every, self.slots, assume_unique=True)
 
 
@@ -226,13 +224,13 @@ class NixlWorker:
     def _verify(self, port: CanaryPort, batch: LandingBatch) -> None:
         """Records the batch's slots, compares them with the rows that landed with them and
         breaks the records of those that differ: one copy to the device, no wait on it."""
-        refolded = batch.unrecorded_block_slots() if port.blocks_packed else np.empty(0, dtype=np.int64)
-        slots, tokens, positions, prev_slots, whole_records, no_records, digest_rows, refold = port.to_device(
+        host_unrecorded = batch.unrecorded_block_slots() if port.blocks_packed else np.empty(0, dtype=np.int64)
+        slots, tokens, positions, prev_slots, whole_records, no_records, digest_rows, unrecorded = port.to_device(
             batch.slots, batch.tokens, batch.positions, batch.prev_slots,
-            batch.whole_records, batch.no_records, batch.digest_rows, refolded,
+            batch.whole_records, batch.no_records, batch.digest_rows, host_unrecorded,
         )  # fmt: skip
-        if len(refolded):
-            port.refold(refold)  # NIXL wrote whole blocks, these slots' bytes too
+        if len(host_unrecorded):
+            port.refold(unrecorded)  # NIXL wrote whole blocks, these slots' bytes too
         landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots)
         theirs = self.region.read(slots)  # [n, heads, FIELDS]
         bad = (landed[:, :FOLD] != theirs[:, 0, :FOLD]).any(dim=1)
