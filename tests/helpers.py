@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from golden import golden_tensor
 from torch.torch_version import TorchVersion
@@ -16,6 +17,8 @@ from torch.torch_version import TorchVersion
 import torch_kvcanary as kc
 
 REPO = Path(__file__).resolve().parents[1]
+# The release's version, from its one source (the package says it from its installed metadata).
+PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 CUDA = torch.cuda.is_available()
 # What an op called directly raises for a refused argument other than an index out of range
 # (csrc/plan/checks.h): the kernels throw std::invalid_argument, which torch raises as

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
-from helpers import REPO
+from helpers import PROJECT_VERSION, REPO
 
 import torch_kvcanary
 from build_tools import build_ext
@@ -129,6 +129,13 @@ def test_the_torch_floor_is_said_alike_everywhere():
     assert build_ext.TORCH_TARGET_VERSION == "0x{:02x}{:02x}000000000000".format(*_torch_floor.TORCH_FLOOR)
     pyproject = (REPO / "pyproject.toml").read_text()
     assert re.search(r'^dependencies = \["torch>=' + re.escape(floor) + r'"[,\]]', pyproject, re.MULTILINE), pyproject
+
+
+def test_the_version_has_one_source():
+    """pyproject.toml's version is the installed package's `__version__`, and the changelog
+    has its entry."""
+    assert torch_kvcanary.__version__ == PROJECT_VERSION
+    assert (REPO / "CHANGELOG.md").read_text().count(f"\n## {PROJECT_VERSION}\n") == 1
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump on x86-64")
