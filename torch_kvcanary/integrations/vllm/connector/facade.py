@@ -219,8 +219,7 @@ class KvCanaryConnector(InnerDelegate):
             self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
         if self._verifier is not None:
-            for name, count in self._verifier.take_counts().items():
-                self.stats.data[name] += count
+            self.stats.add_counts(self._verifier.take_counts())
         if self.stats.is_empty():
             return None
         taken, self.stats = self.stats, CanaryStats()

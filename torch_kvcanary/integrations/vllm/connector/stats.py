@@ -30,6 +30,11 @@ from each caught drill's flip to its detection, summed; ``transfer_slots_verifie
 ``_failed``: slots an inner connector loaded, verified against the records stored with
 them, and those that failed; ``transfer_slots_handed_over``: a prefill side's, see
 `CanaryPromMetrics`)."""
+UNVERIFIED = "transfers_unverified"
+UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mismatch")
+"""Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
+params carry no claim of the prefill side's records, or a claim of another records format,
+fold mode or KV layout than the decode side's (`nixl.claim`)."""
 
 
 @dataclass
@@ -43,22 +48,37 @@ class CanaryStats(KVConnectorStats):
             self.reset()
 
     def reset(self):
-        self.data = {"violations": dict.fromkeys(REASONS, 0), **dict.fromkeys(COUNTS, 0)}
+        self.data = {"violations": dict.fromkeys(REASONS, 0), **dict.fromkeys(COUNTS, 0), UNVERIFIED: dict.fromkeys(UNVERIFIED_REASONS, 0)}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for reason, count in other.data["violations"].items():
             self.data["violations"][reason] = self.data["violations"].get(reason, 0) + count
         for name in COUNTS:
             self.data[name] += other.data[name]
+        self.add_counts({UNVERIFIED: other.data.get(UNVERIFIED, {})})
         return self
+
+    def add_counts(self, counts: dict) -> None:
+        """Adds ``counts`` (a verifier's `take_counts`): a count by its name in `COUNTS`, or by reason under `UNVERIFIED`."""
+        for name, count in counts.items():
+            if name == UNVERIFIED:
+                for reason, n in count.items():
+                    self.data[UNVERIFIED][reason] = self.data[UNVERIFIED].get(reason, 0) + n
+            else:
+                self.data[name] += count
 
     def reduce(self) -> dict[str, int | float]:
         """The line vLLM's stats log prints: the nonzero violation counts, then every counter."""
         violations = {f"kv_canary_violations_{reason}": n for reason, n in self.data["violations"].items() if n}
-        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}}
+        unverified = {f"kv_canary_{UNVERIFIED}_{reason}": n for reason, n in self.data[UNVERIFIED].items() if n}
+        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}, **unverified}
 
     def is_empty(self) -> bool:
-        return not any(self.data["violations"].values()) and not any(self.data[name] for name in COUNTS)
+        return (
+            not any(self.data["violations"].values())
+            and not any(self.data[name] for name in COUNTS)
+            and not any(self.data[UNVERIFIED].values())
+        )
 
     def add_violations(self, violations: list[Violation]) -> None:
         for violation in violations:
@@ -96,6 +116,19 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             "transfer_slots_failed": "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors).",
             "transfer_slots_handed_over": "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
         }
+        unverified = counter_class(
+            name=f"vllm:kv_canary_{UNVERIFIED}",
+            documentation=(
+                "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
+                "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
+                "kv_canary_strict_transfers fails them instead)."
+            ),
+            labelnames=[*labelnames, "reason"],
+        )
+        self._unverified = {
+            engine: {reason: unverified.labels(*values, reason) for reason in UNVERIFIED_REASONS}
+            for engine, values in per_engine_labelvalues.items()
+        }
         self._counts = {}
         for name in COUNTS:
             counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
@@ -108,3 +141,6 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         for name in COUNTS:
             if transfer_stats_data[name]:
                 self._counts[name][engine_idx].inc(transfer_stats_data[name])
+        for reason, count in transfer_stats_data.get(UNVERIFIED, {}).items():
+            if count:
+                self._unverified[engine_idx][reason].inc(count)

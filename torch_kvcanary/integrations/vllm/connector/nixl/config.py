@@ -1,6 +1,6 @@
 """KvCanaryConnector's settings for the NIXL transport (its ``kv_connector_extra_config``
-keys), the key of ``kv_transfer_params`` that says a request's blocks carry the canary's
-records, and its refusals."""
+keys), the key of ``kv_transfer_params`` by which P claims that a request's blocks carry the
+canary's records, and its refusals."""
 
 from __future__ import annotations
 
@@ -9,11 +9,25 @@ from ...config import CONNECTOR
 
 CONNECTORS = ("NixlConnector",)
 RECORDS_KEY = "kv_canary_records"
-"""The key of ``kv_transfer_params`` by which P says that the request's blocks carry the
-canary's records (`region`), and over how many tensor-parallel ranks P splits the KV heads:
-``{"tp_size": n}``."""
+"""The key of ``kv_transfer_params`` by which P claims that the request's blocks carry the
+canary's records (`region`), with what D must match to compare them (`claim.facts`)."""
 PROGRESS_DELAY = "nixl_progress_delay_us"
 """The key of KvCanaryConnector's ``kv_connector_extra_config`` setting the delay of NIXL's progress thread."""
+STRICT = "kv_canary_strict_transfers"
+"""The key of KvCanaryConnector's ``kv_connector_extra_config`` that, true, makes D fail a
+transfer it cannot verify (no claim of P's, or one it cannot compare with) as a load error;
+false (the default): D takes such a transfer's KV unverified and counts it (`claim`)."""
+
+
+def strict_transfers(vllm_config) -> bool:
+    """The `STRICT` setting of KvCanaryConnector's config (false where unset)."""
+    value = vllm_config.kv_transfer_config.kv_connector_extra_config.get(STRICT, False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"kv-canary: {CONNECTOR}'s kv_connector_extra_config {STRICT!r} must be true (fail the transfers the decode side "
+            f"cannot verify) or false (take them unverified, the default), got {value!r}"
+        )
+    return value
 
 
 def prepare_worker(vllm_config) -> None:
@@ -27,7 +41,9 @@ def prepare_worker(vllm_config) -> None:
 def check_nixl(vllm_config) -> None:
     """Refuses what the NIXL verification cannot watch: several pipeline-parallel stages
     (a stage holds some layers, and the records are the whole model's per rank) or
-    decode-context-parallel ranks (a rank holds some of a request's positions)."""
+    decode-context-parallel ranks (a rank holds some of a request's positions); a `STRICT`
+    setting that is not a bool."""
+    strict_transfers(vllm_config)
     parallel = vllm_config.parallel_config
     stages, dcp = parallel.pipeline_parallel_size, getattr(parallel, "decode_context_parallel_size", 1)
     if stages != 1 or dcp != 1:

@@ -21,7 +21,8 @@ class HandOverOrder:
 class LoadOrder:
     """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
     (all of the request's blocks) from a prefill side of ``remote_tp_size`` tensor-parallel
-    ranks (`RECORDS_KEY`; None: the prefill side wrote no records)."""
+    ranks (`RECORDS_KEY`; None: there are no records of P's to compare with, for the reason
+    ``unverified`` (`claim.Claims.judge`), or none known: then every slot is bad)."""
 
     request_id: str
     remote_tp_size: int | None
@@ -29,6 +30,7 @@ class LoadOrder:
     block_ids: list[int]
     start: int
     end: int
+    unverified: str | None = None
 
 
 @dataclass

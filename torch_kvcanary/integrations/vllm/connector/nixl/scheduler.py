@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 from ... import adapter
-from .config import RECORDS_KEY
+from ...config import MODES, settings
+from .claim import Claims, facts
+from .config import RECORDS_KEY, strict_transfers
 from .orders import HandOverOrder, LoadOrder, NixlOrders
 
 
 class NixlScheduler:
-    """The scheduler side: which requests P writes the records of and D verifies, and P's
-    tensor-parallel size in the params it hands over. ``kv_cache_manager`` is the
-    scheduler's, which vLLM binds to the connector once it has built both."""
+    """The scheduler side: which requests P writes the records of and D verifies, P's claim
+    in the params it hands over and D's judgement of the claims it receives (`claim.Claims`).
+    ``kv_cache_manager`` is the scheduler's, which vLLM binds to the connector once it has
+    built both."""
 
-    def __init__(self, block_size: int, tp_size: int):
+    def __init__(self, block_size: int, claims: Claims):
         self.block_size = block_size
-        self.tp_size = tp_size
+        self.claims = claims
         self.kv_cache_manager = None
         self._prefills: dict[str, object] = {}  # P: requests it hands over to a decode side, until they finish
+        self._written: set[str] = set()  # P: those of them whose records a step was ordered to write
         self._loads: list[LoadOrder] = []
 
     @classmethod
     def build(cls, vllm_config, block_size: int) -> NixlScheduler:
-        return cls(block_size, vllm_config.parallel_config.tensor_parallel_size)
+        plugin = settings()
+        own = None if plugin is None else facts(vllm_config, block_size, mode_name(plugin.mode))
+        return cls(block_size, Claims(own, strict=strict_transfers(vllm_config)))
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -35,10 +41,11 @@ class NixlScheduler:
         elif adapter.nixl.loads_remotely(params) and num_external_tokens > 0:
             start = adapter.locally_cached_blocks(blocks) * self.block_size
             end = start + num_external_tokens
+            remote_tp_size, unverified = self.claims.judge(params)
             self._loads.append(
                 LoadOrder(
-                    request.request_id, _prefill_tp_size(params.get(RECORDS_KEY)),
-                    list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end,
+                    request.request_id, remote_tp_size,
+                    list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end, unverified,
                 )
             )  # fmt: skip
 
@@ -56,19 +63,25 @@ class NixlScheduler:
             if computed < request.num_prompt_tokens <= computed + count:
                 block_ids = list(self.kv_cache_manager.get_block_ids(request_id)[0])
                 orders.handovers.append(HandOverOrder(request_id, block_ids, request.num_prompt_tokens))
+                self._written.add(request_id)
         return orders
 
     def on_finished(self, request, params: dict | None) -> None:
-        """Says, in the params of a request handed to a decode side, that its blocks carry the
-        canary's records, and how many tensor-parallel ranks P splits the heads over."""
+        """P: claims, in the params of a request handed to a decode side whose records a step
+        was ordered to write, that its blocks carry them (`Claims.claim`); no claim while
+        this side's canary is off, or for a request whose prompt no step completed."""
         self._prefills.pop(request.request_id, None)
-        if params is not None and adapter.nixl.loads_remotely(params):
-            params[RECORDS_KEY] = {"tp_size": self.tp_size}
+        written = request.request_id in self._written
+        self._written.discard(request.request_id)
+        if params is None or not adapter.nixl.loads_remotely(params):
+            return
+        claim = self.claims.claim() if written else None
+        if claim is not None:
+            params[RECORDS_KEY] = claim
+        else:
+            params.pop(RECORDS_KEY, None)
 
 
-def _prefill_tp_size(value) -> int | None:
-    """P's tensor-parallel size of a `RECORDS_KEY` value; None for anything else, whose
-    load then has no records to compare with."""
-    if isinstance(value, dict) and isinstance(value.get("tp_size"), int) and value["tp_size"] > 0:
-        return value["tp_size"]
-    return None
+def mode_name(mode) -> str:
+    """``KVCANARY_VLLM_MODE``'s value of the fold mode ``mode``."""
+    return next(name for name, value in MODES.items() if value == mode)

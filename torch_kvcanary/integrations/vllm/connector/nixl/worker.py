@@ -24,7 +24,8 @@ from .....canary import FOLD
 from ... import adapter
 from ...config import CONNECTOR
 from ..port import CanaryPort, landed_entries
-from .config import RECORDS_KEY
+from ..stats import UNVERIFIED, UNVERIFIED_REASONS
+from .config import RECORDS_KEY, STRICT, strict_transfers
 from .orders import LoadOrder, NixlOrders, slots_of
 from .region import DIGEST, FIELDS, LAYER_NAME, RecordsRegion
 from .sharding import Sharding
@@ -38,12 +39,14 @@ TIMES_EVERY = 100
 @dataclass
 class PendingLoad:
     """D: a load whose blocks NIXL is reading, and how the prefill side holds its heads
-    (None: the load carries no records of P's, and ``why``)."""
+    (None: the load carries no records of P's to compare with, and ``why``; ``trusted``:
+    its KV is taken as it landed, unverified, else every slot of it is bad)."""
 
     load: LoadOrder
     remote: Sharding | None  # the prefill side's
     why: str
     same_heads: bool  # this rank holds exactly the heads of its one source rank: the folds compare
+    trusted: bool = False
 
 
 @dataclass
@@ -61,8 +64,9 @@ class LandingBatch:
     slot, its token and position, and the slot of its request's position before it (-1 at
     position 0); and how each is compared with P's rows: ``whole_records`` (1: its records,
     the heads being sharded alike on both sides), ``digest_rows`` (the entries compared by
-    token, position, chain and their heads' digests), ``no_records`` (1: the load carries no
-    rows of P's, the slot is bad)."""
+    token, position, chain and their heads' digests), ``compared`` (1: the load carries rows
+    of P's, the slot is compared with them), ``no_records`` (1: the load carries no rows of
+    P's and is not trusted unverified, the slot is bad)."""
 
     def __init__(self, landing: list[PendingLoad], block_size: int):
         self.block_size = block_size
@@ -72,8 +76,10 @@ class LandingBatch:
         lengths = [len(slots) for slots in self.request_slots]
         has_records = np.repeat([pending.remote is not None for pending in landing], lengths)
         same_heads = np.repeat([pending.same_heads for pending in landing], lengths)
+        trusted = np.repeat([pending.trusted for pending in landing], lengths)
         self.whole_records = (has_records & same_heads).astype(np.int64)
-        self.no_records = (~has_records).astype(np.int64)
+        self.compared = has_records.astype(np.int64)
+        self.no_records = (~has_records & ~trusted).astype(np.int64)
         self.digest_rows = np.flatnonzero(has_records & ~same_heads).astype(np.int64)
 
     @staticmethod
@@ -97,8 +103,9 @@ class NixlWorker:
 
     LOADS_IN_STEP = False  # NIXL reads the blocks asynchronously: get_finished reports them landed
 
-    def __init__(self, block_size: int, *, sharding: Sharding, rank: int, inner=None):
+    def __init__(self, block_size: int, *, sharding: Sharding, rank: int, inner=None, strict: bool = False):
         self.block_size = block_size
+        self.strict = strict  # `config.STRICT`: a load D cannot verify fails rather than being taken unverified
         self.sharding = sharding
         self.rank = rank
         self.heads = sharding.heads(rank)
@@ -112,11 +119,13 @@ class NixlWorker:
         self.verified_requests = 0
         self.written_requests = 0
         self._handed_over = 0  # P: slots written since `take_counts`
+        self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)  # D: loads judged unverified since `take_counts`, by reason
 
     @classmethod
     def build(cls, vllm_config, inner, block_size: int) -> NixlWorker:
         sharding = Sharding(vllm_config.parallel_config.tensor_parallel_size, adapter.total_kv_heads(vllm_config))
-        return cls(block_size, sharding=sharding, rank=adapter.tensor_parallel_rank(), inner=inner)
+        rank = adapter.tensor_parallel_rank()
+        return cls(block_size, sharding=sharding, rank=rank, inner=inner, strict=strict_transfers(vllm_config))
 
     def transfer_caches(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The caches NixlConnector registers: the KV and the records region, which it
@@ -151,11 +160,13 @@ class NixlWorker:
         if before // TIMES_EVERY != self.written_requests // TIMES_EVERY:
             self._say_write_time()
 
-    def take_counts(self) -> dict[str, int]:
-        """P's counter since the last call, by its name in `stats.COUNTS`: the prompt slots
-        whose records it wrote for a decode side."""
-        counts = {"transfer_slots_handed_over": self._handed_over}
+    def take_counts(self) -> dict:
+        """The counters since the last call, by their names in `stats`: P's prompt slots whose
+        records it wrote for a decode side, and D's loads it could not verify by reason
+        (counted by rank 0 alone: vLLM sums the ranks' counters, and each rank sees each load)."""
+        counts = {"transfer_slots_handed_over": self._handed_over, UNVERIFIED: self._unverified}
         self._handed_over = 0
+        self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)
         return counts
 
     def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
@@ -174,14 +185,24 @@ class NixlWorker:
             return
         for load in orders.loads:
             if load.remote_tp_size is None:
-                why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
-                self._pending[load.request_id] = PendingLoad(load, None, why, same_heads=False)
+                self._pending[load.request_id] = self._unverifiable(load)
                 continue
             remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
             sources = remote.sources(self.heads)
             same_heads = len(sources) == 1 and remote.heads(sources[0]) == self.heads
             self._say_comparison(remote, sources, same_heads)
             self._pending[load.request_id] = PendingLoad(load, remote, "", same_heads)
+
+    def _unverifiable(self, load: LoadOrder) -> PendingLoad:
+        """A load without records of P's to compare with: taken unverified where the scheduler
+        judged why (`claim.Claims`), unless `strict`; counted by reason."""
+        if load.unverified is None:
+            why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
+            return PendingLoad(load, None, why, same_heads=False)
+        if self.rank == 0:
+            self._unverified[load.unverified] += 1
+        why = f"P's claim of records cannot be compared with ({load.unverified}) and {STRICT} is true"
+        return PendingLoad(load, None, why, same_heads=False, trusted=not self.strict)
 
     def _say_comparison(self, remote: Sharding, sources: list[int], same_heads: bool) -> None:
         """Logs, once per prefill tensor-parallel size, what this rank compares with which prefill ranks."""
@@ -207,7 +228,7 @@ class NixlWorker:
             return 0
         begin = time.perf_counter()
         for pending in landing:
-            if pending.remote is None:
+            if pending.remote is None and not pending.trusted:
                 logger.warning(
                     "kv-canary: request %s: no records of its prefilled KV to compare with: %s", pending.load.request_id, pending.why
                 )
@@ -225,9 +246,9 @@ class NixlWorker:
         """Records the batch's slots, compares them with the rows that landed with them and
         breaks the records of those that differ: one copy to the device, no wait on it."""
         host_unrecorded = batch.unrecorded_block_slots() if port.blocks_packed else np.empty(0, dtype=np.int64)
-        slots, tokens, positions, prev_slots, whole_records, no_records, digest_rows, unrecorded = port.to_device(
+        slots, tokens, positions, prev_slots, whole_records, compared, no_records, digest_rows, unrecorded = port.to_device(
             batch.slots, batch.tokens, batch.positions, batch.prev_slots,
-            batch.whole_records, batch.no_records, batch.digest_rows, host_unrecorded,
+            batch.whole_records, batch.compared, batch.no_records, batch.digest_rows, host_unrecorded,
         )  # fmt: skip
         if len(host_unrecorded):
             port.refold(unrecorded)  # NIXL wrote whole blocks, these slots' bytes too
@@ -235,6 +256,7 @@ class NixlWorker:
         theirs = self.region.read(slots)  # [n, heads, FIELDS]
         bad = (landed[:, :FOLD] != theirs[:, 0, :FOLD]).any(dim=1)
         bad |= (landed[:, FOLD] != theirs[:, 0, FOLD]) & whole_records.bool()
+        bad &= compared.bool()  # a load taken unverified has whatever rows its blocks held
         bad |= no_records.bool()
         if len(batch.digest_rows):
             mine = port.head_digests(slots[digest_rows], self.heads, self.sharding.num_kv_heads, positions=positions[digest_rows])

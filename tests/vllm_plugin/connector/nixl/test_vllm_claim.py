@@ -1,0 +1,232 @@
+"""What P claims of the records its blocks carry through NixlConnector, and D's judgement of
+the claim, without NIXL or a server: P claims its records format, fold mode, KV layout and
+tensor-parallel size for a request whose records it wrote, and nothing while its canary is
+off; D takes a transfer it cannot compare with (no claim, another format, mode or layout)
+unverified, counts it by reason and says so once per prefill engine and reason, fails it
+only under the strict setting, and exports the count as
+``vllm:kv_canary_transfers_unverified_total{reason}``."""
+
+import functools
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+
+from torch_kvcanary.integrations.vllm.connector import nixl  # noqa: E402
+from torch_kvcanary.integrations.vllm.connector.nixl import claim  # noqa: E402
+
+# A prefill side's facts, written out: what a P serving this config claims.
+P_FACTS = {
+    "format": 1,
+    "mode": "all",
+    "block_size": 16,
+    "num_kv_heads": 8,
+    "head_size": 64,
+    "cache_dtype": "auto",
+    "dtype": "torch.bfloat16",
+    "tp_size": 2,
+}
+
+
+def vllm_config(tp=2, extra=None):
+    model = SimpleNamespace(
+        use_mla=False, dtype=torch.bfloat16, get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 64
+    )  # fmt: skip
+    return SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, decode_context_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
+    )
+
+
+class FakeKvCacheManager:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def get_block_ids(self, request_id):
+        return (self.blocks[request_id],)
+
+
+def prefill_request(request_id, tokens=20):
+    return SimpleNamespace(
+        request_id=request_id, kv_transfer_params={"do_remote_decode": True}, num_computed_tokens=0, num_prompt_tokens=tokens
+    )
+
+
+def handed_params():
+    """The params NixlConnector hands on with a request P prefilled for a decode side."""
+    return {"do_remote_prefill": True, "remote_engine_id": "prefill-a", "remote_block_ids": [3, 4]}
+
+
+def prefill_scheduler(monkeypatch, **env):
+    monkeypatch.delenv("KVCANARY_VLLM", raising=False)
+    monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    scheduler = nixl.NixlScheduler.build(vllm_config(), 16)
+    scheduler.bind_kv_cache_manager(FakeKvCacheManager({"written": [3, 4], "unwritten": [5, 6]}))
+    return scheduler
+
+
+def test_p_claims_its_format_mode_layout_and_tp_size_for_a_request_whose_records_it_wrote(monkeypatch):
+    scheduler = prefill_scheduler(monkeypatch, KVCANARY_VLLM="repair", KVCANARY_VLLM_MODE="partial")
+    written, unwritten = prefill_request("written"), prefill_request("unwritten")
+    scheduler.on_alloc(written, None, 0)
+    scheduler.on_alloc(unwritten, None, 0)
+    orders = scheduler.plan(SimpleNamespace(num_scheduled_tokens={"written": 20, "unwritten": 8}))
+    assert [(order.request_id, order.block_ids, order.tokens) for order in orders.handovers] == [("written", [3, 4], 20)]
+
+    params = handed_params()
+    scheduler.on_finished(written, params)
+    assert params[nixl.RECORDS_KEY] == {**P_FACTS, "mode": "partial"}
+    params = handed_params()
+    scheduler.on_finished(unwritten, params)  # its prompt was never completed: nothing written, nothing claimed
+    assert nixl.RECORDS_KEY not in params
+
+
+def test_p_claims_nothing_while_its_canary_is_off(monkeypatch):
+    scheduler = prefill_scheduler(monkeypatch)  # KVCANARY_VLLM unset: no canary, no records written
+    request = prefill_request("written")
+    scheduler.on_alloc(request, None, 0)
+    scheduler.plan(SimpleNamespace(num_scheduled_tokens={"written": 20}))
+    params = {**handed_params(), nixl.RECORDS_KEY: {"format": 1}}  # not even a claim left over by another hop
+    scheduler.on_finished(request, params)
+    assert nixl.RECORDS_KEY not in params
+
+
+def with_claim(**changes):
+    return {**handed_params(), nixl.RECORDS_KEY: {**P_FACTS, **changes}}
+
+
+JUDGEMENTS = [
+    ("same facts", with_claim(), (2, None)),
+    ("another tensor-parallel size is compared by head digests", with_claim(tp_size=4), (4, None)),
+    ("router dropped the key", handed_params(), (None, "no_claim")),
+    ("claim is not a dict", {**handed_params(), nixl.RECORDS_KEY: 2}, (None, "no_claim")),
+    ("another records format", with_claim(format=2), (None, "format_version")),
+    ("another fold mode", with_claim(mode="partial"), (None, "mode_mismatch")),
+    ("another block size", with_claim(block_size=32), (None, "layout_mismatch")),
+    ("other heads", with_claim(num_kv_heads=4), (None, "layout_mismatch")),
+    ("another dtype", with_claim(dtype="torch.float16"), (None, "layout_mismatch")),
+    ("a tensor-parallel size that is none", with_claim(tp_size="2"), (None, "layout_mismatch")),
+]
+
+
+@pytest.mark.parametrize("params, judged", [case[1:] for case in JUDGEMENTS], ids=[case[0] for case in JUDGEMENTS])
+def test_d_compares_the_claim_with_its_own_facts(params, judged):
+    from torch_kvcanary.integrations.vllm.connector import stats
+
+    claims = claim.Claims(claim.facts(vllm_config(), 16, "all"))
+    assert claims.judge(params) == judged
+    assert judged[1] is None or judged[1] in stats.UNVERIFIED_REASONS
+
+
+def test_d_with_its_canary_off_judges_nothing():
+    assert claim.Claims(None).judge(handed_params()) == (None, None)
+
+
+def test_each_unverifiable_peer_and_reason_is_said_once_with_its_fix(caplog):
+    claims = claim.Claims(claim.facts(vllm_config(), 16, "all"))
+    other_engine = {**with_claim(mode="partial"), "remote_engine_id": "prefill-b"}
+    with caplog.at_level(logging.WARNING, logger="vllm.torch_kvcanary"):
+        for params in (with_claim(mode="partial"), with_claim(mode="partial"), other_engine, handed_params(), handed_params()):
+            claims.judge(params)
+    said = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(said) == 3, said
+    assert "prefill engine prefill-a" in said[0] and "mode_mismatch" in said[0]
+    assert "KVCANARY_VLLM_MODE=partial and this side with KVCANARY_VLLM_MODE=all" in said[0]
+    assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[0]
+    assert "is taken unverified" in said[0]
+    assert "prefill engine prefill-b" in said[1]
+    assert "no_claim" in said[2] and "have the router hand kv_transfer_params on unchanged" in said[2]
+
+
+def test_the_strict_setting_must_be_a_bool():
+    assert nixl.config.strict_transfers(vllm_config(extra={"kv_canary_strict_transfers": True})) is True
+    assert nixl.config.strict_transfers(vllm_config()) is False
+    with pytest.raises(ValueError, match=r"^kv-canary: KvCanaryConnector's kv_connector_extra_config 'kv_canary_strict_transfers' must be"):
+        nixl.check_nixl(vllm_config(extra={"kv_canary_strict_transfers": "yes"}))
+
+
+def decode_landing(strict: bool, rank: int = 0):
+    """D's worker over the plugin's canary on buffers shaped as vLLM's runner holds them, a
+    prompt of 40 tokens landed in request 0's blocks with region rows P never wrote (zeros),
+    judged unverified for a mode mismatch: (canary, worker, the prompt's slots)."""
+    import fake_runner
+
+    from torch_kvcanary.integrations.vllm import worker
+    from torch_kvcanary.integrations.vllm.config import Settings
+    from torch_kvcanary.integrations.vllm.connector.nixl import region
+    from torch_kvcanary.sources import HashMode
+
+    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
+    canary.end_step(canary.begin_step(lambda: buffers.step(40)))
+    blocks = [buffers.block_of(0, position) for position in range(0, 40, fake_runner.BLOCK_SIZE)]
+    slots = torch.from_numpy(nixl.slots_of(blocks, 40, fake_runner.BLOCK_SIZE))
+    heads = fake_runner.NUM_KV_HEADS
+    nixl_worker = nixl.NixlWorker(fake_runner.BLOCK_SIZE, sharding=nixl.Sharding(1, heads), rank=rank, strict=strict)
+    nixl_worker.region = region.RecordsRegion(
+        buffers.caches[0].shape[0], heads, fake_runner.BLOCK_SIZE, fake_runner.BLOCK_SIZE, canary.canary.device
+    )
+    tokens = canary.canary.records[slots, 0].tolist()
+    load = nixl.LoadOrder("request-0", None, tokens, blocks, 0, 40, "mode_mismatch")
+    nixl_worker.before_load(canary.port, nixl.NixlOrders(loads=[load]))
+    return canary, nixl_worker, slots
+
+
+def test_an_unverified_transfer_is_taken_as_it_landed_counted_and_never_a_load_error(caplog):
+    canary, nixl_worker, slots = decode_landing(strict=False)
+    with caplog.at_level(logging.WARNING, logger="vllm.torch_kvcanary"):
+        assert nixl_worker.on_done(canary.port, (), {"request-0"}, ()) == (40, 0)
+    assert not caplog.records  # said once per peer by the scheduler's judgement, not per request
+    assert canary.canary.verify(slots).nonzero().flatten().tolist() == []  # recorded as landed: no broken record
+    canary.canary.poll()
+    assert nixl_worker.on_flagged(canary.port, set()) == 0
+    counts = nixl_worker.take_counts()
+    assert counts["transfers_unverified"] == {"no_claim": 0, "format_version": 0, "mode_mismatch": 1, "layout_mismatch": 0}
+    assert nixl_worker.take_counts()["transfers_unverified"]["mode_mismatch"] == 0  # taken: counted once
+
+
+def test_an_unverified_transfer_is_counted_by_rank_0_alone():
+    canary, nixl_worker, _ = decode_landing(strict=False, rank=1)
+    nixl_worker.on_done(canary.port, (), {"request-0"}, ())
+    assert not any(nixl_worker.take_counts()["transfers_unverified"].values())
+
+
+def test_under_the_strict_setting_an_unverified_transfer_fails_as_a_load_error():
+    canary, nixl_worker, slots = decode_landing(strict=True)
+    nixl_worker.on_done(canary.port, (), {"request-0"}, ())
+    assert canary.canary.verify(slots).nonzero().flatten().tolist() == list(range(40))
+    assert nixl_worker.take_counts()["transfers_unverified"]["mode_mismatch"] == 1
+
+
+def test_unverified_transfers_reach_metrics_by_reason():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from torch_kvcanary.integrations.vllm.connector import stats
+
+    taken = stats.CanaryStats()
+    taken.add_counts({"transfer_slots_handed_over": 3, "transfers_unverified": {"mode_mismatch": 2}})
+    other = stats.CanaryStats()
+    other.add_counts({"transfers_unverified": {"mode_mismatch": 1, "no_claim": 4}})
+    assert stats.CanaryStats().is_empty() and not other.is_empty()
+    taken.aggregate(other)
+    line = taken.reduce()
+    assert line["kv_canary_transfers_unverified_mode_mismatch"] == 3 and line["kv_canary_transfers_unverified_no_claim"] == 4
+    assert "kv_canary_transfers_unverified_layout_mismatch" not in line  # the line names nonzero reasons alone
+
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = stats.CanaryPromMetrics(
+        SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer")), types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )  # fmt: skip
+    metrics.observe(taken.data, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="mode_mismatch"} 3.0' in text
+    assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="no_claim"} 4.0' in text
+    assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="format_version"} 0.0' in text

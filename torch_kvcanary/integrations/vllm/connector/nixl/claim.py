@@ -1,0 +1,122 @@
+"""What P claims of the records its blocks carry, and D's judgement of the claim (`Claims`).
+
+P's records mean something to D only where both sides make them alike: the same records
+format, the same fold mode (the fold of a slot reads its first bytes or all of them), the
+same block size (the region's rows follow the blocks) and the same KV heads, head size and
+dtypes (the fold and the digests read the same bytes). P claims, in the params of a request
+it handed over with its records written (`RECORDS_KEY`), each of these facts of its own and
+its tensor-parallel size (`facts`); D compares the claim with its own facts.
+
+A transfer whose params carry no claim (P runs no canary, or its canary is off, or a router
+rebuilt the params without the key) or a claim that differs from D's facts is *unverified*:
+D takes its KV as it landed, records it, and watches it from then on, without comparing it
+with P's rows; it is counted by reason (`stats.UNVERIFIED_REASONS`) and said once per prefill
+engine and reason with the fix. Under the `STRICT` setting such a transfer fails as a load
+error, as a transfer whose rows differ does.
+
+The claim travels per request rather than in NIXL's handshake: a router may drop it from
+one request's params and not another's, and P's canary may switch itself off between two
+requests, neither of which a handshake made once per pair of engines sees.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ... import adapter
+from ...config import CONNECTOR, MODE_ENV, POLICY_ENV
+from .config import RECORDS_KEY, STRICT
+
+logger = logging.getLogger(adapter.LOGGER)
+
+FORMAT = 1
+"""The version of the records P writes (`region.FIELDS` and what each field holds): a change
+to either is a new version, which a D of the former one takes unverified."""
+LAYOUT = ("block_size", "num_kv_heads", "head_size", "cache_dtype", "dtype")
+"""The facts of the KV layout both sides must share for P's rows to compare with D's records."""
+
+
+def facts(vllm_config, block_size: int, mode: str) -> dict:
+    """This server's facts as P claims them and D compares them: the records' `FORMAT`, the
+    fold ``mode`` (``KVCANARY_VLLM_MODE``'s value), the `LAYOUT` facts and its tensor-parallel size."""
+    model = vllm_config.model_config
+    return {
+        "format": FORMAT,
+        "mode": mode,
+        "block_size": block_size,
+        "num_kv_heads": adapter.total_kv_heads(vllm_config),
+        "head_size": int(model.get_head_size()),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "dtype": str(model.dtype),
+        "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+    }
+
+
+class Claims:
+    """A side's claims and judgements: ``own`` its `facts` (None: its canary is off, so it
+    claims nothing and judges nothing); ``strict`` the `STRICT` setting."""
+
+    def __init__(self, own: dict | None, *, strict: bool = False):
+        self.own = own
+        self.strict = strict
+        self._said: set[tuple[str, str]] = set()  # (prefill engine, reason) already said
+
+    def claim(self) -> dict | None:
+        """P: the claim for a request whose records it wrote (a copy of its facts)."""
+        return dict(self.own) if self.own is not None else None
+
+    def judge(self, params: dict) -> tuple[int | None, str | None]:
+        """D: the prefill side's tensor-parallel size to compare a load with, or None and the
+        reason the load is unverified (`stats.UNVERIFIED_REASONS`), said once per prefill engine
+        and reason; (None, None) where this side's canary is off and verifies nothing."""
+        if self.own is None:
+            return None, None
+        claim = params.get(RECORDS_KEY)
+        reason, fix = self._mismatch(claim)
+        if reason is None:
+            return claim["tp_size"], None
+        self._say(str(params.get("remote_engine_id", "?")), reason, fix)
+        return None, reason
+
+    def _mismatch(self, claim) -> tuple[str | None, str]:
+        """The reason ``claim`` cannot be compared with and the fix; (None, "") where it can."""
+        own = self.own
+        if not isinstance(claim, dict):
+            return "no_claim", (
+                f"its kv_transfer_params carry no {RECORDS_KEY}: serve the prefill side with {CONNECTOR} and {POLICY_ENV} set, "
+                f"its canary on, and have the router hand kv_transfer_params on unchanged"
+            )
+        if claim.get("format") != own["format"]:
+            return "format_version", (
+                f"its records are of format {claim.get('format')!r} and this side reads format {own['format']}: "
+                f"serve both sides with the same torch_kvcanary version"
+            )
+        if claim.get("mode") != own["mode"]:
+            return "mode_mismatch", (
+                f"it folds with {MODE_ENV}={claim.get('mode')} and this side with {MODE_ENV}={own['mode']}: "
+                f"set {MODE_ENV} to the same value on both sides"
+            )
+        differ = [f"{key} {claim.get(key)!r} there, {own[key]!r} here" for key in LAYOUT if claim.get(key) != own[key]]
+        tp_size = claim.get("tp_size")
+        if not (isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size > 0):
+            differ.append(f"tp_size {tp_size!r}, not a tensor-parallel size")
+        if differ:
+            return (
+                "layout_mismatch",
+                f"its KV layout differs ({'; '.join(differ)}): serve both sides with the same model and cache settings",
+            )
+        return None, ""
+
+    def _say(self, engine: str, reason: str, fix: str) -> None:
+        if (engine, reason) in self._said:
+            return
+        self._said.add((engine, reason))
+        outcome = (
+            f"fails as a load error ({STRICT} is true)"
+            if self.strict
+            else "is taken unverified (counted in vllm:kv_canary_transfers_unverified_total)"
+        )
+        logger.warning(
+            "kv-canary: the KV this decode side reads from prefill engine %s %s, %s: %s (said once per prefill engine and reason)",
+            engine, outcome, reason, fix,
+        )  # fmt: skip
