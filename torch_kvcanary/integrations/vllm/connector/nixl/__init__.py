@@ -16,14 +16,16 @@ position, chain and fold do not depend on the slot), so they can travel with the
   step that completes the prompt again writes the rows anew. The rows live as long as the
   blocks: once P's lease on them expires and they are reused, they hold their next owner's
   rows, or their former owner's beside a new owner's KV, and either differs from what D
-  expects. P says in the request's ``kv_transfer_params`` that its blocks carry records,
-  and its tensor-parallel size (`RECORDS_KEY`).
+  expects. P claims in the request's ``kv_transfer_params`` that its blocks carry records,
+  with what D must match to compare them: the records' format, the fold mode, the KV layout
+  and its tensor-parallel size (`RECORDS_KEY`, `claim`).
 - D, when NIXL reports the read done (before vLLM marks the request's load done), records
   what landed with the request's prompt tokens and positions and compares with the rows
-  that landed with it (`NixlWorker.land`): every block holding a slot that differs, or of
-  a load whose params carry no records, is a load error of that step, which vLLM
-  recomputes (``"recompute"``) or fails the request for (``"fail"``); the bad slots'
-  records are broken, so a forward reading them first is flagged too.
+  that landed with it (`NixlWorker.land`): every block holding a slot that differs is a
+  load error of that step, which vLLM recomputes (``"recompute"``) or fails the request for
+  (``"fail"``); the bad slots' records are broken, so a forward reading them first is
+  flagged too. A load whose params carry no claim, or a claim D's facts differ from, is
+  taken unverified and counted (`claim.Claims`), or under `STRICT` is a load error too.
 
 Both sides must run the canary: NixlConnector's handshake compares the layers each side
 registers, and refuses a pair of which only one side moves the records region.
@@ -38,7 +40,8 @@ each of the D rank's heads, which `digest.kv_digest` numbers by global head so t
 digests alike wherever it is held.
 """
 
-from .config import CONNECTORS, PROGRESS_DELAY, RECORDS_KEY, check_nixl, prepare_worker
+from .claim import Claims
+from .config import CONNECTORS, PROGRESS_DELAY, RECORDS_KEY, STRICT, check_nixl, prepare_worker
 from .orders import HandOverOrder, LoadOrder, NixlOrders, slots_of
 from .region import RecordsRegion
 from .scheduler import NixlScheduler
@@ -46,6 +49,6 @@ from .sharding import Sharding
 from .worker import NixlWorker, PendingLoad
 
 __all__ = [
-    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "HandOverOrder", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
+    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "STRICT", "Claims", "HandOverOrder", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
     "PendingLoad", "RecordsRegion", "Sharding", "check_nixl", "prepare_worker", "slots_of",
 ]  # fmt: skip
