@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import HOST_AMX, needs_isa  # noqa: E402
+from helpers import HOST_AMX, PROJECT_VERSION, needs_isa  # noqa: E402
 from random_models import VOCAB_SIZE, make_model  # noqa: E402
 from vllm_serve import (  # noqa: E402
     CANARY_GROWTH_BOUND,
@@ -112,6 +112,8 @@ def test_a_flipped_byte_is_reported_once_naming_the_request(kind, tiny_llama, tm
         other = server.complete(list(range(300, 340)), 8)
         assert all("error" not in answer for answer in [*readers, other]) and server.alive()
         canary = server.canary_lines()
+    starts = [message for *_, message in canary if message.startswith("kv-canary: watching")]
+    assert starts and all(message.endswith(f"; torch_kvcanary {PROJECT_VERSION}") for message in starts), starts
     violations = [message for _, _, level, message in canary if message.startswith("kv_canary violation")]
     (violation,) = violations  # once, at its first detection; its later ones go to the summary
     match = re.search(r" slot_idx=(\d+) .* request_id=(\S+)$", violation)

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from helpers import REPO  # noqa: E402
+from helpers import PROJECT_VERSION, REPO  # noqa: E402
 from random_models import make_eagle, make_llama, make_model  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config  # noqa: E402
@@ -206,6 +206,7 @@ def test_the_engine_process_logs_through_vllm(tiny_llama):
     assert len(processes) == 1 and pid not in {line_pid for _, line_pid in processes}  # the engine's process
     start = [message for _, _, level, message in lines if level == "INFO"]
     assert len(start) == 1 and start[0].startswith("kv-canary: watching vllm.v1.worker.cpu_model_runner.CPUModelRunner: ")
+    assert start[0].endswith(f"; torch_kvcanary {PROJECT_VERSION}")
     warnings = [message for _, _, level, message in lines if level == "WARNING"]
     violations = [m for m in warnings if m.startswith("kv_canary violation: ")]
     summaries = [re.fullmatch(r"kv_canary summary: launch_tag=vllm seconds=\S+ (.*)", m) for m in warnings if m not in violations]

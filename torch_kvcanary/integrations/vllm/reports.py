@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ... import layouts
+from ... import __version__, layouts
 from ...canary import SLOT_BYTES, FailReason, KvCorruptionError, Violation, ViolationKind
 from ...policy import apply_policy
 from . import adapter
@@ -120,7 +120,7 @@ def start_line(worker, layout: str, *, token_copy_bytes: int, scratch_bytes: int
     """The line a worker (a `worker.WorkerCanary`) logs at start: what it watches (``layout``:
     vLLM's KV cache layout), its step path, and the memory the canary holds: the canary's, a
     device copy of the token history (``token_copy_bytes``, 0: none) and the step kernels'
-    scratch (``scratch_bytes``)."""
+    scratch (``scratch_bytes``); last, the package's version."""
     kinds = worker.runner_view.kv_cache_group_kinds()
     budget = worker.runner_view.kv_cache_budget
     if budget is None:
@@ -145,7 +145,8 @@ def start_line(worker, layout: str, *, token_copy_bytes: int, scratch_bytes: int
         f"({', '.join(kinds)}), {len(worker.layer_names)} layers ({len(worker.kv_caches)} caches, {layout}{drafter}), "
         f"{worker.canary.capacity} slots in blocks of {worker.block_size}; mode {worker.canary.mode.name}, policy {worker.policy}"
         f"{f' through {CONNECTOR}' if worker.connector is not None else ''}{f', drills with probability {worker.drill} per step' if worker.drill else ''}; "
-        f"the canary holds {_size(worker.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}; {step_path(worker)}"
+        f"the canary holds {_size(worker.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}; {step_path(worker)}; "
+        f"torch_kvcanary {__version__}"
     )
 
 
