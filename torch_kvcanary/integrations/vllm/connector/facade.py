@@ -51,7 +51,7 @@ from .checks import check_inner
 from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
 from .port import CanaryPort
-from .stats import CanaryPromMetrics, CanaryStats
+from .stats import OFF, CanaryPromMetrics, CanaryStats
 from .verifier import TRANSPORTS
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -218,6 +218,8 @@ class KvCanaryConnector(InnerDelegate):
             self.stats.data["slots_verified"] += counters["slots_verified"] - self._verified
             self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
+        elif self.port is not None:  # the canary has turned itself off: said at every step (`stats.OFF`)
+            self.stats.data[OFF] = 1
         if self._verifier is not None:
             self.stats.add_counts(self._verifier.take_counts())
         if self.stats.is_empty():

@@ -1,15 +1,17 @@
 """The connector's counters: `CanaryStats` in vLLM's connector stats (its stats log line),
-`CanaryPromMetrics` in its ``/metrics`` (``vllm:kv_canary_*``)."""
+`CanaryPromMetrics` in its ``/metrics`` (``vllm:kv_canary_*``), with the gauge of whether
+the canary is on (``vllm:kv_canary_enabled``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ....canary import FailReason, Violation
+from ..config import settings
 
 REASONS = tuple(label for reason in FailReason for label in reason.labels)
 """The violation reasons the counters are kept by (SGLang's labels)."""
@@ -35,6 +37,10 @@ UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mis
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
 params carry no claim of the prefill side's records, or a claim of another records format,
 fold mode or KV layout than the decode side's (`nixl.claim`)."""
+OFF = "canary_off"
+"""A state beside the counts: 1 where a worker's canary has turned itself off (a fault of
+its own; it stays off), reported by that worker at every step from then on; workers and
+steps combine by maximum, so that it reads 1 where any worker's canary is off."""
 
 
 @dataclass
@@ -48,7 +54,12 @@ class CanaryStats(KVConnectorStats):
             self.reset()
 
     def reset(self):
-        self.data = {"violations": dict.fromkeys(REASONS, 0), **dict.fromkeys(COUNTS, 0), UNVERIFIED: dict.fromkeys(UNVERIFIED_REASONS, 0)}
+        self.data = {
+            "violations": dict.fromkeys(REASONS, 0),
+            **dict.fromkeys(COUNTS, 0),
+            UNVERIFIED: dict.fromkeys(UNVERIFIED_REASONS, 0),
+            OFF: 0,
+        }
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for reason, count in other.data["violations"].items():
@@ -56,6 +67,7 @@ class CanaryStats(KVConnectorStats):
         for name in COUNTS:
             self.data[name] += other.data[name]
         self.add_counts({UNVERIFIED: other.data.get(UNVERIFIED, {})})
+        self.data[OFF] = max(self.data.get(OFF, 0), other.data.get(OFF, 0))
         return self
 
     def add_counts(self, counts: dict) -> None:
@@ -68,16 +80,19 @@ class CanaryStats(KVConnectorStats):
                 self.data[name] += count
 
     def reduce(self) -> dict[str, int | float]:
-        """The line vLLM's stats log prints: the nonzero violation counts, then every counter."""
+        """The line vLLM's stats log prints: the nonzero violation counts, then every counter,
+        then ``kv_canary_off=1`` where a worker's canary is off."""
         violations = {f"kv_canary_violations_{reason}": n for reason, n in self.data["violations"].items() if n}
         unverified = {f"kv_canary_{UNVERIFIED}_{reason}": n for reason, n in self.data[UNVERIFIED].items() if n}
-        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}, **unverified}
+        off = {"kv_canary_off": 1} if self.data.get(OFF) else {}
+        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}, **unverified, **off}
 
     def is_empty(self) -> bool:
         return (
             not any(self.data["violations"].values())
             and not any(self.data[name] for name in COUNTS)
             and not any(self.data[UNVERIFIED].values())
+            and not self.data.get(OFF)
         )
 
     def add_violations(self, violations: list[Violation]) -> None:
@@ -88,7 +103,12 @@ class CanaryStats(KVConnectorStats):
 
 class CanaryPromMetrics(KVConnectorPromMetrics):
     """``vllm:kv_canary_*`` counters in vLLM's ``/metrics``, per engine: violations by
-    ``reason``, and one counter for each of `COUNTS`."""
+    ``reason``, and one counter for each of `COUNTS`; and the gauge ``vllm:kv_canary_enabled``:
+    1 while the canary runs in every worker of the engine, 0 once one has turned itself off
+    (`OFF`; it does not turn back on in a running engine). Its labels ``policy``
+    (``KVCANARY_VLLM``) and ``kv_role`` (the ``kv_transfer_config``'s) say what the engine
+    does with what the canary finds, and whether it reads KV at all (a ``kv_producer``
+    only prefills, and verifies no read)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -133,6 +153,7 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         for name in COUNTS:
             counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
             self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+        self._enabled = _enabled_gauges(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for reason, count in transfer_stats_data["violations"].items():
@@ -144,3 +165,25 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         for reason, count in transfer_stats_data.get(UNVERIFIED, {}).items():
             if count:
                 self._unverified[engine_idx][reason].inc(count)
+        if transfer_stats_data.get(OFF):
+            self._enabled[engine_idx].set(0)
+
+
+def _enabled_gauges(vllm_config, metric_types, labelnames, per_engine_labelvalues) -> dict:
+    """``vllm:kv_canary_enabled`` of each engine, 1 from the start: a worker whose canary
+    cannot start refuses to start, so an engine that serves starts with it on."""
+    chosen = settings()
+    gauge = metric_types[Gauge](
+        name="vllm:kv_canary_enabled",
+        documentation=(
+            "1 while the canary runs in every worker of the engine, 0 once one has turned itself off after a fault of its own "
+            "(KV corruption then goes undetected); policy is KVCANARY_VLLM, kv_role the kv_transfer_config's."
+        ),
+        multiprocess_mode="mostrecent",
+        labelnames=[*labelnames, "policy", "kv_role"],
+    )
+    policy, kv_role = chosen.policy if chosen is not None else "", vllm_config.kv_transfer_config.kv_role
+    enabled = {engine: gauge.labels(*values, policy, kv_role) for engine, values in per_engine_labelvalues.items()}
+    for engine_gauge in enabled.values():
+        engine_gauge.set(1)
+    return enabled
