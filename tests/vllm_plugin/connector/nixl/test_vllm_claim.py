@@ -98,6 +98,26 @@ def test_p_claims_nothing_while_its_canary_is_off(monkeypatch):
     assert nixl.RECORDS_KEY not in params
 
 
+def test_p_claims_nothing_once_its_canary_has_turned_itself_off(monkeypatch, caplog):
+    from torch_kvcanary.integrations.vllm.connector import stats
+
+    scheduler = prefill_scheduler(monkeypatch, KVCANARY_VLLM="quarantine")
+    request = prefill_request("written")
+    scheduler.on_alloc(request, None, 0)
+    scheduler.plan(SimpleNamespace(num_scheduled_tokens={"written": 20}))
+    scheduler.on_output(SimpleNamespace(kv_connector_stats=stats.CanaryStats()))  # a step's stats, the canary on
+    worker_off = stats.CanaryStats()
+    worker_off.data[stats.OFF] = 1  # what a worker whose canary turned itself off says at every step
+    with caplog.at_level(logging.WARNING, logger="vllm.torch_kvcanary"):
+        scheduler.on_output(SimpleNamespace(kv_connector_stats=worker_off))
+        scheduler.on_output(SimpleNamespace(kv_connector_stats=worker_off))
+    params = handed_params()
+    scheduler.on_finished(request, params)
+    assert nixl.RECORDS_KEY not in params
+    (said,) = [record.getMessage() for record in caplog.records]
+    assert "canary has turned itself off" in said and "no_claim" in said
+
+
 def with_claim(**changes):
     return {**handed_params(), nixl.RECORDS_KEY: {**P_FACTS, **changes}}
 
@@ -230,3 +250,4 @@ def test_unverified_transfers_reach_metrics_by_reason():
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="mode_mismatch"} 3.0' in text
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="no_claim"} 4.0' in text
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="format_version"} 0.0' in text
+

@@ -249,6 +249,11 @@ class KvCanaryConnector(InnerDelegate):
         orders = self._planner.plan(scheduler_output) if self._planner is not None else None
         return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner, orders=orders)
 
+    def update_connector_output(self, connector_output):
+        super().update_connector_output(connector_output)
+        if self._planner is not None:
+            self._planner.on_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The inner connector's answer (none: free the blocks now). Under
         kv_load_failure_policy "fail" a request that ends with an error is counted as

@@ -37,6 +37,9 @@ class SchedulerVerifier(Protocol):
     def on_finished(self, request, params: dict | None) -> None:
         """After the inner connector's ``request_finished``, with the params it hands on."""
 
+    def on_output(self, connector_output) -> None:
+        """After the inner connector's ``update_connector_output``, with the workers' output of a step."""
+
 
 class WorkerVerifier(Protocol):
     """The worker half. ``port`` is the worker's canary (`port.CanaryPort`); ``orders`` the

@@ -61,6 +61,15 @@ class Claims:
         self.strict = strict
         self._said: set[tuple[str, str]] = set()  # (prefill engine, reason) already said
 
+    def stop(self) -> None:
+        """This side's canary has turned itself off: it claims and judges nothing from now on."""
+        if self.own is not None:
+            logger.warning(
+                "kv-canary: this side's canary has turned itself off: the requests it hands over from now on carry no claim of "
+                "records, and a decode side takes their KV unverified (no_claim)"
+            )
+        self.own = None
+
     def claim(self) -> dict | None:
         """P: the claim for a request whose records it wrote (a copy of its facts)."""
         return dict(self.own) if self.own is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ... import adapter
 from ...config import MODES, settings
+from ..stats import OFF
 from .claim import Claims, facts
 from .config import RECORDS_KEY, strict_transfers
 from .orders import HandOverOrder, LoadOrder, NixlOrders
@@ -66,6 +67,14 @@ class NixlScheduler:
                 self._written.add(request_id)
         return orders
 
+    def on_output(self, connector_output) -> None:
+        """P: once the workers say a canary has turned itself off, they write no records, and
+        this side claims none from then on (`Claims.stop`). The requests that finish in the
+        step it turned off in are handed on before vLLM passes the step's output here: those
+        few may still carry a claim, which D then finds differs from their rows."""
+        if canary_off(connector_output):
+            self.claims.stop()
+
     def on_finished(self, request, params: dict | None) -> None:
         """P: claims, in the params of a request handed to a decode side whose records a step
         was ordered to write, that its blocks carry them (`Claims.claim`); no claim while
@@ -80,6 +89,13 @@ class NixlScheduler:
             params[RECORDS_KEY] = claim
         else:
             params.pop(RECORDS_KEY, None)
+
+
+def canary_off(connector_output) -> bool:
+    """Whether the workers' stats of a step (``kv_connector_stats`` of vLLM's connector
+    output) say that a worker's canary has turned itself off (`stats.OFF`)."""
+    stats = getattr(connector_output, "kv_connector_stats", None)
+    return stats is not None and bool(stats.data.get(OFF))
 
 
 def mode_name(mode) -> str:
