@@ -1,8 +1,9 @@
 """The operators' files agree with what the plugin exports and with the docs: the promtool
 tests' input series (deploy/prometheus/tests/kv_canary.rules.test.yml) are named and labelled
 as in a real server's /metrics (deploy/prometheus/tests/vllm_metrics.txt, captured by
-tools/vllm_metrics_capture.py); every metric the rules and the dashboard read is exported;
-every alert has a severity, a summary and a runbook link to a heading of docs/operators.md."""
+tools/vllm_metrics_capture.py); every metric the rules and the dashboard read is exported, and every label value they select
+is one the exporter can give; every alert has a severity, a summary and a runbook link to a
+heading of docs/operators.md."""
 
 import json
 import re
@@ -19,13 +20,15 @@ RULE_TESTS = PROMETHEUS / "tests/kv_canary.rules.test.yml"
 CAPTURED = PROMETHEUS / "tests/vllm_metrics.txt"
 DASHBOARD = REPO / "deploy/grafana/kv_canary.json"
 GUIDE = REPO / "docs/operators.md"
-# The labels Prometheus adds to every scraped series, and the series it makes itself.
+# The labels Prometheus adds to every scraped series, and the series it makes itself (a
+# blackbox exporter's probe of /health: probe_success).
 TARGET_LABELS = {"instance", "job"}
-PROMETHEUS_SERIES = {"up": TARGET_LABELS}
+PROMETHEUS_SERIES = {"up": TARGET_LABELS, "probe_success": TARGET_LABELS}
 
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?(?: (\S+))?$")
 LABEL = re.compile(r'\s*([a-zA-Z_]\w*)\s*=\s*"([^"]*)"\s*,?')
 METRIC = re.compile(r"\bvllm:[a-z_:]+")
+SELECTOR = re.compile(r"\b(vllm:[a-z_:]+)\{([^}]*)\}")
 
 
 def _series(text: str) -> tuple[str, dict[str, str]]:
@@ -82,6 +85,32 @@ def test_the_rules_and_the_dashboard_read_only_exported_metrics():
     read = {name for expr in exprs for name in METRIC.findall(expr)}
     assert read >= {"vllm:kv_canary_violations_total", "vllm:kv_canary_drills_caught_total"}
     assert read <= captured, read - captured
+
+
+def _selectable_values(label: str, captured: dict[str, list[dict[str, str]]], metric: str) -> set[str]:
+    """The values ``metric``'s ``label`` can take: the plugin's policies and vLLM's KV roles for
+    the canary's gauge (the capture is one server's), else those of the captured series."""
+    if (metric, label) == ("vllm:kv_canary_enabled", "policy"):
+        from torch_kvcanary.integrations.vllm.config import POLICIES
+
+        return set(POLICIES)
+    if (metric, label) == ("vllm:kv_canary_enabled", "kv_role"):
+        from typing import get_args
+
+        from vllm.config.kv_transfer import KVRole
+
+        return {role for literal in get_args(KVRole) for role in (get_args(literal) or (literal,))}
+    return {series[label] for series in captured[metric] if label in series}
+
+
+def test_every_label_value_the_rules_select_is_one_the_exporter_gives():
+    pytest.importorskip("vllm", reason="vLLM is not installed here: make test-prometheus runs these tests in the vLLM venv")
+    captured = _captured()
+    selected = [selector for rule in _rules() for selector in SELECTOR.findall(rule["expr"])]
+    assert {metric for metric, _ in selected} >= {"vllm:kv_canary_enabled", "vllm:kv_canary_violations_total"}
+    for metric, matchers in selected:
+        for label, value in re.findall(r'(\w+)\s*!?=\s*"([^"]*)"', matchers):
+            assert value in _selectable_values(label, captured, metric), (metric, label, value)
 
 
 def _anchors(markdown: str) -> set[str]:

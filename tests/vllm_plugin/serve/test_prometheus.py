@@ -1,11 +1,11 @@
 """The Prometheus rules (deploy/prometheus/kv_canary.rules.yml) and the Grafana dashboard
 (deploy/grafana/kv_canary.json) against a real Prometheus (Debian's `prometheus`, on
 127.0.0.1) scraping a real `vllm serve` with the plugin under ``repair`` and
-`KvCanaryConnector`: a byte flipped in a cached block (tools/vllm_metrics_capture.py's
-fault plugin) takes KvCanaryCorruptionDetected and KvCanaryRepairing from inactive to
-firing while every other alert stays inactive, the recording rules give the counts the
-server exported, and every dashboard panel's PromQL answers with data. `make
-test-prometheus` runs it.
+`KvCanaryConnector`: the server exports the canary's gauge as on, under ``repair``; a byte
+flipped in a cached block (tools/vllm_metrics_capture.py's fault plugin), which ``repair``
+heals, takes KvCanaryCorruptionRepaired, a warning, from inactive to firing while every other
+alert stays inactive (nothing pages), the recording rules give the counts the server
+exported, and every dashboard panel's PromQL answers with data. `make test-prometheus` runs it.
 
 Prometheus scrapes and evaluates every second and loads a copy of the rules whose alerts'
 ``for`` is one second (the shipped durations are minutes); the expressions are the shipped ones.
@@ -166,6 +166,8 @@ def test_a_flipped_byte_fires_the_alerts_and_is_recorded(stack):
     prometheus.wait_for(lambda: prometheus.query(history), f"{HISTORY} scrapes")
     states = prometheus.wait_for(lambda: prometheus.alert_states(), "the alerting rules loaded")
     assert set(states) == _alert_names() and set(states.values()) == {"inactive"}, states
+    enabled = prometheus.query("vllm:kv_canary_enabled")
+    assert [(dict(labels)["policy"], dict(labels)["kv_role"], value) for labels, value in enabled.items()] == [("repair", "kv_both", 1)]
 
     flip(server)
     assert all("error" not in answer for answer in read_flipped(server))
@@ -173,9 +175,11 @@ def test_a_flipped_byte_fires_the_alerts_and_is_recorded(stack):
     repaired = server.metric("vllm:kv_canary_blocks_repaired_total")
     assert violations >= 1 and repaired >= 1
 
-    firing = {"KvCanaryCorruptionDetected", "KvCanaryRepairing"}
+    firing = {"KvCanaryCorruptionRepaired"}
     states = prometheus.wait_for(lambda: _if_firing(prometheus.alert_states(), firing), f"{firing} firing")
     assert {name for name, state in states.items() if state != "inactive"} == firing, states
+    severities = {dict(labels)["severity"] for labels in prometheus.query('ALERTS{alertstate="firing"}')}
+    assert severities == {"warning"}, severities
 
     recorded = _recorded(prometheus, 'model_name_reason:vllm_kv_canary_violations:increase10m{reason="verify_real_kv_hash"}', violations)
     assert violations <= recorded <= violations * EXTRAPOLATION, (recorded, violations)
