@@ -251,3 +251,42 @@ def test_unverified_transfers_reach_metrics_by_reason():
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="no_claim"} 4.0' in text
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="format_version"} 0.0' in text
 
+
+def test_a_block_landed_shifted_is_said_as_a_shift(caplog):
+    """D's line for a transfer whose first block holds P's rows of the prompt's next block
+    (NIXL pairing D's blocks with P's shifted by one) names what the request expects at the
+    first differing slot and what P's rows that landed there say: the token and position of
+    16 slots on."""
+    import fake_runner
+
+    from torch_kvcanary.integrations.vllm import worker
+    from torch_kvcanary.integrations.vllm.config import Settings
+    from torch_kvcanary.integrations.vllm.connector.nixl import region
+    from torch_kvcanary.sources import HashMode
+
+    buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
+    canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
+    canary.end_step(canary.begin_step(lambda: buffers.step(40)))
+    size = fake_runner.BLOCK_SIZE
+    blocks = [buffers.block_of(0, position) for position in range(0, 40, size)]
+    slots = torch.from_numpy(nixl.slots_of(blocks, 40, size))
+    nixl_worker = nixl.NixlWorker(size, sharding=nixl.Sharding(1, fake_runner.NUM_KV_HEADS), rank=0)
+    nixl_worker.region = region.RecordsRegion(
+        buffers.caches[0].shape[0], fake_runner.NUM_KV_HEADS, size, size, canary.canary.device
+    )  # fmt: skip
+    nixl_worker.after_save(canary.port, nixl.NixlOrders(handovers=[nixl.HandOverOrder("request-0", blocks, 40)]))  # P's rows
+    nixl_worker.region.tensor[blocks[0]] = nixl_worker.region.tensor[blocks[1]].clone()  # block 0 holds block 1's rows
+    tokens = canary.canary.records[slots, 0].tolist()
+    load = nixl.LoadOrder("request-0", 1, tokens, blocks, 0, 40)
+    nixl_worker.before_load(canary.port, nixl.NixlOrders(loads=[load]))
+    nixl_worker.on_done(canary.port, (), {"request-0"}, ())
+    flagged = set(canary.canary.verify(slots).nonzero().flatten().tolist())
+    assert flagged == set(range(size)), flagged  # the slots of the first block
+    canary.canary.poll()
+    with caplog.at_level(logging.WARNING, logger="vllm.torch_kvcanary"):
+        assert nixl_worker.on_flagged(canary.port, {int(slots[i]) for i in flagged}) == size
+    (said,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("kv-canary: request")]
+    assert (
+        f"(first at position 0); their blocks are load errors; there the request has token {tokens[0]}, and the prefill "
+        f"side's records that landed say token {tokens[size]} at position {size}" in said
+    ), said

@@ -52,9 +52,10 @@ class PendingLoad:
 @dataclass
 class LandedLoad:
     """D: a load that landed and that no step has read yet: its slots from prompt position
-    ``start`` on, and whether they were compared with records of P's."""
+    ``start`` on and the request's tokens there, and whether they were compared with records of P's."""
 
     slots: np.ndarray
+    tokens: list[int]
     start: int
     compared: bool
 
@@ -235,7 +236,8 @@ class NixlWorker:
         batch = LandingBatch(landing, self.block_size)
         self._verify(port, batch)
         for pending, slots in zip(landing, batch.request_slots):
-            self._landed[pending.load.request_id] = LandedLoad(slots, pending.load.start, pending.remote is not None)
+            load = pending.load
+            self._landed[load.request_id] = LandedLoad(slots, load.tokens[load.start : load.end], load.start, pending.remote is not None)
         self.verify_seconds += time.perf_counter() - begin
         before, self.verified_requests = self.verified_requests, self.verified_requests + len(landing)
         if before // TIMES_EVERY != self.verified_requests // TIMES_EVERY:
@@ -278,10 +280,21 @@ class NixlWorker:
                 continue
             logger.warning(
                 "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
-                "at their first read (first at position %d); their blocks are load errors",
-                request_id, len(bad), len(landed.slots), landed.start + int(bad[0]),
+                "at their first read (first at position %d); their blocks are load errors; %s",
+                request_id, len(bad), len(landed.slots), landed.start + int(bad[0]), self._first_difference(landed, int(bad[0])),
             )  # fmt: skip
         return failed
+
+    def _first_difference(self, landed: LandedLoad, index: int) -> str:
+        """What the request expects at its ``index``-th landed slot and what P's rows that
+        landed there say: a block landed shifted reads as another position, another
+        request's KV as another token (read on the host: a failure's path alone)."""
+        row = self.region.read(torch.tensor([int(landed.slots[index])]))[0, 0].tolist()
+        token, position = row[FIELDS.index("token")], row[FIELDS.index("position")]
+        return (
+            f"there the request has token {landed.tokens[index]}, and the prefill side's records that landed say "
+            f"token {token} at position {position}"
+        )
 
     def forget(self, request_ids) -> None:
         """D: requests vLLM finished (or aborted) before a step read what landed for them."""
