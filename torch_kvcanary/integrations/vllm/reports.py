@@ -65,13 +65,13 @@ class Reports:
 
 
 _UNREPAIRABLE = (
-    "kv-canary: {setting} hands vLLM the blocks whose bytes alone are wrong; a wrong position, token, chain or owner "
-    "(vLLM's block table, slot mapping or token history disagree with what was written), or a violation the ring "
-    "dropped, is not one vLLM's scheduler can see or fix, so the step stops"
+    "kv-canary: {setting} hands vLLM the blocks whose bytes alone are wrong, and the blocks of the requests of the step "
+    "that read through a wrong mapping; a violation the ring dropped, or one of no request of the step (a wrong position, "
+    "token, chain or owner outside the step's reads), names no request vLLM's scheduler could fail or recompute, so the step stops"
 )
 
 
-def _byte_only(violation: Violation) -> bool:
+def byte_only(violation: Violation) -> bool:
     """Whether only the slot's bytes failed (its fold), with its token, position and chain intact."""
     return violation.kind == ViolationKind.VERIFY and violation.reasons == FailReason.VERIFY_REAL_KV_HASH_MISMATCH
 
@@ -81,15 +81,18 @@ def violation_line(violation: Violation, requests: list[str]) -> str:
     return f"{violation.line(LAUNCH_TAG)} request_id={','.join(requests) or 'none'}"
 
 
-def report(policy: str, violations: list[Violation], lines: dict[int, str], dropped: int, reports: Reports) -> None:
+def report(
+    policy: str, violations: list[Violation], lines: dict[int, str], dropped: int, reports: Reports, *, misreads_taken: bool = False
+) -> None:
     """The policy over one line per slot (``lines``, by slot) of a poll's ``violations``,
     ``dropped`` of them lost to a full ring: under "log" only the slots detected for the
     first time, the others counted into ``reports``. Under repair and quarantine the
-    connector reports the flagged blocks to vLLM, and the violations are logged as under
-    "log", unless one is not byte-only (or the ring dropped some, which might be): vLLM's
-    scheduler cannot see a wrong position, token, chain or owner (its own block table, slot
-    mapping or token history disagree with what was written), so they stop the step as
-    under "raise". With no violation (another tensor-parallel rank found some; the ranks
+    connector reports blocks to vLLM (the flagged blocks of byte-only violations; for a
+    read through a wrong mapping, a block of the request that read, which the connector
+    took on: ``misreads_taken``), and the violations are logged as under "log"; a violation
+    that is not byte-only and was not taken on (or one the ring dropped, which might be
+    such) names no request vLLM's scheduler could act on, so it stops the step as under
+    "raise". With no violation (another tensor-parallel rank found some; the ranks
     poll together), under "raise" this rank stops too, with a line saying where to look."""
     if not violations:
         if policy == "raise":
@@ -100,7 +103,7 @@ def report(policy: str, violations: list[Violation], lines: dict[int, str], drop
         return
     applied = policy
     if policy in CONNECTOR_POLICIES:
-        unrepairable = dropped or not all(_byte_only(v) for v in violations)
+        unrepairable = dropped or not (misreads_taken or all(byte_only(v) for v in violations))
         applied = "raise" if unrepairable else "log"
         if unrepairable:
             lines = {-1: _UNREPAIRABLE.format(setting=f"{POLICY_ENV}={policy}"), **lines}
@@ -158,7 +161,7 @@ def step_path(worker) -> str:
     else:
         calls = "one kvcanary::paged_step call a step, after the forward"
     groups = f"{len(worker.groups)} KV cache group{'s' * (len(worker.groups) != 1)}"
-    now = worker.connector is not None or worker.canary.device.type == "cpu"
+    now = worker.waits_for_verdicts or worker.canary.device.type == "cpu"
     return f"step path: {calls}, over {groups}; verdicts read {'at once' if now else 'once the device has finished the step'}"
 
 

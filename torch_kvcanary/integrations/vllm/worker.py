@@ -16,7 +16,7 @@ from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
 from .config import CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
-from .reports import LAUNCH_TAG, Reports, report, start_line, violation_line
+from .reports import LAUNCH_TAG, Reports, byte_only, report, start_line, violation_line
 from .step_buffers import StepRows, TokenCopy
 from .worker_port import WorkerPort
 
@@ -126,17 +126,21 @@ class WorkerCanary:
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
         self._flagged = self._no_slots  # the slots verify flagged in the last step read
+        self._misreads: list[Violation] = []  # the current step's reads through a wrong mapping (`step_misreads`)
+        self._step = -1  # the current step's number
         self.step_forward: adapter.Step | None = None  # the current step's forward, once read
         mla = any(b in layouts.VLLM_MLA_BACKENDS for b in backends)
         self.port = WorkerPort(self, head_views=head_views, mla=mla)
         if self.connector is not None:
             self.connector.attach(self.port)
+        # Each step waits for its verdict where the connector acts on it in that step.
+        self.waits_for_verdicts = self.connector is not None and self.connector.needs_step_verdicts()
         copy_bytes = 0 if self._token_copy is None else self._token_copy.nbytes
         logger.info("%s", start_line(self, layout, token_copy_bytes=copy_bytes, scratch_bytes=self._paged.scratch.nbytes))
 
     def _check_release(self) -> None:
         """Refuses a policy that can stop the step (all but log: raise on any violation,
-        repair and quarantine on a wrong mapping) under tensor parallelism on a vLLM release
+        repair and quarantine on one that names no request of the step) under tensor parallelism on a vLLM release
         whose engine hangs rather than ends when one rank raises (`adapter.Release`)."""
         if self.policy == "log" or self.runner_view.tensor_parallel_size == 1:
             return
@@ -196,7 +200,7 @@ class WorkerCanary:
         """Before the forward: read the step's rows and, under a block-packed backend,
         verify what the forward rewrites. ``read_step`` returns the forward's `adapter.Step`.
         None when the canary is off (or has just turned off)."""
-        self._flagged = self._no_slots
+        self._flagged, self._misreads = self._no_slots, []
         if not self.on:
             return None
         try:
@@ -218,6 +222,12 @@ class WorkerCanary:
     def stats(self) -> dict[str, int]:
         """The canary's counters (`KvCanary.stats`)."""
         return self.canary.stats()
+
+    def step_misreads(self) -> list[Violation]:
+        """The current step's violations that are not byte-only (a read through a wrong
+        mapping, `reports.byte_only`), each of a request of the step (`Violation.row`), once
+        the connector's policy took them on (`_report`); empty otherwise."""
+        return self._misreads
 
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step (int64, on the canary's
@@ -245,7 +255,7 @@ class WorkerCanary:
         """The step's rows for its call (O(requests) NumPy on the host), the records of the
         blocks vLLM copied, and under a block-packed backend the call before the forward."""
         run = _StepRun(self._steps, forward, self._token_history(forward), self._rows.fill(forward))
-        self.step_forward = forward
+        self.step_forward, self._step = forward, run.number
         self._names[run.number] = forward.request_ids
         self._names.pop(run.number - _NAMED_STEPS, None)
         if len(forward.block_copies):
@@ -288,7 +298,7 @@ class WorkerCanary:
         if self.reports.logged:  # only once a violation was logged: the slots the forward rewrote
             self.reports.rewritten([s for g in self.groups for s in g.slot_mapping[: run.num_tokens].tolist()])
         self._steps += 1
-        self._read_verdicts(wait=self.connector is not None)
+        self._read_verdicts(wait=self.waits_for_verdicts)
         summary = self.reports.summary(time.monotonic())
         if summary is not None:
             logger.warning("%s", summary)
@@ -296,8 +306,8 @@ class WorkerCanary:
     def _read_verdicts(self, *, wait: bool) -> None:
         """Reads the canary's violations when the mailbox shows new ones (`PagedStep`: on the
         CPU at once; on a device once it has finished the step, so a step's verdict may come
-        a step later), and with ``wait`` (the repair connector needs each step's verdict)
-        every step, waiting for the device. A violation-free step reads one host word."""
+        a step later), and with ``wait`` (the connector acts on each step's verdict in that
+        step: `KvCanaryConnector.needs_step_verdicts`) every step, waiting for the device. A violation-free step reads one host word."""
         if not wait and self._paged.violations == self._violations_seen:
             return
         self._violations_seen = self._paged.violations
@@ -345,7 +355,20 @@ class WorkerCanary:
         dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
         if self.connector is not None:
             self.connector.count_violations(violations)
-        report(self.policy, violations, lines, dropped, self.reports)
+        report(self.policy, violations, lines, dropped, self.reports, misreads_taken=self._take_misreads(violations, dropped))
+
+    def _take_misreads(self, violations: list[Violation], dropped: int) -> bool:
+        """Under the connector's policies, whether the connector takes on the poll's
+        violations that are not byte-only (`step_misreads`): each a verify of a request of
+        the current step, and none lost to a full ring (whose requests are unknown)."""
+        if self.policy not in CONNECTOR_POLICIES or dropped:
+            return False
+        misreads = [v for v in violations if not byte_only(v)]
+        rows = len(self.step_forward.request_ids) if self.step_forward is not None else 0
+        if not all(v.kind == ViolationKind.VERIFY and v.step == self._step and 0 <= v.row < rows for v in misreads):
+            return False
+        self._misreads = misreads
+        return True
 
 
 def _is_canary_connector(connector) -> bool:

@@ -82,6 +82,60 @@ class WorkerPort:
         slots = torch.from_numpy(np.unique(np.concatenate(stale)).astype(np.int64)).to(self._canary.device)
         self._canary.invalidate(slots[(slots != adapter.NULL_SLOT) & (slots < self._canary.capacity)])
 
+    def misread_blocks(self, block_size: int) -> tuple[set[int], set[int]]:
+        """For each request of the step with a read through a wrong mapping (a violation that
+        is not byte-only, of a request whose block-table row differs from the blocks the
+        scheduler gave it, which Model Runner V1's request state keeps), the slots so read,
+        and the block to report in their place: the request's last block of context before
+        the step, which vLLM's load-error rule looks at (a running request's blocks below
+        its context before the step) and which fails or rolls back this request.
+
+        When the context ends inside that block the block is the request's alone (vLLM
+        shares full blocks only). When it ends at a block boundary the block may be a
+        prefix-cache hit other requests hold. Under repair it is reported all the same: the
+        others are rolled back to their context and compute the step again, which changes
+        no answer. Under quarantine reporting it would fail them too, so it is left for the
+        request's next step: its row still holds the wrong entry, the next read through it
+        is flagged again, and by then its context ends past that block.
+
+        Under repair the request's row is set back to the scheduler's blocks, so that vLLM's
+        recompute reads the right ones. Where the row equals the scheduler's blocks the
+        request read what vLLM gave it, so the flagged block itself is wrong (its bytes or
+        records), and it is reported as flagged, like a byte fault. The records of what
+        each request with a wrong row wrote in the step are broken: it computed them from
+        the wrong context."""
+        misreads = self._worker.step_misreads()
+        if not misreads:
+            return set(), set()
+        worker = self._worker
+        forward = worker.step_forward
+        states = worker.model_runner.requests
+        by_reader: dict[tuple[int, int], list[int]] = {}
+        for violation in misreads:
+            by_reader.setdefault((violation.group, violation.row), []).append(violation.slot)
+        misread, readers, spoiled = set(), set(), []
+        for (group_index, row), slots in by_reader.items():
+            group = worker.groups[group_index]
+            request_id = forward.request_ids[row]
+            own = [int(block) for block in states[request_id].block_ids[group.index]]
+            if group.row_blocks(row).tolist() == own:
+                continue
+            misread.update(slots)
+            if self.policy == "repair":
+                group.block_table.add_row(own, row)
+            context, written = int(forward.num_computed[row]), int(forward.num_scheduled[row])
+            positions = np.arange(context, context + written)
+            spoiled.append(np.asarray(own, dtype=np.int64)[positions // block_size] * block_size + positions % block_size)
+            if context == 0:
+                continue  # nothing of the cache was read but what the step wrote; its next read is checked again
+            last = own[(context - 1) // block_size]
+            if self.policy == "quarantine" and _held_by_others(states, request_id, group.index, last):
+                continue
+            readers.add(last)
+        if spoiled:
+            self.break_records(torch.from_numpy(np.concatenate(spoiled)))
+        return misread, readers
+
     def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
         """A context slot of a request of the input batch in the first watched group, and the
         first element of its bytes in the canary's first source (a view into the KV cache)."""
@@ -138,3 +192,9 @@ class WorkerPort:
 
     def break_records(self, slots: torch.Tensor, where: torch.Tensor | None = None, *, just_recorded: bool = False) -> None:
         self._canary.invalidate(slots.to(self._canary.device, torch.int64), where=where, refold=not just_recorded)
+
+
+def _held_by_others(states: dict, request_id: str, group: int, block: int) -> bool:
+    """Whether a request other than ``request_id`` holds ``block`` in KV cache group ``group``
+    (``states``: Model Runner V1's request states, by request id)."""
+    return any(block in state.block_ids[group] for other, state in states.items() if other != request_id)

@@ -25,7 +25,6 @@ from connector_driver import Reported, _greedy, _metric, _worker_connector, conn
 from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
 from vllm_serve import Server  # noqa: E402
 
-import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary.integrations.vllm import config, connector, plugin, worker  # noqa: E402
 
 
@@ -35,9 +34,10 @@ def _prompts(seed: int) -> list[list[int]]:
     return [prefix + random_tokens(rng, 40 + 17 * i) for i in range(3)]
 
 
-def _run_to_end(driver: Driver, max_steps: int = 400) -> dict[str, object]:
-    """Steps until every request of ``driver`` has finished: their final outputs by our id."""
-    done = {}
+def _run_to_end(driver: Driver, max_steps: int = 400, done: dict | None = None) -> dict[str, object]:
+    """Steps until every request of ``driver`` has finished (``done``: those that have, by our
+    id): their final outputs by our id."""
+    done = dict(done or {})
     for _ in range(max_steps):
         for output in driver.step():
             if output.finished:
@@ -195,31 +195,111 @@ def test_repair_recomputes_a_shared_prefix_block_for_every_reader(repair_engine,
     llm.reset_prefix_cache()
 
 
-def test_a_mapping_violation_under_repair_stops_the_step(repair_engine):
-    # A block-table entry pointing at another request's block: every byte intact, so vLLM's
-    # scheduler, which maps blocks by that same table, could not repair it.
-    llm, lines, _ = repair_engine
+def _a_wrong_block_entry(llm, lines, reported: Reported, label: str):
+    """Three decoding requests, the first's block-table entry 1 pointed at the second's block 1
+    for one step (bytes intact, vLLM's scheduler unaware): the step goes on; the connector
+    reports a block of the first request's own, never the block it read; the answers by
+    request, against a clean run's, and the violations counted in /metrics by that step."""
     rng = random.Random(14)
-    prompts = [random_tokens(rng, 75) for _ in range(2)]
-    driver = decoding(llm, lines, "mapping", prompts, [_greedy(200) for _ in range(2)])
-    victim, other = driver.ids
+    prompts = [random_tokens(rng, 75 + 9 * i) for i in range(3)]
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    driver = decoding(llm, lines, label, prompts, [_greedy(60) for _ in prompts])
+    reader, owner, _ = driver.ids
     state = plugin.active()
-    row = driver.rows()[driver.internal_id(victim)]
-    own = state.block_table.block_table.np[row, 1]
-    state.block_table.block_table.np[row, 1] = driver.blocks(other)[1]
-    try:
-        with pytest.raises(Exception) as raised:
-            driver.step()
-    finally:
-        state.block_table.block_table.np[row, 1] = own
-    error = raised.value
-    while error is not None and not isinstance(error, kc.KvCorruptionError):
-        error = error.__cause__ or error.__context__
-    assert isinstance(error, kc.KvCorruptionError), f"{type(raised.value).__name__} did not come from a KvCorruptionError"
-    assert error.lines[0].startswith("kv-canary: KVCANARY_VLLM=repair hands vLLM the blocks whose bytes alone are wrong; a wrong position")
-    assert any("verify_token" in line and driver.internal_id(victim) in line for line in error.lines[1:])
-    assert state.on  # a violation, not a fault of the canary's own
+    row = driver.rows()[driver.internal_id(reader)]
+    own, read = driver.blocks(reader), driver.blocks(owner)[1]
+    context = driver.context(reader)
+    counted = _metric("vllm:kv_canary_violations_total", reason="verify_token")
+    reported.take()
+    state.block_table.block_table.np[row, 1] = read
+    ended = {o.request_id: o for o in driver.step() if o.finished}  # raises nothing; under quarantine the reader ends here
+    assert reported.take() == {own[(context - 1) // BLOCK_SIZE]}  # the reader's last block of context, not the owner's
+    assert _metric("vllm:kv_canary_violations_total", reason="verify_token") > counted  # sent by the step that found it
+    assert {r for _, _, requests in parse_violations(lines.take()) for r in requests} == {driver.internal_id(reader)}
+    outputs = {**ended, **_run_to_end(driver, done=ended)}
+    # The engine serves the next request.
+    (after,) = llm.generate([{"prompt_token_ids": prompts[2]}], _greedy(8), use_tqdm=False)
+    assert list(after.outputs[0].token_ids) == list(clean[2][:8])
+    assert state.on
+    return driver, outputs, clean
+
+
+def _a_wrong_entry_after_a_prefix_hit(llm, lines, reported: Reported, monkeypatch):
+    """A reader whose context before its first step is a prefix-cache hit of two blocks that
+    a running request (the sharer) holds too, its entry 0 pointed at a third request's block
+    in that step: the context ends at a block boundary, in a block the sharer holds. The
+    answers by request, a clean run's, and every block reported."""
+    rng = random.Random(19)
+    prefix = random_tokens(rng, 2 * BLOCK_SIZE)
+    prompts = [prefix + random_tokens(rng, 30), random_tokens(rng, 70), prefix + random_tokens(rng, 20)]
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(40), use_tqdm=False)]
+    llm.reset_prefix_cache()
+    driver = decoding(llm, lines, "hit", prompts[:2], [_greedy(40)] * 2)
+    sharer, owner = driver.ids
+    reader = driver.add(prompts[2], _greedy(40))
+    state, pointed = plugin.active(), []
+    update_states = state.model_runner._update_states
+
+    def pointing(scheduler_output):
+        result = update_states(scheduler_output)
+        rows = driver.rows()
+        row = next((rows[r] for r in rows if r.rsplit("-", 1)[0] == reader), None)
+        if row is not None and not pointed:
+            assert driver.context(reader) == 2 * BLOCK_SIZE  # the hit, about to be read
+            pointed.extend([driver.blocks(owner)[0], driver.blocks(sharer)[:2]])
+            state.block_table.block_table.np[row, 0] = pointed[0]
+        return result
+
+    reported.take()
+    with monkeypatch.context() as patched:
+        patched.setattr(state.model_runner, "_update_states", pointing)
+        ended = {o.request_id: o for o in driver.step() if o.finished}
+    assert pointed and {r for _, _, requests in parse_violations(lines.take()) for r in requests} == {driver.internal_id(reader)}
+    outputs = {**ended, **_run_to_end(driver, done=ended)}
     lines.take()
+    llm.reset_prefix_cache()
+    return [outputs[r] for r in (sharer, owner, reader)], clean, reported.take(), pointed[1]
+
+
+def test_a_wrong_block_entry_under_repair_recomputes_the_reader_alone(repair_engine, monkeypatch):
+    llm, lines, _ = repair_engine
+    driver, outputs, clean = _a_wrong_block_entry(llm, lines, Reported(monkeypatch, _worker_connector()), "mapping")
+    # The worker's row was set back to the scheduler's blocks; every answer is a clean run's.
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    assert lines.take() == []
+    llm.reset_prefix_cache()
+    # After a prefix hit the block reported is the shared one: its other holder computes its step again.
+    outputs, clean, reported, shared = _a_wrong_entry_after_a_prefix_hit(
+        llm, lines, Reported(monkeypatch, _worker_connector()), monkeypatch
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == clean
+    assert reported == {shared[1]}
+
+
+def _polls(llm, monkeypatch) -> int:
+    """How many times the worker read the canary's verdicts while three clean requests ran."""
+    state, polls = plugin.active(), []
+    poll = state.canary.poll
+    monkeypatch.setattr(state.canary, "poll", lambda: polls.append(1) or poll())
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(18)], _greedy(8), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+    llm.reset_prefix_cache()
+    return len(polls)
+
+
+def test_under_repair_each_step_waits_for_its_verdict(repair_engine, monkeypatch):
+    # The connector reports the step's blocks right after its forward: at least one read a step.
+    assert plugin.active().waits_for_verdicts
+    assert _polls(repair_engine[0], monkeypatch) >= 8
+
+
+def test_under_log_a_clean_step_reads_no_verdict_with_the_connector_configured(tiny_llama, monkeypatch):
+    # Nothing acts on a step's verdict at once: a violation-free step reads the mailbox's word alone.
+    with connector_engine(tiny_llama, "log") as (llm, _, _):
+        assert isinstance(plugin.active().connector, connector.KvCanaryConnector)
+        assert not plugin.active().waits_for_verdicts
+        assert _polls(llm, monkeypatch) == 0
 
 
 # Drills ---------------------------------------------------------------------------------
@@ -277,6 +357,23 @@ def test_quarantine_fails_only_the_affected_request(tiny_llama, monkeypatch):
         # The engine keeps serving.
         (after,) = llm.generate([{"prompt_token_ids": _prompts(17)[0]}], _greedy(8), use_tqdm=False)
         assert len(after.outputs[0].token_ids) == 8
+
+
+def test_a_wrong_block_entry_under_quarantine_fails_the_reader_alone(tiny_llama, monkeypatch):
+    with connector_engine(tiny_llama, "quarantine") as (llm, lines, _):
+        failed = _metric("vllm:kv_canary_requests_failed_total")
+        driver, outputs, clean = _a_wrong_block_entry(llm, lines, Reported(monkeypatch, _worker_connector()), "mapping")
+        reader, *others = driver.ids
+        assert outputs[reader].outputs[0].finish_reason == "error"
+        assert [outputs[r].outputs[0].token_ids for r in others] == clean[1:]
+        assert _metric("vllm:kv_canary_requests_failed_total") - failed == 1
+        # After a prefix hit the shared block is not reported: the reader fails at its next read, alone.
+        reported = Reported(monkeypatch, _worker_connector())
+        (sharer, owner, reader), clean, blocks, shared = _a_wrong_entry_after_a_prefix_hit(llm, lines, reported, monkeypatch)
+        assert reader.outputs[0].finish_reason == "error"
+        assert [sharer.outputs[0].token_ids, owner.outputs[0].token_ids] == clean[:2]
+        assert len(blocks) == 1 and not blocks & set(shared)
+        assert _metric("vllm:kv_canary_requests_failed_total") - failed == 2
 
 
 # Preconditions --------------------------------------------------------------------------

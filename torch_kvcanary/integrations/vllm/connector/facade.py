@@ -7,8 +7,10 @@ whose context holds such a block back to the start of its first bad block, drops
 it sampled in that step and recomputes the blocks in place; with ``"fail"`` it ends those
 requests with an error and drops the bad blocks and those after them from the prefix cache.
 Under ``KVCANARY_VLLM=repair`` or ``quarantine`` this connector reports the blocks of the
-slots the canary flagged in the step (byte-only violations: the plugin stops the step on
-any other, see `worker.WorkerCanary`).
+slots the canary flagged in the step where their bytes alone are wrong, and for a request
+that read through a wrong mapping (a block-table entry pointing at a block vLLM's scheduler
+did not give it there) a block of that request's own, never the block it read
+(`CanaryPort.misread_blocks`): vLLM then fails or recomputes that request alone.
 
 It is configured the vLLM way, and the plugin registers it with vLLM's connector factory::
 
@@ -115,6 +117,12 @@ class KvCanaryConnector(InnerDelegate):
         """Called by the plugin with each step's violations."""
         self.stats.add_violations(violations)
 
+    def needs_step_verdicts(self) -> bool:
+        """Whether each step's verdict is acted on in that step (the worker then waits for
+        it): to report its blocks (repair, quarantine), to catch drills, or to judge what a
+        transfer landed. Under log or raise without them, nothing needs it at once."""
+        return self._reports_blocks() or self.drill is not None or self._verifier is not None
+
     def _reports_blocks(self) -> bool:
         return self.port is not None and self.port.policy in CONNECTOR_POLICIES
 
@@ -190,13 +198,21 @@ class KvCanaryConnector(InnerDelegate):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The inner connector's, and under repair or quarantine the blocks of the slots the
-        canary flagged in this step; their records from each affected request's first bad
-        block on are invalidated, so that a request reading them before they are
-        recomputed is flagged too."""
+        canary flagged in this step, with the blocks of the requests that read through a
+        wrong mapping (`CanaryPort.misread_blocks`) in place of the blocks they read; the
+        records of what the bad reads spoiled are invalidated, so that a request reading
+        them before they are recomputed is flagged too."""
         errors = super().get_block_ids_with_load_errors()
         if not self._forward or self.port is None:
             return errors
         flagged = self.port.flagged_slots()
+        if self._reports_blocks():
+            misread, readers = self.port.misread_blocks(self._block_size)
+            if misread:  # the blocks read through a wrong mapping are their owners': not reported
+                flagged = flagged[~torch.isin(flagged, torch.tensor(sorted(misread), dtype=flagged.dtype, device=flagged.device))]
+            if self.port.policy == "repair":
+                self.stats.data["blocks_repaired"] += len(readers - errors)
+            errors |= readers
         self._catch_drills(flagged)
         if self._verifying():
             flagged_set = set(flagged.tolist()) if flagged.numel() else set()

@@ -50,6 +50,16 @@ class CanaryPort(Protocol):
         (from each affected request's first such block on where reads are verified only every
         few steps), so that verify flags them until a forward rewrites them."""
 
+    def misread_blocks(self, block_size: int) -> tuple[set[int], set[int]]:
+        """The current step's reads through a wrong mapping (a request's block-table entry
+        pointing at a block vLLM's scheduler did not give it there; ``block_size``: the
+        scheduler's): the slots so read, which belong to other requests and are not to be
+        reported, and the blocks to report in their place, each a block the scheduler gave
+        the request that read, so that vLLM fails or recomputes that request and no other.
+        Under repair the worker's block-table rows of those requests are set back to the
+        scheduler's blocks first. The records of what those requests wrote in the step are
+        broken. Empty sets when the step read through no wrong mapping."""
+
     def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
         """A slot a request of the step reads as context, chosen with ``rng``, and a view of
         the first element of its bytes (which every fold reads); None when no request has context."""
