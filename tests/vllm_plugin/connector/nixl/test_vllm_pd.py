@@ -7,11 +7,12 @@ them, with the KV pulled over NIXL and nothing flagged. Then faults, each inject
 plugin of the test's own: a byte flipped in a block on the prefill side after the prefill
 and before the transfer; a byte flipped on the decode side after the transfer; the decode
 side told to read another request's blocks; the decode side's read cut short (a block not
-read); blocks read after P's lease on them expired and P reused them; a load without P's
-records. Under ``repair`` each is named as a load
-error and recomputed, the answer equals the clean one, the decode server keeps serving and
-both servers' /metrics count it; without the canary the same fault changes the answer with
-HTTP 200. `make test-vllm-pd` runs these.
+read); blocks read after P's lease on them expired and P reused them. Under ``repair`` each
+is named as a load error and recomputed, the answer equals the clean one, the decode server
+keeps serving and both servers' /metrics count it; without the canary the same fault changes
+the answer with HTTP 200. A load D cannot compare (no claim of P's records, or a claim of
+another fold mode) is taken unverified: the clean answer, no load error, counted and said
+once. `make test-vllm-pd` runs these.
 """
 
 import os
@@ -337,19 +338,35 @@ def test_each_fault_is_a_load_error_repaired_to_the_clean_answer(fault, clean, c
     _assert_repaired(canary_pair[3], fault, faulted[FAULT_PROMPTS[fault]])
 
 
-def test_a_load_without_the_prefill_sides_records_is_a_load_error(clean, canary_pair):
-    """D told that P wrote no records of the request (its params without them): the
-    request's blocks are a load error, repaired."""
-    faulted = clean[1]
-    _, decode, _, faults = canary_pair
-    before = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
-    faults.forget()
-    params = faults.prefilled(FAULTED[4])
-    del params["kv_canary_records"]
-    answer = faults.decoded(FAULTED[4], params)
-    assert _tokens(answer) == faulted[4] and decode.alive()
-    assert decode.metric("vllm:kv_canary_transfer_slots_failed_total") > before
-    assert any("no records of its prefilled KV" in line[3] for line in decode.canary_lines())
+def test_a_load_d_cannot_compare_is_taken_unverified_and_said_once(canary_pair, tiny_llama):
+    """D handed P's params without P's claim of records (a router that rebuilt them), and
+    with a claim of another fold mode (P serving another KVCANARY_VLLM_MODE), each twice:
+    no load is an error (the answer is the clean one, nothing failed or repaired); each is
+    counted unverified under its reason and said once for the prefill engine, with the fix.
+    The clean answer is P's own, served whole (disaggregated or not, a clean answer is the same)."""
+    prefill, decode, _, faults = canary_pair
+    clean_answer = _tokens(complete(prefill.url, tiny_llama, FAULTED[4], MAX_TOKENS))
+    unverified = "vllm:kv_canary_transfers_unverified_total"
+    before = _repair_counts(decode), decode.metric(unverified, reason="no_claim"), decode.metric(unverified, reason="mode_mismatch")
+
+    def dropped(params):
+        del params["kv_canary_records"]
+        return params
+
+    def other_mode(params):
+        params["kv_canary_records"]["mode"] = "partial"
+        return params
+
+    for change in (dropped, dropped, other_mode, other_mode):
+        faults.forget()  # D pulls the whole prompt each time
+        answer = faults.decoded(FAULTED[4], change(faults.prefilled(FAULTED[4])))
+        assert _tokens(answer) == clean_answer and decode.alive()
+    after = _repair_counts(decode), decode.metric(unverified, reason="no_claim"), decode.metric(unverified, reason="mode_mismatch")
+    assert after == (before[0], before[1] + 2, before[2] + 2), (before, after)
+    said = [line for line in decode.canary_lines() if "is taken unverified" in line[3]]
+    assert [line[2] for line in said] == ["WARNING", "WARNING"], said
+    assert "no_claim" in said[0][3] and "mode_mismatch" in said[1][3]
+    assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[1][3]
 
 
 def _fill_kv_cache(server, model) -> None:
