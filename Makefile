@@ -237,7 +237,7 @@ soak-vllm: $(VLLM_VENV)/.built
 # fault is named, every completed answer equals the clean pass's, quarantine fails exactly
 # the corrupted blocks' holders, the counters match the log and the worker stays within
 # 48 MiB. --table-fault then points a block-table entry at another request's block and
-# records what happens (the step stops: reported, not asserted).
+# fails unless the server keeps serving and only that request fails (quarantine) or none (repair).
 CHAOS_ARGS ?= --requests 1000 --policy both --faults 12 --table-fault
 chaos-vllm: $(VLLM_VENV)/.built
 	$(VLLM_BIN)/python tools/vllm_chaos.py $(CHAOS_ARGS)

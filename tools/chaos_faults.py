@@ -14,8 +14,9 @@ step reads), and records what it hit; `chaos_report()` answers the records as JS
 - ``preempted``: one bit of a slot in a block a preempted request held when it was preempted
   and reads again at the step that resumes it (its own block, kept by the prefix cache);
 - ``table``: a block-table entry of a request of the step pointing at another live request's
-  block (every byte intact; the canary's token and chain checks see it, and no policy can
-  repair it: the step stops);
+  block (every byte intact; the canary's token and chain checks see it, and under repair and
+  quarantine the connector reports a block of that request's own: it alone is recomputed or
+  failed);
 - ``handover`` (a prefill server of a P/D pair): one bit of the slot of a prompt's
   next-to-last position, in the step that completes the prompt, after the connector wrote
   the records that travel with its blocks to the decode server: what the decode server

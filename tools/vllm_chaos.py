@@ -24,9 +24,11 @@ injected at the first engine step that has a target of its kind. Then it checks:
 - the clean pass reported nothing;
 - the workload hit the prefix cache, prefilled in chunks and preempted (from /metrics).
 
-`--table-fault` then points one block-table entry at another request's block (no policy can
-repair it: the step stops as under `raise`) and records what happens; the server is expected
-to stop, so this runs last and is reported, not asserted.
+`--table-fault` then points one block-table entry of a request at another request's block,
+while 32 requests of the workload run again, and checks: the server kept serving (/health,
+and a request after the pass); under quarantine exactly the request whose entry was changed
+failed, under repair none; every other answer equals the clean pass's (under repair all of
+them); a violation line names that request; /metrics counts a violation that is not byte-only.
 """
 
 from __future__ import annotations
@@ -230,7 +232,6 @@ class ChaosResult(SoakResult):
     violation_lines: int = 0
     core_growth: int = 0
     start_seconds: float = 0.0
-    table_fault: dict | None = None
     extra_lines: int = 0
 
     def row(self) -> list[str]:
@@ -347,7 +348,7 @@ def _chaos_on(server: Server, result: ChaosResult, prompts, faults: int, kinds: 
         metrics = server.metrics()
         _check(result, server, prompts, clean_tokens, chaotic, log_lines, metrics, clean_metrics)
         if table_fault and alive:
-            _table_fault(result, server, prompts)
+            _table_fault(result, server, prompts, clean_tokens)
 
 
 def check_answers(result: SoakResult, answers: list[dict], clean_tokens: list) -> None:
@@ -502,33 +503,92 @@ def _check(result, server, prompts, clean_tokens, chaotic, log_lines, metrics, c
     result.notes.append(f"faults by kind: {kinds}; counters over the chaos pass: {counted}")
 
 
-def _table_fault(result: ChaosResult, server: Server, prompts) -> None:
-    """One block-table entry pointed at another request's block, while a few requests run:
-    what the canary says and whether the server keeps serving (recorded, not asserted)."""
+def _table_fault(result: ChaosResult, server: Server, prompts, clean_tokens: list) -> None:
+    """One block-table entry pointed at another request's block while 32 requests run again,
+    then a request after them; the checks (`table_fault_problems`) into ``result``."""
+    tag, count = f"table-{result.policy}", 32
     lines_before = len(server.log().splitlines())
+    mapped_before = _mapping_violations(server.metrics())
     collective_rpc(server, "chaos_arm", "table")
-    answers = run_pass(server, prompts[:32], f"table-{result.policy}").answers
-    deadline = time.monotonic() + 30
-    while server.alive() and time.monotonic() < deadline:
-        time.sleep(1.0)
-    new = server.log().splitlines()[lines_before:]
-    injected = [line.split("injected ", 1)[1] for line in new if "kvcanary-chaos: injected" in line]
-    fault = json.loads(injected[0]) if injected else None
-    violations = [VIOLATION.search(line) for line in new]
-    violations = [(m[1], int(m[2]), m[3]) for m in violations if m]
-    stopped = [line.split("] ", 1)[-1] for line in new if "KvCorruptionError" in line or "EngineDeadError" in line]
-    failed = sum(tokens(a) is None for a in answers)
-    named = fault is not None and any(slot // BLOCK_SIZE == fault["points_at"] and fault["request"] in rid for _, slot, rid in violations)
-    result.table_fault = dict(
-        injected=fault, violation_lines=len(violations), first=violations[:1], named=named, failed=failed,
-        alive=server.alive(), process_exited=server._process.poll() is not None, stopped=stopped[:2],
-    )  # fmt: skip
-    result.notes.append(
-        f"table fault: {fault and {k: fault[k] for k in ('request', 'index', 'block', 'points_at', 'owners_of_points_at')}}; "
-        f"{len(violations)} violation lines (first {violations[:1]}), naming the request at the pointed-at block: {named}; "
-        f"{failed} of 32 requests failed; serving 30 s later: {server.alive()} (API server exited: {server._process.poll() is not None}); "
-        f"{stopped[:1]}"
+    chaotic = run_pass(server, prompts[:count], tag)
+    time.sleep(2.0)  # the last steps' log lines and stats reach the log and /metrics
+    log_lines = server.log().splitlines()[lines_before:]
+    counted = _mapping_violations(server.metrics()) - mapped_before
+    after = tokens(complete(server.url, server.model, prompts[0][0], 8, request_id=f"{tag}-after", return_token_ids=True))
+    evidence = TableEvidence(tag, chaotic, clean_tokens[:count], log_lines, counted, server.alive(), after == clean_tokens[0][:8])
+    result.problems += [f"table fault: {p}" for p in table_fault_problems(result.policy, evidence)]
+    result.notes.append(f"table fault: {evidence.summary()}")
+
+
+@dataclass
+class TableEvidence:
+    """What the table fault's pass left: its request ids' ``tag``, the pass, the clean pass's
+    answers to its prompts, the log's lines since it began, the violations /metrics counted
+    under a reason other than the bytes' own, whether the server was alive at the end and
+    whether the request after the pass answered as in the clean pass."""
+
+    tag: str
+    chaotic: Pass
+    clean: list
+    log_lines: list[str]
+    counted: float
+    alive: bool
+    after_answered: bool
+
+    @property
+    def fault(self) -> dict | None:
+        injected = [line.split("injected ", 1)[1] for line in self.log_lines if "kvcanary-chaos: injected" in line]
+        return json.loads(injected[0]) if injected else None
+
+    @property
+    def violations(self) -> list[tuple[str, int, str]]:
+        found = [VIOLATION.search(line) for line in self.log_lines]
+        return [(m[1], int(m[2]), m[3]) for m in found if m]
+
+    def failed(self) -> set[str]:
+        return {f"{self.tag}-{i:05d}" for i, answer in enumerate(self.chaotic.answers) if tokens(answer) is None}
+
+    def summary(self) -> str:
+        fault, violations = self.fault, self.violations
+        keys = ("request", "index", "block", "points_at", "owners_of_points_at")
+        return (
+            f"{fault and {k: fault.get(k) for k in keys}}; {len(violations)} violation lines (first {violations[:1]}); "
+            f"failed {sorted(self.failed())} of {len(self.chaotic.answers)}; {self.counted:.0f} violations not byte-only "
+            f"in /metrics; /health failures {self.chaotic.health_failures}; the next request answered: {self.after_answered}"
+        )
+
+
+def table_fault_problems(policy: str, evidence: TableEvidence) -> list[str]:
+    """The table fault's checks: the server kept serving (/health through the pass, alive at
+    the end, the next request answered); under quarantine exactly the request whose entry was
+    changed failed, under repair none; every other answer (under repair every answer) equals
+    the clean pass's; a violation line names that request; /metrics counted a violation that
+    is not byte-only."""
+    fault = evidence.fault
+    if fault is None:
+        return ["the table fault found no target"]
+    reader = user_id(fault["request"])
+    answers, clean = evidence.chaotic.answers, evidence.clean
+    # Under repair the reader is recomputed, so its answer is compared too.
+    compared = [i for i in range(len(answers)) if policy == "repair" or f"{evidence.tag}-{i:05d}" != reader]
+    differing = [i for i in compared if tokens(answers[i]) != clean[i]]
+    expected_failed = {reader} if policy == "quarantine" else set()
+    named = any(fault["request"] in requests.split(",") for _, _, requests in evidence.violations)
+    checks = (
+        ("the server stopped serving", evidence.chaotic.health_failures or not evidence.alive, evidence.chaotic.health_failures),
+        ("the request after the pass did not answer as in the clean pass", not evidence.after_answered, None),
+        (f"the failed requests are not exactly {sorted(expected_failed)}", evidence.failed() != expected_failed, sorted(evidence.failed())),
+        ("answers failed or differing from the clean pass's", differing, differing),
+        ("no violation line names the request whose entry was changed", not named, evidence.violations[:1]),
+        ("/metrics counted no violation that is not byte-only", evidence.counted <= 0, evidence.counted),
     )
+    return [f"{what}: {got}" for what, bad, got in checks if bad]
+
+
+def _mapping_violations(metrics: str) -> float:
+    """The violations /metrics counts under a reason other than the bytes' own."""
+    family = _metric_family(metrics, "vllm:kv_canary_violations_total")
+    return sum(value for labels, value in family.items() if 'reason="verify_real_kv_hash"' not in labels)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -537,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", choices=("repair", "quarantine", "both"), default="both")
     parser.add_argument("--faults", type=int, default=12)
     parser.add_argument("--kinds", default=",".join(FLIP_KINDS), help="fault kinds armed in turn (single, shared, preempted)")
-    parser.add_argument("--table-fault", action="store_true", help="last, point a block-table entry at another request's block")
+    parser.add_argument("--table-fault", action="store_true", help="last, point a block-table entry at another request's block (checked)")
     parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
     args = parser.parse_args(argv)
     kinds = tuple(args.kinds.split(","))

@@ -13,7 +13,18 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from random_models import VOCAB_SIZE  # noqa: E402
-from vllm_chaos import FLIP_KINDS, ChaosResult, Pass, _check, chaos, install_chaos_plugin, report, user_id  # noqa: E402
+from vllm_chaos import (  # noqa: E402
+    FLIP_KINDS,
+    ChaosResult,
+    Pass,
+    TableEvidence,
+    _check,
+    chaos,
+    install_chaos_plugin,
+    report,
+    table_fault_problems,
+    user_id,
+)
 
 REQUESTS, FAULTS = 100, 6
 
@@ -91,6 +102,43 @@ def test_the_quarantine_check_wants_exactly_the_holders_failed():
     assert any("holders" in p for p in _problems("quarantine", prompts, clean, answers, [fault], log, _metrics(1, failed=1)))
     failed_both = [failed_first[0], {"error": 500, "body": "x"}]
     assert any("holders" in p for p in _problems("quarantine", prompts, clean, failed_both, [fault], log, _metrics(1, failed=2)))
+
+
+def _table_evidence(policy, **broken):
+    """What a passing table fault of three requests looks like: request 1's entry pointed at
+    another block, named in a violation line; under quarantine request 1 failed alone."""
+    tag, clean = f"table-{policy}", [[1, 2], [3, 4], [5, 6]]
+    answers = [{"choices": [{"token_ids": t, "finish_reason": "length"}]} for t in clean]
+    if policy == "quarantine":
+        answers[1] = {"choices": [{"token_ids": [3], "finish_reason": "error"}]}
+    injected = f'(Worker pid=1) INFO kvcanary-chaos: injected {{"request": "cmpl-{tag}-00001-0-abcdef12", "points_at": 7}}'
+    fields = dict(
+        tag=tag, chaotic=Pass(answers, 1.0), clean=clean, log_lines=[injected, _violation(224, f"{tag}-00001", reason="verify_token")],
+        counted=32.0, alive=True, after_answered=True,
+    )  # fmt: skip
+    return TableEvidence(**{**fields, **broken})
+
+
+@pytest.mark.parametrize("policy", ["repair", "quarantine"])
+def test_the_table_fault_checks_pass_clean_evidence_and_fail_each_broken_one(policy):
+    assert table_fault_problems(policy, _table_evidence(policy)) == []
+    other = {"choices": [{"token_ids": [5, 9], "finish_reason": "length"}]}
+    answers = _table_evidence(policy).chaotic.answers
+    broken = {
+        "found no target": dict(log_lines=[]),
+        "stopped serving": dict(alive=False),
+        "did not answer": dict(after_answered=False),
+        "differing": dict(chaotic=Pass([*answers[:2], other], 1.0)),
+        "names the request": dict(log_lines=_table_evidence(policy).log_lines[:1]),
+        "counted no violation": dict(counted=0.0),
+    }
+    for expected, fields in broken.items():
+        problems = table_fault_problems(policy, _table_evidence(policy, **fields))
+        assert any(expected in p for p in problems), (expected, problems)
+    # Quarantine fails the reader alone, repair no request.
+    failed = {"choices": [{"token_ids": [1], "finish_reason": "error"}]}
+    problems = table_fault_problems(policy, _table_evidence(policy, chaotic=Pass([failed, *answers[1:]], 1.0)))
+    assert any("the failed requests are not exactly" in p for p in problems), problems
 
 
 @pytest.fixture(scope="module")
