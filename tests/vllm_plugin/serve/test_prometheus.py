@@ -5,12 +5,15 @@
 flipped in a cached block (tools/vllm_metrics_capture.py's fault plugin), which ``repair``
 heals, takes KvCanaryCorruptionRepaired, a warning, from inactive to firing while every other
 alert stays inactive (nothing pages), the recording rules give the counts the server
-exported, and every dashboard panel's PromQL answers with data. `make test-prometheus` runs it.
+exported, and every dashboard panel's PromQL answers with data; then a block-table entry
+pointed at another request's block (tools/chaos_faults.py's ``table`` fault) leaves the server
+serving and pages once, KvCanaryMappingViolation. `make test-prometheus` runs it.
 
 Prometheus scrapes and evaluates every second and loads a copy of the rules whose alerts'
 ``for`` is one second (the shipped durations are minutes); the expressions are the shipped ones.
 """
 
+import concurrent.futures
 import json
 import math
 import shutil
@@ -26,8 +29,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-prometheus runs these tests in the vLLM venv")
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make test-prometheus runs these tests in the vLLM venv")
 
+from vllm_chaos import install_chaos_plugin  # noqa: E402
 from vllm_metrics_capture import PROMPT, connector_server, flip, read_flipped  # noqa: E402
-from vllm_serve import free_ports, install_flip_plugin, stop  # noqa: E402
+from vllm_serve import collective_rpc, free_ports, install_flip_plugin, stop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 RULES = REPO / "deploy/prometheus/kv_canary.rules.yml"
@@ -149,8 +153,8 @@ def _alert_names() -> set[str]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory):
-    """A `vllm serve` with the fault plugin and a Prometheus scraping it, both stopped after the module."""
-    site = install_flip_plugin(tmp_path_factory.mktemp("site"))
+    """A `vllm serve` with the fault plugins and a Prometheus scraping it, both stopped after the module."""
+    site = install_chaos_plugin(install_flip_plugin(tmp_path_factory.mktemp("site")))
     with (
         connector_server(tiny_llama, site) as server,
         Prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{server.port}") as prometheus,
@@ -215,3 +219,20 @@ def test_every_dashboard_panel_answers_with_data(stack):
         answer = prometheus.query(_expr(target))
         assert answer, f"panel {title!r}: no data for {target['expr']}"
         assert all(math.isfinite(value) for value in answer.values()), (title, answer)
+
+
+def test_a_mapping_fault_pages_once(stack):
+    server, prometheus = stack
+    collective_rpc(server, "chaos_arm", "table")
+    prompts = [list(range(120 + 90 * i, 160 + 90 * i)) for i in range(4)]  # past a block each: a full block to point elsewhere
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda prompt: server.complete(prompt, 16), prompts))
+    assert all("error" not in answer for answer in answers), answers  # repair recomputes the reader
+    assert "error" not in server.complete(PROMPT[:20], 4) and server.alive()
+    mapped = lambda: sum(server.metric("vllm:kv_canary_violations_total", reason=r) for r in ("verify_token", "verify_chain_hash"))  # noqa: E731
+    prometheus.wait_for(lambda: mapped() >= 1, "the server counting the mapping violation")
+
+    firing = {"KvCanaryMappingViolation"}
+    prometheus.wait_for(lambda: _if_firing(prometheus.alert_states(), firing), f"{firing} firing")
+    pages = prometheus.query('ALERTS{alertstate="firing", severity="critical"}')
+    assert [dict(labels)["alertname"] for labels in pages] == ["KvCanaryMappingViolation"], pages
