@@ -1,7 +1,9 @@
 """The chaos soak (tools/vllm_chaos.py) in its short form: 100 requests under `repair`, then
 under `quarantine`, each on a `vllm serve` of its own with the tool's fault injector
 (tools/chaos_faults.py), six faults a policy (flipped bits in a block one request reads, in a
-shared prefix block, in a preempted request's block at its resume). The test fails on any of
+shared prefix block, in a preempted request's block at its resume), then a block-table entry
+pointed at another request's block while 32 requests run (`--table-fault`: the server keeps
+serving, only that request fails under quarantine, none under repair). The test fails on any of
 the tool's checks (`ChaosResult.problems`); the checks themselves are shown to bite on
 made-up evidence first, without a server. `make chaos-vllm` runs 1,000 requests.
 """
@@ -148,7 +150,7 @@ def chaos_site(tmp_path_factory):
 
 @pytest.mark.parametrize("policy", ["repair", "quarantine"])
 def test_a_chaos_soak_is_repaired_or_quarantined_and_named(policy, tiny_llama, chaos_site):
-    result = chaos(tiny_llama, VOCAB_SIZE, policy, REQUESTS, FAULTS, FLIP_KINDS, False, chaos_site)
+    result = chaos(tiny_llama, VOCAB_SIZE, policy, REQUESTS, FAULTS, FLIP_KINDS, True, chaos_site)
     report([result])
     assert result.problems == []
     # What the checks above rest on: every fault armed was injected, each kind at least once.
