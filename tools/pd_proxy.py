@@ -41,23 +41,28 @@ def _post(url: str, body: dict, retry_s: float = 0.0) -> tuple[int, bytes]:
         time.sleep(1.0)
 
 
-def disaggregated(prefill: str, decode: str, body: dict, retry_s: float = 0.0) -> tuple[int, bytes]:
+def disaggregated(prefill: str, decode: str, body: dict, retry_s: float = 0.0, route=None) -> tuple[int, bytes]:
     """One completion through the prefill server then the decode server: (status, body).
-    The prefill server is tried again for ``retry_s`` seconds while it does not answer."""
+    The prefill server is tried again for ``retry_s`` seconds while it does not answer.
+    ``route(body, params)``, where given, is what the decode server is handed instead of the
+    prefill server's ``params`` (a router that rebuilds them)."""
     first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     first.pop("max_completion_tokens", None)
     status, answer = _post(prefill + "/v1/completions", first, retry_s)
     if status != 200:
         return status, answer
     params = json.loads(answer).get("kv_transfer_params")
+    if route is not None:
+        params = route(body, params)
     return _post(decode + "/v1/completions", {**body, "kv_transfer_params": params})
 
 
 class Proxy:
     """The proxy on 127.0.0.1:``port`` (0: a free one) in a thread of this process; it tries
-    a prefill server that does not answer again for ``retry_s`` seconds (a restart)."""
+    a prefill server that does not answer again for ``retry_s`` seconds (a restart); ``route``
+    rewrites the params the decode server is handed (`disaggregated`)."""
 
-    def __init__(self, prefill: str, decode: str, port: int = 0, retry_s: float = 0.0):
+    def __init__(self, prefill: str, decode: str, port: int = 0, retry_s: float = 0.0, route=None):
         urls = (prefill, decode)
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,7 +71,7 @@ class Proxy:
                     self.send_error(404)
                     return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, answer = disaggregated(*urls, body, retry_s)
+                status, answer = disaggregated(*urls, body, retry_s, route)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))

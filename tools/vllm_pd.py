@@ -109,14 +109,37 @@ def pd_server(
     return Server(model, environment, options, prefix=("taskset", "-c", cores[0]) if pinned else ())
 
 
+def claim_dropper(dropped):
+    """A router's rewrite of the params P answered (`Proxy`'s ``route``): for each request
+    ``dropped(body)`` names, they lose the canary's key (P's claim of its records), as a
+    router that rebuilds ``kv_transfer_params`` from the keys it knows does."""
+    from torch_kvcanary.integrations.vllm.connector.nixl import RECORDS_KEY
+
+    def route(body: dict, params: dict) -> dict:
+        return {key: value for key, value in params.items() if key != RECORDS_KEY} if dropped(body) else params
+
+    return route
+
+
 @contextlib.contextmanager
 def pd_pair(
-    model: Path, *, policy: str = "repair", env: dict | None = None, lease_s: int | None = None, tensor_parallel: tuple[int, int] = (1, 1)
+    model: Path,
+    *,
+    policy: str = "repair",
+    env: dict | None = None,
+    lease_s: int | None = None,
+    tensor_parallel: tuple[int, int] = (1, 1),
+    side_env: tuple[dict, dict] = ({}, {}),
+    route=None,
 ):
     """(prefill, decode, proxy), started and then stopped; ``tensor_parallel`` is the
-    (prefill, decode) sides' tensor-parallel sizes."""
+    (prefill, decode) sides' tensor-parallel sizes, ``side_env`` what each side's environment
+    adds to ``env``, ``route`` the proxy's rewrite of the params it hands the decode side."""
     prefill, decode = (
-        pd_server(model, index, policy=policy, env=env, lease_s=lease_s, tensor_parallel=tensor_parallel[index]) for index in (0, 1)
+        pd_server(
+            model, index, policy=policy, env={**(env or {}), **side_env[index]}, lease_s=lease_s, tensor_parallel=tensor_parallel[index]
+        )
+        for index in (0, 1)
     )
     with contextlib.ExitStack() as stack:
         for server in (prefill, decode):  # both start at once: each takes a minute on a core
@@ -124,7 +147,7 @@ def pd_pair(
             stack.push(server)
         for server in (prefill, decode):
             server.wait_healthy()
-        with Proxy(prefill.url, decode.url) as proxy:
+        with Proxy(prefill.url, decode.url, route=route) as proxy:
             yield prefill, decode, proxy
 
 

@@ -12,7 +12,8 @@ is named as a load error and recomputed, the answer equals the clean one, the de
 keeps serving and both servers' /metrics count it; without the canary the same fault changes
 the answer with HTTP 200. A load D cannot compare (no claim of P's records, or a claim of
 another fold mode) is taken unverified: the clean answer, no load error, counted and said
-once. `make test-vllm-pd` runs these.
+once; a pair whose sides fold in two modes, under quarantine behind a router that drops the
+claim from some requests' params, fails none and answers as P alone. `make test-vllm-pd` runs these.
 """
 
 import os
@@ -29,7 +30,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
 
 from random_models import VOCAB_SIZE  # noqa: E402
-from vllm_pd import pd_pair  # noqa: E402
+from vllm_pd import claim_dropper, pd_pair  # noqa: E402
 from vllm_serve import collective_rpc, complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
 
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
@@ -367,6 +368,32 @@ def test_a_load_d_cannot_compare_is_taken_unverified_and_said_once(canary_pair, 
     assert [line[2] for line in said] == ["WARNING", "WARNING"], said
     assert "no_claim" in said[0][3] and "mode_mismatch" in said[1][3]
     assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[1][3]
+
+
+# Of the FAULTED prompts, those whose params the router of the mixed pair rebuilds without P's claim.
+CLAIM_DROPPED = (1, 3, 5)
+
+
+def test_a_pair_in_two_fold_modes_behind_a_router_dropping_the_claim_fails_nothing(tiny_llama):
+    """P folding 16 bytes of each slot (KVCANARY_VLLM_MODE=partial) and D the whole slot (all),
+    under quarantine, behind a router that drops P's claim from some requests' params: no
+    request fails, each answers as P alone serves it; D takes each load unverified, counted
+    under mode_mismatch where the claim arrived and no_claim where it was dropped (each prompt
+    is one load: no two share a block), none compared; each reason said once for the prefill engine."""
+    dropped = {FAULTED[index][0] for index in CLAIM_DROPPED}
+    modes = ({"KVCANARY_VLLM_MODE": "partial"}, {"KVCANARY_VLLM_MODE": "all"})
+    route = claim_dropper(lambda body: body["prompt"][0] in dropped)
+    with pd_pair(tiny_llama, policy="quarantine", side_env=modes, route=route) as (prefill, decode, proxy):
+        answers = [complete(proxy.url, tiny_llama, prompt, MAX_TOKENS) for prompt in FAULTED]
+        alone = [_tokens(complete(prefill.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED]
+        assert [_tokens(answer) for answer in answers] == alone
+        unverified = "vllm:kv_canary_transfers_unverified_total"
+        counts = {reason: decode.metric(unverified, reason=reason) for reason in ("mode_mismatch", "no_claim")}
+        assert counts == {"mode_mismatch": len(FAULTED) - len(CLAIM_DROPPED), "no_claim": len(CLAIM_DROPPED)}, counts
+        assert decode.metric("vllm:kv_canary_transfer_slots_verified_total") == 0
+        assert decode.metric("vllm:kv_canary_requests_failed_total") == decode.metric("vllm:kv_canary_transfer_slots_failed_total") == 0
+        said = [line for line in decode.canary_lines() if "is taken unverified" in line[3]]
+        assert sorted((line[2], "no_claim" in line[3]) for line in said) == [("WARNING", False), ("WARNING", True)], said
 
 
 def _fill_kv_cache(server, model) -> None:
