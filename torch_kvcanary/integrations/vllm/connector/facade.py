@@ -53,7 +53,7 @@ from .checks import check_inner
 from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
 from .port import CanaryPort
-from .stats import OFF, CanaryPromMetrics, CanaryStats
+from .stats import FAILED, OFF, CanaryPromMetrics, CanaryStats
 from .verifier import TRANSPORTS
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -167,7 +167,7 @@ class KvCanaryConnector(InnerDelegate):
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
         self.stats.data["transfer_slots_verified"] += verified
-        self.stats.data["transfer_slots_failed"] += failed
+        self.stats.add_counts({FAILED: {"unknown": failed}})  # failures a verifier found as they landed, not classified
 
     def wait_for_save(self):
         """The inner connector's saves; the verifier then stores or hands over the canary's
@@ -216,7 +216,7 @@ class KvCanaryConnector(InnerDelegate):
         self._catch_drills(flagged)
         if self._verifying():
             flagged_set = set(flagged.tolist()) if flagged.numel() else set()
-            self.stats.data["transfer_slots_failed"] += self._verifier.on_flagged(self.port, flagged_set)
+            self._verifier.on_flagged(self.port, flagged_set)  # the verifier counts them by kind (`take_counts`)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
             self.port.break_from_flagged_blocks(flagged)

@@ -30,13 +30,25 @@ COUNTS = (
 """The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
 from each caught drill's flip to its detection, summed; ``transfer_slots_verified`` and
 ``_failed``: slots an inner connector loaded, verified against the records stored with
-them, and those that failed; ``transfer_slots_handed_over``: a prefill side's, see
-`CanaryPromMetrics`)."""
+them, and those that failed, by kind (`FAILED_KINDS`); ``transfer_slots_handed_over``: a
+prefill side's, see `CanaryPromMetrics`)."""
+FAILED = "transfer_slots_failed"
+FAILED_KINDS = ("bytes", "shifted", "other_request", "no_records", "unknown")
+"""What a failed transfer's slots are counted as (``data[FAILED]`` by kind), read from the
+prefill side's records that landed at the load's first differing slot (`nixl.worker`):
+``bytes``, they say what the request expects there (token, position, chain), so the bytes
+changed; ``shifted``, they hold the request's own token of another position (its blocks
+landed paired with P's off by some blocks); ``other_request``, they hold KV that is not the
+request's (another request's, or an earlier transfer's into that block); ``no_records``,
+the load carried no records of P's to compare with (failed under the strict setting);
+``unknown``, not classified (rows P never wrote; the ExampleConnector transport)."""
 UNVERIFIED = "transfers_unverified"
 UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mismatch")
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
 params carry no claim of the prefill side's records, or a claim of another records format,
 fold mode or KV layout than the decode side's (`nixl.claim`)."""
+LABELLED = {FAILED: FAILED_KINDS, UNVERIFIED: UNVERIFIED_REASONS}
+"""The counts kept by a label's value (``data[name]`` a dict of them): `FAILED` by kind, `UNVERIFIED` by reason."""
 OFF = "canary_off"
 """A state beside the counts: 1 where a worker's canary has turned itself off (a fault of
 its own; it stays off), reported by that worker at every step from then on; workers and
@@ -57,41 +69,48 @@ class CanaryStats(KVConnectorStats):
         self.data = {
             "violations": dict.fromkeys(REASONS, 0),
             **dict.fromkeys(COUNTS, 0),
-            UNVERIFIED: dict.fromkeys(UNVERIFIED_REASONS, 0),
+            **{name: dict.fromkeys(values, 0) for name, values in LABELLED.items()},
             OFF: 0,
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for reason, count in other.data["violations"].items():
             self.data["violations"][reason] = self.data["violations"].get(reason, 0) + count
-        for name in COUNTS:
-            self.data[name] += other.data[name]
-        self.add_counts({UNVERIFIED: other.data.get(UNVERIFIED, {})})
+        self.add_counts({name: other.data[name] for name in COUNTS if name not in LABELLED})
+        self.add_counts({name: other.data.get(name, {}) for name in LABELLED})
         self.data[OFF] = max(self.data.get(OFF, 0), other.data.get(OFF, 0))
         return self
 
     def add_counts(self, counts: dict) -> None:
-        """Adds ``counts`` (a verifier's `take_counts`): a count by its name in `COUNTS`, or by reason under `UNVERIFIED`."""
+        """Adds ``counts`` (a verifier's `take_counts`): a count by its name in `COUNTS`, or
+        by label value under a name of `LABELLED`."""
         for name, count in counts.items():
-            if name == UNVERIFIED:
-                for reason, n in count.items():
-                    self.data[UNVERIFIED][reason] = self.data[UNVERIFIED].get(reason, 0) + n
+            if name in LABELLED:
+                for value, n in count.items():
+                    self.data[name][value] = self.data[name].get(value, 0) + n
             else:
                 self.data[name] += count
 
     def reduce(self) -> dict[str, int | float]:
-        """The line vLLM's stats log prints: the nonzero violation counts, then every counter,
-        then ``kv_canary_off=1`` where a worker's canary is off."""
+        """The line vLLM's stats log prints: the nonzero violation counts, then every counter
+        (those of `LABELLED` in all), then the nonzero counts by label value, then
+        ``kv_canary_off=1`` where a worker's canary is off."""
         violations = {f"kv_canary_violations_{reason}": n for reason, n in self.data["violations"].items() if n}
-        unverified = {f"kv_canary_{UNVERIFIED}_{reason}": n for reason, n in self.data[UNVERIFIED].items() if n}
+        counts = {f"kv_canary_{name}": self._total(name) for name in COUNTS}
+        labelled = {f"kv_canary_{name}_{value}": n for name in LABELLED for value, n in self.data[name].items() if n}
         off = {"kv_canary_off": 1} if self.data.get(OFF) else {}
-        return {**violations, **{f"kv_canary_{name}": self.data[name] for name in COUNTS}, **unverified, **off}
+        return {**violations, **counts, **labelled, **off}
+
+    def _total(self, name: str) -> int:
+        """The count ``name`` of `COUNTS`, summed over its label values where it is `LABELLED`."""
+        count = self.data[name]
+        return sum(count.values()) if name in LABELLED else count
 
     def is_empty(self) -> bool:
         return (
             not any(self.data["violations"].values())
-            and not any(self.data[name] for name in COUNTS)
-            and not any(self.data[UNVERIFIED].values())
+            and not any(self._total(name) for name in COUNTS)
+            and not any(self._total(name) for name in LABELLED)
             and not self.data.get(OFF)
         )
 
@@ -103,7 +122,7 @@ class CanaryStats(KVConnectorStats):
 
 class CanaryPromMetrics(KVConnectorPromMetrics):
     """``vllm:kv_canary_*`` counters in vLLM's ``/metrics``, per engine: violations by
-    ``reason``, and one counter for each of `COUNTS`; and the gauge ``vllm:kv_canary_enabled``:
+    ``reason``, and one counter for each of `COUNTS` (`FAILED` by ``kind``); and the gauge ``vllm:kv_canary_enabled``:
     1 while the canary runs in every worker of the engine, 0 once one has turned itself off
     (`OFF`; it does not turn back on in a running engine). Its labels ``policy``
     (``KVCANARY_VLLM``) and ``kv_role`` (the ``kv_transfer_config``'s) say what the engine
@@ -133,7 +152,10 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             "drills_caught": "Fault drills the canary caught.",
             "drill_steps_to_catch": "Engine steps from each caught drill's flip to its detection, summed.",
             "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
-            "transfer_slots_failed": "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors).",
+            "transfer_slots_failed": (
+                "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors), by kind: "
+                "bytes, shifted, other_request, no_records or unknown (the prefill side's records at a load's first differing slot)."
+            ),
             "transfer_slots_handed_over": "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
         }
         unverified = counter_class(
@@ -151,8 +173,14 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         }
         self._counts = {}
         for name in COUNTS:
+            if name in LABELLED:
+                continue
             counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
             self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+        failed = counter_class(name=f"vllm:kv_canary_{FAILED}", documentation=documentation[FAILED], labelnames=[*labelnames, "kind"])
+        self._failed = {
+            engine: {kind: failed.labels(*values, kind) for kind in FAILED_KINDS} for engine, values in per_engine_labelvalues.items()
+        }
         self._enabled = _enabled_gauges(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -160,8 +188,11 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             if count:
                 self._violations[engine_idx][reason].inc(count)
         for name in COUNTS:
-            if transfer_stats_data[name]:
+            if name not in LABELLED and transfer_stats_data[name]:
                 self._counts[name][engine_idx].inc(transfer_stats_data[name])
+        for kind, count in transfer_stats_data.get(FAILED, {}).items():
+            if count:
+                self._failed[engine_idx][kind].inc(count)
         for reason, count in transfer_stats_data.get(UNVERIFIED, {}).items():
             if count:
                 self._unverified[engine_idx][reason].inc(count)

@@ -67,13 +67,14 @@ class WorkerVerifier(Protocol):
 
     def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
         """After each forward, with the slots the step's verify flagged: how many of them
-        are slots a transfer landed that this step read for the first time."""
+        are slots a transfer landed that this step read for the first time (counted by
+        kind in `take_counts`)."""
 
     def forget(self, request_ids) -> None:
         """Requests vLLM finished: whatever the verifier holds for them."""
 
     def take_counts(self) -> dict[str, int]:
-        """Counters of `stats.COUNTS` since the last call."""
+        """Counters of `stats.COUNTS` since the last call (those of `stats.LABELLED` by label value)."""
 
     def close(self) -> None: ...
 

@@ -24,7 +24,7 @@ from .....canary import FOLD
 from ... import adapter
 from ...config import CONNECTOR
 from ..port import CanaryPort, landed_entries
-from ..stats import UNVERIFIED, UNVERIFIED_REASONS
+from ..stats import FAILED, FAILED_KINDS, UNVERIFIED, UNVERIFIED_REASONS
 from .config import RECORDS_KEY, STRICT, strict_transfers
 from .orders import LoadOrder, NixlOrders, slots_of
 from .region import DIGEST, FIELDS, LAYER_NAME, RecordsRegion
@@ -52,7 +52,8 @@ class PendingLoad:
 @dataclass
 class LandedLoad:
     """D: a load that landed and that no step has read yet: its slots from prompt position
-    ``start`` on and the request's tokens there, and whether they were compared with records of P's."""
+    ``start`` on, the request's tokens of positions [0, end), and whether they were compared
+    with records of P's."""
 
     slots: np.ndarray
     tokens: list[int]
@@ -97,6 +98,26 @@ class LandingBatch:
         return np.setdiff1d(every, self.slots, assume_unique=True)
 
 
+def fault_kind(expected: list[int], theirs: list[int], tokens: list[int], expected_there: list[int] | None) -> str:
+    """The kind (`stats.FAILED_KINDS`) of a failed load, from its first differing slot:
+    ``expected`` the request's record there and ``theirs`` P's row that landed there (each
+    token, position and chain); ``tokens`` the request's tokens by position, and
+    ``expected_there`` its record of P's position where D landed that position (else None).
+    P's row equal to the request's: ``bytes``, the bytes changed after P recorded them. P's
+    row all zeros: ``unknown``, a row P never wrote. P's row naming another position of
+    the request that holds its token (and, where D landed that position, its chain):
+    ``shifted``. Anything else: ``other_request``."""
+    if theirs == expected:
+        return "bytes"
+    if not any(theirs):
+        return "unknown"
+    token, position = theirs[FIELDS.index("token")], theirs[FIELDS.index("position")]
+    own_token = position != expected[FIELDS.index("position")] and 0 <= position < len(tokens) and tokens[position] == token
+    if own_token and (expected_there is None or expected_there == theirs):
+        return "shifted"
+    return "other_request"
+
+
 class NixlWorker:
     """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
     model's KV heads as ``sharding`` says: P's records written into the region NIXL moves
@@ -121,6 +142,7 @@ class NixlWorker:
         self.written_requests = 0
         self._handed_over = 0  # P: slots written since `take_counts`
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)  # D: loads judged unverified since `take_counts`, by reason
+        self._failed = dict.fromkeys(FAILED_KINDS, 0)  # D: landed slots a step found bad since `take_counts`, by kind
 
     @classmethod
     def build(cls, vllm_config, inner, block_size: int) -> NixlWorker:
@@ -163,10 +185,12 @@ class NixlWorker:
 
     def take_counts(self) -> dict:
         """The counters since the last call, by their names in `stats`: P's prompt slots whose
-        records it wrote for a decode side, and D's loads it could not verify by reason
-        (counted by rank 0 alone: vLLM sums the ranks' counters, and each rank sees each load)."""
-        counts = {"transfer_slots_handed_over": self._handed_over, UNVERIFIED: self._unverified}
+        records it wrote for a decode side, D's landed slots that failed by kind (`on_flagged`),
+        and D's loads it could not verify by reason (counted by rank 0 alone: vLLM sums the
+        ranks' counters, and each rank sees each load)."""
+        counts = {"transfer_slots_handed_over": self._handed_over, FAILED: self._failed, UNVERIFIED: self._unverified}
         self._handed_over = 0
+        self._failed = dict.fromkeys(FAILED_KINDS, 0)
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)
         return counts
 
@@ -237,7 +261,7 @@ class NixlWorker:
         self._verify(port, batch)
         for pending, slots in zip(landing, batch.request_slots):
             load = pending.load
-            self._landed[load.request_id] = LandedLoad(slots, load.tokens[load.start : load.end], load.start, pending.remote is not None)
+            self._landed[load.request_id] = LandedLoad(slots, load.tokens, load.start, pending.remote is not None)
         self.verify_seconds += time.perf_counter() - begin
         before, self.verified_requests = self.verified_requests, self.verified_requests + len(landing)
         if before // TIMES_EVERY != self.verified_requests // TIMES_EVERY:
@@ -268,7 +292,9 @@ class NixlWorker:
     def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
         """D, after each forward: the landed slots the step's verify flagged (``flagged``, the
         step's verdict) among those of the loads it read for the first time, each such load
-        logged; those loads are then no longer tracked. Returns how many slots failed."""
+        logged; those loads are then no longer tracked. Returns how many slots failed, and
+        counts them under the kind of their load's first differing slot (`fault_kind`; a load
+        without records of P's: ``no_records``)."""
         failed = 0
         for request_id in port.step_requests():
             landed = self._landed.pop(request_id, None)
@@ -276,25 +302,37 @@ class NixlWorker:
                 continue
             bad = np.flatnonzero(np.isin(landed.slots, np.fromiter(flagged, dtype=np.int64, count=len(flagged))))
             failed += len(bad)
-            if not len(bad) or not landed.compared:  # a load without records was logged as it landed
+            if not len(bad):
                 continue
+            if not landed.compared:  # a load without records was logged as it landed
+                self._failed["no_records"] += len(bad)
+                continue
+            kind, said = self._first_difference(port, landed, int(bad[0]))
+            self._failed[kind] += len(bad)
             logger.warning(
                 "kv-canary: request %s: %d of the %d slots NIXL loaded differ from the prefill side's records "
-                "at their first read (first at position %d); their blocks are load errors; %s",
-                request_id, len(bad), len(landed.slots), landed.start + int(bad[0]), self._first_difference(landed, int(bad[0])),
+                "at their first read (first at position %d); their blocks are load errors; %s (counted as %s)",
+                request_id, len(bad), len(landed.slots), landed.start + int(bad[0]), said, kind,
             )  # fmt: skip
         return failed
 
-    def _first_difference(self, landed: LandedLoad, index: int) -> str:
-        """What the request expects at its ``index``-th landed slot and what P's rows that
-        landed there say: a block landed shifted reads as another position, another
-        request's KV as another token (read on the host: a failure's path alone)."""
-        row = self.region.read(torch.tensor([int(landed.slots[index])]))[0, 0].tolist()
-        token, position = row[FIELDS.index("token")], row[FIELDS.index("position")]
-        return (
-            f"there the request has token {landed.tokens[index]}, and the prefill side's records that landed say "
-            f"token {token} at position {position}"
+    def _first_difference(self, port: CanaryPort, landed: LandedLoad, index: int) -> tuple[str, str]:
+        """The `fault_kind` of the load's ``index``-th landed slot, and what the request
+        expects there and what P's rows that landed there say: a block landed shifted reads as
+        another position, another request's KV as another token (read on the host: a
+        failure's path alone)."""
+        slot = int(landed.slots[index])
+        theirs = self.region.read(torch.tensor([slot]))[0, 0, :FOLD].tolist()
+        token, position = theirs[FIELDS.index("token")], theirs[FIELDS.index("position")]
+        offset = position - landed.start  # P's position among the load's slots, where D holds its own record
+        slots = [slot, int(landed.slots[offset])] if 0 <= offset < len(landed.slots) else [slot]
+        mine = port.records_of(torch.tensor(slots))[:, :FOLD].tolist()
+        kind = fault_kind(mine[0], theirs, landed.tokens, mine[1] if len(mine) > 1 else None)
+        said = (
+            f"there the request has token {landed.tokens[landed.start + index]}, and the prefill side's records that landed "
+            f"say token {token} at position {position}"
         )
+        return kind, said
 
     def forget(self, request_ids) -> None:
         """D: requests vLLM finished (or aborted) before a step read what landed for them."""
