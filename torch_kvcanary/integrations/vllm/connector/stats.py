@@ -15,6 +15,7 @@ from ..config import settings
 
 REASONS = tuple(label for reason in FailReason for label in reason.labels)
 """The violation reasons the counters are kept by (SGLang's labels)."""
+FAILED = "transfer_slots_failed"
 COUNTS = (
     "slots_verified",
     "slots_recorded",
@@ -24,7 +25,7 @@ COUNTS = (
     "drills_caught",
     "drill_steps_to_catch",
     "transfer_slots_verified",
-    "transfer_slots_failed",
+    FAILED,
     "transfer_slots_handed_over",
 )
 """The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
@@ -32,7 +33,6 @@ from each caught drill's flip to its detection, summed; ``transfer_slots_verifie
 ``_failed``: slots an inner connector loaded, verified against the records stored with
 them, and those that failed, by kind (`FAILED_KINDS`); ``transfer_slots_handed_over``: a
 prefill side's, see `CanaryPromMetrics`)."""
-FAILED = "transfer_slots_failed"
 FAILED_KINDS = ("bytes", "shifted", "other_request", "no_records", "unknown")
 """What a failed transfer's slots are counted as (``data[FAILED]`` by kind), read from the
 prefill side's records that landed at the load's first differing slot (`nixl.worker`):
@@ -58,7 +58,8 @@ steps combine by maximum, so that it reads 1 where any worker's canary is off.""
 @dataclass
 class CanaryStats(KVConnectorStats):
     """The canary's counters since they were last taken, in vLLM's connector stats:
-    ``data["violations"]`` by reason (`REASONS`) and ``data[name]`` for each of `COUNTS`.
+    ``data["violations"]`` by reason (`REASONS`) and ``data[name]`` for each of `COUNTS` (a
+    dict by label value for those of `LABELLED`).
     Added up over the workers (`aggregate`) and over a logging interval."""
 
     def __post_init__(self):
@@ -154,7 +155,7 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
             "transfer_slots_failed": (
                 "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors), by kind: "
-                "bytes, shifted, other_request, no_records or unknown (the prefill side's records at a load's first differing slot)."
+                f"{', '.join(FAILED_KINDS[:-1])} or {FAILED_KINDS[-1]} (the prefill side's records at a load's first differing slot)."
             ),
             "transfer_slots_handed_over": "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
         }
