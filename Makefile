@@ -246,10 +246,13 @@ chaos-vllm: $(VLLM_VENV)/.built
 
 # The same through a P/D pair (tools/vllm_chaos_pd.py): faults on the prefill server after
 # the records that travel with a prompt's blocks were written, and on the decode server
-# after the handover, and the prefill server killed and started again once mid-run.
+# after the handover, and the prefill server killed and started again once mid-run; then
+# misconfigured pairs (--unverified): a router dropping the canary's key, P and D in two fold modes.
 CHAOS_PD_ARGS ?= --requests 1000 --policy both --faults 12 --restart-prefill
+CHAOS_PD_UNVERIFIED_ARGS ?= --requests 1000 --policy quarantine --unverified
 chaos-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
 	$(VLLM_BIN)/python tools/vllm_chaos_pd.py $(CHAOS_PD_ARGS)
+	$(VLLM_BIN)/python tools/vllm_chaos_pd.py $(CHAOS_PD_UNVERIFIED_ARGS)
 
 # Tokens per second with the plugin off, PARTIAL and ALL (benchmarks/vllm_bench.py).
 bench-vllm: $(VLLM_VENV)/.built

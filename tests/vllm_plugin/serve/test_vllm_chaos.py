@@ -230,3 +230,35 @@ def test_the_pd_quarantine_check_allows_only_holders_of_the_corrupted_block_in_f
     assert problems([ok, ok, ok, ok])  # the reader served
     assert problems([error, ok, error, ok])  # shares no block
     assert problems([error, ok, ok, error])  # came after
+
+
+def _unverified_problems(answers, reason="no_claim", **evidence):
+    """The P/D soak's misconfiguration checks on made-up evidence: two requests, two NIXL
+    transfers, each counted under no_claim and said once at WARNING, unless ``evidence`` says otherwise."""
+    from vllm_chaos_pd import UnverifiedResult, check_unverified
+
+    counts = dict(unverified={"no_claim": 2}, transfers=2, said=[("WARNING", "no_claim")]) | evidence
+    result = UnverifiedResult("quarantine", 2, name="drop-claim", **counts)
+    check_unverified(result, answers, [[1, 2, 3, 4], [5, 6, 7, 8]], reason)
+    return result.problems
+
+
+def test_the_pd_unverified_checks_pass_clean_evidence_and_fail_each_broken_one():
+    answers = [{"choices": [{"token_ids": tokens, "finish_reason": "length"}]} for tokens in ([1, 2, 3, 4], [5, 6, 7, 8])]
+    assert _unverified_problems(answers) == []
+    assert any("requests failed" in p for p in _unverified_problems([answers[0], {"error": 502, "body": "x"}]))
+    wrong = [answers[0], {"choices": [{"token_ids": [5, 6, 7, 9], "finish_reason": "length"}]}]
+    assert any("differ" in p for p in _unverified_problems(wrong))
+    broken = [
+        dict(unverified={"no_claim": 1}),  # a transfer not counted
+        dict(unverified={"no_claim": 2, "mode_mismatch": 1}),  # one counted twice
+        dict(unverified={}, transfers=0),  # no transfer made
+        dict(prefill_unverified=1),
+        dict(compared_slots=64),
+        dict(said=[]),
+        dict(said=[("WARNING", "no_claim")] * 2),
+        dict(said=[("INFO", "no_claim")]),
+    ]
+    for evidence in broken:
+        assert _unverified_problems(answers, **evidence), evidence
+    assert _unverified_problems(answers, reason="mode_mismatch")  # counted under another reason
