@@ -1,9 +1,11 @@
 """The engine of the KV connector's tests: a tiny engine of vLLM's CPU build started in-process
 with the plugin and `KvCanaryConnector` in float32 (`connector_engine`), what the worker's
 connector reports as load errors step by step (`Reported`), the worker's connector, and
-vLLM's Prometheus metrics of the canary."""
+vLLM's Prometheus metrics of the canary (of the running engine, or of given stats: `exported`)."""
 
 import contextlib
+import functools
+from types import SimpleNamespace
 
 import vllm
 from engine_driver import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, KV_BYTES_PER_SLOT, NUM_BLOCKS, started_engine
@@ -69,3 +71,19 @@ def _metric(name: str, **labels) -> float:
         for sample in metric.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def exported(data: dict, kv_role: str = "kv_consumer") -> str:
+    """The text /metrics shows of one engine's canary stats ``data`` (`CanaryStats.data`),
+    exported by the plugin's `CanaryPromMetrics` into a registry of its own (engine "0",
+    model "tiny")."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from torch_kvcanary.integrations.vllm.connector import stats
+
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role=kv_role))
+    metrics = stats.CanaryPromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    metrics.observe(data, 0)
+    return generate_latest(registry).decode()

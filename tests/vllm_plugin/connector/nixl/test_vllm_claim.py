@@ -6,7 +6,6 @@ unverified, counts it by reason and says so once per prefill engine and reason, 
 only under the strict setting, and exports the count as
 ``vllm:kv_canary_transfers_unverified_total{reason}``."""
 
-import functools
 import logging
 from types import SimpleNamespace
 
@@ -227,7 +226,7 @@ def test_under_the_strict_setting_an_unverified_transfer_fails_as_a_load_error()
 
 
 def test_unverified_transfers_reach_metrics_by_reason():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from connector_driver import exported
 
     from torch_kvcanary.integrations.vllm.connector import stats
 
@@ -241,13 +240,7 @@ def test_unverified_transfers_reach_metrics_by_reason():
     assert line["kv_canary_transfers_unverified_mode_mismatch"] == 3 and line["kv_canary_transfers_unverified_no_claim"] == 4
     assert "kv_canary_transfers_unverified_layout_mismatch" not in line  # the line names nonzero reasons alone
 
-    registry = CollectorRegistry()
-    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
-    metrics = stats.CanaryPromMetrics(
-        SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer")), types, ["model_name", "engine"], {0: ["tiny", "0"]}
-    )  # fmt: skip
-    metrics.observe(taken.data, 0)
-    text = generate_latest(registry).decode()
+    text = exported(taken.data)
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="mode_mismatch"} 3.0' in text
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="no_claim"} 4.0' in text
     assert 'vllm:kv_canary_transfers_unverified_total{engine="0",model_name="tiny",reason="format_version"} 0.0' in text

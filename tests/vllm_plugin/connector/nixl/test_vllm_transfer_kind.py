@@ -5,9 +5,7 @@ under what they say (a block landed one block early: ``shifted``; another reques
 names the kind in its line, and exports the count as
 ``vllm:kv_canary_transfer_slots_failed_total{kind}``."""
 
-import functools
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,7 +100,7 @@ def test_a_flipped_byte_under_intact_records_is_bytes(caplog):
 
 
 def test_failed_transfers_reach_the_line_and_metrics_by_kind():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from connector_driver import exported
 
     from torch_kvcanary.integrations.vllm.connector import stats
 
@@ -117,13 +115,7 @@ def test_failed_transfers_reach_the_line_and_metrics_by_kind():
     assert line["kv_canary_transfer_slots_failed_shifted"] == 32 and line["kv_canary_transfer_slots_failed_bytes"] == 1
     assert "kv_canary_transfer_slots_failed_other_request" not in line  # the line names nonzero kinds alone
 
-    registry = CollectorRegistry()
-    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
-    metrics = stats.CanaryPromMetrics(
-        SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer")), types, ["model_name", "engine"], {0: ["tiny", "0"]}
-    )  # fmt: skip
-    metrics.observe(first.data, 0)
-    text = generate_latest(registry).decode()
+    text = exported(first.data)
     assert 'vllm:kv_canary_transfer_slots_failed_total{engine="0",kind="shifted",model_name="tiny"} 32.0' in text
     assert 'vllm:kv_canary_transfer_slots_failed_total{engine="0",kind="bytes",model_name="tiny"} 1.0' in text
     assert 'vllm:kv_canary_transfer_slots_failed_total{engine="0",kind="other_request",model_name="tiny"} 0.0' in text
