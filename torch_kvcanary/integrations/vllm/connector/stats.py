@@ -47,8 +47,9 @@ UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mis
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
 params carry no claim of the prefill side's records, or a claim of another records format,
 fold mode or KV layout than the decode side's (`nixl.claim`)."""
-LABELLED = {FAILED: FAILED_KINDS, UNVERIFIED: UNVERIFIED_REASONS}
-"""The counts kept by a label's value (``data[name]`` a dict of them): `FAILED` by kind, `UNVERIFIED` by reason."""
+LABELLED = {FAILED: ("kind", FAILED_KINDS), UNVERIFIED: ("reason", UNVERIFIED_REASONS)}
+"""The counts kept by a label's value (``data[name]`` a dict of them), with the label's name
+and values: `FAILED` by kind, `UNVERIFIED` by reason."""
 OFF = "canary_off"
 """A state beside the counts: 1 where a worker's canary has turned itself off (a fault of
 its own; it stays off), reported by that worker at every step from then on; workers and
@@ -70,7 +71,7 @@ class CanaryStats(KVConnectorStats):
         self.data = {
             "violations": dict.fromkeys(REASONS, 0),
             **dict.fromkeys(COUNTS, 0),
-            **{name: dict.fromkeys(values, 0) for name, values in LABELLED.items()},
+            **{name: dict.fromkeys(values, 0) for name, (_, values) in LABELLED.items()},
             OFF: 0,
         }
 
@@ -159,29 +160,24 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
             ),
             "transfer_slots_handed_over": "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
         }
-        unverified = counter_class(
-            name=f"vllm:kv_canary_{UNVERIFIED}",
-            documentation=(
-                "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
-                "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
-                "kv_canary_strict_transfers fails them instead)."
-            ),
-            labelnames=[*labelnames, "reason"],
+        documentation[UNVERIFIED] = (
+            "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
+            "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
+            "kv_canary_strict_transfers fails them instead)."
         )
-        self._unverified = {
-            engine: {reason: unverified.labels(*values, reason) for reason in UNVERIFIED_REASONS}
-            for engine, values in per_engine_labelvalues.items()
-        }
         self._counts = {}
         for name in COUNTS:
             if name in LABELLED:
                 continue
             counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
             self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
-        failed = counter_class(name=f"vllm:kv_canary_{FAILED}", documentation=documentation[FAILED], labelnames=[*labelnames, "kind"])
-        self._failed = {
-            engine: {kind: failed.labels(*values, kind) for kind in FAILED_KINDS} for engine, values in per_engine_labelvalues.items()
-        }
+        self._labelled = {}
+        for name, (label, label_values) in LABELLED.items():
+            counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=[*labelnames, label])
+            self._labelled[name] = {
+                engine: {value: counter.labels(*values, value) for value in label_values}
+                for engine, values in per_engine_labelvalues.items()
+            }
         self._enabled = _enabled_gauges(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -191,12 +187,10 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
         for name in COUNTS:
             if name not in LABELLED and transfer_stats_data[name]:
                 self._counts[name][engine_idx].inc(transfer_stats_data[name])
-        for kind, count in transfer_stats_data.get(FAILED, {}).items():
-            if count:
-                self._failed[engine_idx][kind].inc(count)
-        for reason, count in transfer_stats_data.get(UNVERIFIED, {}).items():
-            if count:
-                self._unverified[engine_idx][reason].inc(count)
+        for name, counters in self._labelled.items():
+            for value, count in transfer_stats_data.get(name, {}).items():
+                if count:
+                    counters[engine_idx][value].inc(count)
         if transfer_stats_data.get(OFF):
             self._enabled[engine_idx].set(0)
 
