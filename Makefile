@@ -198,10 +198,10 @@ test-vllm-release:
 	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m every_release --junitxml=$(VLLM_RELEASE_REPORT) $(VLLM_TESTS)
 	$(VLLM_RELEASE_VENV)/bin/python build_tools/check_vllm_skips.py $(VLLM_RELEASE_REPORT)
 
-# Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/connector/nixl/test_vllm_pd.py):
+# Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/connector/nixl/test_vllm_pd_pair.py):
 # two `vllm serve` and a proxy on 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv.
 NIXL ?= nixl==1.5.1
-VLLM_PD_TESTS := tests/vllm_plugin/connector/nixl/test_vllm_pd.py
+VLLM_PD_TESTS := tests/vllm_plugin/connector/nixl/test_vllm_pd_pair.py
 VLLM_PD_REPORT := $(VLLM_VENV)/test-vllm-pd.xml
 test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
 	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_PD_REPORT) $(VLLM_PD_TESTS)
