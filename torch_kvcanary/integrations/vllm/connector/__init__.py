@@ -23,7 +23,8 @@ from .disk import DiskVerifier
 from .facade import KvCanaryConnector, KvCanaryMetadata
 from .port import CanaryPort
 from .stats import COUNTS, REASONS, CanaryPromMetrics, CanaryStats
-from .verifier import TRANSPORTS, SchedulerVerifier, Transport, WorkerVerifier
+from .transports import TRANSPORTS, Transport
+from .verifier import SchedulerVerifier, WorkerVerifier
 
 __all__ = [
     "COUNTS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPort", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",

@@ -10,7 +10,7 @@ from vllm.config import KVTransferConfig
 
 from ..config import CONNECTOR, POLICY_ENV
 from .delegate import INNER
-from .verifier import TRANSPORTS
+from .transports import TRANSPORTS
 
 VERIFIED = tuple(TRANSPORTS)
 """The inner connectors whose loads the canary verifies."""

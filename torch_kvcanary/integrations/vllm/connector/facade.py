@@ -54,7 +54,7 @@ from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
 from .port import CanaryPort
 from .stats import FAILED, OFF, CanaryPromMetrics, CanaryStats
-from .verifier import TRANSPORTS
+from .transports import TRANSPORTS
 
 logger = logging.getLogger(adapter.LOGGER)
 
