@@ -198,10 +198,13 @@ test-vllm-release:
 	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m every_release --junitxml=$(VLLM_RELEASE_REPORT) $(VLLM_TESTS)
 	$(VLLM_RELEASE_VENV)/bin/python build_tools/check_vllm_skips.py $(VLLM_RELEASE_REPORT)
 
-# Prefill/decode disaggregation through vLLM's NixlConnector (tests/vllm_plugin/connector/nixl/test_vllm_pd_pair.py):
-# two `vllm serve` and a proxy on 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv.
+# Prefill/decode disaggregation through vLLM's NixlConnector: two `vllm serve` and a proxy on
+# 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv (the pair's tests and the P/D
+# chaos soak), and the NIXL transport's pieces without a server (VLLM_PD_TESTS, left out of test-vllm).
 NIXL ?= nixl==1.5.1
-VLLM_PD_TESTS := tests/vllm_plugin/connector/nixl/test_vllm_pd_pair.py
+VLLM_PD_TESTS := $(addprefix tests/vllm_plugin/connector/nixl/,test_vllm_nixl_orders.py test_vllm_nixl_config.py \
+	test_vllm_nixl_sharding.py test_vllm_nixl_region.py test_vllm_nixl_worker.py test_vllm_pd_transfer_bench.py test_vllm_pd_pair.py) \
+	tests/vllm_plugin/serve/test_vllm_chaos_pd.py
 VLLM_PD_REPORT := $(VLLM_VENV)/test-vllm-pd.xml
 test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
 	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_PD_REPORT) $(VLLM_PD_TESTS)

@@ -650,7 +650,7 @@ def test_the_inner_connectors_whose_loads_are_verified_are_accepted(role):
     from vllm.config import KVTransferConfig
 
     connector.check_inner(KVTransferConfig(kv_connector="ExampleConnector", kv_role=role))
-    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))  # (connector/nixl/test_vllm_pd.py)
+    connector.check_inner(KVTransferConfig(kv_connector="NixlConnector", kv_role=role))  # (connector/nixl/test_vllm_pd_pair.py)
 
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])

@@ -1,6 +1,6 @@
 """The canary's KV connector and vLLM's NixlConnector without NIXL: NixlConnector in the
 canary's place is refused, and told how to serve it as KvCanaryConnector's inner connector
-(the P/D pair itself: test_vllm_pd.py)."""
+(the P/D pair itself: test_vllm_pd_pair.py)."""
 
 import json
 
