@@ -1,14 +1,16 @@
-"""docs/spec.md transcribed in plain Python ints: the oracle of the fold, the canary records
-and the digest, for the tests and for tools/make_golden.py; and a paged serving step
-(`PagedStep`), from kvcanary::paged_step's contract.
+"""docs/spec.md transcribed in plain Python ints: the oracle of the fold, the canary records,
+the identity's roots and words, and the digest, for the tests and for tools/make_golden.py;
+and a paged serving step (`PagedStep`), from kvcanary::paged_step's contract.
 
 It shares nothing with the package: bytes are taken from tensors by ordinary indexing in
 logical order (`tensor_bytes`), words are read with int.from_bytes, and splitmix64 is
-written out here, once.
+written out here, once. The identity is transcribed from the spec's section 8, not taken
+from torch_kvcanary.identity.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -20,7 +22,7 @@ ANCHOR_SEED = 0xC0FFEE1234567890
 ANCHOR = 0xDE7FAE23A9A1B716  # splitmix64(ANCHOR_SEED), the value docs/spec.md pins
 
 # Verify's reason bits.
-CHAIN, POSITION, FOLD, TOKEN, OWNER, OUT_OF_RANGE = 1, 2, 4, 32, 64, 128
+CHAIN, POSITION, FOLD, TOKEN, OWNER, OUT_OF_RANGE, IDENTITY = 1, 2, 4, 32, 64, 128, 256
 
 
 # --- arithmetic ----------------------------------------------------------------------------
@@ -111,24 +113,26 @@ class Records:
         self.records = [[0, 0, 0, 0] for _ in range(capacity)]
         self.owners = [-1] * capacity
 
-    def link(self, p: int) -> int:
+    def link(self, p: int, root: int | None = None) -> int:
+        """The chain a slot chaining through ``p`` expects: ``root`` (the anchor when None)
+        at a first position."""
         if p < 0:
-            return signed(ANCHOR)
+            return signed(ANCHOR) if root is None else root
         token, position, chain, _ = self.records[p]
         return signed(mix3(chain, token, position))
 
-    def record(self, slots, folds, positions=None, tokens=None, prev_slots=None, tags=None):
+    def record(self, slots, folds, positions=None, tokens=None, prev_slots=None, tags=None, roots=None):
         for i, s in enumerate(slots):
             if s < 0:
                 continue
             p = prev_slots[i] if prev_slots is not None else -1
-            chain = self.link(p)
+            chain = self.link(p, roots[i] if roots is not None else None)
             token = tokens[i] if tokens is not None else -1
             position = positions[i] if positions is not None else -1
             self.records[s] = [token, position, chain, folds[i]]
             self.owners[s] = tags[i] if tags is not None else -1
 
-    def verify(self, slots, folds, positions=None, tokens=None, prev_slots=None, tags=None, padding_slot=None):
+    def verify(self, slots, folds, positions=None, tokens=None, prev_slots=None, tags=None, padding_slot=None, roots=None):
         """(flags, rows): rows are the violation rows (kind 1 = verify)."""
         flags, rows = [], []
         for i, s in enumerate(slots):
@@ -137,7 +141,10 @@ class Records:
                 continue
             token, position, chain, fold = self.records[s]
             bits, expected = 0, chain
-            if prev_slots is not None and not (prev_slots[i] >= 0 and prev_slots[i] == padding_slot):
+            if prev_slots is not None and prev_slots[i] < 0 and roots is not None:
+                expected = roots[i]
+                bits |= IDENTITY if chain != expected else 0
+            elif prev_slots is not None and not (prev_slots[i] >= 0 and prev_slots[i] == padding_slot):
                 expected = self.link(prev_slots[i])
                 bits |= CHAIN if chain != expected else 0
             if positions is not None and position != positions[i]:
@@ -153,6 +160,57 @@ class Records:
             if bits:
                 rows.append([1, s, position, token, expected_token, chain, expected, bits])
         return flags, rows
+
+
+# --- identity: roots and words ----------------------------------------------------------------
+
+TAG_LORA_ID, TAG_LORA_NAME, TAG_LORA_WEIGHTS, TAG_CACHE_SALT, TAG_ITEM, TAG_EMBEDDING = 1, 2, 3, 4, 5, 6
+WORD_BITS = (1 << 63) - 1
+
+
+def blake64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def le64(n: int) -> bytes:
+    return n.to_bytes(8, "little")
+
+
+def field(data: bytes) -> bytes:
+    return le64(len(data)) + data
+
+
+def text_word(text: str) -> int:
+    return signed(blake64(text.encode("utf-8")))
+
+
+def tensor_record(tensor: torch.Tensor) -> bytes:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    sizes = b"".join(le64(n) for n in tensor.shape)
+    return field(dtype.encode()) + le64(tensor.dim()) + sizes + field(tensor_bytes(tensor))
+
+
+def weights_word(tensors: dict[str, torch.Tensor]) -> int:
+    return signed(blake64(b"".join(field(name.encode("utf-8")) + tensor_record(tensors[name]) for name in sorted(tensors))))
+
+
+def root(lora: tuple[int, str, int] | None = None, cache_salt: str | None = None) -> int:
+    """A request's root from its adapter (id, name, weights word) and its cache salt."""
+    h = ANCHOR
+    if lora is not None:
+        lora_id, name, weights = lora
+        h = mix3(mix3(mix3(h, TAG_LORA_ID, lora_id), TAG_LORA_NAME, text_word(name)), TAG_LORA_WEIGHTS, weights)
+    if cache_salt:
+        h = mix3(h, TAG_CACHE_SALT, text_word(cache_salt))
+    return signed(h)
+
+
+def item_word(item: int, offset: int) -> int:
+    return mix3(TAG_ITEM, item, offset) & WORD_BITS
+
+
+def embedding_word(row: torch.Tensor) -> int:
+    return mix3(TAG_EMBEDDING, blake64(tensor_record(row)), 0) & WORD_BITS
 
 
 # --- the digest ----------------------------------------------------------------------------
@@ -229,11 +287,13 @@ def verify_ranges(
     known: list[list[bool]] | None = None,
     history_rows: list[int] | None = None,
     padding_slot: int | None = None,
+    roots: list[int] | None = None,
 ) -> tuple[list[int], list[int], list[bool], int, list[list[int]]]:
     """(slots, rows, flags, waiting, violation rows) of a step's context check, entry by entry:
     `range_entries`' entries, each chosen or not (a slot in ``written`` waits for the
     ``deferred`` call; under ``every`` > 1 the blocks of the turn and each row's last block),
-    then `Records.verify` of the chosen ones with the folds ``fold_of`` gives."""
+    then `Records.verify` of the chosen ones with the folds ``fold_of`` gives (``roots``: one
+    per row, the root of its position 0)."""
     slots, positions, prev_slots, rows = range_entries(table, lengths, starts, block_size, cut_slot)
     checked, tokens, waiting = [], [], 0
     for slot, p, r in zip(slots, positions, rows):
@@ -249,9 +309,11 @@ def verify_ranges(
             if 0 <= h < len(history) and p < len(history[h]) and (known is None or known[h][p]):
                 token = history[h][p]
         tokens.append(token)
+    entry_roots = None if roots is None else [roots[r] for r in rows]
     flags, ring = records.verify(
-        checked, fold_of(checked), positions=positions, tokens=tokens, prev_slots=prev_slots, padding_slot=padding_slot
-    )
+        checked, fold_of(checked), positions=positions, tokens=tokens, prev_slots=prev_slots, padding_slot=padding_slot,
+        roots=entry_roots,
+    )  # fmt: skip
     return checked, rows, flags, waiting, ring
 
 
@@ -263,7 +325,8 @@ class PagedStep:
     entry: ``tables[g]`` and ``slot_mappings[g]`` are group ``g``'s block table (lists of
     blocks per row) and slot mapping, ``windows[g]`` and ``chunks[g]`` its sliding window and
     attention chunk (0: none). `step` returns the ring rows of one call, each with its
-    (step, group, row); the flagged slots of a step's first phase stay for its refold."""
+    (step, group, row); the flagged slots of a step's first phase stay for its refold.
+    ``roots`` (one per row, or None) roots each request's position 0."""
 
     def __init__(
         self, records: Records, fold_of: Callable[[list[int]], list[int]], tables, slot_mappings, windows, chunks, block_size: int
@@ -287,7 +350,7 @@ class PagedStep:
         return 0
 
     def step(self, qsl, seq_lens, positions, input_ids, *, phase: int, step: int, every: int = 1, padding_slot=None,
-             history=None, known=None, history_rows=None) -> list[tuple[list[int], tuple[int, int, int]]]:  # fmt: skip
+             history=None, known=None, history_rows=None, roots=None) -> list[tuple[list[int], tuple[int, int, int]]]:  # fmt: skip
         rows = len(seq_lens)
         scheduled = [qsl[r + 1] - qsl[r] for r in range(rows)]
         computed = [seq_lens[r] - scheduled[r] for r in range(rows)]
@@ -306,14 +369,14 @@ class PagedStep:
                     self.records, self.fold_of, [self.tables[g][r] for r in range(rows)], lengths, starts, self.block_size,
                     cut_slot=-1 if padding_slot is None else padding_slot, written=written if with_written else (),
                     deferred=deferred, every=every, turn=step % every, history=history, known=known,
-                    history_rows=history_rows, padding_slot=padding_slot,
+                    history_rows=history_rows, padding_slot=padding_slot, roots=roots,
                 )  # fmt: skip
                 flagged_rows = [r for r, flag in zip(entry_rows, flags) if flag]
                 out.extend((row, (step, g, r)) for row, r in zip(ring, flagged_rows))
 
         def record() -> None:
             order = sorted(range(rows), key=lambda r: computed[r])
-            slots, pos, tokens, prev = [], [], [], []
+            slots, pos, tokens, prev, entry_roots = [], [], [], [], []
             for g in groups:
                 for r in order:
                     for j in range(scheduled[r]):
@@ -322,7 +385,10 @@ class PagedStep:
                         pos.append(positions[t])
                         tokens.append(input_ids[t] if input_ids is not None else -1)
                         prev.append(self.slot(g, r, computed[r] + j - 1))
-            self.records.record(slots, self.fold_of(slots), positions=pos, tokens=tokens, prev_slots=prev)
+                        entry_roots.append(roots[r] if roots is not None else None)
+            self.records.record(
+                slots, self.fold_of(slots), positions=pos, tokens=tokens, prev_slots=prev, roots=None if roots is None else entry_roots
+            )
 
         if phase == 0:
             record()

@@ -1,0 +1,127 @@
+"""The identity of docs/spec.md section 8 against its chain vectors
+(tests/data/chain_vectors.json): the spec transcription regenerates the file byte for byte,
+torch_kvcanary.identity gives its words and roots, and the file says what the spec says of
+them (no identity is the anchor, a reload is another root, a prefix before an item stays
+shared)."""
+
+import ast
+import base64
+import copy
+import inspect
+import json
+
+import chain_golden
+import pytest
+import spec_oracle
+import torch
+from chain_golden import CHAIN_PATH, load_chains, pinned_tensor, regenerate, weights_tensors
+
+from torch_kvcanary import identity
+
+ANCHOR = 0xDE7FAE23A9A1B716 - (1 << 64)
+
+
+@pytest.fixture(scope="module")
+def chains() -> dict:
+    return load_chains()
+
+
+def _by_name(entries: list[dict]) -> dict[str, dict]:
+    return {e["name"]: e for e in entries}
+
+
+def test_regeneration_gives_the_pinned_file():
+    pinned = CHAIN_PATH.read_text()
+    assert regenerate(pinned) == pinned
+
+
+def test_expected_values_follow_the_inputs(chains):
+    """One byte of adapter x's weights changed changes the roots built on x and the records
+    rooted there, and nothing else: the expected values are computed, not copied."""
+    document = copy.deepcopy(chains)
+    tensor = document["weights"][0]["tensors"][0]
+    raw = bytearray(base64.b64decode(tensor["data_b64"]))
+    raw[3] ^= 0x01
+    tensor["data_b64"] = base64.b64encode(bytes(raw)).decode()
+    changed = json.loads(regenerate(json.dumps(document)))
+    old_roots, new_roots = _by_name(chains["roots"]), _by_name(changed["roots"])
+    assert {n for n in old_roots if old_roots[n]["root"] != new_roots[n]["root"]} == {"lora_x", "lora_x_salt_a"}
+    old_chains, new_chains = _by_name(chains["chains"]), _by_name(changed["chains"])
+    differ = {n for n in old_chains if old_chains[n]["records"] != new_chains[n]["records"]}
+    assert differ == {"rooted_prefill_then_decode", "two_roots_one_call"}
+
+
+def test_texts_and_weights_words(chains):
+    texts = {t["text"]: t["word"] for t in chains["texts"]}
+    assert [identity.text_word(t) for t in texts] == list(texts.values())
+    assert len(set(texts.values())) == len(texts)  # "a", "a\0" and "a\0\0" are three words
+    for entry in chains["weights"]:
+        tensors = weights_tensors(entry)
+        assert identity.lora_weights_word(tensors) == entry["word"]
+        # The order of the mapping and the tensors' layouts do not count; their bytes do.
+        reordered = {name: tensors[name].t().contiguous().t() for name in reversed(list(tensors))}
+        assert identity.lora_weights_word(reordered) == entry["word"]
+
+
+def test_roots(chains):
+    words = {w["name"]: identity.lora_weights_word(weights_tensors(w)) for w in chains["weights"]}
+    for entry in chains["roots"]:
+        lora = entry["lora"]
+        lora = None if lora is None else identity.LoraIdentity(lora["id"], lora["name"], words[lora["weights"]])
+        assert identity.request_root(lora=lora, cache_salt=entry["cache_salt"]) == entry["root"], entry["name"]
+    roots = {e["name"]: e["root"] for e in chains["roots"]}
+    assert roots["none"] == roots["empty_salt"] == identity.ANCHOR == ANCHOR
+    assert roots["lora_x_reloaded"] != roots["lora_x"]
+    assert len(set(roots.values())) == len(roots) - 1  # every identity its own root, but the empty salt
+
+
+def test_item_and_embedding_words(chains):
+    for entry in chains["items"]:
+        item = identity.multimodal_item_word(entry["mm_hash"])
+        assert item == entry["item"]
+        assert [identity.item_word(item, k) for k in range(len(entry["words"]))] == entry["words"]
+    for entry in chains["embeddings"]:
+        row = pinned_tensor(entry)
+        assert identity.embedding_word(row) == entry["word"]
+        assert identity.embedding_word(torch.stack([row, row])[1]) == entry["word"]
+    words = [w for e in chains["items"] for w in e["words"]] + [e["word"] for e in chains["embeddings"]]
+    assert all(0 <= w < 1 << 63 for w in words)
+
+
+def test_what_the_vectors_show(chains):
+    """Without identity the records are the anchor's; a text prefix before an item chains
+    as without it; a reader under another root is told at the first position alone."""
+    records = {c["name"]: c["records"] for c in chains["chains"]}
+    assert records["unrooted"] == records["anchor_root"]
+    with_item, text_only = records["mixed_item"], records["mixed_text_only"]
+    assert [r[3] for r in with_item[:4]] == [r[3] for r in text_only[:4]]  # the item starts at position 3
+    assert all(a[3] != b[3] for a, b in zip(with_item[4:], text_only[4:]))
+    checks = _by_name(chains["verify"])
+    assert [row[7] for row in checks["other_root_at_first_position"]["rows"]] == [256]
+    roots = {e["name"]: e["root"] for e in chains["roots"]}
+    assert checks["other_root_at_first_position"]["rows"][0][6] == roots["lora_x_reloaded"]
+    assert checks["same_root_silent"]["rows"] == []
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: identity.request_root(cache_salt=b"salt"), TypeError),
+        (lambda: identity.request_root(lora=(1, "x", 2)), TypeError),
+        (lambda: identity.item_word(1, -1), ValueError),
+        (lambda: identity.item_word(1 << 63, 0), ValueError),
+        (lambda: identity.lora_weights_word([torch.zeros(2)]), TypeError),
+        (lambda: identity.lora_weights_word({"w": [0.0]}), TypeError),
+    ],
+)
+def test_bad_input_is_refused(call, error):
+    with pytest.raises(error, match="^kv-canary: "):
+        call()
+
+
+def test_the_transcription_does_not_import_the_package():
+    for module in (chain_golden, spec_oracle):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {name for name in imported if name and name.split(".")[0] == "torch_kvcanary"}
