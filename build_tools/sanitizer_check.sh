@@ -18,4 +18,4 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.
 ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0:detect_odr_violation=0:abort_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   "$python" -m pytest -q -p no:cacheprovider \
-    ${KVCANARY_SANITIZE_TESTS:-tests/ops/test_properties.py tests/ops/test_bad_input.py tests/ops/test_cpu_paths.py tests/ops/test_ops.py tests/ops/test_op_contracts.py tests/canary/test_canary_records.py tests/digest/test_digest.py tests/ops/test_paged_step.py}
+    ${KVCANARY_SANITIZE_TESTS:-tests/ops/test_properties.py tests/ops/test_bad_input.py tests/canary/test_canary_refusals.py tests/digest/test_digest_refusals.py tests/ops/test_cpu_paths.py tests/ops/test_ops.py tests/ops/test_op_contracts.py tests/canary/test_canary_records.py tests/digest/test_digest.py tests/ops/test_paged_step.py}

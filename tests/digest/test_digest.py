@@ -1,6 +1,6 @@
 """torch.ops.kvcanary.digest through `kv_digest`: docs/spec.md's digest transcribed in plain
 ints (spec_oracle), the invariances (ranks, pages, chunks, calls) and the transfer bugs. The
-PT2 contracts are in test_op_contracts.py, the refused arguments in test_bad_input.py."""
+PT2 contracts are in test_op_contracts.py, the refused arguments in test_digest_refusals.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`verify_transfer`: which requests and chunks differ, the policies (log, raise, callable,
-None) and a group's all-reduce; and `demo --transfer`. Its refused arguments are in
-test_bad_input.py."""
+None) and a group's all-reduce; and `demo --transfer`; its refused arguments."""
 
 from __future__ import annotations
 
@@ -75,3 +74,25 @@ def test_demo_transfer_command():
     for fault in ("one flipped bit", "two positions swapped", "one page never sent", "scales lost", "two top-bit flips in one unit"):
         assert f"{fault}" in proc.stdout
     assert "NOT CAUGHT" not in proc.stdout and "FALSE ALARM" not in proc.stdout
+
+
+def test_verify_transfer_refuses_bad_arguments():
+    sent, sent_chunks = torch.tensor([5, -1, 1 << 62]), torch.tensor([1, 2, 3, 4])
+    cases = {
+        "kv-canary: sent must be a 1-D int64 tensor of digests (from kv_digest), got a torch.int32 tensor of shape (3,)": lambda: (
+            verify_transfer(sent.int(), sent)
+        ),
+        "kv-canary: received must be a 1-D int64 tensor of digests (from kv_digest), got list": lambda: verify_transfer(sent, [1, 2, 3]),
+        "kv-canary: sent has 3 digests but received has 2; pass one per request (chunk) on both sides": lambda: verify_transfer(
+            sent, sent[:2]
+        ),
+        "kv-canary: pass both sent_chunks and received_chunks, or neither": lambda: verify_transfer(sent, sent, sent_chunks=sent_chunks),
+        "kv-canary: on_mismatch must be 'log', 'raise', None or a callable, got 'warn'": lambda: verify_transfer(
+            sent, sent, on_mismatch="warn"
+        ),
+        "kv-canary: got 1 request_ids for 3 requests": lambda: verify_transfer(sent, sent, request_ids=["x"]),
+    }
+    for message, call in cases.items():
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        assert str(info.value) == message

@@ -1,7 +1,8 @@
-"""Every invalid argument of every public function and of the raw ops, and every invalid
-setting of the vLLM plugin, raises a Python exception whose message starts with `kv-canary:`
-and names what to change; none crashes, reads out of bounds (the sanitizer job runs this
-file) or copies a pool."""
+"""Every invalid argument of the fold and its raw op, of the read_bytes contract, the sources
+and the engine layouts raises a Python exception whose message starts with `kv-canary:` and
+names what to change; none crashes, reads out of bounds (the sanitizer job runs this file) or
+copies a pool. KvCanary's refusals are in tests/canary/test_canary_refusals.py, the digest's
+in tests/digest/test_digest_refusals.py, verify_transfer's in tests/digest/test_digest_transfer.py."""
 
 import re
 import sys
@@ -9,14 +10,11 @@ import sys
 import expecttest
 import pytest
 import torch
-from helpers import CUDA, DEVICES, RAW_OP_REFUSAL, best_cpu_path, run_python
+from helpers import DEVICES, RAW_OP_REFUSAL, best_cpu_path, run_python
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
-from benchmarks import upstream_baseline
-from torch_kvcanary import digest as digest_units
 from torch_kvcanary import layouts, ops
-from torch_kvcanary.transfer import verify_transfer
 
 U8 = torch.zeros(4, 2, 64, dtype=torch.uint8)  # a good view: 4 pages of 2 slots of 64 bytes
 ROWS = torch.zeros(8, 64, dtype=torch.uint8)
@@ -238,51 +236,6 @@ CASES = [
         IndexError,
         "slot 9 is out of range for sources of capacity 8",
     ),
-    # KvCanary
-    ("canary: no sources", lambda: kc.KvCanary([]), ValueError, "KvCanary needs at least one source"),
-    ("canary: capacity", lambda: kc.KvCanary(GOOD, capacity=0), ValueError, "KvCanary capacity must be in [1, 8]"),
-    (
-        "canary: devices",
-        lambda: kc.KvCanary([GOOD, kc.view_source(U8.to("meta"), read_bytes=16)]),
-        ValueError,
-        "KvCanary sources must share one device",
-    ),
-    (
-        "canary: copy_records dtype",
-        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0.0]), torch.tensor([1])),
-        TypeError,
-        "src_slots must be an int32 or int64 tensor",
-    ),
-    (
-        "canary: copy_records shapes",
-        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0, 1]), torch.tensor([2])),
-        ValueError,
-        "src_slots and dst_slots must have one shape",
-    ),
-    (
-        "canary: copy_records range",
-        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0]), torch.tensor([8])),
-        IndexError,
-        "dst_slots must lie in [0, 8), got values in [8, 8]",
-    ),
-    (
-        "canary: refold dtype",
-        lambda: kc.KvCanary(GOOD).refold(torch.tensor([1.0])),
-        TypeError,
-        "slots must be an int32 or int64 tensor",
-    ),
-    (
-        "canary: refold range",
-        lambda: kc.KvCanary(GOOD).refold(torch.tensor([3, 8])),
-        IndexError,
-        "slots holds slot 8, out of range for a canary of capacity 8",
-    ),
-    (
-        "canary: copy_records destinations",
-        lambda: kc.KvCanary(GOOD).copy_records(torch.tensor([0, 1]), torch.tensor([2, 2])),
-        ValueError,
-        "dst_slots must be distinct",
-    ),
 ]
 
 
@@ -364,13 +317,6 @@ def test_a_torch_older_than_the_floor_is_refused_before_a_library_loads():
         "kv-canary: torch_kvcanary needs torch 2.10 or later, this is torch 2.9.1+cu128; install torch>=2.10",
         "[]",
     ]
-
-
-def test_upstream_baseline_refuses_what_it_cannot_fold():
-    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds 1 to 8 pools"):
-        upstream_baseline.upstream_fold([], 16)
-    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds uint8 rows"):
-        upstream_baseline.upstream_fold([torch.zeros(4, 16, dtype=torch.uint8)], 16)
 
 
 # --- exact messages ------------------------------------------------------------------------
@@ -638,197 +584,3 @@ def test_fold_eager_range_check_and_switch(device):
         kc.fold(sources, slots)
     out = kc.fold(sources, slots, check_bounds=False)
     assert out[1] == 0 and out[0] != 0
-
-
-# --- KvCanary -----------------------------------------------------------------------------------
-
-
-def _canary_pool(device: str) -> torch.Tensor:
-    """A vLLM [2, blocks, block_size, heads, dim] bf16 pool: a canary of capacity 128."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(2, 8, 16, 2, 32, generator=gen).to(torch.bfloat16).to(device)
-
-
-def test_canary_constructor_refuses_bad_arguments():
-    sources = layouts.vllm(_canary_pool("cpu"), layout="NHD")
-    for kwargs, match in (
-        ({"capacity": 129}, r"^kv-canary: KvCanary capacity must be in \[1, 128\]"),
-        ({"mode": 7}, "^kv-canary: mode must be a HashMode"),
-        ({"ring_capacity": 0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1, got 0"),
-        ({"ring_capacity": 2.0}, r"^kv-canary: KvCanary ring_capacity must be an int >= 1"),
-        ({"padding_slot": 128}, r"^kv-canary: KvCanary padding_slot must be None or a slot in \[0, 128\), got 128"),
-        ({"on_violation": "print"}, "^kv-canary: on_violation must be"),
-        ({"on_violation": "warn"}, "^kv-canary: on_violation must be 'log', 'raise', a callable"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            kc.KvCanary(sources, **kwargs)
-    with pytest.raises(ValueError, match="^kv-canary: KvCanary needs at least one source$"):
-        kc.KvCanary(())
-    with pytest.raises(TypeError, match="^kv-canary: KvCanary name must be a str"):
-        kc.KvCanary(sources, name=3)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_canary_slots_past_its_capacity(device):
-    canary = kc.KvCanary(layouts.vllm(_canary_pool(device), layout="NHD"), capacity=100)
-    canary.record(torch.tensor([-1, 5, -3], device=device))
-    before = canary.records.clone()
-    with pytest.raises(IndexError, match=r"^kv-canary: slots holds slot 100, out of range for a canary of capacity 100"):
-        canary.record(torch.tensor([7, 100, 8], device=device))  # 100 is past the capacity
-    assert torch.equal(canary.records, before)  # a refused call writes nothing
-    with pytest.raises(IndexError, match=r"^kv-canary: slots holds slot 127, out of range"):
-        canary.verify(torch.tensor([5, 127], device=device))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_canary_refused_calls_write_nothing(device):
-    canary = kc.KvCanary(layouts.vllm(_canary_pool(device), layout="NHD"), capacity=100)
-    canary.record(torch.arange(8, device=device))
-    before = [t.clone() for t in (canary._records, canary._owner_tags, canary._counters, canary._ring)]
-    slots = torch.arange(4, device=device)
-    bad = [
-        (IndexError, "^kv-canary: prev_slots holds slot 100, out of range for a canary of capacity 100", {"prev_slots": torch.tensor([-1, 0, 100, 1], device=device)}),
-        (IndexError, "^kv-canary: slots holds slot 120, out of range", {"slots": torch.tensor([1, 120], device=device)}),
-        (ValueError, r"^kv-canary: positions has 3 entries \(shape \[3\]\) but slots has 4", {"positions": torch.arange(3, device=device)}),
-        (TypeError, "^kv-canary: tokens must be an int32 or int64 tensor, got Float", {"tokens": torch.zeros(4, device=device)}),
-        (TypeError, "^kv-canary: prev_slots must be an int32 or int64 tensor shaped like slots, got list", {"prev_slots": [1, 2, 3, 4]}),
-        (ValueError, r"^kv-canary: tag has 2 values", {"tag": torch.tensor([1, 2], device=device)}),
-        (TypeError, "^kv-canary: tag must be an int or an int64 tensor", {"tag": 1.5}),
-    ]  # fmt: skip
-    for error, match, change in bad:
-        kwargs = {"slots": slots, **change}
-        for call in (canary.record, canary.verify):
-            with pytest.raises(error, match=match):
-                call(**kwargs)
-    if device == "cpu" and CUDA:
-        with pytest.raises(ValueError, match="^kv-canary: positions is on cuda"):
-            canary.record(slots, positions=slots.cuda())
-    for table, saved in zip((canary._records, canary._owner_tags, canary._counters, canary._ring), before):
-        assert torch.equal(table, saved)
-
-
-# --- the digest ---------------------------------------------------------------------------------
-
-
-class TestDigestErrors(expecttest.TestCase):
-    def _message(self, exc_type, fn) -> str:
-        with self.assertRaises(exc_type) as info:
-            fn()
-        return str(info.exception)
-
-    def test_slot_past_capacity(self):
-        views = [torch.zeros(3, 4, 2, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.float32)]
-        entries = torch.tensor([0, 8, 12])
-        self.assertExpectedInline(
-            self._message(IndexError, lambda: kc.kv_digest(views, entries, entries, unit_offsets=[0, 2])),
-            """kv-canary: slot 8 is out of range for sources of capacity 8; slots must be < 8 (or negative for padding)""",
-        )
-
-    def test_slot_past_capacity_unchecked_adds_nothing(self):
-        views = [torch.randint(0, 256, (3, 4, 2, 16), dtype=torch.uint8), torch.randn(2, 4, 2)]
-        entries, positions = torch.tensor([0, 8, 5, 12]), torch.tensor([0, 1, 2, 3])
-        unchecked = kc.kv_digest(views, entries, positions, unit_offsets=[0, 2], check_bounds=False)
-        in_range = kc.kv_digest(views, torch.tensor([0, -1, 5, -1]), positions, unit_offsets=[0, 2])
-        assert torch.equal(unchecked, in_range) and int(in_range) != 0
-
-    def test_groups_out_of_range(self):
-        view = torch.zeros(3, 4, 2, 16, dtype=torch.uint8)
-        entries = torch.tensor([0, 1, -1])
-        self.assertExpectedInline(
-            self._message(
-                IndexError, lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 2, 9]), num_groups=2)
-            ),
-            """kv-canary: group 2 is out of range for num_groups 2; groups must be in [0, 2)""",
-        )
-        # a padding entry's group is not looked at
-        assert kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 1, 9]), num_groups=2).shape == (2,)
-
-    def test_views(self):
-        entries = torch.tensor([0])
-        u8 = torch.zeros(4, 2, 2, 24, dtype=torch.uint8)
-        cases = {
-            "unit of 6 bytes": [torch.zeros(4, 2, 3, 6, dtype=torch.uint8)],
-            "innermost not contiguous": [torch.zeros(4, 2, 3, 16, 2)[..., 0]],
-            "rank 2": [torch.zeros(4, 2)],
-            "float16 element unit": [torch.zeros(4, 2, 3, dtype=torch.float16)],
-        }
-        messages = {
-            name: self._message(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()
-        }
-        messages["unit_offsets length"] = self._message(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
-        messages["devices"] = self._message(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
-        messages["positions shape"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))
-        messages["num_groups 0"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0))
-        self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
-            """\
-unit of 6 bytes: kv-canary: digest view 0 has units of 6 bytes (shape [4, 2, 3, 6], dtype Byte); a unit's bytes must be a positive multiple of 4
-innermost not contiguous: kv-canary: digest view 0 must have a contiguous innermost dim (stride 1), got shape [4, 2, 3, 16] and strides [192, 96, 32, 2]; make the fastest-moving dim of each unit the last one
-rank 2: kv-canary: digest view 0 must be [num_pages, page_size, units, *unit_shape], got shape [4, 2]
-float16 element unit: kv-canary: digest view 0 has units of 2 bytes (shape [4, 2, 3], dtype Short); a unit's bytes must be a positive multiple of 4
-unit_offsets length: kv-canary: got 2 digest views but 1 unit_offsets; pass one unit offset (the global id of its unit 0) per view
-devices: kv-canary: digest view 0 is on meta but slots are on cpu; put them on one device
-positions shape: kv-canary: positions must have the shape of slots [1], got [2]
-num_groups 0: kv-canary: num_groups must be >= 1, got 0""",
-        )
-
-    def test_types(self):
-        view = torch.zeros(4, 2, 2, 16, dtype=torch.uint8)
-        entries = torch.tensor([0])
-        cases = {
-            "float slots": lambda: kc.kv_digest([view], torch.tensor([0.0]), entries, unit_offsets=[0]),
-            "list positions": lambda: kc.kv_digest([view], entries, [0], unit_offsets=[0]),
-            "int16 groups": lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=entries.short()),
-            "a tensor for views": lambda: kc.kv_digest(view, entries, entries, unit_offsets=[0]),
-        }
-        messages = {name: self._message(TypeError, fn) for name, fn in cases.items()}
-        self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
-            """\
-float slots: kv-canary: slots must be an int32 or int64 tensor, got Float
-list positions: kv-canary: positions must be an int32 or int64 tensor, got list
-int16 groups: kv-canary: groups must be an int32 or int64 tensor, got Short
-a tensor for views: kv-canary: views must be a sequence of tensors [num_pages, page_size, units, *unit_shape]""",
-        )
-
-
-def test_digest_unit_helpers_refuse_bad_input():
-    k = [torch.zeros(4, 3, 16, dtype=torch.bfloat16)]
-    with pytest.raises(ValueError, match="kv-canary: 3 local KV heads on each of 2 ranks do not split 4 KV heads"):
-        digest_units.sglang_mha_units(k, k, tp_rank=0, tp_size=2, num_kv_heads=4)
-    with pytest.raises(ValueError, match=r"kv-canary: tp_rank must be in \[0, tp_size=2\), got 2"):
-        digest_units.sglang_mha_units(k, k, tp_rank=2, tp_size=2)
-    with pytest.raises(ValueError, match="kv-canary: a vLLM layer is"):
-        digest_units.vllm_units([torch.zeros(3, 4, 2, 16)])
-    with pytest.raises(ValueError, match="kv-canary: a packed vLLM layer needs backend="):
-        digest_units.vllm_units([torch.zeros(3, 4, 2, 16)], layout="LBHNC")
-    with pytest.raises(ValueError, match="kv-canary: a 5-D vLLM layer is the legacy"):
-        digest_units.vllm_units([torch.zeros(2, 3, 4, 2, 16)], layout="LBHNC", backend="FLASH_ATTN")
-    with pytest.raises(ValueError, match="kv-canary: each of key_caches is"):
-        digest_units.hf_static_cache_units([torch.zeros(2, 3, 4)], [torch.zeros(2, 3, 4, 16)])
-    with pytest.raises(TypeError, match="kv-canary: kv_caches must be a sequence of per-layer tensors"):
-        digest_units.vllm_units(torch.zeros(2, 4, 2, 2, 16))
-    with pytest.raises(ValueError, match="kv-canary: got 1 K layers but 2 V layers"):
-        digest_units.sglang_mha_units(k, k + k)
-
-
-def test_verify_transfer_refuses_bad_arguments():
-    sent, sent_chunks = torch.tensor([5, -1, 1 << 62]), torch.tensor([1, 2, 3, 4])
-    cases = {
-        "kv-canary: sent must be a 1-D int64 tensor of digests (from kv_digest), got a torch.int32 tensor of shape (3,)": lambda: (
-            verify_transfer(sent.int(), sent)
-        ),
-        "kv-canary: received must be a 1-D int64 tensor of digests (from kv_digest), got list": lambda: verify_transfer(sent, [1, 2, 3]),
-        "kv-canary: sent has 3 digests but received has 2; pass one per request (chunk) on both sides": lambda: verify_transfer(
-            sent, sent[:2]
-        ),
-        "kv-canary: pass both sent_chunks and received_chunks, or neither": lambda: verify_transfer(sent, sent, sent_chunks=sent_chunks),
-        "kv-canary: on_mismatch must be 'log', 'raise', None or a callable, got 'warn'": lambda: verify_transfer(
-            sent, sent, on_mismatch="warn"
-        ),
-        "kv-canary: got 1 request_ids for 3 requests": lambda: verify_transfer(sent, sent, request_ids=["x"]),
-    }
-    for message, call in cases.items():
-        with pytest.raises((TypeError, ValueError)) as info:
-            call()
-        assert str(info.value) == message

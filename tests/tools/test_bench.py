@@ -153,3 +153,10 @@ def test_the_device_step_check_runs_clean_steps_and_says_what_it_measured(device
     assert all((r["graph"] == "equal" and r["syncs"] == "none" and r["kernels"] > 0) if on_cuda else r["graph"] is None for r in rows)
     assert all((r["queued_us"] > 0 and r["trivial_us"] > 0) if on_cuda else r["queued_us"] is r["trivial_us"] is None for r in rows)
     assert capsys.readouterr().out.splitlines()[0].startswith("| device | layers | requests | context | host us |")
+
+
+def test_upstream_baseline_refuses_what_it_cannot_fold():
+    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds 1 to 8 pools"):
+        upstream_baseline.upstream_fold([], 16)
+    with pytest.raises(ValueError, match="^kv-canary: the upstream baseline folds uint8 rows"):
+        upstream_baseline.upstream_fold([torch.zeros(4, 16, dtype=torch.uint8)], 16)
