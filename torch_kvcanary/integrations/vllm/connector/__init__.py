@@ -4,9 +4,10 @@
   calls it at the matching connector calls, and applies the canary's policy (flagged
   blocks become load errors), and its drills (`drill`) and counters (`stats`);
 * `delegate`: `InnerDelegate`, every connector call forwarded to the inner connector;
-* `verifier`: the transfer verifier's two halves (`SchedulerVerifier`, `WorkerVerifier`)
-  and the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``) and `nixl`
-  (``NixlConnector``, whose records travel with the blocks, `nixl.region`);
+* `verifier`: the base classes of a transfer verifier's two halves (`SchedulerVerifier`,
+  `WorkerVerifier`), each optional hook a documented no-op;
+* `transports`: the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``)
+  and `nixl` (``NixlConnector``, whose records travel with the blocks, `nixl.region`);
 * `port`: `CanaryPort`, what the connector asks of its worker's canary (the plugin's
   worker implements it);
 * `checks`: the connectors refused at start.

@@ -1,5 +1,5 @@
 """Verified transfers of KV through an inner connector that stores it on disk: `DiskVerifier`,
-the worker half of the ``ExampleConnector`` transport (`verifier.TRANSPORTS`); it needs no
+the worker half of the ``ExampleConnector`` transport (`transports.TRANSPORTS`); it needs no
 scheduler half."""
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ import torch
 from ....canary import RECORD_FIELDS
 from .. import adapter
 from .port import CanaryPort, landed_entries
+from .verifier import WorkerVerifier
 
 
-def check(vllm_config) -> None:
-    """Nothing to refuse: every ExampleConnector setting is verified."""
-
-
-class DiskVerifier:
+class DiskVerifier(WorkerVerifier):
     """Verified transfers through a connector that stores a request's blocks in a folder of
     its own (vLLM's ``ExampleConnector``: one file per layer, in a folder named by the hash
     of the request's tokens). The canary's records are relocation-invariant (token,
@@ -29,10 +26,11 @@ class DiskVerifier:
     chain differs (a changed byte, blocks swapped, another request's file), or whose stored
     records are missing or unreadable, has its record's fold broken, so that the canary
     flags it before the forward reads it and the connector reports its block as a load error
-    (recomputed under repair, failed under quarantine)."""
+    (recomputed under repair, failed under quarantine). ExampleConnector reads a request's
+    files within ``start_load_kv``, so its loads are verified in `after_load`; the verifier
+    holds nothing across steps."""
 
     SIDECAR = "kv_canary.safetensors"
-    LOADS_IN_STEP = True  # ExampleConnector reads a request's files within start_load_kv
 
     def __init__(self, inner):
         self.inner = inner
@@ -48,13 +46,6 @@ class DiskVerifier:
     def _path(self, request) -> str:
         return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
 
-    def transfer_caches(self, kv_caches: dict) -> dict:
-        """The KV caches as they are: the records are stored in files beside the KV's."""
-        return kv_caches
-
-    def before_load(self, port: CanaryPort, orders) -> None:
-        """Nothing: the records are read once the blocks landed (`after_load`)."""
-
     def after_save(self, port: CanaryPort, orders) -> None:
         """Stores the records of the slots each saved request's files hold, from the
         worker's canary (``port``)."""
@@ -63,11 +54,17 @@ class DiskVerifier:
                 records = port.records_of(request.slot_mapping)
                 safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
 
-    def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
-        """Has the worker's canary (``port``) record every slot the inner
-        connector loaded in this step, and invalidate those whose records do not match
-        the stored ones (all of them when the load ``failed``): (slots verified, slots that
-        failed)."""
+    def after_load(self, port: CanaryPort) -> tuple[int, int]:
+        """Has the worker's canary (``port``) record every slot the inner connector loaded in
+        this step, and break those whose records do not match the stored ones."""
+        return self._land(port, failed=False)
+
+    def after_failed_load(self, port: CanaryPort) -> tuple[int, int]:
+        """As `after_load`, every slot of the step's loads bad."""
+        return self._land(port, failed=True)
+
+    def _land(self, port: CanaryPort, *, failed: bool) -> tuple[int, int]:
+        """(slots verified, slots that failed) of the step's loads, all bad where the load ``failed``."""
         verified = bad_count = 0
         for request in self._requests():
             if request.is_store:
@@ -94,20 +91,3 @@ class DiskVerifier:
         except Exception:
             return None
         return stored if tuple(stored.shape) == (count, len(RECORD_FIELDS)) and stored.dtype == torch.int64 else None
-
-    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
-        """Nothing: every load was verified as it landed (`after_load`)."""
-        return 0, 0
-
-    def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
-        """Nothing: the loads' failures were counted as they landed."""
-        return 0
-
-    def forget(self, request_ids) -> None:
-        """Nothing: the verifier holds nothing across steps."""
-
-    def take_counts(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        """Nothing held."""

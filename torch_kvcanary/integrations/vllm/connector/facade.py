@@ -22,7 +22,7 @@ It is configured the vLLM way, and the plugin registers it with vLLM's connector
 to (`delegate.InnerDelegate`); without one, it transfers nothing and changes no scheduling:
 it matches no external tokens, holds no request and defers no free. The KV an inner
 connector loads is verified by the transfer verifier of its transport
-(`verifier.TRANSPORTS`: ``ExampleConnector``, ``NixlConnector``); any other inner
+(`transports.TRANSPORTS`: ``ExampleConnector``, ``NixlConnector``); any other inner
 connector is accepted as a producer only (`checks.check_inner`). This class is the facade:
 it builds the verifier's half of its role, calls it at the matching connector calls, and
 applies the canary's policy to what the step flagged.
@@ -85,16 +85,16 @@ class KvCanaryConnector(InnerDelegate):
             check_inner(config.kv_transfer_config)
             transport = TRANSPORTS.get(config.kv_transfer_config.kv_connector)
         if transport is not None:
-            transport.check(vllm_config)
-            if role == KVConnectorRole.WORKER and transport.prepare_worker is not None:
-                transport.prepare_worker(vllm_config)
+            transport.worker.check(vllm_config)
+            if role == KVConnectorRole.WORKER:
+                transport.worker.prepare(vllm_config)
         self.inner = build_inner(config, role, kv_cache_config)
         self._planner = None  # the transfer verifier's scheduler half
         self._verifier = None  # its worker half
         if transport is not None and role == KVConnectorRole.SCHEDULER and transport.scheduler is not None:
-            self._planner = transport.scheduler(vllm_config, self._block_size)
+            self._planner = transport.scheduler.build(vllm_config, self._block_size)
         if transport is not None and role == KVConnectorRole.WORKER:
-            self._verifier = transport.worker(vllm_config, self.inner, self._block_size)
+            self._verifier = transport.worker.build(vllm_config, self.inner, self._block_size)
         self._orders = None  # the verifier's orders of the bound step
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self.port: CanaryPort | None = None  # the worker's canary, once the plugin has built it (`attach`)
@@ -145,22 +145,25 @@ class KvCanaryConnector(InnerDelegate):
             self._run_drill()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """The inner connector's loads. The verifier prepares for them first; where they
-        land within the call (`WorkerVerifier.LOADS_IN_STEP`) the canary then adopts the
-        records stored with the landed blocks, breaking those the landed bytes or the
-        request do not match, so that the step reports their blocks."""
+        """The inner connector's loads. The verifier prepares for them first; for those that
+        land within the call (`WorkerVerifier.after_load`) the canary then adopts the records
+        stored with the landed blocks, breaking those the landed bytes or the request do not
+        match, so that the step reports their blocks. Where the call raises, the verifier
+        judges the loads it was landing, every block of them a load error
+        (`WorkerVerifier.after_failed_load`), or, for loads that land later, lets the
+        exception go on."""
         if not self._verifying():
             super().start_load_kv(forward_context, **kwargs)
             return
         self._verifier.before_load(self.port, self._orders)
-        if not self._verifier.LOADS_IN_STEP:
-            super().start_load_kv(forward_context, **kwargs)
-            return
         try:
             super().start_load_kv(forward_context, **kwargs)
-        except Exception:  # a load that raised: every block it was loading is a load error
+        except Exception:
+            landed = self._verifier.after_failed_load(self.port)
+            if landed is None:
+                raise
             logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
-            self._count_landed(self._verifier.after_load(self.port, failed=True))
+            self._count_landed(landed)
             return
         self._count_landed(self._verifier.after_load(self.port))
 

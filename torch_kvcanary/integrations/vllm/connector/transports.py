@@ -1,11 +1,9 @@
 """The transports: the inner connectors whose loads the canary verifies, by vLLM's name of
-each, with how each half of its verifier is built (`verifier`)."""
+each, with the classes of its verifier's halves (`verifier`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from . import disk, nixl
 from .verifier import SchedulerVerifier, WorkerVerifier
@@ -13,19 +11,16 @@ from .verifier import SchedulerVerifier, WorkerVerifier
 
 @dataclass(frozen=True)
 class Transport:
-    """A verified transport: its refusals at start, and how each half is built. ``scheduler``
-    is None where the worker half needs no plan."""
+    """A verified transport: its worker half (whose class also holds the transport's
+    refusals at start, `WorkerVerifier.check`), and its scheduler half, None where the
+    worker half needs no plan."""
 
-    check: Callable[[Any], None]  # (vllm_config) -> None, or a ValueError saying what to change
-    scheduler: Callable[[Any, int], SchedulerVerifier] | None  # (vllm_config, block_size)
-    worker: Callable[[Any, Any, int], WorkerVerifier]  # (vllm_config, inner connector, block_size)
-    prepare_worker: Callable[[Any], None] | None = None  # (vllm_config), before the inner connector is built
+    worker: type[WorkerVerifier]
+    scheduler: type[SchedulerVerifier] | None = None
 
 
 TRANSPORTS: dict[str, Transport] = {
-    "ExampleConnector": Transport(check=disk.check, scheduler=None, worker=disk.DiskVerifier.build),
-    "NixlConnector": Transport(
-        check=nixl.check_nixl, scheduler=nixl.NixlScheduler.build, worker=nixl.NixlWorker.build, prepare_worker=nixl.prepare_worker
-    ),
+    "ExampleConnector": Transport(disk.DiskVerifier),
+    "NixlConnector": Transport(nixl.NixlWorker, nixl.NixlScheduler),
 }
 """The inner connectors whose loads the canary verifies, by vLLM's name of each."""

@@ -1,5 +1,5 @@
 """Verified transfers through vLLM's ``NixlConnector``: prefill/decode disaggregation, the
-``NixlConnector`` transport of `verifier.TRANSPORTS` (`NixlScheduler`, `NixlWorker`).
+``NixlConnector`` transport of `transports.TRANSPORTS` (`NixlScheduler`, `NixlWorker`).
 
 The prefill side (P) computes a request's prompt and hands its blocks to the decode side
 (D), which reads them over NIXL. The canary's records are relocation-invariant (token,
@@ -41,7 +41,7 @@ digests alike wherever it is held.
 """
 
 from .claim import Claims
-from .config import CONNECTORS, PROGRESS_DELAY, RECORDS_KEY, STRICT, check_nixl, prepare_worker
+from .config import PROGRESS_DELAY, RECORDS_KEY, STRICT, check_nixl, prepare_worker
 from .orders import HandOverOrder, LoadOrder, NixlOrders, slots_of
 from .region import RecordsRegion
 from .scheduler import NixlScheduler
@@ -49,6 +49,6 @@ from .sharding import Sharding
 from .worker import NixlWorker, PendingLoad
 
 __all__ = [
-    "CONNECTORS", "PROGRESS_DELAY", "RECORDS_KEY", "STRICT", "Claims", "HandOverOrder", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
+    "PROGRESS_DELAY", "RECORDS_KEY", "STRICT", "Claims", "HandOverOrder", "LoadOrder", "NixlOrders", "NixlScheduler", "NixlWorker",
     "PendingLoad", "RecordsRegion", "Sharding", "check_nixl", "prepare_worker", "slots_of",
 ]  # fmt: skip

@@ -7,7 +7,6 @@ from __future__ import annotations
 from ... import adapter
 from ...config import CONNECTOR
 
-CONNECTORS = ("NixlConnector",)
 RECORDS_KEY = "kv_canary_records"
 """The key of ``kv_transfer_params`` by which P claims that the request's blocks carry the
 canary's records (`region`), with what D must match to compare them (`claim.facts`)."""

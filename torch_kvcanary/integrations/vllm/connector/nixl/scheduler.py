@@ -5,12 +5,13 @@ from __future__ import annotations
 from ... import adapter
 from ...config import MODES, settings
 from ..stats import OFF
+from ..verifier import SchedulerVerifier
 from .claim import Claims, facts
 from .config import RECORDS_KEY, strict_transfers
 from .orders import HandOverOrder, LoadOrder, NixlOrders
 
 
-class NixlScheduler:
+class NixlScheduler(SchedulerVerifier):
     """The scheduler side: which requests P writes the records of and D verifies, P's claim
     in the params it hands over and D's judgement of the claims it receives (`claim.Claims`).
     ``kv_cache_manager`` is the scheduler's, which vLLM binds to the connector once it has

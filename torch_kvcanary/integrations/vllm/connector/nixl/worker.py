@@ -25,7 +25,8 @@ from ... import adapter
 from ...config import CONNECTOR
 from ..port import CanaryPort, landed_entries
 from ..stats import FAILED, FAILED_KINDS, UNVERIFIED, UNVERIFIED_REASONS
-from .config import RECORDS_KEY, STRICT, strict_transfers
+from ..verifier import WorkerVerifier
+from .config import RECORDS_KEY, STRICT, check_nixl, prepare_worker, strict_transfers
 from .orders import LoadOrder, NixlOrders, slots_of
 from .region import DIGEST, FIELDS, LAYER_NAME, RecordsRegion
 from .sharding import Sharding
@@ -118,12 +119,11 @@ def fault_kind(expected: list[int], theirs: list[int], tokens: list[int], expect
     return "other_request"
 
 
-class NixlWorker:
+class NixlWorker(WorkerVerifier):
     """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
     model's KV heads as ``sharding`` says: P's records written into the region NIXL moves
-    (`after_save`), D's comparison of what landed (`land`)."""
-
-    LOADS_IN_STEP = False  # NIXL reads the blocks asynchronously: get_finished reports them landed
+    (`after_save`), D's comparison of what landed (`land`). NIXL reads the blocks
+    asynchronously, so D verifies them where NixlConnector reports them landed (`on_done`)."""
 
     def __init__(self, block_size: int, *, sharding: Sharding, rank: int, inner=None, strict: bool = False):
         self.block_size = block_size
@@ -143,6 +143,16 @@ class NixlWorker:
         self._handed_over = 0  # P: slots written since `take_counts`
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)  # D: loads judged unverified since `take_counts`, by reason
         self._failed = dict.fromkeys(FAILED_KINDS, 0)  # D: landed slots a step found bad since `take_counts`, by kind
+
+    @classmethod
+    def check(cls, vllm_config) -> None:
+        """`config.check_nixl`."""
+        check_nixl(vllm_config)
+
+    @classmethod
+    def prepare(cls, vllm_config) -> None:
+        """`config.prepare_worker`: NIXL's progress thread slowed where KvCanaryConnector's config asks to."""
+        prepare_worker(vllm_config)
 
     @classmethod
     def build(cls, vllm_config, inner, block_size: int) -> NixlWorker:
@@ -199,10 +209,6 @@ class NixlWorker:
         load done; the slots that failed are counted where a step reads them (`on_flagged`).
         (P: nothing; the records live as long as the blocks.)"""
         return (self.land(port, landed, failed) if landed else 0), 0
-
-    def after_load(self, port: CanaryPort, *, failed: bool = False) -> tuple[int, int]:
-        """Nothing yet: the blocks land later (`on_done`)."""
-        return 0, 0
 
     def before_load(self, port: CanaryPort, orders: NixlOrders | None) -> None:
         """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
