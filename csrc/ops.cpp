@@ -51,29 +51,34 @@ constexpr const char* kSchemas[] = {
     // [capacity], counters int64 [len(canary_counters())], ring int64
     // [ring_capacity, 8]. positions, tokens, prev_slots (int32/int64) and tags
     // (int64, one value or one per slot) are per-entry inputs shaped like
-    // slots; a check whose input is None is not run. Slots past the capacity
-    // raise IndexError when check_bounds and give a kSlotOutOfRange violation
-    // row otherwise.
+    // slots; a check whose input is None is not run. roots (int64, one per
+    // slot; last, so that positional callers without it are unchanged) is the
+    // link of each entry whose prev_slots value is negative (a request's
+    // first position: its identity), in place of the anchor; verify flags a
+    // first position whose chain is not its root with kIdentityMismatch (bit
+    // 8) in place of kChainMismatch, the row's expected_aux being the root.
+    // Slots past the capacity raise IndexError when check_bounds and give a
+    // kSlotOutOfRange violation row otherwise.
     //
     // record: entries are applied in order, so an entry may chain through an
     // earlier entry's slot; nothing is written when an argument is refused.
     "record(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
     "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
     "Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
-    "Tensor(d!) ring, bool check_bounds=True) -> ()",
+    "Tensor(d!) ring, bool check_bounds=True, Tensor? roots=None) -> ()",
     "record.bound(Tensor sources_table, Tensor slots, Tensor? positions, Tensor? tokens, "
     "Tensor? prev_slots, Tensor? tags, Tensor(a!) records, Tensor(b!) owner_tags, "
-    "Tensor(c!) counters, Tensor(d!) ring, bool check_bounds=True) -> ()",
+    "Tensor(c!) counters, Tensor(d!) ring, bool check_bounds=True, Tensor? roots=None) -> ()",
     // verify -> bool tensor shaped like slots, True where a check failed; each
     // flagged entry appends a row to the ring. padding_slot (-1: none) is
     // never checked, and a chain through it is not checked.
     "verify(Tensor[] sources, SymInt[] read_bytes, Tensor slots, "
     "Tensor? positions, Tensor? tokens, Tensor? prev_slots, Tensor? tags, "
     "Tensor records, Tensor owner_tags, Tensor(a!) counters, Tensor(b!) ring, "
-    "int padding_slot=-1, bool check_bounds=True) -> Tensor",
+    "int padding_slot=-1, bool check_bounds=True, Tensor? roots=None) -> Tensor",
     "verify.bound(Tensor sources_table, Tensor slots, Tensor? positions, Tensor? tokens, "
     "Tensor? prev_slots, Tensor? tags, Tensor records, Tensor owner_tags, Tensor(a!) counters, "
-    "Tensor(b!) ring, int padding_slot=-1, bool check_bounds=True) -> Tensor",
+    "Tensor(b!) ring, int padding_slot=-1, bool check_bounds=True, Tensor? roots=None) -> Tensor",
     // refold: records[s, fold] = the fold of slot s for each entry s >= 0 of
     // slots (int32 or int64), the record's other fields kept; for a backend
     // whose write to one slot changes the bytes of others. Slots past the
@@ -115,7 +120,11 @@ constexpr const char* kSchemas[] = {
     // entries, None: row r) where history_known (bool, shaped like history;
     // None: everywhere) holds true (no history: tokens not checked); under
     // every > 1 only the blocks b with b % every == step % every and each
-    // request's last block.
+    // request's last block. roots (int64, 1-D, contiguous, >= num_reqs
+    // entries; None: the anchor) gives request r the root roots[r]: the link
+    // of each of its entries with no previous slot (position 0), as record
+    // and verify take roots, both where the step records position 0 and where
+    // it verifies it as context.
     // phase 0 (after the forward) records, then verifies the context; a
     // backend whose write to a slot changes its block's others calls twice:
     // phase 1 (before the forward) verifies the context at slots the step
@@ -141,7 +150,7 @@ constexpr const char* kSchemas[] = {
     "Tensor? history_rows, Tensor(a!) records, Tensor(b!) owner_tags, Tensor(c!) counters, "
     "Tensor(d!) ring, Tensor(e!) origins, Tensor(f!) mailbox, Tensor(g!) scratch, "
     "int num_reqs, int num_tokens, int block_size, int phase, int step, int every=1, "
-    "int padding_slot=-1) -> ()",
+    "int padding_slot=-1, Tensor? roots=None) -> ()",
     // The int64 values of scratch a CUDA call of paged_step needs for
     // num_groups KV cache groups, num_tokens tokens, num_reqs requests and a
     // canary of capacity slots (cuda/paged_step_scratch.h lays them out).

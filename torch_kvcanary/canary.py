@@ -63,6 +63,9 @@ class FailReason(enum.IntFlag):
     # A slot or previous slot past the capacity, met where the call could not raise
     # (CUDA-graph capture, compiled CUDA code): the entry was skipped.
     SLOT_OUT_OF_RANGE = 1 << 7
+    # A request's first position whose chain is not the root its call gave (the request's
+    # identity: its KV was written under another one); in place of VERIFY_CHAIN_HASH_MISMATCH.
+    VERIFY_IDENTITY_MISMATCH = 1 << 8
 
     @property
     def labels(self) -> list[str]:
@@ -132,6 +135,14 @@ def _check_entry_input(value, name: str) -> None:
         raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
 
 
+def _check_roots(roots) -> None:
+    # Their dtype, which the kernels' refusal would report as a ValueError; the rest is checked
+    # with the other inputs (csrc/plan/canary_plan.cpp).
+    if roots is not None and (not isinstance(roots, torch.Tensor) or roots.dtype != torch.int64):
+        got = roots.dtype if isinstance(roots, torch.Tensor) else type(roots).__name__
+        raise TypeError(f"kv-canary: roots must be an int64 tensor shaped like slots, got {got}; pass roots as int64")
+
+
 def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
     # The canary kernels' cheap checks (csrc/plan/canary_plan.cpp): one value per slot, one
     # device. Mixed devices dispatch here when one of them is meta.
@@ -148,10 +159,29 @@ def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
             )
 
 
+def _given(roots) -> tuple:
+    """The trailing ``roots`` argument of an op call: none when not given, so that a call
+    without roots passes the arguments it passed before the op took them."""
+    return () if roots is None else (roots,)
+
+
+def _check_roots_fake(roots, slots) -> None:
+    if roots is not None and roots.dtype != torch.int64:
+        raise ValueError(f"kv-canary: roots must be an int64 tensor (64-bit hashes), got {roots.dtype}; pass roots as int64")
+    if roots is not None and roots.device != slots.device:
+        raise ValueError(f"kv-canary: roots is on {roots.device} but slots are on {slots.device}; put them on one device")
+
+
 @torch.library.register_fake("kvcanary::record")
-def _record_fake(sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True):
+def _record_fake(
+    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True, roots=None
+):
+    _check_roots_fake(roots, slots)
     _check_canary_fake_inputs(
-        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+        sources,
+        slots,
+        {"positions": positions, "tokens": tokens, "prev_slots": prev_slots, "roots": roots},
+        (records, owner_tags, counters, ring),
     )
 
 
@@ -163,10 +193,15 @@ def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
 
 @torch.library.register_fake("kvcanary::verify")
 def _verify_fake(
-    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, padding_slot=-1, check_bounds=True
-):
+    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring,
+    padding_slot=-1, check_bounds=True, roots=None,
+):  # fmt: skip
+    _check_roots_fake(roots, slots)
     _check_canary_fake_inputs(
-        sources, slots, {"positions": positions, "tokens": tokens, "prev_slots": prev_slots}, (records, owner_tags, counters, ring)
+        sources,
+        slots,
+        {"positions": positions, "tokens": tokens, "prev_slots": prev_slots, "roots": roots},
+        (records, owner_tags, counters, ring),
     )
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
@@ -299,6 +334,7 @@ class KvCanary:
         tokens: torch.Tensor | None = None,
         prev_slots: torch.Tensor | None = None,
         check_bounds: bool = True,
+        roots: torch.Tensor | None = None,
     ) -> None:
         """Store the records of ``slots`` after the engine wrote them.
 
@@ -307,6 +343,12 @@ class KvCanary:
         like ``slots``; ``tag`` (an int, or int64 values shaped like ``slots``) is the owner a
         later ``verify(tag=...)`` expects. Entries are applied in order, so entry i may chain
         through the slot entry i - 1 wrote. Negative slots are skipped.
+
+        ``roots`` (int64, shaped like ``slots``, on the canary's device) gives each entry the
+        chain it stores where it has no previous slot (``prev_slots[i] < 0``, a request's
+        first position) in place of the anchor: its request's identity, which then runs
+        through every later link of the request (docs/spec.md). An entry without identity
+        beside rooted ones takes the anchor's value as its root.
 
         On CUDA, runs of entries that chain through each other (``prev_slots[i] ==
         slots[i - 1]``) are applied concurrently: a run must not chain through a slot another
@@ -318,10 +360,12 @@ class KvCanary:
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
+        _check_roots(roots)
         try:
             self._call(
                 torch.ops.kvcanary.record, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
                 self._records, self._owner_tags, self._counters, self._ring, check_bounds and may_check_bounds(slots),
+                *_given(roots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
@@ -334,20 +378,27 @@ class KvCanary:
         positions: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
         prev_slots: torch.Tensor | None = None,
+        roots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Check ``slots`` before the engine reads them: a bool tensor shaped like ``slots``,
         True where a check failed. The fold is always checked; the position, the token
         (entries with ``tokens[i] == -1`` are not), the chain through ``prev_slots`` and the
         owner ``tag`` when given. Each flagged entry appends a row to the violation ring
-        (read it with `poll`); padding entries are never flagged."""
+        (read it with `poll`); padding entries are never flagged.
+
+        With ``roots`` (as `record` takes them) an entry whose ``prev_slots`` value is
+        negative expects ``roots[i]`` as its chain, and a mismatch there is
+        VERIFY_IDENTITY_MISMATCH (the slot's KV was recorded under another identity) in place
+        of VERIFY_CHAIN_HASH_MISMATCH; without ``roots`` every check is as before."""
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
+        _check_roots(roots)
         tags = None if tag is None else self._tag_tensor(tag)
         padding = -1 if self.padding_slot is None else self.padding_slot
         try:
             return self._call(
                 torch.ops.kvcanary.verify, slots, positions, tokens, prev_slots, tags,
-                self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots),
+                self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots), *_given(roots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None

@@ -35,7 +35,7 @@ class MailboxWord(enum.IntEnum):
 def _paged_step_fake(
     sources_table, block_tables, slot_mappings, sliding_windows, chunk_sizes, query_start_loc, seq_lens, positions,
     input_ids, history, history_known, history_rows, records, owner_tags, counters, ring, origins, mailbox, scratch,
-    num_reqs, num_tokens, block_size, phase, step, every=1, padding_slot=-1,
+    num_reqs, num_tokens, block_size, phase, step, every=1, padding_slot=-1, roots=None,
 ):  # fmt: skip
     # The checks of make_paged_step_plan (csrc/plan/paged_step_plan.cpp) that need no data.
     if not len(block_tables) == len(slot_mappings) == len(sliding_windows) == len(chunk_sizes) >= 1:
@@ -49,7 +49,9 @@ def _paged_step_fake(
             f"kv-canary: paged_step's scratch must be a contiguous 1-D int64 tensor on the canary's device ({records.device}), "
             f"got {scratch.dtype} of shape {list(scratch.shape)} on {scratch.device}"
         )
-    buffers = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions, "input_ids": input_ids}
+    if roots is not None and roots.dtype != torch.int64:
+        raise ValueError(f"kv-canary: roots must be an int64 tensor (64-bit hashes), got {roots.dtype}; pass roots as int64")
+    buffers = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions, "input_ids": input_ids, "roots": roots}
     for name, value in buffers.items():
         if value is not None and value.device != records.device:
             raise ValueError(
@@ -128,6 +130,7 @@ class PagedStep:
         history: torch.Tensor | None = None,
         history_known: torch.Tensor | None = None,
         history_rows: torch.Tensor | None = None,
+        roots: torch.Tensor | None = None,
     ) -> None:
         """Step ``step``'s canary work in phase ``phase`` (the contract is the schema's,
         csrc/ops.cpp): request ``r < num_reqs`` runs tokens ``[query_start_loc[r],
@@ -135,11 +138,19 @@ class PagedStep:
         token ``t`` has ``positions[t]`` and ``input_ids[t]``. The token history
         (``history[history_rows[r], p]`` where ``history_known``) is checked as
         `KvCanary.verify` checks a token, and under ``every`` > 1 a rotating sample of the
-        context's blocks (the turn of ``step``). Pass the engine's whole buffers: no slicing."""
+        context's blocks (the turn of ``step``). ``roots`` (int64 ``[>= num_reqs]``, one per
+        request in the rows' order; None: the anchor) is request ``r``'s identity: the chain of
+        its position 0 where the step records it, and what the context check expects there
+        (a mismatch is VERIFY_IDENTITY_MISMATCH), as `KvCanary.record` and `KvCanary.verify`
+        take ``roots``. Pass the engine's whole buffers: no slicing."""
+        if roots is not None and (not isinstance(roots, torch.Tensor) or roots.dtype != torch.int64):
+            got = roots.dtype if isinstance(roots, torch.Tensor) else type(roots).__name__
+            raise TypeError(f"kv-canary: roots must be an int64 tensor with one value per request, got {got}; pass roots as int64")
         try:
             self._op(
                 *self._groups, query_start_loc, seq_lens, positions, input_ids, history, history_known, history_rows,
                 *self._tables, num_reqs, num_tokens, self.block_size, phase, step, every, self._padding,
+                *(() if roots is None else (roots,)),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions}) from None

@@ -41,6 +41,10 @@ enum FailReason : int64_t {
   // A slot or previous slot past the capacity, found by a kernel that was not
   // asked to raise (CUDA-graph capture, torch.compile): the entry is skipped.
   kSlotOutOfRange = 1 << 7,
+  // A request's first position whose chain is not the root its call gives
+  // (the request's identity): the chain check of such an entry, reported
+  // apart so that KV of another identity reads as such.
+  kIdentityMismatch = 1 << 8,
 };
 
 // The canary's device counters, one int64 each. kRingWrite is the ring's
@@ -80,8 +84,10 @@ KVC_HOST_DEVICE int64_t link_at(const int64_t* records, int64_t p) {
 
 // The per-entry inputs of a record or verify call; a null pointer is an input
 // not given (positions and tokens read as -1, prev_slots as -1, tags as
-// "not checked"). All are contiguous, int32 or int64 as flagged, except tags
-// (int64, one value for all entries when tags_broadcast).
+// "not checked", roots as "the anchor"). All are contiguous, int32 or int64
+// as flagged, except tags (int64, one value for all entries when
+// tags_broadcast) and roots (int64, one per entry: the link of an entry with
+// no previous slot).
 struct EntryInputs {
   const void* slots;
   const void* positions;
@@ -91,6 +97,7 @@ struct EntryInputs {
   const int64_t* tags;
   bool tags_broadcast;
   int64_t num_entries;
+  const int64_t* roots;
 };
 
 // Entry i of a per-entry input; -1 where the input is not given.
@@ -114,6 +121,19 @@ KVC_HOST_DEVICE int64_t entry_tag(const EntryInputs& in, int64_t i) {
   return in.tags[in.tags_broadcast ? 0 : i];
 }
 
+// Whether entry i, whose previous slot is p, is linked to its root: a first
+// position (p < 0) of a call that gives roots.
+KVC_HOST_DEVICE bool entry_rooted(const EntryInputs& in, int64_t p) {
+  return p < 0 && in.roots != nullptr;
+}
+
+// link(p) of entry i: its root where it is rooted, else link_at. The caller
+// has checked p < capacity.
+KVC_HOST_DEVICE int64_t entry_link(const int64_t* records, const EntryInputs& in, int64_t i,
+                                   int64_t p) {
+  return entry_rooted(in, p) ? in.roots[i] : link_at(records, p);
+}
+
 // The checks of one verify entry at slot s (0 <= s < capacity, not padding;
 // padding_slot is -1 when the canary has none):
 // the reason bits, and the expected chain (the stored one where the chain is
@@ -131,8 +151,10 @@ KVC_HOST_DEVICE VerifyOutcome verify_entry(const int64_t* records, const int64_t
   if (in.prev_slots != nullptr) {
     const int64_t p = entry_prev_slot(in, i);
     if (padding_slot < 0 || p != padding_slot) {  // a chain through padding is unreachable
-      out.expected_chain = link_at(records, p);
-      if (record[kChain] != out.expected_chain) out.reasons |= kChainMismatch;
+      out.expected_chain = entry_link(records, in, i, p);
+      if (record[kChain] != out.expected_chain) {
+        out.reasons |= entry_rooted(in, p) ? kIdentityMismatch : kChainMismatch;
+      }
     }
   }
   if (in.positions != nullptr && record[kPosition] != entry_position(in, i)) {

@@ -20,9 +20,13 @@ namespace kvcanary {
 namespace {
 
 // Entries of one record or verify batch, int64 columns, with the KV cache
-// group and row (request) of each.
+// group and row (request) of each, and each entry's root (its request's) when
+// the step has roots (request_roots: one per row; null: none).
 struct EntryBatch {
-  std::vector<int64_t> slots, positions, tokens, prev_slots, groups, rows;
+  std::vector<int64_t> slots, positions, tokens, prev_slots, groups, rows, roots;
+  const int64_t* request_roots;
+
+  explicit EntryBatch(const int64_t* request_roots = nullptr) : request_roots(request_roots) {}
 
   void add(int64_t slot, int64_t position, int64_t token, int64_t prev_slot, int64_t group,
            int64_t row) {
@@ -32,6 +36,9 @@ struct EntryBatch {
     prev_slots.push_back(prev_slot);
     groups.push_back(group);
     rows.push_back(row);
+    if (request_roots != nullptr) {
+      roots.push_back(request_roots[row]);
+    }
   }
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
 
@@ -43,6 +50,7 @@ struct EntryBatch {
     in.positions = checks ? positions.data() : nullptr;
     in.tokens = checks && with_tokens ? tokens.data() : nullptr;
     in.prev_slots = checks ? prev_slots.data() : nullptr;
+    in.roots = checks && request_roots != nullptr ? roots.data() : nullptr;
     in.num_entries = size();
     return in;
   }
@@ -137,7 +145,7 @@ class PagedStepCpu {
   // Each group's written tokens, rows in record order (cpu/kernels/
   // paged_step_cpu.h), each chained through the slot of its position - 1.
   void record() {
-    EntryBatch batch;
+    EntryBatch batch(plan_.roots);
     const std::vector<int64_t> order = record_order(step_);
     for (int64_t g = 0; g < num_groups(); ++g) {
       for (const int64_t r : order) {
@@ -173,7 +181,7 @@ class PagedStepCpu {
   // write, after it those it writes (`deferred`); in a whole step all of
   // them.
   EntryBatch context(bool deferred) const {
-    EntryBatch batch;
+    EntryBatch batch(plan_.roots);
     ContextChecks checks = plan_.history;
     checks.deferred = deferred;
     checks.every = args_.call.every;

@@ -34,7 +34,7 @@ __device__ __forceinline__ bool continues_run(const RecordLaunchArgs& a, int64_t
 
 // The first entry of a run writes the chain of every entry of the run.
 __device__ void write_run_chain(const RecordLaunchArgs& a, int64_t first) {
-  int64_t chain = link_at(a.records, entry_prev_slot(a.inputs, first));
+  int64_t chain = entry_link(a.records, a.inputs, first, entry_prev_slot(a.inputs, first));
   a.records[entry_slot(a.inputs, first) * kRecordFields + kChain] = chain;
   for (int64_t j = first + 1; j < a.inputs.num_entries && recordable(a, j) && continues_run(a, j);
        ++j) {

@@ -97,6 +97,7 @@ PagedStepLaunchArgs launch_args(const PagedStepPlan& plan, const PagedStepArgs& 
   c.num_entries = num_groups * a.call.num_tokens;
   c.step = a.call.step;
   c.phase = a.call.phase;
+  c.roots = plan.roots;
   return l;
 }
 

@@ -46,6 +46,7 @@ struct PagedCallLaunch {
   int64_t num_entries;  // num_groups * num_tokens
   int64_t step;
   int64_t phase;
+  const int64_t* roots;  // >= num_reqs, request r's root; null: none
 };
 
 struct PagedStepLaunchArgs {

@@ -61,15 +61,22 @@ __device__ void append_row(const Args& a, const int64_t* row, int64_t group, int
 }
 
 // One entry's inputs as core/canary_records.h reads them (entry 0 of
-// `values`: slot, position, token, previous slot).
-__device__ __forceinline__ EntryInputs one_entry(const int64_t* values) {
+// `values`: slot, position, token, previous slot), with its root (null: none).
+__device__ __forceinline__ EntryInputs one_entry(const int64_t* values,
+                                                 const int64_t* root = nullptr) {
   EntryInputs in{};
   in.slots = values;
   in.positions = values + 1;
   in.tokens = values + 2;
   in.prev_slots = values + 3;
   in.num_entries = 1;
+  in.roots = root;
   return in;
+}
+
+// The root of request r, or null when the step has none.
+__device__ __forceinline__ const int64_t* root_of(const Args& a, int64_t r) {
+  return a.call.roots != nullptr ? a.call.roots + r : nullptr;
 }
 
 __device__ __forceinline__ int64_t token_of(const Args& a, int64_t t) {
@@ -197,7 +204,10 @@ __global__ void __launch_bounds__(kStepThreads) run_heads_kernel(const Args a) {
     const int64_t prev = s.entry_prevs[e];
     const int64_t writer = prev >= 0 ? last_writer_before(a, prev, s.entry_keys[e]) : -1;
     if (writer < 0) {
-      s.entry_chains[e] = link_at(a.engine.records, prev);
+      // A first position links to its request's root where the step has roots.
+      const int64_t* root =
+          prev < 0 ? root_of(a, request_of_token(a, e % a.call.num_tokens)) : nullptr;
+      s.entry_chains[e] = root != nullptr ? *root : link_at(a.engine.records, prev);
       s.entry_deps[e] = -1;
     } else {
       s.entry_deps[e] = writer % a.call.num_entries;
@@ -390,7 +400,7 @@ __global__ void __launch_bounds__(kStepThreads) verify_context_kernel(const Args
     }
     ++checked;
     const int64_t values[4] = {c.slot, p, c.token, c.prev};
-    const EntryInputs in = one_entry(values);
+    const EntryInputs in = one_entry(values, root_of(a, r));
     int64_t row[kViolationFields];
     if (c.slot >= a.engine.capacity || c.prev >= a.engine.capacity) {
       out_of_range_row(row, kKindVerify, in, 0);

@@ -38,6 +38,20 @@ std::optional<Tensor> tag_tensor(const std::optional<Tensor>& input, const Tenso
   return in_memory_order(t);
 }
 
+// The roots input: int64, on the slots' device, one value per slot.
+std::optional<Tensor> root_tensor(const std::optional<Tensor>& input, const Tensor& slots) {
+  if (!input.has_value()) {
+    return std::nullopt;
+  }
+  const Tensor& t = *input;
+  check_roots_dtype(t);
+  check_on_slots_device(t, slots, kPutOnOneDevice, "roots");
+  KVCANARY_CHECK_VALUE(t.numel() == slots.numel(), "roots has ", t.numel(), " values (shape ",
+                       shape_of(t), ") but slots has ", slots.numel(), " (shape ", shape_of(slots),
+                       "); pass one root per slot, shaped like slots");
+  return in_memory_order(t);
+}
+
 void check_table(const Tensor& t, const char* name, const Tensor& slots,
                  std::initializer_list<int64_t> trailing) {
   KVCANARY_CHECK_TYPE(t.scalar_type() == ScalarType::Long, "the canary's ", name,
@@ -69,6 +83,7 @@ EntryPlan make_entry_plan(const CanaryInputs& call) {
   std::optional<Tensor> tokens = entry_tensor(call.tokens, "tokens", slots);
   std::optional<Tensor> prev_slots = entry_tensor(call.prev_slots, "prev_slots", slots);
   std::optional<Tensor> tags = tag_tensor(call.tags, slots);
+  std::optional<Tensor> roots = root_tensor(call.roots, slots);
   EntryPlan plan{{}, {}, in_memory_order(slots), std::move(prev_slots)};
   EntryInputs& in = plan.inputs;
   in.slots = plan.slots.const_data_ptr();
@@ -82,7 +97,8 @@ EntryPlan make_entry_plan(const CanaryInputs& call) {
   in.tags = tags.has_value() ? tags->const_data_ptr<int64_t>() : nullptr;
   in.tags_broadcast = tags.has_value() && tags->numel() == 1;
   in.num_entries = plan.slots.numel();
-  for (std::optional<Tensor>* kept : {&positions, &tokens, &tags}) {
+  in.roots = roots.has_value() ? roots->const_data_ptr<int64_t>() : nullptr;
+  for (std::optional<Tensor>* kept : {&positions, &tokens, &tags, &roots}) {
     if (kept->has_value()) plan.keep_alive.push_back(std::move(**kept));
   }
   return plan;
@@ -123,7 +139,7 @@ CanaryPlan make_refold_plan(const SourcesArg& sources, const Tensor& slots, cons
                        "; build the canary over these sources");
   const std::optional<Tensor> none;
   return CanaryPlan{std::move(fold), capacity,
-                    make_entry_plan({sources, slots, none, none, none, none})};
+                    make_entry_plan({sources, slots, none, none, none, none, none})};
 }
 
 void check_entries_in_range(const CanaryPlan& plan, const IndexSearch& search) {

@@ -23,6 +23,7 @@ struct CanaryInputs {
   const std::optional<Tensor>& tokens;
   const std::optional<Tensor>& prev_slots;
   const std::optional<Tensor>& tags;
+  const std::optional<Tensor>& roots;  // int64, one per slot: first positions' links
 };
 
 // The canary's tables. record writes every one; verify reads records and
@@ -48,8 +49,9 @@ void record_op(const std::vector<Tensor>& sources, const std::vector<int64_t>& r
                const Tensor& slots, const std::optional<Tensor>& positions,
                const std::optional<Tensor>& tokens, const std::optional<Tensor>& prev_slots,
                const std::optional<Tensor>& tags, Tensor& records, Tensor& owner_tags,
-               Tensor& counters, Tensor& ring, bool check_bounds) {
-  record({{&sources, &read_bytes}, slots, positions, tokens, prev_slots, tags},
+               Tensor& counters, Tensor& ring, bool check_bounds,
+               const std::optional<Tensor>& roots) {
+  record({{&sources, &read_bytes}, slots, positions, tokens, prev_slots, tags, roots},
          {records, owner_tags, counters, ring}, check_bounds);
 }
 
@@ -58,8 +60,8 @@ void record_bound_op(const Tensor& sources_table, const Tensor& slots,
                      const std::optional<Tensor>& positions, const std::optional<Tensor>& tokens,
                      const std::optional<Tensor>& prev_slots, const std::optional<Tensor>& tags,
                      Tensor& records, Tensor& owner_tags, Tensor& counters, Tensor& ring,
-                     bool check_bounds) {
-  record({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags},
+                     bool check_bounds, const std::optional<Tensor>& roots) {
+  record({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags, roots},
          {records, owner_tags, counters, ring}, check_bounds);
 }
 
@@ -68,8 +70,9 @@ Tensor verify_op(const std::vector<Tensor>& sources, const std::vector<int64_t>&
                  const Tensor& slots, const std::optional<Tensor>& positions,
                  const std::optional<Tensor>& tokens, const std::optional<Tensor>& prev_slots,
                  const std::optional<Tensor>& tags, const Tensor& records, const Tensor& owner_tags,
-                 Tensor& counters, Tensor& ring, int64_t padding_slot, bool check_bounds) {
-  return verify({{&sources, &read_bytes}, slots, positions, tokens, prev_slots, tags},
+                 Tensor& counters, Tensor& ring, int64_t padding_slot, bool check_bounds,
+                 const std::optional<Tensor>& roots) {
+  return verify({{&sources, &read_bytes}, slots, positions, tokens, prev_slots, tags, roots},
                 {records, owner_tags, counters, ring}, padding_slot, check_bounds);
 }
 
@@ -78,8 +81,9 @@ Tensor verify_bound_op(const Tensor& sources_table, const Tensor& slots,
                        const std::optional<Tensor>& positions, const std::optional<Tensor>& tokens,
                        const std::optional<Tensor>& prev_slots, const std::optional<Tensor>& tags,
                        const Tensor& records, const Tensor& owner_tags, Tensor& counters,
-                       Tensor& ring, int64_t padding_slot, bool check_bounds) {
-  return verify({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags},
+                       Tensor& ring, int64_t padding_slot, bool check_bounds,
+                       const std::optional<Tensor>& roots) {
+  return verify({{.table = &sources_table}, slots, positions, tokens, prev_slots, tags, roots},
                 {records, owner_tags, counters, ring}, padding_slot, check_bounds);
 }
 

@@ -81,6 +81,12 @@ void check_index_dtype(const Tensor& t, const char* name) {
                       " must be an int32 or int64 tensor, got ", dtype_of(t));
 }
 
+void check_roots_dtype(const Tensor& roots) {
+  KVCANARY_CHECK_TYPE(roots.scalar_type() == ScalarType::Long,
+                      "roots must be an int64 tensor (64-bit hashes), got ", dtype_of(roots),
+                      "; pass roots as int64");
+}
+
 void check_slots_in_range(const Tensor& slots, int64_t capacity, const IndexSearch& search) {
   if (capacity < 0) {
     return;

@@ -82,6 +82,10 @@ void check_on_slots_device(const Tensor& t, const Tensor& slots, const char* rem
 // An index tensor (slots, positions, ...) must be int32 or int64.
 void check_index_dtype(const Tensor& t, const char* name);
 
+// The roots of record, verify and paged_step (the links of first positions,
+// hashes) must be int64.
+void check_roots_dtype(const Tensor& roots);
+
 // How a backend finds the entries its range checks refuse. The host loops
 // over them (kHostSearch); CUDA reduces them on the device (cuda/checks.h),
 // and finds none while a CUDA graph is being captured, whose kernels then skip

@@ -175,6 +175,11 @@ PagedStepPlan make_paged_step_plan(const PagedStepArgs& a) {
     plan.history.history_row_of = a.call.history_rows->const_data_ptr();
     plan.history.history_row_of_int32 = a.call.history_rows->scalar_type() == ScalarType::Int;
   }
+  if (a.call.roots.has_value()) {
+    check_roots_dtype(*a.call.roots);
+    check_step_buffer(*a.call.roots, "roots", a.call.num_reqs, "one per request", records);
+    plan.roots = a.call.roots->const_data_ptr<int64_t>();
+  }
   return plan;
 }
 

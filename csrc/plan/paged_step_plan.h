@@ -47,6 +47,7 @@ struct PagedCallArgs {
   int64_t phase;
   int64_t step;
   int64_t every;
+  const std::optional<Tensor>& roots;  // int64, one per request: position 0's link
 };
 
 struct PagedStepArgs {
@@ -69,6 +70,7 @@ struct PagedStepPlan {
   // The token history (history, history_known, history_rows), with
   // written, deferred, every and turn left for each call to set.
   ContextChecks history{};
+  const int64_t* roots = nullptr;  // >= num_reqs, request r's root; null: none
 };
 
 // A backend's paged_step on the bundled arguments, and the op's signature (the
@@ -87,7 +89,8 @@ void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block
                    const std::optional<Tensor>& history_rows, Tensor& records, Tensor& owner_tags,
                    Tensor& counters, Tensor& ring, Tensor& origins, Tensor& mailbox,
                    Tensor& scratch, int64_t num_reqs, int64_t num_tokens, int64_t block_size,
-                   int64_t phase, int64_t step, int64_t every, int64_t padding_slot) {
+                   int64_t phase, int64_t step, int64_t every, int64_t padding_slot,
+                   const std::optional<Tensor>& roots) {
   kernel({{sources_table,
            block_tables,
            slot_mappings,
@@ -100,7 +103,7 @@ void paged_step_op(const Tensor& sources_table, const std::vector<Tensor>& block
            block_size,
            padding_slot},
           {query_start_loc, seq_lens, positions, input_ids, history, history_known, history_rows,
-           num_reqs, num_tokens, phase, step, every}});
+           num_reqs, num_tokens, phase, step, every, roots}});
 }
 
 // Checks what the contract says of the arguments without reading their data:

@@ -4,7 +4,7 @@ message starts with `kv-canary:` and names what to change; a refused call writes
 
 import pytest
 import torch
-from helpers import CUDA, DEVICES
+from helpers import CUDA, DEVICES, RAW_OP_REFUSAL
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -119,6 +119,10 @@ def test_canary_refused_calls_write_nothing(device):
         (TypeError, "^kv-canary: prev_slots must be an int32 or int64 tensor shaped like slots, got list", {"prev_slots": [1, 2, 3, 4]}),
         (ValueError, r"^kv-canary: tag has 2 values", {"tag": torch.tensor([1, 2], device=device)}),
         (TypeError, "^kv-canary: tag must be an int or an int64 tensor", {"tag": 1.5}),
+        (ValueError, r"^kv-canary: roots has 3 values \(shape \[3\]\) but slots has 4 \(shape \[4\]\); pass one root per slot", {"roots": torch.zeros(3, dtype=torch.int64, device=device)}),
+        (TypeError, "^kv-canary: roots must be an int64 tensor shaped like slots, got torch.int32; pass roots as int64", {"roots": slots.int()}),
+        (TypeError, "^kv-canary: roots must be an int64 tensor shaped like slots, got list", {"roots": [1, 2, 3, 4]}),
+        (ValueError, "^kv-canary: roots is on meta but slots are on", {"roots": torch.zeros(4, dtype=torch.int64, device="meta")}),
     ]  # fmt: skip
     for error, match, change in bad:
         kwargs = {"slots": slots, **change}
@@ -128,5 +132,18 @@ def test_canary_refused_calls_write_nothing(device):
     if device == "cpu" and CUDA:
         with pytest.raises(ValueError, match="^kv-canary: positions is on cuda"):
             canary.record(slots, positions=slots.cuda())
+        with pytest.raises(ValueError, match="^kv-canary: roots is on cuda.* but slots are on cpu; put them on one device"):
+            canary.verify(slots, prev_slots=slots - 1, roots=slots.cuda())
     for table, saved in zip((canary._records, canary._owner_tags, canary._counters, canary._ring), before):
         assert torch.equal(table, saved)
+
+
+@pytest.mark.parametrize("op", ["record", "verify"])
+def test_the_raw_ops_refuse_roots_of_another_dtype(op):
+    # KvCanary checks the dtype first (TypeError); the kernels' own check is for direct callers.
+    canary = kc.KvCanary(layouts.vllm(_canary_pool("cpu"), layout="NHD"))
+    slots = torch.arange(4)
+    tables = (canary._records, canary._owner_tags, canary._counters, canary._ring)
+    tail = (True,) if op == "record" else (-1, True)
+    with pytest.raises(RAW_OP_REFUSAL, match="^kv-canary: roots must be an int64 tensor \\(64-bit hashes\\), got Int; pass roots as int64"):
+        getattr(torch.ops.kvcanary, op).bound(canary._bound.table, slots, None, None, None, None, *tables, *tail, slots.int())

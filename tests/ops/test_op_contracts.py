@@ -126,14 +126,20 @@ def _canary_samples(device: str) -> tuple[tuple, tuple]:
     return (*head, *tables, True), (*head, *tables, -1, True)
 
 
+def _roots(device: str) -> torch.Tensor:
+    """A root per entry of `_canary_samples`: its entries 0 and 2 are first positions."""
+    return torch.tensor([7, -8, 1 << 40, 5], dtype=torch.int64, device=device)
+
+
 def _record_samples(device: str) -> list[tuple]:
-    return [_canary_samples(device)[0]]
+    record = _canary_samples(device)[0]
+    return [record, (*record, _roots(device))]
 
 
 def _verify_samples(device: str) -> list[tuple]:
     verify = _canary_samples(device)[1]
     no_checks = (*verify[:3], None, None, None, None, *verify[7:11], 0, True)  # only the fold checked; padding slot 0
-    return [verify, no_checks]
+    return [verify, no_checks, (*verify, _roots(device))]
 
 
 def _request(slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -319,13 +325,16 @@ def _refold_program(device: str) -> Program:
 WHOLE_STEP, BEFORE_FORWARD, AFTER_FORWARD = paged_step.StepPhase
 
 
-def _paged_step_sample(device: str, *, table_dtype=torch.int32, tokens=True, every=1, phase=WHOLE_STEP) -> tuple[kc.KvCanary, tuple]:
+def _paged_step_sample(
+    device: str, *, table_dtype=torch.int32, tokens=True, every=1, phase=WHOLE_STEP, roots=False
+) -> tuple[kc.KvCanary, tuple]:
     """The canary and paged_step's arguments for step 1 of two requests over two KV cache groups (full
     attention; a sliding window of 8) of a fresh canary (padding slot 0, the null block),
     after step 0 prefilled them: each runs one more token. The step buffers are padded past
     the step's requests and tokens, as an engine keeps them. A clean step: no ring row, so
-    CUDA, which claims rows in no fixed order, gives opcheck the same results every run. The
-    arguments hold the canary's sources table, which lives as long as the canary."""
+    CUDA, which claims rows in no fixed order, gives opcheck the same results every run (with
+    ``roots``, both steps give each request its root). The arguments hold the canary's
+    sources table, which lives as long as the canary."""
     kv = _kv_pool(device)  # 8 blocks of 16
     canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None, padding_slot=0)
     blocks = ([[1, 2], [3, 0], [0, 0]], [[4, 5], [6, 0], [0, 0]])  # per group, a row per request and a padding row
@@ -354,21 +363,26 @@ def _paged_step_sample(device: str, *, table_dtype=torch.int32, tokens=True, eve
                 padded(input_ids, 24, torch.int32), qsl[-1])  # fmt: skip
 
     history, history_rows = history.to(device), torch.tensor(history_rows, dtype=torch.int32, device=device)
+    request_roots = torch.tensor([-5, 1 << 50, 0], dtype=torch.int64, device=device) if roots else None
     *step0, num_tokens = buffers([(0, 20), (0, 5)])
     for step0_phase in [WHOLE_STEP] if phase == WHOLE_STEP else [BEFORE_FORWARD, AFTER_FORWARD]:
-        step(*step0, num_reqs=2, num_tokens=num_tokens, step=0, phase=step0_phase, history=history, history_rows=history_rows)
+        step(
+            *step0, num_reqs=2, num_tokens=num_tokens, step=0, phase=step0_phase, history=history, history_rows=history_rows,
+            roots=request_roots,
+        )  # fmt: skip
     qsl, seq_lens, positions, input_ids, num_tokens = buffers([(20, 1), (5, 1)])
     checked = (input_ids, history, torch.ones_like(history, dtype=torch.bool), history_rows) if tokens else (None,) * 4
     # The mailbox on the canary's device (which CUDA takes too): opcheck's copies of a pinned
     # host mailbox would not be pinned.
     *tables, mailbox, scratch = step._tables
     tables = (*tables, mailbox.to(device), scratch)
-    return canary, (*step._groups, qsl, seq_lens, positions, *checked, *tables, 2, num_tokens, 16, int(phase), 1, every, 0)
+    args = (*step._groups, qsl, seq_lens, positions, *checked, *tables, 2, num_tokens, 16, int(phase), 1, every, 0)
+    return canary, args if request_roots is None else (*args, request_roots)
 
 
 def _paged_step_samples(device: str) -> Iterator[tuple]:
     # One at a time, each canary alive while its sample is used.
-    variants = [{}, {"table_dtype": torch.int64, "tokens": False, "every": 2}]
+    variants = [{}, {"table_dtype": torch.int64, "tokens": False, "every": 2}, {"roots": True}]
     if device == "cpu":  # the two calls of a block-packed backend's step: CPU backends only
         variants += [{"phase": BEFORE_FORWARD}, {"phase": AFTER_FORWARD}]
     for variant in variants:

@@ -346,6 +346,10 @@ def fresh_call(engine: Engine, **changes):
             "history_known must be shaped like history, \\[2, 8\\], got shape \\[2, 4\\]",
         ),
         (dict(query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device="meta")), "pass the step's buffers on the canary's device"),
+        (dict(roots=torch.zeros(1, dtype=torch.int32)), "roots must be an int64 tensor with one value per request, got torch.int32"),
+        (dict(roots=torch.zeros(0, dtype=torch.int64)), "roots has 0 entries but the step needs 1 \\(one per request\\)"),
+        (dict(roots=torch.zeros(2, 1, dtype=torch.int64)), "roots must be a contiguous 1-D tensor, got shape \\[2, 1\\]"),
+        (dict(roots=torch.zeros(1, dtype=torch.int64, device="meta")), "roots is on meta but the canary is on cpu"),
     ],
 )
 def test_refusals_change_nothing(change, message):
@@ -419,3 +423,4 @@ def test_opcheck():
     tables = engine.step_op._tables
     sample = (*groups, engine.qsl, engine.seq_lens, engine.positions, engine.input_ids, engine.history, None, engine.history_rows, *tables, 1, 3, 4, 0, 1, 1, 0)  # fmt: skip
     torch.library.opcheck(op, sample, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(op, (*sample, torch.zeros(2, dtype=torch.int64)), test_utils=("test_schema", "test_faketensor"))

@@ -130,7 +130,7 @@ void append_row(const CpuCanaryTables<Int>& t, const int64_t* row) {
       continue;
     }
     // Read the link before writing the record: an entry may name its own slot.
-    const int64_t chain = link_at(t.records, p);
+    const int64_t chain = entry_link(t.records, in, i, p);
     int64_t* record = t.records + s * kRecordFields;
     record[kToken] = tokens[i];
     record[kPosition] = positions[i];
