@@ -1,8 +1,8 @@
 """The identity of docs/spec.md section 8 against its chain vectors
 (tests/data/chain_vectors.json): the spec transcription regenerates the file byte for byte,
-torch_kvcanary.identity gives its words and roots, and the file says what the spec says of
-them (no identity is the anchor, a reload is another root, a prefix before an item stays
-shared)."""
+torch_kvcanary.identity gives its words and roots, KvCanary on the CPU writes its records and
+gives its verify rows, and the file says what the spec says of them (no identity is the
+anchor, a reload is another root, a prefix before an item stays shared)."""
 
 import ast
 import base64
@@ -16,7 +16,7 @@ import spec_oracle
 import torch
 from chain_golden import CHAIN_PATH, load_chains, pinned_tensor, regenerate, weights_tensors
 
-from torch_kvcanary import identity
+from torch_kvcanary import KvCanary, identity, view_source
 
 ANCHOR = 0xDE7FAE23A9A1B716 - (1 << 64)
 
@@ -101,6 +101,52 @@ def test_what_the_vectors_show(chains):
     roots = {e["name"]: e["root"] for e in chains["roots"]}
     assert checks["other_root_at_first_position"]["rows"][0][6] == roots["lora_x_reloaded"]
     assert checks["same_root_silent"]["rows"] == []
+
+
+class _Pinned:
+    """The file's inputs resolved with the file's own values (its roots and words)."""
+
+    def __init__(self, chains: dict):
+        self.roots = {e["name"]: e["root"] for e in chains["roots"]}
+        self.items = [e["words"] for e in chains["items"]]
+        self.embeddings = [e["word"] for e in chains["embeddings"]]
+
+    def token(self, spec) -> int:
+        if isinstance(spec, int):
+            return spec
+        return self.items[spec["item"]][spec["offset"]] if "item" in spec else self.embeddings[spec["embedding"]]
+
+    def inputs(self, call: dict) -> dict:
+        values = {key: call.get(key) for key in ("positions", "prev_slots")}
+        values["tokens"] = None if call.get("tokens") is None else [self.token(t) for t in call["tokens"]]
+        values["roots"] = None if call.get("roots") is None else [self.roots[name] for name in call["roots"]]
+        return {key: None if v is None else torch.tensor(v, dtype=torch.int64) for key, v in values.items()}
+
+
+def _replayed(chains: dict, case: dict) -> KvCanary:
+    """A canary on the CPU after the case's record calls (its KV bytes never change, so
+    every fold verify compares is equal, as the file's folds are)."""
+    canary = KvCanary(view_source(torch.zeros(case["capacity"], 1, 16, dtype=torch.uint8), read_bytes=16), on_violation=None)
+    pinned = _Pinned(chains)
+    for call in case["calls"]:
+        canary.record(torch.tensor(call["slots"]), **pinned.inputs(call))
+    return canary
+
+
+def test_kv_canary_writes_the_chains(chains):
+    for case in chains["chains"]:
+        records = _replayed(chains, case).records
+        assert [[s, *records[s, :3].tolist()] for s, *_ in case["records"]] == case["records"], case["name"]
+
+
+def test_kv_canary_gives_the_verify_rows(chains):
+    for case in chains["verify"]:
+        canary = _replayed(chains, case)
+        flags = canary.verify(torch.tensor(case["check"]["slots"]), **_Pinned(chains).inputs(case["check"]))
+        rows = [
+            [v.kind, v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, v.reasons] for v in canary.poll()
+        ]
+        assert (flags.tolist(), rows) == (case["flags"], case["rows"]), case["name"]
 
 
 @pytest.mark.parametrize(
