@@ -167,6 +167,7 @@ def test_only_the_adapter_and_the_connector_import_vllm():
         "integrations/vllm/adapter/common.py",
         "integrations/vllm/adapter/connectors.py",
         "integrations/vllm/adapter/hooks.py",
+        "integrations/vllm/adapter/identity.py",
         "integrations/vllm/adapter/versions.py",
         "integrations/vllm/connector/checks.py",
         "integrations/vllm/connector/delegate.py",

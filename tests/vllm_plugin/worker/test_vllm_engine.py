@@ -82,7 +82,8 @@ def test_the_start_line_is_in_vllms_log(engine):
         rf"{NUM_BLOCKS * BLOCK_SIZE} slots in blocks of {BLOCK_SIZE}; mode ALL, policy log; "
         r"the canary holds (\d+\.\d) KiB \(40 B per slot\), taken from the (\d+\.\d) KiB this worker found for the KV cache; "
         r"step path: two kvcanary::paged_step calls a step, before and after the forward \(CPU_ATTN packs a block's tokens\), "
-        r"over 1 KV cache group; verdicts read at once; torch_kvcanary \S+$"
+        r"over 1 KV cache group; verdicts read at once; "
+        r"request identity: no LoRA adapter \(LoRA off\), cache_salt carried from the scheduler; torch_kvcanary \S+$"
     )
     match = re.match(pattern, line)
     assert match, line

@@ -123,7 +123,8 @@ def start_line(worker, layout: str, *, token_copy_bytes: int, scratch_bytes: int
     """The line a worker (a `worker.WorkerCanary`) logs at start: what it watches (``layout``:
     vLLM's KV cache layout), its step path, and the memory the canary holds: the canary's, a
     device copy of the token history (``token_copy_bytes``, 0: none) and the step kernels'
-    scratch (``scratch_bytes``); last, the package's version."""
+    scratch (``scratch_bytes``); the request identity it reads (`request_roots.RequestRoots.describe`);
+    last, the package's version."""
     kinds = worker.runner_view.kv_cache_group_kinds()
     budget = worker.runner_view.kv_cache_budget
     if budget is None:
@@ -149,7 +150,7 @@ def start_line(worker, layout: str, *, token_copy_bytes: int, scratch_bytes: int
         f"{worker.canary.capacity} slots in blocks of {worker.block_size}; mode {worker.canary.mode.name}, policy {worker.policy}"
         f"{f' through {CONNECTOR}' if worker.connector is not None else ''}{f', drills with probability {worker.drill} per step' if worker.drill else ''}; "
         f"the canary holds {_size(worker.canary.nbytes)} ({SLOT_BYTES} B per slot){copy}, {source}; {step_path(worker)}; "
-        f"torch_kvcanary {__version__}"
+        f"{worker.request_roots.describe()}; torch_kvcanary {__version__}"
     )
 
 

@@ -12,21 +12,24 @@ from . import adapter
 
 class StepRows:
     """The step's ``query_start_loc`` and ``seq_lens`` (int64; vLLM keeps them as int32) for
-    `PagedStep`, from the forward's rows (the first stays 0): written on the host through a NumPy view, then,
-    where the canary is on a device, copied there in one non-blocking copy (from pinned
-    memory). Grows, once, past a batch larger than any before."""
+    `PagedStep`, from the forward's rows (the first stays 0), and each row's request's root
+    (``roots``, from ``request_roots``, a `request_roots.RequestRoots`: a lookup per row):
+    written on the host through a NumPy view, then, where the canary is on a device, copied
+    there in one non-blocking copy (from pinned memory). Grows, once, past a batch larger
+    than any before."""
 
-    def __init__(self, device: torch.device, rows: int = 256):
+    def __init__(self, device: torch.device, request_roots, rows: int = 256):
         self._device = device
+        self._request_roots = request_roots
         self._allocate(rows)
 
     def _allocate(self, rows: int) -> None:
         on_device = self._device.type != "cpu"
-        self._host = torch.zeros(2, rows + 1, dtype=torch.int64, pin_memory=on_device)
+        self._host = torch.zeros(3, rows + 1, dtype=torch.int64, pin_memory=on_device)
         self._values = self._host.numpy()
         self._copy = torch.empty_like(self._host, device=self._device) if on_device else None
         buffers = self._host if self._copy is None else self._copy
-        self.query_start_loc, self.seq_lens = buffers[0], buffers[1]
+        self.query_start_loc, self.seq_lens, self.roots = buffers[0], buffers[1], buffers[2]
 
     def fill(self, forward: adapter.Step) -> int:
         """Writes the forward's rows; returns its number of tokens (the cumulative sum's last)."""
@@ -35,6 +38,7 @@ class StepRows:
             self._allocate(2 * rows)
         np.add.accumulate(forward.num_scheduled, out=self._values[0, 1 : rows + 1])
         np.add(forward.num_computed, forward.num_scheduled, out=self._values[1, :rows])
+        self._request_roots.fill(forward.request_ids, self._values[2])
         if self._copy is not None:
             self._copy.copy_(self._host, non_blocking=True)
         return int(self._values[0, rows])

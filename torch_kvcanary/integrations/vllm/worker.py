@@ -17,6 +17,7 @@ from ...paged_step import PagedStep, StepPhase
 from . import adapter
 from .config import CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
 from .reports import LAUNCH_TAG, Reports, byte_only, report, start_line, violation_line
+from .request_roots import RequestRoots
 from .step_buffers import StepRows, TokenCopy
 from .worker_port import WorkerPort
 
@@ -47,7 +48,8 @@ class WorkerCanary:
     `policy` (one of `POLICIES`, read by each step), `connector` (this
     worker's `CONNECTOR`, or None), `drill` (the fault drills' probability per step),
     `reports` (what the log has said about violations), `faults` (exceptions of the plugin's
-    own code in a step) and `on` (False once such a fault turned it off).
+    own code in a step), `on` (False once such a fault turned it off) and `request_roots`
+    (each request's identity, `request_roots.RequestRoots`, handed to each step's call).
 
     The KV cache groups of a model share one pool of blocks (vLLM's hybrid allocator
     overlays their layers on the same tensors, and gives each block to one group at a
@@ -120,7 +122,8 @@ class WorkerCanary:
             sliding_windows=[g.sliding_window for g in self.groups], chunk_sizes=[g.attention_chunk_size for g in self.groups],
         )  # fmt: skip
         self._last_phase = StepPhase.AFTER_FORWARD if self.blocks_packed else StepPhase.WHOLE_STEP
-        self._rows = StepRows(self.canary.device)
+        self.request_roots = RequestRoots(self.runner_view)
+        self._rows = StepRows(self.canary.device, self.request_roots)
         self._names: dict[int, list[str]] = {}  # the request ids of recent steps, by step
         self._violations_seen = 0
         self._ring_overflow = 0
@@ -271,7 +274,7 @@ class WorkerCanary:
             self._rows.query_start_loc, self._rows.seq_lens, forward.positions, forward.input_ids,
             num_reqs=len(forward.request_ids), num_tokens=run.num_tokens, step=run.number, phase=phase, every=self.every,
             history=None if history is None else history.tokens, history_known=None if history is None else history.known,
-            history_rows=None if history is None else forward.history_rows,
+            history_rows=None if history is None else forward.history_rows, roots=self._rows.roots,
         )  # fmt: skip
 
     def _token_history(self, forward: adapter.Step) -> adapter.TokenHistory | None:

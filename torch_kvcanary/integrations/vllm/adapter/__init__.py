@@ -11,6 +11,7 @@ connector machinery (`connectors`), and names the logger whose lines reach vLLM'
 * `common`: what the runners' hooks share and hand the plugin;
 * `v1`, `v2`: Model Runner V1's and V2's hooks, `Step` and view;
 * `hooks`: the worker's hooks, which check and hook its runner and size its KV cache;
+* `identity`: what vLLM holds of a request's identity (its LoRA adapter's loads, its cache salt);
 * `connectors`: vLLM's KV connector internals;
 * `nixl`: vLLM's NixlConnector's and NIXL's.
 
@@ -45,13 +46,14 @@ from .connectors import (
     total_kv_heads,
 )
 from .hooks import hook, runner_view, unwatchable
+from .identity import RequestIdentity, carries_cache_salt
 from .v1 import RunnerV1
 from .v2 import RunnerV2
 from .versions import RELEASES, SUPPORTED, SUPPORTED_SERIES, Release, is_supported, release, vllm_version
 
 __all__ = [
     "LOGGER", "NULL_SLOT", "RELEASES", "SKIPPED_SPECS", "SUPPORTED", "SUPPORTED_SERIES", "V1_RUNNER", "V2_RUNNER", "WATCHED_SPECS",
-    "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "Release", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
-    "ended_with_error", "example_connector_folder", "example_connector_requests", "hook", "is_supported", "locally_cached_blocks", "nixl", "register_connector",
+    "AttentionLayer", "KvCacheGroup", "PluginCallbacks", "Release", "RequestIdentity", "RunnerV1", "RunnerV2", "RunnerView", "Step", "TokenHistory", "Watcher",
+    "carries_cache_salt", "ended_with_error", "example_connector_folder", "example_connector_requests", "hook", "is_supported", "locally_cached_blocks", "nixl", "register_connector",
     "release", "runner_view", "tensor_parallel_rank", "total_kv_heads", "unwatchable", "vllm_version", "watch",
 ]  # fmt: skip

@@ -14,6 +14,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from .identity import RequestIdentity, held_adapter_weights, lora_identity, watch_lora_loads
+from .identity import notes as identity_notes
+
 LOGGER = "vllm.torch_kvcanary"
 """The plugin's logger. vLLM's logging configuration handles the ``vllm`` logger and its
 children only (its format: process name, pid, level, time, file and line), so a child of it
@@ -268,6 +271,34 @@ class RunnerView(abc.ABC):
         """vLLM's ``kv_transfer_config.kv_load_failure_policy`` ("recompute" or "fail"), None without a KV connector."""
         config = self.model_runner.vllm_config.kv_transfer_config
         return None if config is None or config.kv_connector is None else config.kv_load_failure_policy
+
+    # A request's identity (`identity`) -----------------------------------------------
+
+    def request_identity(self, request_id: str) -> RequestIdentity:
+        """What covers request ``request_id`` of the step as a whole: its LoRA adapter and
+        its cache salt (taken from the runner's `IdentityNotes`: asked once per request)."""
+        found = lora_identity(self._lora_request(request_id))
+        return found._replace(cache_salt=identity_notes(self.model_runner).take_salt(request_id))
+
+    def _lora_request(self, request_id: str):
+        """Request ``request_id``'s ``LoRARequest`` as the runner holds it (None: no adapter)."""
+        return None
+
+    def take_finished(self) -> set[str]:
+        """The requests vLLM finished since the last call (their identities may go)."""
+        return identity_notes(self.model_runner).take_finished()
+
+    @property
+    def uncarried_salts(self) -> int:
+        """How many new requests came without their cache salt carried from the scheduler."""
+        return identity_notes(self.model_runner).uncarried
+
+    def watch_lora_loads(self, loaded: Callable[[int, dict[str, torch.Tensor]], None]) -> bool:
+        """`identity.watch_lora_loads` on the runner."""
+        return watch_lora_loads(self.model_runner, loaded)
+
+    def held_adapter_weights(self, lora_id: int) -> dict[str, torch.Tensor] | None:
+        return held_adapter_weights(self.model_runner, lora_id)
 
     def kv_connector(self):
         """This worker's KV connector (vLLM builds it before the KV cache), or None."""

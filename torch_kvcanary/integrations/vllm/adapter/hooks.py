@@ -8,6 +8,7 @@ from fractions import Fraction
 
 from . import v1, v2
 from .common import BUDGET, HOOKED, V1_RUNNER, V2_RUNNER, WATCHER, PluginCallbacks, RunnerView, is_model_runner_v2, qualified_name
+from .identity import carry_cache_salt
 
 
 def hook(callbacks: PluginCallbacks) -> bool:
@@ -22,9 +23,12 @@ def hook(callbacks: PluginCallbacks) -> bool:
     an engine step runs between the watcher's ``begin_step`` and ``end_step`` (`Watcher`);
     a worker whose runner has no watcher after allocating its KV cache is stopped too.
     Each runner instance is hooked when its worker first checks it (`v1.hook_model_runner`,
-    `v2.hook_model_runner`). False, and nothing done, when vLLM is hooked already."""
+    `v2.hook_model_runner`). In the scheduler's process the scheduler is made to carry each
+    request's cache salt to the workers (`identity.carry_cache_salt`). False, and nothing
+    done, when vLLM is hooked already."""
     from vllm.v1.worker.worker_base import WorkerBase
 
+    carry_cache_salt()
     if getattr(WorkerBase, HOOKED, False):
         return False
     _hook_workers(callbacks)

@@ -21,6 +21,7 @@ from .common import (
     qualified_name,
     watch,
 )
+from .identity import notes as identity_notes
 
 # What the hooks keep on a V1 runner besides the common attributes: the scheduler output of the
 # step in execute_model, and a step left open for the speculative drafter's writes.
@@ -52,6 +53,8 @@ def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
             watch(model_runner, callbacks.start(model_runner))
 
     def execute_model_with_canary(scheduler_output, *args, **kwargs):
+        if getattr(model_runner, WATCHER, None) is not None:
+            identity_notes(model_runner).note(scheduler_output)
         setattr(model_runner, _SCHEDULED, scheduler_output)
         setattr(model_runner, FORWARD_SEEN, False)
         try:
@@ -153,6 +156,10 @@ class RunnerV1(RunnerView):
         """The token history's shape: (input-batch rows, positions per row)."""
         batch = self.model_runner.input_batch
         return batch.max_num_reqs, batch.max_model_len
+
+    def _lora_request(self, request_id: str):
+        state = self.model_runner.requests.get(request_id)
+        return None if state is None else state.lora_request
 
     def known_tokens(self, row: int) -> torch.Tensor:
         """The tokens of input-batch row ``row``'s context as V1 holds them on the host once a

@@ -21,6 +21,7 @@ from .common import (
     qualified_name,
     watch,
 )
+from .identity import notes as identity_notes
 
 
 def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
@@ -43,6 +44,8 @@ def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
             watch(model_runner, callbacks.start(model_runner))
 
     def execute_model_with_canary(scheduler_output, *args, **kwargs):
+        if getattr(model_runner, WATCHER, None) is not None:
+            identity_notes(model_runner).note(scheduler_output)
         setattr(model_runner, FORWARD_SEEN, False)
         output = execute_model(scheduler_output, *args, **kwargs)
         if forward_unseen(model_runner, scheduler_output):
@@ -127,6 +130,10 @@ class RunnerV2(RunnerView):
         """V2's speculator proposes after the forward's ``finish_forward``, which ends the
         watcher's step: its layers are not watched."""
         return False
+
+    def _lora_request(self, request_id: str):
+        state = getattr(self.model_runner, "lora_state", None)
+        return None if state is None else state.lora_requests.get(request_id)
 
     def _group_buffers(self, group: int) -> tuple[int, torch.Tensor, torch.Tensor, object]:
         tables = self.model_runner.block_tables
