@@ -210,11 +210,77 @@ def _members(path: Path, class_name: str) -> dict[str, list[str]]:
     }
 
 
-def test_the_worker_implements_the_connectors_canary_port():
+def test_the_worker_implements_the_connectors_ports():
+    """The connector's two ports, one per caller (the facade and drills, the verifiers),
+    share no member, and the worker's port implements both."""
     vllm = INTEGRATIONS / "vllm"
-    port = _members(vllm / "connector" / "port.py", "CanaryPort")
-    assert {"records_of", "record_landed", "break_from_flagged_blocks", "drill_target"} <= set(port)
-    assert _members(vllm / "worker_port.py", "WorkerPort") == port
+    canary = _members(vllm / "connector" / "port.py", "CanaryPort")
+    records = _members(vllm / "connector" / "port.py", "RecordPort")
+    assert {"break_from_flagged_blocks", "drill_target"} <= set(canary) and {"records_of", "record_landed"} <= set(records)
+    assert not set(canary) & set(records)
+    assert _members(vllm / "worker_port.py", "WorkerPort") == {**canary, **records}
+
+
+CONNECTOR = INTEGRATIONS / "vllm" / "connector"
+HALVES = {"worker": "WorkerVerifier", "scheduler": "SchedulerVerifier"}
+"""The fields of a `Transport`, in order, and the base class each one's class derives from."""
+
+
+def _transports() -> dict[str, dict[str, tuple[str, str]]]:
+    """`TRANSPORTS` as connector/transports.py writes it: each inner connector's name, with
+    the (transport module, class name) of each half its entry names, by field."""
+    tree = ast.parse((CONNECTOR / "transports.py").read_text())
+    (table,) = [node.value for node in tree.body if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "TRANSPORTS"]
+    entries = {}
+    for key, call in zip(table.keys, table.values):
+        fields = {**dict(zip(HALVES, call.args)), **{keyword.arg: keyword.value for keyword in call.keywords}}
+        entries[key.value] = {field: (value.value.id, value.attr) for field, value in fields.items()}
+    return entries
+
+
+def _transport_class(module: str, name: str) -> ast.ClassDef:
+    """The class ``name`` defined in the transport ``module`` (a module or a package of connector/)."""
+    folder = CONNECTOR / module
+    paths = sorted(folder.glob("*.py")) if folder.is_dir() else [CONNECTOR / f"{module}.py"]
+    (found,) = [node for path in paths for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef) and node.name == name]
+    return found
+
+
+def _abstract_methods(class_name: str) -> set[str]:
+    """The methods of connector/verifier.py's ``class_name`` marked abstract."""
+    tree = ast.parse((CONNECTOR / "verifier.py").read_text())
+    (found,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+    return {
+        node.name for node in found.body if isinstance(node, ast.FunctionDef) and "abstractmethod" in map(ast.unparse, node.decorator_list)
+    }
+
+
+def test_every_transport_subclasses_the_verifier_bases_and_writes_their_abstract_methods():
+    transports = _transports()
+    assert {"ExampleConnector", "NixlConnector"} <= set(transports)
+    assert _abstract_methods("WorkerVerifier") >= {"build", "after_save"}
+    for inner, halves in transports.items():
+        assert "worker" in halves, inner
+        for field, (module, name) in halves.items():
+            found = _transport_class(module, name)
+            assert [ast.unparse(base) for base in found.bases] == [HALVES[field]], f"{inner}: {name}"
+            written = {node.name for node in found.body if isinstance(node, ast.FunctionDef)}
+            assert _abstract_methods(HALVES[field]) <= written, f"{inner}: {name}"
+
+
+def test_transports_import_neither_each_other_nor_the_facade():
+    graph = _import_graph()
+    connector = "torch_kvcanary.integrations.vllm.connector"
+    transports = {module for halves in _transports().values() for module, _ in halves.values()}
+    assert transports >= {"disk", "nixl"}
+
+    def modules_of(transport: str) -> set[str]:
+        return {module for module in graph if module == f"{connector}.{transport}" or module.startswith(f"{connector}.{transport}.")}
+
+    for transport in transports:
+        others = set().union(*(modules_of(other) for other in transports - {transport}))
+        reached = set().union(*(graph[module] for module in modules_of(transport)))
+        assert not reached & (others | {f"{connector}.facade", f"{connector}.transports"}), transport
 
 
 def test_the_connector_reaches_the_worker_only_through_its_port():

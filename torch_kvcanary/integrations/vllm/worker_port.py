@@ -1,4 +1,5 @@
-"""`WorkerPort`: the worker's canary as its KV connector sees it (`connector.CanaryPort`)."""
+"""`WorkerPort`: the worker's canary as its KV connector sees it (`connector.CanaryPort`,
+`connector.RecordPort`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from . import adapter
 
 
 class WorkerPort:
-    """`connector.CanaryPort` over the worker's canary (``worker``, a `worker.WorkerCanary`):
-    the records of the slots a transfer moves, the breaking of records the step or a
-    transfer found bad, and the drills' targets. ``head_views`` are the watched caches' per-head views
+    """`connector.CanaryPort` and `connector.RecordPort` over the worker's canary (``worker``,
+    a `worker.WorkerCanary`): the records of the slots a transfer moves, the breaking of
+    records the step or a transfer found bad, and the drills' targets. ``head_views`` are the watched caches' per-head views
     (`digest.vllm_head_views`), ``mla`` whether they are MLA's latent.
 
     Where the connector needs each request's blocks it reads Model Runner V1's input batch
@@ -46,20 +47,8 @@ class WorkerPort:
         return self._worker.step_flagged_slots()
 
     def break_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
-        """In every watched group, for each request of the step whose blocks hold a slot of
-        ``flagged``: the flagged blocks, and what the step's forward wrote after reading them
-        (the request's new slots); where the canary verifies a request's reads only every
-        few steps (``KVCANARY_VLLM_EVERY`` > 1), everything from its first flagged block on,
-        since the steps in between may have read the bad block unverified.
-
-        This follows what vLLM recomputes: the first request it finds reading a bad block is
-        rolled back to that block, and every later reader of the block keeps what it
-        computed before the step (the first recomputes the block) and drops the step's
-        tokens. Verified at every step, those earlier blocks were computed from intact KV;
-        breaking them would report intact slots and roll their request back again. The
-        step's own new slots are broken for every reader: one completed in the step is in
-        the prefix cache already, and another request could read it before it is written
-        again."""
+        """The repair rule of `connector.CanaryPort.break_from_flagged_blocks`, over the
+        step's block-table rows of every watched group."""
         worker = self._worker
         block_size = worker.block_size
         flagged_blocks = np.unique((flagged // block_size).cpu().numpy())
@@ -163,15 +152,9 @@ class WorkerPort:
     def blocks_packed(self) -> bool:
         return self._worker.blocks_packed
 
-    def to_device(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """One host-to-device copy of all of ``arrays``: from pinned memory and without
-        waiting on a GPU (a copy from pageable memory waits for the stream's work first)."""
-        sizes = [array.size for array in arrays]
-        host = torch.from_numpy(np.concatenate([np.asarray(array, dtype=np.int64).reshape(-1) for array in arrays]))
-        device = self._canary.device
-        if device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(device, non_blocking=True).split(sizes)
+    @property
+    def device(self) -> torch.device:
+        return self._canary.device
 
     def record_landed(
         self, slots: torch.Tensor, *, tokens: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor

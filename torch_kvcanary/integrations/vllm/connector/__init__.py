@@ -8,8 +8,8 @@
   `WorkerVerifier`), each optional hook a documented no-op;
 * `transports`: the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``)
   and `nixl` (``NixlConnector``, whose records travel with the blocks, `nixl.region`);
-* `port`: `CanaryPort`, what the connector asks of its worker's canary (the plugin's
-  worker implements it);
+* `port`: what the connector asks of its worker's canary, by caller: `CanaryPort` (the
+  facade and drills), `RecordPort` (the verifiers); the plugin's worker implements both;
 * `checks`: the connectors refused at start.
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin
@@ -22,12 +22,12 @@ from .checks import VERIFIED, check_inner, check_unwrapped
 from .delegate import INNER, InnerDelegate
 from .disk import DiskVerifier
 from .facade import KvCanaryConnector, KvCanaryMetadata
-from .port import CanaryPort
+from .port import CanaryPort, RecordPort
 from .stats import COUNTS, REASONS, CanaryPromMetrics, CanaryStats
 from .transports import TRANSPORTS, Transport
 from .verifier import SchedulerVerifier, WorkerVerifier
 
 __all__ = [
     "COUNTS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPort", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",
-    "KvCanaryConnector", "KvCanaryMetadata", "SchedulerVerifier", "Transport", "WorkerVerifier", "check_inner", "check_unwrapped",
+    "KvCanaryConnector", "KvCanaryMetadata", "RecordPort", "SchedulerVerifier", "Transport", "WorkerVerifier", "check_inner", "check_unwrapped",
 ]  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 
 from ....canary import RECORD_FIELDS
 from .. import adapter
-from .port import CanaryPort, landed_entries
+from .port import RecordPort, landed_entries, to_device
 from .verifier import WorkerVerifier
 
 
@@ -46,7 +46,7 @@ class DiskVerifier(WorkerVerifier):
     def _path(self, request) -> str:
         return os.path.join(adapter.example_connector_folder(self.inner, request), self.SIDECAR)
 
-    def after_save(self, port: CanaryPort, orders) -> None:
+    def after_save(self, port: RecordPort, orders) -> None:
         """Stores the records of the slots each saved request's files hold, from the
         worker's canary (``port``)."""
         for request in self._requests():
@@ -54,24 +54,24 @@ class DiskVerifier(WorkerVerifier):
                 records = port.records_of(request.slot_mapping)
                 safetensors.torch.save_file({"records": records.cpu().contiguous()}, self._path(request))
 
-    def after_load(self, port: CanaryPort) -> tuple[int, int]:
+    def after_load(self, port: RecordPort) -> tuple[int, int]:
         """Has the worker's canary (``port``) record every slot the inner connector loaded in
         this step, and break those whose records do not match the stored ones."""
         return self._land(port, failed=False)
 
-    def after_failed_load(self, port: CanaryPort) -> tuple[int, int]:
+    def after_failed_load(self, port: RecordPort) -> tuple[int, int]:
         """As `after_load`, every slot of the step's loads bad."""
         return self._land(port, failed=True)
 
-    def _land(self, port: CanaryPort, *, failed: bool) -> tuple[int, int]:
+    def _land(self, port: RecordPort, *, failed: bool) -> tuple[int, int]:
         """(slots verified, slots that failed) of the step's loads, all bad where the load ``failed``."""
         verified = bad_count = 0
         for request in self._requests():
             if request.is_store:
                 continue
             count = len(request.slot_mapping)
-            slots, tokens, positions, prev_slots = port.to_device(
-                *landed_entries(request.slot_mapping.cpu().numpy(), request.token_ids[:count], start=0, prev_slot=-1)
+            slots, tokens, positions, prev_slots = to_device(
+                port.device, *landed_entries(request.slot_mapping.cpu().numpy(), request.token_ids[:count], start=0, prev_slot=-1)
             )
             landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots)
             stored = None if failed else self._stored(request, count)

@@ -2,11 +2,11 @@
 
 vLLM's KV connectors are how a worker tells the scheduler that blocks of the KV cache hold
 bad bytes: ``get_block_ids_with_load_errors``, read right after the forward of the same
-step. With ``kv_load_failure_policy="recompute"`` the scheduler rolls every running request
-whose context holds such a block back to the start of its first bad block, drops the token
-it sampled in that step and recomputes the blocks in place; with ``"fail"`` it ends those
-requests with an error and drops the bad blocks and those after them from the prefix cache.
-Under ``KVCANARY_VLLM=repair`` or ``quarantine`` this connector reports the blocks of the
+step. With ``kv_load_failure_policy="recompute"`` the scheduler recomputes the bad blocks
+in place (which requests it rolls back, and so which records the canary breaks, is the
+repair rule of `port.CanaryPort.break_from_flagged_blocks`); with ``"fail"`` it ends the
+requests that read them with an error and drops the bad blocks and those after them from
+the prefix cache. Under ``KVCANARY_VLLM=repair`` or ``quarantine`` this connector reports the blocks of the
 slots the canary flagged in the step where their bytes alone are wrong, and for a request
 that read through a wrong mapping (a block-table entry pointing at a block vLLM's scheduler
 did not give it there) a block of that request's own, never the block it read
@@ -52,7 +52,7 @@ from ..config import CONNECTOR_POLICIES
 from .checks import check_inner
 from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
-from .port import CanaryPort
+from .port import CanaryPort, RecordPort
 from .stats import FAILED, OFF, CanaryPromMetrics, CanaryStats
 from .transports import TRANSPORTS
 
@@ -98,6 +98,7 @@ class KvCanaryConnector(InnerDelegate):
         self._orders = None  # the verifier's orders of the bound step
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         self.port: CanaryPort | None = None  # the worker's canary, once the plugin has built it (`attach`)
+        self.records: RecordPort | None = None  # the same, as the verifier uses it
         self.stats = CanaryStats()
         self.drill: Drill | None = None
         self._forward = False
@@ -106,9 +107,11 @@ class KvCanaryConnector(InnerDelegate):
 
     # The plugin's side -----------------------------------------------------------
 
-    def attach(self, port: CanaryPort) -> None:
-        """Called by the plugin once the worker's canary is built."""
+    def attach(self, port) -> None:
+        """Called by the plugin once the worker's canary is built, with ``port``: the facade's
+        and the drills' `CanaryPort`, and the verifier's `RecordPort`."""
         self.port = port
+        self.records = port
         self.drill = Drill(port.drill_probability) if port.drill_probability else None
         counters = port.counters()
         self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
@@ -155,17 +158,17 @@ class KvCanaryConnector(InnerDelegate):
         if not self._verifying():
             super().start_load_kv(forward_context, **kwargs)
             return
-        self._verifier.before_load(self.port, self._orders)
+        self._verifier.before_load(self.records, self._orders)
         try:
             super().start_load_kv(forward_context, **kwargs)
         except Exception:
-            landed = self._verifier.after_failed_load(self.port)
+            landed = self._verifier.after_failed_load(self.records)
             if landed is None:
                 raise
             logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
             self._count_landed(landed)
             return
-        self._count_landed(self._verifier.after_load(self.port))
+        self._count_landed(self._verifier.after_load(self.records))
 
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
@@ -177,7 +180,7 @@ class KvCanaryConnector(InnerDelegate):
         records of the saved slots (the forward's slots are recorded by now)."""
         super().wait_for_save()
         if self._verifying():
-            self._verifier.after_save(self.port, self._orders)
+            self._verifier.after_save(self.records, self._orders)
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)
@@ -197,7 +200,7 @@ class KvCanaryConnector(InnerDelegate):
         if not self._verifying():
             return
         self._verifier.forget(finished_req_ids)
-        self._count_landed(self._verifier.on_done(self.port, sending, recving, failed))
+        self._count_landed(self._verifier.on_done(self.records, sending, recving, failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The inner connector's, and under repair or quarantine the blocks of the slots the
@@ -219,7 +222,7 @@ class KvCanaryConnector(InnerDelegate):
         self._catch_drills(flagged)
         if self._verifying():
             flagged_set = set(flagged.tolist()) if flagged.numel() else set()
-            self._verifier.on_flagged(self.port, flagged_set)  # the verifier counts them by kind (`take_counts`)
+            self._verifier.on_flagged(self.records, flagged_set)  # the verifier counts them by kind (`take_counts`)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
             self.port.break_from_flagged_blocks(flagged)

@@ -1,6 +1,11 @@
-"""`CanaryPort`: what the KV connector asks of its worker's canary. The connector owns this
-interface; the plugin's worker implements it (`worker_port.WorkerPort`) and hands it to the
-connector once its canary is built (`KvCanaryConnector.attach`)."""
+"""What the KV connector asks of its worker's canary, split by caller: `CanaryPort`, what
+the facade and its drills use, and `RecordPort`, what the transfer verifiers use. The
+connector owns these interfaces; the plugin's worker implements both in one object
+(`worker_port.WorkerPort`) and hands it to the connector once its canary is built
+(`KvCanaryConnector.attach`).
+
+This module holds the repair rule: what the connector breaks when a step's verify flags
+slots (`CanaryPort.break_from_flagged_blocks`)."""
 
 from __future__ import annotations
 
@@ -21,10 +26,21 @@ def landed_entries(slots: np.ndarray, tokens, *, start: int, prev_slot: int) -> 
     return slots, np.asarray(tokens, dtype=np.int64), np.arange(start, start + len(slots), dtype=np.int64), prev_slots
 
 
+def to_device(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Each of the host ``arrays`` as a flat int64 tensor on ``device`` (`RecordPort.device`),
+    all in one copy that does not wait on the device: from pinned memory on a GPU (a copy
+    from pageable memory waits for the stream's work first)."""
+    sizes = [array.size for array in arrays]
+    host = torch.from_numpy(np.concatenate([np.asarray(array, dtype=np.int64).reshape(-1) for array in arrays]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True).split(sizes)
+
+
 class CanaryPort(Protocol):
-    """The worker's canary as the connector, its transfer verifiers and its drills use it.
-    Slots are the canary's (block * block_size + offset); tensors of slots are int64 on any
-    device."""
+    """The worker's canary as the connector's facade and its drills use it: the policy, the
+    step's verdict and what it breaks, the counters, the drills' targets. Slots are the
+    canary's (block * block_size + offset); tensors of slots are int64 on any device."""
 
     @property
     def policy(self) -> str:
@@ -45,10 +61,22 @@ class CanaryPort(Protocol):
         """The distinct slots verify flagged in the current step (empty before its forward ended)."""
 
     def break_from_flagged_blocks(self, flagged: torch.Tensor) -> None:
-        """Breaks the records of what the step's flagged slots spoiled, as vLLM recomputes it:
-        the blocks holding a slot of ``flagged`` and what the step wrote after reading them
-        (from each affected request's first such block on where reads are verified only every
-        few steps), so that verify flags them until a forward rewrites them."""
+        """The repair rule: breaks the records of what the step's flagged slots spoiled, as
+        vLLM recomputes it, so that verify flags them until a forward rewrites them. In every
+        watched group, for each request of the step whose blocks hold a slot of ``flagged``:
+        the flagged blocks, and what the step's forward wrote after reading them (the
+        request's new slots); where the canary verifies a request's reads only every few
+        steps (``KVCANARY_VLLM_EVERY`` > 1), everything from its first flagged block on,
+        since the steps in between may have read the bad block unverified.
+
+        This follows what vLLM recomputes: the first request it finds reading a bad block is
+        rolled back to that block, and every later reader of the block keeps what it
+        computed before the step (the first recomputes the block) and drops the step's
+        tokens. Verified at every step, those earlier blocks were computed from intact KV;
+        breaking them would report intact slots and roll their request back again. The
+        step's own new slots are broken for every reader: one completed in the step is in
+        the prefix cache already, and another request could read it before it is written
+        again."""
 
     def misread_blocks(self, block_size: int) -> tuple[set[int], set[int]]:
         """The current step's reads through a wrong mapping (a request's block-table entry
@@ -64,6 +92,16 @@ class CanaryPort(Protocol):
         """A slot a request of the step reads as context, chosen with ``rng``, and a view of
         the first element of its bytes (which every fold reads); None when no request has context."""
 
+
+class RecordPort(Protocol):
+    """The worker's canary as the transfer verifiers use it: the records of the slots a
+    transfer moves, recording what landed and breaking what differs. Slots are the canary's
+    (block * block_size + offset); tensors of slots are int64 on any device."""
+
+    @property
+    def device(self) -> torch.device:
+        """The canary's device, where the verifiers' tensors go (`to_device`)."""
+
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The records of ``slots`` (int64 ``[len(slots), RECORD_FIELDS]``), a copy on the canary's device."""
 
@@ -74,10 +112,6 @@ class CanaryPort(Protocol):
     def blocks_packed(self) -> bool:
         """Whether the backend packs a block's tokens, so that a write of whole blocks changes
         the bytes of slots that hold no recorded token (`refold` them)."""
-
-    def to_device(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """Each of the host ``arrays`` as a flat int64 tensor on the canary's device, all in
-        one copy that does not wait on the device."""
 
     def record_landed(
         self, slots: torch.Tensor, *, tokens: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor

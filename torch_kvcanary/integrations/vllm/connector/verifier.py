@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .port import CanaryPort
+from .port import RecordPort
 
 
 class SchedulerVerifier(ABC):
@@ -57,7 +57,7 @@ class SchedulerVerifier(ABC):
 
 
 class WorkerVerifier(ABC):
-    """The worker half. ``port`` is the worker's canary (`port.CanaryPort`); ``orders`` the
+    """The worker half. ``port`` is the worker's canary (`port.RecordPort`); ``orders`` the
     scheduler half's plan of the step (None without a scheduler half).
 
     A transport writes `build` and `after_save`, and verifies its loads where they land: in
@@ -82,7 +82,7 @@ class WorkerVerifier(ABC):
         """The worker half over ``inner`` (the inner connector); ``block_size`` is the scheduler's."""
 
     @abstractmethod
-    def after_save(self, port: CanaryPort, orders) -> None:
+    def after_save(self, port: RecordPort, orders) -> None:
         """After the inner connector's ``wait_for_save``: the forward's slots are recorded, and
         the verifier stores or hands over the records of what the inner connector saved."""
 
@@ -91,29 +91,29 @@ class WorkerVerifier(ABC):
         verifier's own it moves with the KV). Default: the KV caches as they are."""
         return kv_caches
 
-    def before_load(self, port: CanaryPort, orders) -> None:
+    def before_load(self, port: RecordPort, orders) -> None:
         """Before the inner connector's ``start_load_kv``. Default: nothing to prepare."""
         return None
 
-    def after_load(self, port: CanaryPort) -> tuple[int, int]:
+    def after_load(self, port: RecordPort) -> tuple[int, int]:
         """After the inner connector's ``start_load_kv`` returned: (slots verified, slots that
         failed) of the loads that landed within it. Default: (0, 0), the loads land later
         (`on_done`)."""
         return 0, 0
 
-    def after_failed_load(self, port: CanaryPort) -> tuple[int, int] | None:
+    def after_failed_load(self, port: RecordPort) -> tuple[int, int] | None:
         """The inner connector's ``start_load_kv`` raised: (slots verified, slots that failed)
         of the loads it was landing, every block of which is a load error; None: not the
         verifier's to judge, and the exception goes on. Default: None, the loads land later."""
         return None
 
-    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
+    def on_done(self, port: RecordPort, sent, landed, failed) -> tuple[int, int]:
         """The requests the inner connector finished sending and loading (and failed to
         load): (slots verified, slots that failed) of the loads verified as they are done.
         Default: (0, 0), every load was verified as it landed."""
         return 0, 0
 
-    def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
+    def on_flagged(self, port: RecordPort, flagged: set[int]) -> int:
         """After each forward, with the slots the step's verify flagged: how many of them
         are slots a transfer landed that this step read for the first time (counted by
         kind in `take_counts`). Default: 0, the loads' failures were counted as they landed."""

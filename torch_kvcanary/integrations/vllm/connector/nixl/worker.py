@@ -4,9 +4,9 @@ what landed with the region's rows that landed with it.
 
 Neither side waits on the device, and each handles all the requests of a call at once: P
 the prompts the step completed, D the loads NIXL reported landed together (`LandingBatch`),
-with one copy of the host's arrays to the device (`CanaryPort.to_device`). D's comparison
+with one copy of the host's arrays to the device (`port.to_device`). D's comparison
 runs where NIXL reports the blocks landed, and its verdict stays on the device: the records
-of the slots that differ are broken there (`CanaryPort.break_records` with ``where``), so
+of the slots that differ are broken there (`RecordPort.break_records` with ``where``), so
 the step that first reads them has verify flag them, and its verdict, which the connector
 reads in each step anyway, names their blocks as that step's load errors (`on_flagged`)."""
 
@@ -23,7 +23,7 @@ from ..... import layouts
 from .....canary import FOLD
 from ... import adapter
 from ...config import CONNECTOR
-from ..port import CanaryPort, landed_entries
+from ..port import RecordPort, landed_entries, to_device
 from ..stats import FAILED, FAILED_KINDS, UNVERIFIED, UNVERIFIED_REASONS
 from ..verifier import WorkerVerifier
 from .config import RECORDS_KEY, STRICT, check_nixl, prepare_worker, strict_transfers
@@ -175,7 +175,7 @@ class NixlWorker(WorkerVerifier):
         adapter.nixl.add_transfer_layer(self.inner, LAYER_NAME, cell_bytes=8 * len(FIELDS), page_bytes=page_bytes)
         return {**kv_caches, LAYER_NAME: self.region.tensor}
 
-    def after_save(self, port: CanaryPort, orders: NixlOrders | None) -> None:
+    def after_save(self, port: RecordPort, orders: NixlOrders | None) -> None:
         """P: writes the records and head digests of the requests whose prompts the step
         completed (after its forward) into the region, all of them at once, on the device."""
         if orders is None or not orders.handovers:
@@ -184,7 +184,7 @@ class NixlWorker(WorkerVerifier):
         handovers = orders.handovers
         host_slots = np.concatenate([slots_of(order.block_ids, order.tokens, self.block_size) for order in handovers])
         host_positions = np.concatenate([np.arange(order.tokens) for order in handovers])
-        slots, positions = port.to_device(host_slots, host_positions)
+        slots, positions = to_device(port.device, host_slots, host_positions)
         digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, positions=positions)
         self.region.write(slots, port.records_of(slots), digests)
         self._handed_over += len(host_slots)
@@ -204,13 +204,13 @@ class NixlWorker(WorkerVerifier):
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)
         return counts
 
-    def on_done(self, port: CanaryPort, sent, landed, failed) -> tuple[int, int]:
+    def on_done(self, port: RecordPort, sent, landed, failed) -> tuple[int, int]:
         """D: compares the requests whose blocks landed (`land`), before vLLM marks their
         load done; the slots that failed are counted where a step reads them (`on_flagged`).
         (P: nothing; the records live as long as the blocks.)"""
         return (self.land(port, landed, failed) if landed else 0), 0
 
-    def before_load(self, port: CanaryPort, orders: NixlOrders | None) -> None:
+    def before_load(self, port: RecordPort, orders: NixlOrders | None) -> None:
         """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
         if orders is None:
             return
@@ -247,7 +247,7 @@ class NixlWorker(WorkerVerifier):
             heads, compared, sources, remote.tp_size,
         )  # fmt: skip
 
-    def land(self, port: CanaryPort, finished_recving, failed_recving) -> int:
+    def land(self, port: RecordPort, finished_recving, failed_recving) -> int:
         """D: records the slots of the requests NIXL finished loading, compares them with the
         rows of P's records that landed with them and breaks the records of those that
         differ, all of them at once and on the device; returns how many slots it compared.
@@ -274,12 +274,12 @@ class NixlWorker(WorkerVerifier):
             self._say_verify_time()
         return int(batch.compared.sum())  # a load taken unverified is landed and recorded, not compared
 
-    def _verify(self, port: CanaryPort, batch: LandingBatch) -> None:
+    def _verify(self, port: RecordPort, batch: LandingBatch) -> None:
         """Records the batch's slots, compares them with the rows that landed with them and
         breaks the records of those that differ: one copy to the device, no wait on it."""
         host_unrecorded = batch.unrecorded_block_slots() if port.blocks_packed else np.empty(0, dtype=np.int64)
-        slots, tokens, positions, prev_slots, whole_records, compared, no_records, digest_rows, unrecorded = port.to_device(
-            batch.slots, batch.tokens, batch.positions, batch.prev_slots,
+        slots, tokens, positions, prev_slots, whole_records, compared, no_records, digest_rows, unrecorded = to_device(
+            port.device, batch.slots, batch.tokens, batch.positions, batch.prev_slots,
             batch.whole_records, batch.compared, batch.no_records, batch.digest_rows, host_unrecorded,
         )  # fmt: skip
         if len(host_unrecorded):
@@ -295,7 +295,7 @@ class NixlWorker(WorkerVerifier):
             bad[digest_rows] |= (mine != theirs[digest_rows, :, DIGEST]).any(dim=1)
         port.break_records(slots, where=bad, just_recorded=True)
 
-    def on_flagged(self, port: CanaryPort, flagged: set[int]) -> int:
+    def on_flagged(self, port: RecordPort, flagged: set[int]) -> int:
         """D, after each forward: the landed slots the step's verify flagged (``flagged``, the
         step's verdict) among those of the loads it read for the first time, each such load
         logged; those loads are then no longer tracked. Returns how many slots failed, and
@@ -322,7 +322,7 @@ class NixlWorker(WorkerVerifier):
             )  # fmt: skip
         return failed
 
-    def _first_difference(self, port: CanaryPort, landed: LandedLoad, index: int) -> tuple[str, str]:
+    def _first_difference(self, port: RecordPort, landed: LandedLoad, index: int) -> tuple[str, str]:
         """The `fault_kind` of the load's ``index``-th landed slot, and what the request
         expects there and what P's rows that landed there say: a block landed shifted reads as
         another position, another request's KV as another token (read on the host: a
