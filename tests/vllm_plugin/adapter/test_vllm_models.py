@@ -70,6 +70,8 @@ def test_the_plugin_watches_each_group(model_engine):
         assert len(state.kv_caches) == 1 and len(state.canary.sources) == 2
     if kind == "qwen2_vl":  # the model gets M-RoPE's [3, tokens] positions, the canary the runner's 1-D ones
         assert state.model_runner.uses_mrope and state.model_runner.mrope_positions.gpu.dim() == 2
+    # The start line says what of a request's identity the canary does not read: an image behind its placeholders.
+    assert ("; not read: multimodal items;" in llm.startup_log) == (kind == "qwen2_vl")
     if kind == "deepseek_v2":  # the latent, one source per layer
         assert all(kv.dim() == 3 and kv.shape[2] == 576 for kv in state.kv_caches)
         assert len(state.canary.sources) == len(state.kv_caches) == 2

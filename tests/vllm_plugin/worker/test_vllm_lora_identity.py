@@ -15,6 +15,7 @@ projections, so two of them write different KV for the same tokens.
 
 import random
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -145,3 +146,21 @@ def test_under_quarantine_the_reader_of_the_old_blocks_fails_alone(tiny_llama, f
         assert after.outputs[0].finish_reason == "error"
         assert beside.outputs[0].finish_reason == "length" and len(_answer(beside)) == 8
         _identity_line(lines.take(), after.request_id)
+
+
+def test_the_cache_salt_reaches_a_worker_through_the_executors_pickling(engine):
+    # The scheduler's NewRequestData carries the salt (the engine's plugin patched it); the
+    # multiprocess executor hands the scheduler output to its workers pickled.
+    import pickle
+
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.request import Request
+
+    from torch_kvcanary.integrations.vllm.adapter.identity import IdentityNotes
+
+    requests = [Request(f"r{i}", [5, 6, 7], vllm.SamplingParams(), None, cache_salt=salt) for i, salt in enumerate(("tenant-a", None))]
+    sent = SimpleNamespace(scheduled_new_reqs=[NewRequestData.from_request(r, ([1],)) for r in requests], finished_req_ids=set())
+    notes = IdentityNotes()
+    notes.note(pickle.loads(pickle.dumps(sent)))
+    assert (notes.salts, notes.uncarried) == ({"r0": "tenant-a"}, 0)
+    assert notes.take_salt("r0") == "tenant-a" and notes.take_salt("r0") is None  # taken once

@@ -300,6 +300,14 @@ class RunnerView(abc.ABC):
     def held_adapter_weights(self, lora_id: int) -> dict[str, torch.Tensor] | None:
         return held_adapter_weights(self.model_runner, lora_id)
 
+    def unread_identity(self) -> list[str]:
+        """What of a request's identity the plugin does not read from this runner's requests:
+        a multimodal model's items behind their placeholder tokens, and prompt embeddings
+        (positions whose token is not known, which the canary does not check)."""
+        config = getattr(self.model_runner, "model_config", None)
+        kinds = (("multimodal items", "supports_multimodal_inputs"), ("prompt embeddings", "enable_prompt_embeds"))
+        return [name for name, flag in kinds if config is not None and getattr(config, flag, False)]
+
     def kv_connector(self):
         """This worker's KV connector (vLLM builds it before the KV cache), or None."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
