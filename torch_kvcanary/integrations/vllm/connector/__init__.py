@@ -23,11 +23,11 @@ from .delegate import INNER, InnerDelegate
 from .disk import DiskVerifier
 from .facade import KvCanaryConnector, KvCanaryMetadata
 from .port import CanaryPort, RecordPort
-from .stats import COUNTS, REASONS, CanaryPromMetrics, CanaryStats
+from .stats import COUNTERS, REASONS, CanaryPromMetrics, CanaryStats
 from .transports import TRANSPORTS, Transport
 from .verifier import SchedulerVerifier, WorkerVerifier
 
 __all__ = [
-    "COUNTS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPort", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",
+    "COUNTERS", "INNER", "REASONS", "TRANSPORTS", "VERIFIED", "CanaryPort", "CanaryPromMetrics", "CanaryStats", "DiskVerifier", "InnerDelegate",
     "KvCanaryConnector", "KvCanaryMetadata", "RecordPort", "SchedulerVerifier", "Transport", "WorkerVerifier", "check_inner", "check_unwrapped",
 ]  # fmt: skip

@@ -53,7 +53,7 @@ from .checks import check_inner
 from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
 from .port import CanaryPort, RecordPort
-from .stats import FAILED, OFF, CanaryPromMetrics, CanaryStats
+from .stats import FAILED, CanaryPromMetrics, CanaryStats
 from .transports import TRANSPORTS
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -172,8 +172,8 @@ class KvCanaryConnector(InnerDelegate):
 
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
-        self.stats.data["transfer_slots_verified"] += verified
-        self.stats.add_counts({FAILED: {"unknown": failed}})  # failures a verifier found as they landed, not classified
+        self.stats.add("transfer_slots_verified", verified)
+        self.stats.add(FAILED, {"unknown": failed})  # failures a verifier found as they landed, not classified
 
     def wait_for_save(self):
         """The inner connector's saves; the verifier then stores or hands over the canary's
@@ -217,7 +217,7 @@ class KvCanaryConnector(InnerDelegate):
             if misread:  # the blocks read through a wrong mapping are their owners': not reported
                 flagged = flagged[~torch.isin(flagged, torch.tensor(sorted(misread), dtype=flagged.dtype, device=flagged.device))]
             if self.port.policy == "repair":
-                self.stats.data["blocks_repaired"] += len(readers - errors)
+                self.stats.add("blocks_repaired", len(readers - errors))
             errors |= readers
         self._catch_drills(flagged)
         if self._verifying():
@@ -227,7 +227,7 @@ class KvCanaryConnector(InnerDelegate):
             blocks = set((flagged // self._block_size).tolist())
             self.port.break_from_flagged_blocks(flagged)
             if self.port.policy == "repair":
-                self.stats.data["blocks_repaired"] += len(blocks)
+                self.stats.add("blocks_repaired", len(blocks))
             errors |= blocks
         return errors
 
@@ -237,11 +237,11 @@ class KvCanaryConnector(InnerDelegate):
         the inner connector's own are not passed on."""
         if self.port is not None and self.port.watching:
             counters = self.port.counters()
-            self.stats.data["slots_verified"] += counters["slots_verified"] - self._verified
-            self.stats.data["slots_recorded"] += counters["slots_recorded"] - self._recorded
+            self.stats.add("slots_verified", counters["slots_verified"] - self._verified)
+            self.stats.add("slots_recorded", counters["slots_recorded"] - self._recorded)
             self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
         elif self.port is not None:  # the canary has turned itself off: said at every step (`stats.OFF`)
-            self.stats.data[OFF] = 1
+            self.stats.mark_off()
         if self._verifier is not None:
             self.stats.add_counts(self._verifier.take_counts())
         if self.stats.is_empty():
@@ -283,7 +283,7 @@ class KvCanaryConnector(InnerDelegate):
         canary's, or the inner connector's), and for a few failures of its own (a grammar
         rejecting the tokens, an encoder input it lost), which are counted too."""
         if adapter.ended_with_error(request) and self._failure_policy == "fail":
-            self.stats.data["requests_failed"] += 1
+            self.stats.add("requests_failed", 1)
         delay, params = super().request_finished(request, block_ids)
         if self._planner is not None:
             self._planner.on_finished(request, params)
@@ -309,11 +309,11 @@ class KvCanaryConnector(InnerDelegate):
 
     def _run_drill(self) -> None:
         if self.drill.run(self.port, self._steps):
-            self.stats.data["drills_injected"] += 1
+            self.stats.add("drills_injected", 1)
 
     def _catch_drills(self, flagged: torch.Tensor) -> None:
         if self.drill is None or not self.drill.pending:
             return
         for steps in self.drill.caught(set(flagged.tolist()), self._steps):
-            self.stats.data["drills_caught"] += 1
-            self.stats.data["drill_steps_to_catch"] += steps
+            self.stats.add("drills_caught", 1)
+            self.stats.add("drill_steps_to_catch", steps)

@@ -15,116 +15,170 @@ from ..config import settings
 
 REASONS = tuple(label for reason in FailReason for label in reason.labels)
 """The violation reasons the counters are kept by (SGLang's labels)."""
+VIOLATIONS = "violations"
 FAILED = "transfer_slots_failed"
-COUNTS = (
-    "slots_verified",
-    "slots_recorded",
-    "blocks_repaired",
-    "requests_failed",
-    "drills_injected",
-    "drills_caught",
-    "drill_steps_to_catch",
-    "transfer_slots_verified",
-    FAILED,
-    "transfer_slots_handed_over",
-)
-"""The counters beside the violations by reason (``drill_steps_to_catch``: the engine steps
-from each caught drill's flip to its detection, summed; ``transfer_slots_verified`` and
-``_failed``: slots an inner connector loaded, verified against the records stored with
-them, and those that failed, by kind (`FAILED_KINDS`); ``transfer_slots_handed_over``: a
-prefill side's, see `CanaryPromMetrics`)."""
-FAILED_KINDS = ("bytes", "shifted", "other_request", "no_records", "unknown")
+FAILED_KINDS = ("bytes", "shifted", "other_request", "identity", "no_records", "unknown")
 """What a failed transfer's slots are counted as (``data[FAILED]`` by kind), read from the
 prefill side's records that landed at the load's first differing slot (`nixl.worker`):
 ``bytes``, they say what the request expects there (token, position, chain), so the bytes
 changed; ``shifted``, they hold the request's own token of another position (its blocks
 landed paired with P's off by some blocks); ``other_request``, they hold KV that is not the
-request's (another request's, or an earlier transfer's into that block); ``no_records``,
-the load carried no records of P's to compare with (failed under the strict setting);
-``unknown``, not classified (rows P never wrote; the ExampleConnector transport)."""
+request's (another request's, or an earlier transfer's into that block); ``identity``, they
+hold the request's token and position, and the stored ones its bytes, under another chain:
+KV computed for the same tokens under another identity (LoRA adapter, cache salt) than the
+one the loading side derives for its request (`nixl.worker`, `disk`); ``no_records``, the
+load carried no records of P's to compare with (failed under the strict setting);
+``unknown``, not classified (rows P never wrote; the ExampleConnector transport's other
+failures)."""
 UNVERIFIED = "transfers_unverified"
 UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mismatch")
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
 params carry no claim of the prefill side's records, or a claim of another records format,
 fold mode or KV layout than the decode side's (`nixl.claim`)."""
-LABELLED = {FAILED: ("kind", FAILED_KINDS), UNVERIFIED: ("reason", UNVERIFIED_REASONS)}
-"""The counts kept by a label's value (``data[name]`` a dict of them), with the label's name
-and values: `FAILED` by kind, `UNVERIFIED` by reason."""
 OFF = "canary_off"
 """A state beside the counts: 1 where a worker's canary has turned itself off (a fault of
 its own; it stays off), reported by that worker at every step from then on; workers and
 steps combine by maximum, so that it reads 1 where any worker's canary is off."""
 
 
+@dataclass(frozen=True)
+class CounterSpec:
+    """One of the connector's counters: ``vllm:kv_canary_<name>`` in ``/metrics`` and
+    ``kv_canary_<name>`` in vLLM's stats log line, with its help text; for a counter kept by
+    a label's value, the label's name and values (``data[name]`` a dict of them, and the
+    log line names its nonzero values). ``logs_total``: the log line shows its total."""
+
+    name: str
+    help: str
+    label: str | None = None
+    values: tuple[str, ...] = ()
+    logs_total: bool = True
+
+
+COUNTERS = (
+    CounterSpec(
+        VIOLATIONS,
+        "KV cache slot reads the canary flagged, by reason: a slot counts once per request of the step that read it, "
+        "and under each check it failed.",
+        label="reason",
+        values=REASONS,
+        logs_total=False,
+    ),
+    CounterSpec("slots_verified", "KV cache slots the canary verified before a forward read them."),
+    CounterSpec("slots_recorded", "KV cache slots the canary recorded after a forward wrote them."),
+    CounterSpec("blocks_repaired", "KV cache blocks reported to vLLM for recompute (KVCANARY_VLLM=repair)."),
+    CounterSpec("requests_failed", "Requests vLLM ended with an error for blocks the canary reported (KVCANARY_VLLM=quarantine)."),
+    CounterSpec("drills_injected", "Fault drills: bytes of live cached blocks flipped (KVCANARY_VLLM_DRILL)."),
+    CounterSpec("drills_caught", "Fault drills the canary caught."),
+    CounterSpec("drill_steps_to_catch", "Engine steps from each caught drill's flip to its detection, summed."),
+    CounterSpec(
+        "transfer_slots_verified", "KV cache slots loaded by the inner connector and verified against the records stored with them."
+    ),
+    CounterSpec(
+        FAILED,
+        "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors), by kind: "
+        f"{', '.join(FAILED_KINDS[:-1])} or {FAILED_KINDS[-1]} (the prefill side's records at a load's first differing slot).",
+        label="kind",
+        values=FAILED_KINDS,
+    ),
+    CounterSpec(
+        "transfer_slots_handed_over",
+        "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
+    ),
+    CounterSpec(
+        UNVERIFIED,
+        "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
+        "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
+        "kv_canary_strict_transfers fails them instead).",
+        label="reason",
+        values=UNVERIFIED_REASONS,
+        logs_total=False,
+    ),
+)
+"""The connector's counters, each declared once: `CanaryStats` keeps them, `CanaryPromMetrics`
+exports them. The canary's violations come first, by reason; the others count what the
+connector did (``drill_steps_to_catch``: summed over the caught drills), what an inner
+connector loaded and the canary verified (``transfer_slots_*``), and what a prefill side
+handed over."""
+BY_NAME = {counter.name: counter for counter in COUNTERS}
+UNLABELLED = tuple(counter for counter in COUNTERS if counter.label is None)
+LABELLED = tuple(counter for counter in COUNTERS if counter.label is not None)
+
+
 @dataclass
 class CanaryStats(KVConnectorStats):
     """The canary's counters since they were last taken, in vLLM's connector stats:
-    ``data["violations"]`` by reason (`REASONS`) and ``data[name]`` for each of `COUNTS` (a
-    dict by label value for those of `LABELLED`).
-    Added up over the workers (`aggregate`) and over a logging interval."""
+    ``data[name]`` for each of `COUNTERS` (a dict by label value for a labelled one), and
+    `OFF`. Added up over the workers (`aggregate`) and over a logging interval; `add` is the
+    only writer of a count."""
 
     def __post_init__(self):
         if not self.data:
             self.reset()
 
     def reset(self):
-        self.data = {
-            "violations": dict.fromkeys(REASONS, 0),
-            **dict.fromkeys(COUNTS, 0),
-            **{name: dict.fromkeys(values, 0) for name, (_, values) in LABELLED.items()},
-            OFF: 0,
-        }
+        self.data = {counter.name: dict.fromkeys(counter.values, 0) if counter.label else 0 for counter in COUNTERS}
+        self.data[OFF] = 0
 
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for reason, count in other.data["violations"].items():
-            self.data["violations"][reason] = self.data["violations"].get(reason, 0) + count
-        self.add_counts({name: other.data[name] for name in COUNTS if name not in LABELLED})
-        self.add_counts({name: other.data.get(name, {}) for name in LABELLED})
-        self.data[OFF] = max(self.data.get(OFF, 0), other.data.get(OFF, 0))
-        return self
+    def add(self, name: str, n) -> None:
+        """Adds ``n`` to the counter ``name`` of `COUNTERS`: an int, or for a labelled counter
+        a dict of counts by label value."""
+        counter = BY_NAME.get(name)
+        if counter is None:
+            raise ValueError(f"kv-canary: no connector counter {name!r}: declare it in connector.stats.COUNTERS")
+        if counter.label is None:
+            self.data[name] += n
+            return
+        counts = self.data[name]
+        for value, count in n.items():
+            counts[value] = counts.get(value, 0) + count
 
     def add_counts(self, counts: dict) -> None:
-        """Adds ``counts`` (a verifier's `take_counts`): a count by its name in `COUNTS`, or
-        by label value under a name of `LABELLED`."""
-        for name, count in counts.items():
-            if name in LABELLED:
-                for value, n in count.items():
-                    self.data[name][value] = self.data[name].get(value, 0) + n
-            else:
-                self.data[name] += count
-
-    def reduce(self) -> dict[str, int | float]:
-        """The line vLLM's stats log prints: the nonzero violation counts, then every counter
-        (those of `LABELLED` in all), then the nonzero counts by label value, then
-        ``kv_canary_off=1`` where a worker's canary is off."""
-        violations = {f"kv_canary_violations_{reason}": n for reason, n in self.data["violations"].items() if n}
-        counts = {f"kv_canary_{name}": self._total(name) for name in COUNTS}
-        labelled = {f"kv_canary_{name}_{value}": n for name in LABELLED for value, n in self.data[name].items() if n}
-        off = {"kv_canary_off": 1} if self.data.get(OFF) else {}
-        return {**violations, **counts, **labelled, **off}
-
-    def _total(self, name: str) -> int:
-        """The count ``name`` of `COUNTS`, summed over its label values where it is `LABELLED`."""
-        count = self.data[name]
-        return sum(count.values()) if name in LABELLED else count
-
-    def is_empty(self) -> bool:
-        return (
-            not any(self.data["violations"].values())
-            and not any(self._total(name) for name in COUNTS)
-            and not any(self._total(name) for name in LABELLED)
-            and not self.data.get(OFF)
-        )
+        """Adds ``counts`` (a verifier's `take_counts`), by counter name (`add`)."""
+        for name, n in counts.items():
+            self.add(name, n)
 
     def add_violations(self, violations: list[Violation]) -> None:
         for violation in violations:
             for label in violation.reasons.labels:
-                self.data["violations"][label] += 1
+                self.add(VIOLATIONS, {label: 1})
+
+    def mark_off(self) -> None:
+        """The worker's canary is off (`OFF`)."""
+        self.data[OFF] = 1
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for counter in COUNTERS:
+            self.add(counter.name, other.data.get(counter.name, {} if counter.label else 0))
+        self.data[OFF] = max(self.data.get(OFF, 0), other.data.get(OFF, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The line vLLM's stats log prints: the nonzero violation counts, then the total of
+        every counter that `logs_total`, then the other labelled counters' nonzero counts by
+        label value, then ``kv_canary_off=1`` where a worker's canary is off."""
+        violations = self._nonzero(BY_NAME[VIOLATIONS])
+        totals = {f"kv_canary_{counter.name}": self._total(counter) for counter in COUNTERS if counter.logs_total}
+        labelled = {key: n for counter in LABELLED if counter.name != VIOLATIONS for key, n in self._nonzero(counter).items()}
+        off = {"kv_canary_off": 1} if self.data.get(OFF) else {}
+        return {**violations, **totals, **labelled, **off}
+
+    def _nonzero(self, counter: CounterSpec) -> dict[str, int]:
+        return {f"kv_canary_{counter.name}_{value}": n for value, n in self.data[counter.name].items() if n}
+
+    def _total(self, counter: CounterSpec) -> int:
+        """The count of ``counter``, summed over its label values where it has a label."""
+        count = self.data[counter.name]
+        return sum(count.values()) if counter.label else count
+
+    def is_empty(self) -> bool:
+        return not any(self._total(counter) for counter in COUNTERS) and not self.data.get(OFF)
 
 
 class CanaryPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kv_canary_*`` counters in vLLM's ``/metrics``, per engine: violations by
-    ``reason``, and one counter for each of `COUNTS` (`FAILED` by ``kind``); and the gauge ``vllm:kv_canary_enabled``:
+    """``vllm:kv_canary_*`` counters in vLLM's ``/metrics``, per engine, one for each of
+    `COUNTERS` (a labelled one with its label: violations by ``reason``, `FAILED` by
+    ``kind``, `UNVERIFIED` by ``reason``); and the gauge ``vllm:kv_canary_enabled``:
     1 while the canary runs in every worker of the engine, 0 once one has turned itself off
     (`OFF`; it does not turn back on in a running engine). Its labels ``policy``
     (``KVCANARY_VLLM``) and ``kv_role`` (the ``kv_transfer_config``'s) say what the engine
@@ -134,63 +188,30 @@ class CanaryPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         counter_class = metric_types[Counter]  # vLLM's class for prometheus_client's counters
-        violations = counter_class(
-            name="vllm:kv_canary_violations",
-            documentation=(
-                "KV cache slot reads the canary flagged, by reason: a slot counts once per request of the step that read it, "
-                "and under each check it failed."
-            ),
-            labelnames=[*labelnames, "reason"],
-        )
-        self._violations = {
-            engine: {reason: violations.labels(*values, reason) for reason in REASONS} for engine, values in per_engine_labelvalues.items()
-        }
-        documentation = {
-            "slots_verified": "KV cache slots the canary verified before a forward read them.",
-            "slots_recorded": "KV cache slots the canary recorded after a forward wrote them.",
-            "blocks_repaired": "KV cache blocks reported to vLLM for recompute (KVCANARY_VLLM=repair).",
-            "requests_failed": "Requests vLLM ended with an error for blocks the canary reported (KVCANARY_VLLM=quarantine).",
-            "drills_injected": "Fault drills: bytes of live cached blocks flipped (KVCANARY_VLLM_DRILL).",
-            "drills_caught": "Fault drills the canary caught.",
-            "drill_steps_to_catch": "Engine steps from each caught drill's flip to its detection, summed.",
-            "transfer_slots_verified": "KV cache slots loaded by the inner connector and verified against the records stored with them.",
-            "transfer_slots_failed": (
-                "Loaded KV cache slots whose bytes or records did not match what was stored (reported as load errors), by kind: "
-                f"{', '.join(FAILED_KINDS[:-1])} or {FAILED_KINDS[-1]} (the prefill side's records at a load's first differing slot)."
-            ),
-            "transfer_slots_handed_over": "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
-        }
-        documentation[UNVERIFIED] = (
-            "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
-            "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
-            "kv_canary_strict_transfers fails them instead)."
-        )
+        engines = per_engine_labelvalues.items()
         self._counts = {}
-        for name in COUNTS:
-            if name in LABELLED:
-                continue
-            counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=labelnames)
-            self._counts[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
-        self._labelled = {}
-        for name, (label, label_values) in LABELLED.items():
-            counter = counter_class(name=f"vllm:kv_canary_{name}", documentation=documentation[name], labelnames=[*labelnames, label])
-            self._labelled[name] = {
-                engine: {value: counter.labels(*values, value) for value in label_values}
-                for engine, values in per_engine_labelvalues.items()
-            }
+        # Registered in this order (the violations, the unlabelled counters, the other labelled ones), as /metrics lists them.
+        for counter in (BY_NAME[VIOLATIONS], *UNLABELLED, *(c for c in LABELLED if c.name != VIOLATIONS)):
+            extra = [counter.label] if counter.label else []
+            metric = counter_class(name=f"vllm:kv_canary_{counter.name}", documentation=counter.help, labelnames=[*labelnames, *extra])
+            if counter.label:
+                self._counts[counter.name] = {
+                    engine: {value: metric.labels(*values, value) for value in counter.values} for engine, values in engines
+                }
+            else:
+                self._counts[counter.name] = {engine: metric.labels(*values) for engine, values in engines}
         self._enabled = _enabled_gauges(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        for reason, count in transfer_stats_data["violations"].items():
-            if count:
-                self._violations[engine_idx][reason].inc(count)
-        for name in COUNTS:
-            if name not in LABELLED and transfer_stats_data[name]:
-                self._counts[name][engine_idx].inc(transfer_stats_data[name])
-        for name, counters in self._labelled.items():
-            for value, count in transfer_stats_data.get(name, {}).items():
+        for counter in COUNTERS:
+            counts = self._counts[counter.name][engine_idx]
+            if counter.label is None:
+                if transfer_stats_data.get(counter.name):
+                    counts.inc(transfer_stats_data[counter.name])
+                continue
+            for value, count in transfer_stats_data.get(counter.name, {}).items():
                 if count:
-                    counters[engine_idx][value].inc(count)
+                    counts[value].inc(count)
         if transfer_stats_data.get(OFF):
             self._enabled[engine_idx].set(0)
 

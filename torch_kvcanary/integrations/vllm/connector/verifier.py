@@ -124,7 +124,7 @@ class WorkerVerifier(ABC):
         return None
 
     def take_counts(self) -> dict:
-        """Counters of `stats.COUNTS` since the last call (those of `stats.LABELLED` by label value). Default: none."""
+        """Counts since the last call by their names in `stats.COUNTERS` (a labelled one's by label value). Default: none."""
         return {}
 
     def close(self) -> None:
