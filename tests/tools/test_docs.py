@@ -23,8 +23,9 @@ by these rules, and the first failing rule says what to change.
   the package reads.
 * A link: every relative Markdown link reaches a file, and a heading of it where it names one.
 * The counters: the table of `docs/vllm_connector.md` "Counters in /metrics" names exactly
-  the series a real server exports (`deploy/prometheus/tests/vllm_metrics.txt`, captured by
-  tools/vllm_metrics_capture.py), each with its own labels and their values.
+  the series `connector/stats.py` declares (its `COUNTERS`, and the gauge), each with its
+  label and the label's values, and exactly those a real server exports
+  (`deploy/prometheus/tests/vllm_metrics.txt`), each with the labels and values captured.
 """
 
 from __future__ import annotations
@@ -403,3 +404,54 @@ def test_the_counter_table_is_what_a_server_exports():
         for label, values in captured[name].items():
             unnamed = {value for value in values if f"`{value}`" not in row}
             assert "..." in row or not unnamed, f"kv-canary: the row of {name} does not name its {label} values {sorted(unnamed)}"
+
+
+STATS = PACKAGE / "integrations/vllm/connector/stats.py"
+
+
+def _constants(tree: ast.Module) -> dict[str, object]:
+    """The module-level names of ``tree`` bound to a literal (a string, a tuple of strings)."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return found
+
+
+def _declared_counters() -> dict[str, tuple[set[str], tuple[str, ...] | None]]:
+    """What `connector/stats.py` declares, read from its source: each entry of `COUNTERS`
+    (``vllm:kv_canary_<name>_total``, its label, and the label's values where they are a
+    literal), and each other ``vllm:kv_canary_*`` series it names whole (the gauge)."""
+    tree = ast.parse(STATS.read_text())
+    constants = _constants(tree)
+
+    def value(node: ast.AST | None):
+        if isinstance(node, ast.Name):
+            return constants.get(node.id)
+        return ast.literal_eval(node) if node is not None else None
+
+    table = next(node.value for node in tree.body if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "COUNTERS")
+    declared = {}
+    for entry in table.elts:
+        keywords = {keyword.arg: keyword.value for keyword in entry.keywords}
+        label = value(keywords.get("label"))
+        declared[f"vllm:kv_canary_{value(entry.args[0])}_total"] = ({label} if label else set(), value(keywords.get("values")))
+    for name in re.findall(r'name="(vllm:kv_canary_\w+)"', STATS.read_text()):
+        declared.setdefault(name, (set(), None))
+    return declared
+
+
+def test_the_counter_table_is_what_the_connector_declares():
+    documented, declared = _documented_counters(), _declared_counters()
+    assert set(documented) == set(declared), (
+        "kv-canary: docs/vllm_connector.md's counter table and connector/stats.py's COUNTERS differ: "
+        f"documented only {sorted(set(documented) - set(declared))}, declared only {sorted(set(declared) - set(documented))}"
+    )
+    for name, (labels, values) in declared.items():
+        documented_labels, row = documented[name]
+        assert labels <= documented_labels, f"kv-canary: {name} is declared with the label {labels}, documented {documented_labels}"
+        unnamed = {value for value in values or () if f"`{value}`" not in row}
+        assert not unnamed, f"kv-canary: the row of {name} does not name its label values {sorted(unnamed)}"
