@@ -300,7 +300,6 @@ class KvCanary:
         self._origins = torch.full((ring_capacity, _ORIGIN_FIELDS), -1, dtype=torch.int64, device=self.device)
         self._host = _HostReader(self._counters, self._ring, self._origins)
         self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
-        self._ring_overflow_reported = 0
 
     @staticmethod
     def device_bytes(capacity: int, ring_capacity: int = 1024) -> int:

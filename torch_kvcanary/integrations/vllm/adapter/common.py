@@ -323,12 +323,6 @@ class RunnerView(abc.ABC):
     def tensor_parallel_size(self) -> int:
         return self.model_runner.parallel_config.tensor_parallel_size
 
-    def tensor_parallel_group(self):
-        """The CPU process group of this worker's tensor-parallel ranks."""
-        from vllm.distributed import get_tp_group
-
-        return get_tp_group().cpu_group
-
     def kv_cache_group_kinds(self) -> list[str]:
         """The kind of each of the model's KV cache groups (its spec's class name)."""
         return [type(group.kv_cache_spec).__name__ for group in self.model_runner.kv_cache_config.kv_cache_groups]

@@ -1,6 +1,6 @@
 """What the NIXL transport (`connector.nixl`) reads of vLLM's ``NixlConnector`` and of NIXL:
 the keys of the ``kv_transfer_params`` NixlConnector hands between the prefill and the decode
-side, its lease on a request's blocks, how one more layer joins the ones its worker registers
+side, how one more layer joins the ones its worker registers
 with NIXL, and the delay of NIXL's progress thread."""
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ import logging
 from .common import LOGGER
 
 logger = logging.getLogger(LOGGER)
-
-NIXL_LEASE_S = 30
-"""NixlConnector's default ``kv_lease_duration``: how long P holds a request's blocks for D."""
 
 
 def hands_over(params: dict) -> bool:
@@ -26,17 +23,6 @@ def loads_remotely(params: dict) -> bool:
     KV from a prefill side (NixlConnector clears it once the blocks are allocated), or, in the
     params P hands on, that the decode side will."""
     return bool(params.get("do_remote_prefill"))
-
-
-def remote_request_id(params: dict) -> str | None:
-    """The prefill side's id of the request whose KV the decode side reads."""
-    return params.get("remote_request_id")
-
-
-def lease_seconds(transfer_config) -> float:
-    """NixlConnector's lease on a request's blocks on P (``kv_lease_duration``) under
-    ``transfer_config``, its ``kv_transfer_config``."""
-    return transfer_config.get_from_extra_config("kv_lease_duration", NIXL_LEASE_S)
 
 
 def transfer_geometry(nixl_connector) -> tuple[int, int, int]:
