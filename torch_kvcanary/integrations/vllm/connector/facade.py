@@ -72,7 +72,7 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
 class KvCanaryConnector(InnerDelegate):
     """The canary's KV connector; see the module's docstring. The plugin hands each worker's
-    connector its canary as a `CanaryPort` (`attach`)."""
+    connector its canary, as its `CanaryPort` and its verifier's `RecordPort` (`attach`)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)

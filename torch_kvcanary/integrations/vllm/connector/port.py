@@ -17,7 +17,7 @@ import torch
 
 
 def landed_entries(slots: np.ndarray, tokens, *, start: int, prev_slot: int) -> tuple[np.ndarray, ...]:
-    """What `CanaryPort.record_landed` takes for a request's positions from ``start`` on,
+    """What `RecordPort.record_landed` takes for a request's positions from ``start`` on,
     which a transfer landed in ``slots`` holding ``tokens``: the slots, tokens and positions,
     and the slot each position chains through (``prev_slot`` for the first: -1 at position
     0), int64 host arrays."""
