@@ -178,6 +178,26 @@ def needs_isa(need: str, available: bool) -> pytest.MarkDecorator:
     return pytest.mark.skipif(not available, reason=ISA_SKIP_REASONS[need])
 
 
+def refusal(exception: type[BaseException], call) -> str:
+    """The message of what ``call()`` raises, which must be an ``exception``."""
+    with pytest.raises(exception) as info:
+        call()
+    return str(info.value)
+
+
+def refusal_table_test(cases: list[tuple]):
+    """The test of a table of refusals, rows (name, call, exception, message): each ``call()``
+    raises an ``exception`` whose message starts with ``kv-canary: message``. A test module
+    binds it as ``test_bad_input = refusal_table_test(CASES)``."""
+
+    @pytest.mark.parametrize("name, call, exception, message", cases, ids=[c[0] for c in cases])
+    def test_bad_input(name, call, exception, message):
+        text = refusal(exception, call)
+        assert text.startswith("kv-canary: " + message), text
+
+    return test_bad_input
+
+
 # The CPU kernels' instruction-set paths, from the least to the best.
 CPU_PATHS = ["scalar", "avx2", "avx512"]
 

@@ -4,7 +4,7 @@ message starts with `kv-canary:` and names what to change; a refused call writes
 
 import pytest
 import torch
-from helpers import CUDA, DEVICES, RAW_OP_REFUSAL
+from helpers import CUDA, DEVICES, RAW_OP_REFUSAL, refusal_table_test
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -61,11 +61,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, call, exception, message", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(name, call, exception, message):
-    with pytest.raises(exception) as info:
-        call()
-    assert str(info.value).startswith("kv-canary: " + message), str(info.value)
+test_bad_input = refusal_table_test(CASES)
 
 
 def _canary_pool(device: str) -> torch.Tensor:

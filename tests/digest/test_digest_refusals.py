@@ -5,22 +5,18 @@ capacity unchecked adds nothing (the sanitizer job runs this file)."""
 import expecttest
 import pytest
 import torch
+from helpers import refusal
 
 import torch_kvcanary as kc
 from torch_kvcanary import digest as digest_units
 
 
 class TestDigestErrors(expecttest.TestCase):
-    def _message(self, exc_type, fn) -> str:
-        with self.assertRaises(exc_type) as info:
-            fn()
-        return str(info.exception)
-
     def test_slot_past_capacity(self):
         views = [torch.zeros(3, 4, 2, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.float32)]
         entries = torch.tensor([0, 8, 12])
         self.assertExpectedInline(
-            self._message(IndexError, lambda: kc.kv_digest(views, entries, entries, unit_offsets=[0, 2])),
+            refusal(IndexError, lambda: kc.kv_digest(views, entries, entries, unit_offsets=[0, 2])),
             """kv-canary: slot 8 is out of range for sources of capacity 8; slots must be < 8 (or negative for padding)""",
         )
 
@@ -35,7 +31,7 @@ class TestDigestErrors(expecttest.TestCase):
         view = torch.zeros(3, 4, 2, 16, dtype=torch.uint8)
         entries = torch.tensor([0, 1, -1])
         self.assertExpectedInline(
-            self._message(
+            refusal(
                 IndexError, lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=torch.tensor([0, 2, 9]), num_groups=2)
             ),
             """kv-canary: group 2 is out of range for num_groups 2; groups must be in [0, 2)""",
@@ -52,13 +48,11 @@ class TestDigestErrors(expecttest.TestCase):
             "rank 2": [torch.zeros(4, 2)],
             "float16 element unit": [torch.zeros(4, 2, 3, dtype=torch.float16)],
         }
-        messages = {
-            name: self._message(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()
-        }
-        messages["unit_offsets length"] = self._message(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
-        messages["devices"] = self._message(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
-        messages["positions shape"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))
-        messages["num_groups 0"] = self._message(ValueError, lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0))
+        messages = {name: refusal(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()}
+        messages["unit_offsets length"] = refusal(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
+        messages["devices"] = refusal(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
+        messages["positions shape"] = refusal(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))
+        messages["num_groups 0"] = refusal(ValueError, lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0))
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in messages.items()),
             """\
@@ -81,7 +75,7 @@ num_groups 0: kv-canary: num_groups must be >= 1, got 0""",
             "int16 groups": lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=entries.short()),
             "a tensor for views": lambda: kc.kv_digest(view, entries, entries, unit_offsets=[0]),
         }
-        messages = {name: self._message(TypeError, fn) for name, fn in cases.items()}
+        messages = {name: refusal(TypeError, fn) for name, fn in cases.items()}
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in messages.items()),
             """\
