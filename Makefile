@@ -238,7 +238,7 @@ soak-vllm: $(VLLM_VENV)/.built
 
 # A chaos soak through `vllm serve` (tools/vllm_chaos.py, docs/chaos.md): 1,000 requests
 # under repair, then under quarantine, each a clean pass and then a pass with faults injected
-# into live KV by the tool's own vLLM plugin (tools/chaos_faults.py); fails unless every
+# into live KV by the soak's own vLLM plugin (torch_kvcanary/testing/soak/faults.py); fails unless every
 # fault is named, every completed answer equals the clean pass's, quarantine fails exactly
 # the corrupted blocks' holders, the counters match the log and the worker stays within
 # 48 MiB. --table-fault then points a block-table entry at another request's block and

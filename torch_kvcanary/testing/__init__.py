@@ -1,15 +1,20 @@
-"""Test support for torch_kvcanary: what the tests, the command-line tools under tools/ and
-the benchmarks share (as torchao's torchao/testing/), one home for each helper.
+"""Test support for torch_kvcanary: what the tests, the command-line programs under tools/ and
+the benchmarks share (as torchao's torchao/testing/), one home for each helper, by public names.
 
-Public names live in submodules, each imported by what needs it:
+- `fake_runner`: a double of vLLM's model runner (`FakeRunner` over `StepBuffers`), which
+  drives the plugin's step code without vLLM.
+- `random_models`: small random checkpoints of each model kind the plugin watches, made on
+  the spot for a vLLM engine or server to load.
+- `lora`: LoRA adapters built on the spot for such a model.
+- `vllm_cli`: vLLM's command line on vLLM's CPU build, as a script `serve.Server` runs.
+- `serve`: `vllm serve` in a child process (`Server`, free ports, its process group killed),
+  its requests, plugins of the tests' own, and the memory soak.
+- `pd`, `pd_proxy`: a prefill/decode pair of servers through NIXL, and the proxy between them.
+- `metrics_capture`: the server and fault whose /metrics the Prometheus rules are tested on.
+- `soak`: the chaos soaks of a server and of a pair, their fault injector and their checks,
+  each a function.
 
-- ``fake_runner``: a stand-in for vLLM's model runner, driving the plugin's worker without a model.
-- ``random_models``: small randomly initialised models written to disk for a vLLM server to load.
-- ``serve``: a vLLM server in a child process (free ports, start, wait, stop its process group).
-- ``pd``: a prefill/decode pair of servers joined by the NIXL connector, and its proxy.
-- ``soak``: the soak harness and its checks, each a named function.
-- ``lora``: LoRA adapters built on the spot.
-
-Importing this package imports nothing else: vLLM and transformers are imported inside the
-submodules that need them, so ``import torch_kvcanary`` and the wheel's tests run under plain torch.
+Importing this package imports nothing else: vLLM, transformers and NIXL are imported inside
+the functions that need them, so ``import torch_kvcanary`` and the wheel's tests run under
+plain torch.
 """

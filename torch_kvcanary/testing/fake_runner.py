@@ -2,7 +2,7 @@
 of a runner that is not vLLM's, over `StepBuffers`, the persistent buffers a runner holds
 (packed layers, one KV cache group's block table, the token history of V1 or V2) and the
 rows of each step. The plugin's step code runs on them without vLLM, in the tests and in
-`benchmarks.engine_step`, which imports them from here."""
+the benchmarks (`benchmarks.engine_step`, `benchmarks.pd_transfer`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class FakeRunner(adapter.RunnerView):
         self.backend = backend
         self.is_v2 = buffers.runner == "v2"
 
-    name = "tests.vllm_plugin.fake_runner.FakeRunner"
+    name = "torch_kvcanary.testing.fake_runner.FakeRunner"
     async_scheduling = False
     token_history_current = True
     token_history_on_host = False

@@ -1,13 +1,11 @@
-"""What `vllm serve` with the plugin exports in ``/metrics``, taken from a real server: the
-input the Prometheus rules' unit tests are written against
-(deploy/prometheus/tests/vllm_metrics.txt), and the server and fault the real-Prometheus
-test (tests/vllm_plugin/serve/test_prometheus.py) runs.
-
-    python tools/vllm_metrics_capture.py [--out deploy/prometheus/tests/vllm_metrics.txt]
+"""What `vllm serve` with the plugin exports in ``/metrics``, taken from a real server
+(`capture`): the input the Prometheus rules' unit tests are written against
+(deploy/prometheus/tests/vllm_metrics.txt, written by tools/vllm_metrics_capture.py), and the
+server and fault the real-Prometheus test (tests/vllm_plugin/serve/test_prometheus.py) runs.
 
 The server runs the plugin under ``repair`` with `KvCanaryConnector` (the counters exist only
 with the connector) and fault drills (probability 0.5 a step), serves a prompt, has one byte of that prompt's cached
-block flipped (`vllm_serve.FLIP_PLUGIN`, called through /collective_rpc, as
+block flipped (`serve.FLIP_PLUGIN`, called through /collective_rpc, as
 tests/vllm_plugin/serve/test_vllm_serve.py does), and serves two requests that read the block and one that does not.
 The ``vllm:`` families of its ``/metrics`` are written out; the process's own (python_*,
 process_*) are left out.
@@ -15,14 +13,11 @@ process_*) are left out.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 
-import vllm_serve
-from vllm_serve import SERVE_OPTIONS, Server, path_with
+from torch_kvcanary.testing import serve
+from torch_kvcanary.testing.serve import SERVE_OPTIONS, Server, path_with
 
 # The prompt whose cached block is flipped, and the flipped position: in its last full block.
 PROMPT = list(range(10, 110))
@@ -31,7 +26,7 @@ FLIPPED = 90
 
 def connector_server(model: Path, site: Path, drill: float = 0.0) -> Server:
     """`vllm serve` of ``model`` under ``repair`` with `KvCanaryConnector`, fault drills of
-    probability ``drill``, and the flip plugin installed in ``site`` (`vllm_serve.install_flip_plugin`)."""
+    probability ``drill``, and the flip plugin installed in ``site`` (`serve.install_flip_plugin`)."""
     transfer = json.dumps({"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"})
     env = dict(
         KVCANARY_VLLM="repair",
@@ -46,7 +41,7 @@ def connector_server(model: Path, site: Path, drill: float = 0.0) -> Server:
 def flip(server: Server) -> int:
     """Flips a bit of the slot of `PROMPT`'s token at `FLIPPED` (served before, so cached)
     in the server's worker; the slot."""
-    return vllm_serve.flip(server, PROMPT[FLIPPED], FLIPPED)
+    return serve.flip(server, PROMPT[FLIPPED], FLIPPED)
 
 
 def read_flipped(server: Server) -> list[dict]:
@@ -72,25 +67,3 @@ def capture(model: Path, site: Path) -> str:
         if any("error" in answer for answer in answers):
             raise RuntimeError(f"a request failed: {answers}")
         return vllm_families(server.metrics())
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "deploy/prometheus/tests/vllm_metrics.txt")
-    args = parser.parse_args(argv)
-    from random_models import make_llama
-
-    with tempfile.TemporaryDirectory() as scratch:
-        model = make_llama(Path(scratch) / "tiny-llama")
-        site = Path(scratch) / "site"
-        site.mkdir()
-        metrics = capture(model, vllm_serve.install_flip_plugin(site))
-    if "vllm:kv_canary_violations_total{" not in metrics:
-        raise RuntimeError("the server exported no vllm:kv_canary_violations_total")
-    args.out.write_text(metrics)
-    print(f"wrote {args.out} ({len(metrics.splitlines())} lines)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

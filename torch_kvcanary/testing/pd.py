@@ -1,45 +1,40 @@
 """A prefill and a decode `vllm serve` (vLLM's CPU build) with vLLM's NixlConnector, and the
-proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests and
-docs/vllm_connector.md's commands start.
-
-    python tools/vllm_pd.py MODEL [--policy repair|quarantine|off] [--requests 20] [--progress-delay]
-                                  [--tensor-parallel P D] [--single]
+proxy between them (`pd_proxy`), all on 127.0.0.1: what the P/D tests, the P/D chaos soak
+and tools/vllm_pd.py (docs/vllm_connector.md's commands) start.
 
 Each server of one tensor-parallel rank runs on a core of its own where the host has two
 (``taskset``, and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``), a server of several ranks one rank
-per core; with ``--tensor-parallel P D`` the prefill side runs P ranks and the decode side
-D (NIXL's heterogeneous TP where they differ). UCX runs on the loopback (``UCX_NET_DEVICES=lo``) and
+per core; `pd_pair`'s ``tensor_parallel`` gives the prefill and decode sides their ranks
+(NIXL's heterogeneous TP where they differ). UCX runs on the loopback (``UCX_NET_DEVICES=lo``) and
 NIXL's side channel on 127.0.0.1. With the canary (``policy`` repair or quarantine) NIXL
 is ``KvCanaryConnector``'s inner connector, which slows NIXL's progress thread down
 (``PROGRESS_DELAY_US``); without it (``off``) NixlConnector serves alone, its progress
-thread as NIXL ships it unless ``--progress-delay`` gives it the connector's delay (through
-a vLLM plugin of this tool's own), so that the pairs differ by the canary alone. With
-``--single`` the same requests go to one server of the pair's options without NIXL (the
-canary's own cost beside which a pair's is read): ``KvCanaryConnector`` with no inner
-connector under the policy, or no connector with ``off``.
+thread as NIXL ships it unless `progress_delay_env` gives it the connector's delay (through
+a vLLM plugin of this module's own), so that the pairs differ by the canary alone.
+`single_server` is one server of the pair's options without NIXL (the canary's own cost
+beside which a pair's is read): ``KvCanaryConnector`` with no inner connector under the
+policy, or no connector with ``off``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pd_proxy import Proxy
-from vllm_serve import Server, _free_port, complete, install_vllm_plugin, path_with
+from torch_kvcanary.testing.pd_proxy import Proxy
+from torch_kvcanary.testing.serve import Server, complete, free_port, install_vllm_plugin, path_with
 
 # A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
 PD_OPTIONS = (
     "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(8 << 20),
     "--max-num-seqs", "8", "--dtype", "float32", "--enable-prefix-caching", "--max-num-batched-tokens", "512",
 )  # fmt: skip
-# Requests in flight through the proxy at once (`main`).
+# Requests in flight through the proxy at once (`send`).
 CONCURRENCY = 4
 # NIXL's progress thread polls UCX without pause unless told otherwise (`adapter.nixl.delay_progress_thread`).
 PROGRESS_DELAY_US = 1000
@@ -94,7 +89,7 @@ def pd_server(
     canary = policy != "off"
     environment = {
         "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()), "KVCANARY_VLLM_SUMMARY_S": "0",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "KVCANARY_VLLM_SUMMARY_S": "0",
     }  # fmt: skip
     if canary:
         environment["KVCANARY_VLLM"] = policy
@@ -168,12 +163,6 @@ def single_server(model: Path, policy: str) -> Server:
     return Server(model, environment, options, prefix=("taskset", "-c", cores[0]) if pinned else ())
 
 
-def serve_single(model: Path, policy: str, prompts: list) -> None:
-    """Sends ``prompts`` to `single_server`, CONCURRENCY at a time, and prints the output tokens per second."""
-    with single_server(model, policy) as server:
-        print(f"single server, policy {policy}: {send(server.url, model, prompts)}")
-
-
 def send(url: str, model: Path, prompts: list) -> str:
     """Sends ``prompts`` to ``url``, CONCURRENCY at a time: how many, the errors, the wall
     time and the output tokens per second, in words."""
@@ -184,62 +173,3 @@ def send(url: str, model: Path, prompts: list) -> str:
     errors = [answer for answer in answers if "error" in answer]
     tokens = sum(answer["usage"]["completion_tokens"] for answer in answers if "error" not in answer)
     return f"{len(prompts)} requests ({len(errors)} errors) in {seconds:.1f} s: {tokens / seconds:.1f} output tokens/s"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", type=Path)
-    parser.add_argument("--policy", default="repair", choices=("repair", "quarantine", "off"))
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument(
-        "--progress-delay", action="store_true", help="with --policy off: NIXL's progress thread slowed as the connector slows it"
-    )
-    parser.add_argument(
-        "--tensor-parallel",
-        type=int,
-        nargs=2,
-        default=(1, 1),
-        metavar=("P", "D"),
-        help="the prefill and decode sides' tensor-parallel sizes",
-    )
-    parser.add_argument("--single", action="store_true", help="one server without NIXL, the canary under --policy (or off)")
-    arguments = parser.parse_args()
-    from random_models import VOCAB_SIZE  # noqa: PLC0415
-    from vllm_serve import mixed_prompts  # noqa: PLC0415
-
-    if arguments.progress_delay and arguments.policy != "off":
-        parser.error("--progress-delay is for --policy off: the connector slows the progress thread itself")
-    prompts = mixed_prompts(arguments.requests, VOCAB_SIZE)
-    if arguments.single:
-        serve_single(arguments.model, arguments.policy, prompts)
-        return
-    with contextlib.ExitStack() as stack:
-        env = progress_delay_env(Path(stack.enter_context(tempfile.TemporaryDirectory()))) if arguments.progress_delay else None
-        pair = pd_pair(arguments.model, policy=arguments.policy, env=env, tensor_parallel=tuple(arguments.tensor_parallel))
-        prefill, decode, proxy = stack.enter_context(pair)
-        serve(arguments.model, arguments.policy, prompts, prefill, decode, proxy)
-    for server in (prefill, decode):
-        print(
-            "\n".join(
-                line for line in server.log_path.read_text().splitlines() if "kv-canary: verified" in line or "kv-canary: wrote" in line
-            )
-        )
-
-
-def serve(model: Path, policy: str, prompts: list, prefill: Server, decode: Server, proxy: Proxy) -> None:
-    """Sends ``prompts`` through the proxy, CONCURRENCY at a time, and prints the output
-    tokens per second, where the decode side's prompt tokens came from, and the canary's
-    counters on both sides."""
-    print(f"prefill {prefill.url} (log {prefill.log_path}), decode {decode.url} (log {decode.log_path}), proxy {proxy.url}")
-    print(f"policy {policy}: {send(proxy.url, model, prompts)}")
-    sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
-    tokens_by_source = {source: decode.metric("vllm:prompt_tokens_by_source_total", source=source) for source in sources}
-    print("decode side, prompt tokens: " + ", ".join(f"{source} {count:.0f}" for source, count in tokens_by_source.items()))
-    if policy != "off":
-        names = ("violations_total", "transfer_slots_verified_total", "transfer_slots_failed_total", "blocks_repaired_total")
-        print("decode side: " + ", ".join(f"{name} {decode.metric('vllm:kv_canary_' + name):.0f}" for name in names))
-        print(f"prefill side: transfer_slots_handed_over_total {prefill.metric('vllm:kv_canary_transfer_slots_handed_over_total'):.0f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,5 @@
-"""A prefill/decode proxy for two `vllm serve` with vLLM's NixlConnector, on 127.0.0.1.
-
-    python tools/pd_proxy.py --prefill http://127.0.0.1:P --decode http://127.0.0.1:D --port N
+"""A prefill/decode proxy for two `vllm serve` with vLLM's NixlConnector, on 127.0.0.1, in a
+thread of the process that starts it (`Proxy`; tools/pd_proxy.py runs one alone).
 
 Each OpenAI completion (POST /v1/completions, not streamed) goes first to the prefill server
 with ``max_tokens`` 1 and ``kv_transfer_params`` ``{"do_remote_decode": true}``, which
@@ -13,7 +12,6 @@ wheel does not ship.)
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
@@ -91,18 +89,3 @@ class Proxy:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefill", required=True, help="the prefill server's URL")
-    parser.add_argument("--decode", required=True, help="the decode server's URL")
-    parser.add_argument("--port", type=int, default=8000)
-    arguments = parser.parse_args()
-    with Proxy(arguments.prefill, arguments.decode, arguments.port) as proxy:
-        print(f"P/D proxy on {proxy.url}", flush=True)
-        threading.Event().wait()
-
-
-if __name__ == "__main__":
-    main()

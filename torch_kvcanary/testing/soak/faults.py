@@ -1,5 +1,5 @@
-"""The chaos soak's fault injector (`tools/vllm_chaos.py`): a vLLM general plugin of the tool's
-own, installed into a temporary site directory as `vllm_serve.install_vllm_plugin` does and
+"""The chaos soaks' fault injector (`chaos`, `chaos_pd`): a vLLM general plugin of the soaks'
+own, installed into a temporary site directory by `harness.install_chaos_plugin` and
 reached through vLLM's /collective_rpc (a server with VLLM_SERVER_DEV_MODE=1).
 
 `chaos_arm(kind)` queues a fault; the worker injects it at the first engine step that has a
@@ -26,7 +26,7 @@ step reads), and records what it hit; `chaos_report()` answers the records as JS
 A bit flip is the top byte's bit 4 of the first element of the slot's bytes in the canary's
 first source (the first layer's K), which every fold covers: for float32 an exponent bit.
 
-This file is the plugin's source: it imports nothing from the tools and is copied as is.
+This file is the plugin's source: it imports nothing of this package and is copied as is.
 """
 
 import json
