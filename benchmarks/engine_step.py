@@ -3,7 +3,7 @@ engine step, without vLLM, as the number of layers, requests and context tokens 
 
 The plugin's own step code (`worker.WorkerCanary.begin_step` and ``end_step``) runs on
 buffers shaped as vLLM's model runners hold them, which the tests' fake runner
-(`FakeRunner`, tests/vllm_plugin/fake_runner.py) hands it in place of a runner: per watched
+(`FakeRunner`, torch_kvcanary/testing/fake_runner.py) hands it in place of a runner: per watched
 layer a packed ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` cache (FLASH_ATTN's
 split of K and V, so no block-packed work), one KV cache group with its block table, and per
 step the rows' scheduled and computed tokens, positions, input ids and
@@ -49,10 +49,10 @@ import timeit
 
 import torch
 
-from tests.vllm_plugin.fake_runner import HEAD_SIZE, NUM_KV_HEADS, FakeRunner, StepBuffers
 from torch_kvcanary.integrations.vllm import worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.sources import HashMode
+from torch_kvcanary.testing.fake_runner import HEAD_SIZE, NUM_KV_HEADS, FakeRunner, StepBuffers
 
 PLUGIN_RANGE = "kvcanary_engine_step"
 # The host work alone is cheap to time: more steps, after some that warm the caches up again.

@@ -3,7 +3,7 @@ verified P/D transfer through NIXL, without vLLM or NIXL, as the requests per ca
 
 The connector's NIXL worker (`nixl.NixlWorker`) runs on buffers shaped as vLLM's runner
 holds them, which the tests' fake runner hands the plugin's canary in place of a runner
-(tests/vllm_plugin/fake_runner.py), the records region beside them:
+(torch_kvcanary/testing/fake_runner.py), the records region beside them:
 
 * P, ``after_save``: the records and the head digests of the prompts a step completed,
   written into the region;
@@ -35,13 +35,13 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.vllm_plugin.fake_runner import BLOCK_SIZE, NUM_KV_HEADS, FakeRunner, StepBuffers
 from torch_kvcanary import digest
 from torch_kvcanary.integrations.vllm import worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.integrations.vllm.connector import nixl
 from torch_kvcanary.integrations.vllm.connector.nixl.region import RecordsRegion
 from torch_kvcanary.sources import HashMode
+from torch_kvcanary.testing.fake_runner import BLOCK_SIZE, NUM_KV_HEADS, FakeRunner, StepBuffers
 
 WARMUP = 3
 

@@ -1,5 +1,5 @@
 """What the vLLM plugin costs: generated tokens per second with the plugin off, in PARTIAL
-and in ALL, on random Llamas made on the spot (tools/random_models.py).
+and in ALL, on random Llamas made on the spot (`torch_kvcanary.testing.random_models`).
 
     .venv-vllm/bin/python -m benchmarks.vllm_bench [--models tiny small] [--rounds 5]
 
@@ -36,12 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# The checkout's tools/, and last (after the installed package) the checkout itself, for the
-# engine children this file runs as a script.
+# The checkout itself, last (after the installed package), for the engine children this
+# file runs as a script.
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
 sys.path.append(str(REPO))
-from random_models import TINY, make_llama  # noqa: E402
+from torch_kvcanary.testing.random_models import TINY, make_llama  # noqa: E402
 
 MODELS = {
     "tiny": TINY,

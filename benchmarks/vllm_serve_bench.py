@@ -1,6 +1,6 @@
 """What the vLLM plugin costs through the server: `vllm bench serve` against `vllm serve`
 (vLLM's default multiprocess engine, the OpenAI API on 127.0.0.1) with the plugin off, in
-PARTIAL and in ALL, on a random Llama made on the spot (tools/random_models.py).
+PARTIAL and in ALL, on a random Llama made on the spot (`torch_kvcanary.testing.random_models`).
 
     .venv-vllm/bin/python -m benchmarks.vllm_serve_bench [--model tiny] [--rounds 3]
 
@@ -22,12 +22,9 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-from random_models import make_llama  # noqa: E402
-from vllm_serve import Server  # noqa: E402
-
-from benchmarks.vllm_bench import MODELS  # noqa: E402
+from benchmarks.vllm_bench import MODELS
+from torch_kvcanary.testing.random_models import make_llama
+from torch_kvcanary.testing.serve import VLLM_CLI, Server
 
 SETTINGS = {
     "off": {},
@@ -46,7 +43,7 @@ BENCH_SERVE_OPTIONS = (
 def bench_serve(server: Server, args: argparse.Namespace, result_dir: Path, name: str) -> float:
     """One `vllm bench serve` run against ``server``: its output tokens per second."""
     command = [
-        sys.executable, str(TOOLS / "vllm_serve.py"), "bench", "serve",
+        sys.executable, str(VLLM_CLI), "bench", "serve",
         "--base-url", server.url, "--model", str(server.model), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",

@@ -1,8 +1,9 @@
 """What the vLLM plugin's tests share: the tiny random Llama most of them serve
-(tools/random_models.py), made once per session."""
+(`torch_kvcanary.testing.random_models`), made once per session."""
 
 import pytest
-from random_models import make_llama
+
+from torch_kvcanary.testing.random_models import make_llama
 
 
 def pytest_configure(config):

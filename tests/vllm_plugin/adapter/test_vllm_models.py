@@ -21,9 +21,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 
 import engine_driver  # noqa: E402
 from engine_driver import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, decoding, parse_violations, sampling_params  # noqa: E402
-from random_models import make_model  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import adapter, config, plugin, worker  # noqa: E402
+from torch_kvcanary.testing.random_models import make_model  # noqa: E402
 
 # Each kind: its KV cache groups as the plugin sees them, its layers' attention backends,
 # and the KV bytes per slot over its layers, for a budget of `BLOCKS` blocks (a hybrid

@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import REPO  # noqa: E402
-from random_models import make_model  # noqa: E402
+
+from torch_kvcanary.testing.random_models import make_model  # noqa: E402
 
 # vLLM's CPU build finds Triton but no "cpu" backend in it, and turns Triton off; a "cpu"
 # entry whose driver is never active satisfies that check, and the two gates of Model Runner

@@ -29,9 +29,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-prometheus runs these tests in the vLLM venv")
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make test-prometheus runs these tests in the vLLM venv")
 
-from vllm_chaos import install_chaos_plugin  # noqa: E402
-from vllm_metrics_capture import PROMPT, connector_server, flip, read_flipped  # noqa: E402
-from vllm_serve import collective_rpc, free_ports, install_flip_plugin, stop  # noqa: E402
+from torch_kvcanary.testing.metrics_capture import PROMPT, connector_server, flip, read_flipped  # noqa: E402
+from torch_kvcanary.testing.serve import collective_rpc, free_ports, install_flip_plugin, stop  # noqa: E402
+from torch_kvcanary.testing.soak.harness import install_chaos_plugin  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 RULES = REPO / "deploy/prometheus/kv_canary.rules.yml"

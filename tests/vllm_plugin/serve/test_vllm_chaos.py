@@ -1,10 +1,10 @@
-"""The chaos soak (tools/vllm_chaos.py) in its short form: 100 requests under `repair`, then
-under `quarantine`, each on a `vllm serve` of its own with the tool's fault injector
-(tools/chaos_faults.py), six faults a policy (flipped bits in a block one request reads, in a
-shared prefix block, in a preempted request's block at its resume), then a block-table entry
-pointed at another request's block while 32 requests run (`--table-fault`: the server keeps
-serving, only that request fails under quarantine, none under repair). The test fails on any of
-the tool's checks (`ChaosResult.problems`); the checks themselves are shown to bite on
+"""The chaos soak (tools/vllm_chaos.py, `torch_kvcanary.testing.soak.chaos`) in its short form:
+100 requests under `repair`, then under `quarantine`, each on a `vllm serve` of its own with
+the soak's fault injector (torch_kvcanary/testing/soak/faults.py), six faults a policy
+(flipped bits in a block one request reads, in a shared prefix block, in a preempted
+request's block at its resume), then a block-table entry pointed at another request's block
+while 32 requests run (`--table-fault`: the server keeps serving, only that request fails
+under quarantine, none under repair). The test fails on any of the soak's checks (`ChaosResult.problems`); the checks themselves are shown to bite on
 made-up evidence first, without a server. `make chaos-vllm` runs 1,000 requests.
 """
 
@@ -14,19 +14,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from random_models import VOCAB_SIZE  # noqa: E402
-from vllm_chaos import (  # noqa: E402
-    FLIP_KINDS,
-    ChaosResult,
-    Pass,
-    TableEvidence,
-    _check,
-    chaos,
-    install_chaos_plugin,
-    report,
-    table_fault_problems,
-    user_id,
-)
+from torch_kvcanary.testing.random_models import VOCAB_SIZE  # noqa: E402
+from torch_kvcanary.testing.soak import chaos_pd, table_fault  # noqa: E402
+from torch_kvcanary.testing.soak.chaos import FLIP_KINDS, ChaosResult, chaos, check  # noqa: E402
+from torch_kvcanary.testing.soak.harness import Pass, install_chaos_plugin, report, user_id  # noqa: E402
+from torch_kvcanary.testing.soak.table_fault import TableEvidence  # noqa: E402
+from torch_kvcanary.testing.soak.unverified import UnverifiedResult, check_unverified  # noqa: E402
 
 REQUESTS, FAULTS = 100, 6
 
@@ -57,7 +50,7 @@ def _metrics(violations=0, repaired=0, failed=0, hits=100, preemptions=3):
 
 
 def _evidence(policy="repair"):
-    """What a passing chaos pass of two requests looks like to `_check`: one fault in block 4
+    """What a passing chaos pass of two requests looks like to `check`: one fault in block 4
     (slot 130) read by request 0, named in one violation line, repaired."""
     prompts = [([5] * 200, 4), ([6] * 10, 4)]
     clean = [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -70,7 +63,7 @@ def _evidence(policy="repair"):
 
 def _problems(policy, prompts, clean, answers, faults, log, metrics):
     result = ChaosResult(policy, len(prompts), len(faults), injected=faults)
-    _check(result, None, prompts, clean, Pass(answers, 1.0), log, metrics, _metrics(0))
+    check(result, prompts, clean, Pass(answers, 1.0), log, metrics, _metrics(0))
     return result.problems
 
 
@@ -123,7 +116,7 @@ def _table_evidence(policy, **broken):
 
 @pytest.mark.parametrize("policy", ["repair", "quarantine"])
 def test_the_table_fault_checks_pass_clean_evidence_and_fail_each_broken_one(policy):
-    assert table_fault_problems(policy, _table_evidence(policy)) == []
+    assert table_fault.problems(policy, _table_evidence(policy)) == []
     other = {"choices": [{"token_ids": [5, 9], "finish_reason": "length"}]}
     answers = _table_evidence(policy).chaotic.answers
     broken = {
@@ -135,11 +128,11 @@ def test_the_table_fault_checks_pass_clean_evidence_and_fail_each_broken_one(pol
         "counted no violation": dict(counted=0.0),
     }
     for expected, fields in broken.items():
-        problems = table_fault_problems(policy, _table_evidence(policy, **fields))
+        problems = table_fault.problems(policy, _table_evidence(policy, **fields))
         assert any(expected in p for p in problems), (expected, problems)
     # Quarantine fails the reader alone, repair no request.
     failed = {"choices": [{"token_ids": [1], "finish_reason": "error"}]}
-    problems = table_fault_problems(policy, _table_evidence(policy, chaotic=Pass([failed, *answers[1:]], 1.0)))
+    problems = table_fault.problems(policy, _table_evidence(policy, chaotic=Pass([failed, *answers[1:]], 1.0)))
     assert any("the failed requests are not exactly" in p for p in problems), problems
 
 
@@ -163,7 +156,7 @@ def test_a_chaos_soak_is_repaired_or_quarantined_and_named(policy, tiny_llama, c
     assert all(re.fullmatch(rf"chaos-{policy}-\d{{5}}", r) for r in result.failed)
 
 
-# The P/D soak's checks (tools/vllm_chaos_pd.py), on made-up evidence: one handover fault
+# The P/D soak's checks (`torch_kvcanary.testing.soak.chaos_pd`), on made-up evidence: one handover fault
 # on the prefill server (request 0's position 70, slot 198 there), named by the decode
 # server's transfer line, and nothing else.
 TRANSFER_LINE = (
@@ -173,14 +166,11 @@ TRANSFER_LINE = (
 
 
 def _pd_problems(policy, answers, log, *, transfer_slots_failed=1, timings=None, window=()):
-    from vllm_chaos_pd import PdChaosResult
-    from vllm_chaos_pd import _check as check_pd
-
     clean = [[1, 2, 3, 4], [5, 6, 7, 8]]
     fault = dict(kind="handover", request=f"cmpl-chaos-{policy}-00000-0-abcdef12", slot=198, position=70, block=6)
     fault["readers"] = fault["holders"] = [fault["request"]]
-    result = PdChaosResult(policy, 2, injected=[fault], transfer_slots_failed=transfer_slots_failed)
-    check_pd(result, None, clean, Pass(answers, 1.0), timings or {}, list(window), log, [])
+    result = chaos_pd.PdChaosResult(policy, 2, injected=[fault], transfer_slots_failed=transfer_slots_failed)
+    chaos_pd.check(result, None, clean, Pass(answers, 1.0), timings or {}, list(window), log, [])
     return result.problems
 
 
@@ -207,22 +197,19 @@ def test_the_pd_quarantine_check_allows_only_holders_of_the_corrupted_block_in_f
     """A decode-side fault in block 0 of request 0, read by it alone when found: a request
     whose prompt shares that block and was in flight then may fail with it (vLLM fails every
     holder of a reported block); one that shares no block, or ran after, may not."""
-    from vllm_chaos_pd import PdChaosResult, _line_time
-    from vllm_chaos_pd import _check as check_pd
-
     prompts = [([5] * 40, 4), ([5] * 40, 4), ([6] * 40, 4), ([5] * 40, 4)]
     clean = [[1, 2, 3, 4]] * 4
     ok = {"choices": [{"token_ids": [1, 2, 3, 4], "finish_reason": "length"}]}
     error = {"choices": [{"token_ids": [1], "finish_reason": "error"}]}
     line = _violation(7, "chaos-quarantine-00000")
-    when = _line_time(line)
+    when = chaos_pd.line_time(line)
     timings = {0: (when - 1, when), 1: (when - 1, when), 2: (when - 1, when), 3: (when + 30, when + 31)}
     fault = dict(kind="single", request="cmpl-chaos-quarantine-00000-0-abcdef12", slot=7, index=0, position=7, block=0)
     fault["readers"] = fault["holders"] = [fault["request"]]
 
     def problems(answers):
-        result = PdChaosResult("quarantine", 4, injected=[dict(fault)])
-        check_pd(result, prompts, clean, Pass(answers, 1.0), timings, [], [line], [])
+        result = chaos_pd.PdChaosResult("quarantine", 4, injected=[dict(fault)])
+        chaos_pd.check(result, prompts, clean, Pass(answers, 1.0), timings, [], [line], [])
         return result.problems
 
     assert problems([error, ok, ok, ok]) == []
@@ -235,8 +222,6 @@ def test_the_pd_quarantine_check_allows_only_holders_of_the_corrupted_block_in_f
 def _unverified_problems(answers, reason="no_claim", **evidence):
     """The P/D soak's misconfiguration checks on made-up evidence: two requests, two NIXL
     transfers, each counted under no_claim and said once at WARNING, unless ``evidence`` says otherwise."""
-    from vllm_chaos_pd import UnverifiedResult, check_unverified
-
     counts = dict(unverified={"no_claim": 2}, transfers=2, said=[("WARNING", "no_claim")]) | evidence
     result = UnverifiedResult("quarantine", 2, name="drop-claim", **counts)
     check_unverified(result, answers, [[1, 2, 3, 4], [5, 6, 7, 8]], reason)

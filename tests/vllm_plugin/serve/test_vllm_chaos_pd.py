@@ -1,4 +1,4 @@
-"""The P/D chaos soak (tools/vllm_chaos_pd.py) through a prefill and a decode `vllm serve`
+"""The P/D chaos soak (tools/vllm_chaos_pd.py, `torch_kvcanary.testing.soak.chaos_pd`) through a prefill and a decode `vllm serve`
 with NIXL between them; its single-server twin is test_vllm_chaos.py."""
 
 import pytest
@@ -7,15 +7,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
 
 
-# The P/D chaos soak (tools/vllm_chaos_pd.py) in its short form: 100 requests, three faults
+# The P/D chaos soak in its short form: 100 requests, three faults
 # (a handover on P, a block one request reads on D, a block several read on D); under repair
 # P is killed and restarted once mid-run. Its checks are shown to bite on made-up evidence in
 # tests/vllm_plugin/serve/test_vllm_chaos.py. `make chaos-vllm-pd` runs 1,000 requests.
 @pytest.mark.parametrize("policy, restart", [("repair", True), ("quarantine", False)])
 def test_a_pd_chaos_soak_is_repaired_or_quarantined_and_named(policy, restart, tiny_llama, tmp_path):
-    from random_models import VOCAB_SIZE
-    from vllm_chaos import install_chaos_plugin, report
-    from vllm_chaos_pd import chaos_pd
+    from torch_kvcanary.testing.random_models import VOCAB_SIZE
+    from torch_kvcanary.testing.soak.chaos_pd import chaos_pd
+    from torch_kvcanary.testing.soak.harness import install_chaos_plugin, report
 
     result = chaos_pd(tiny_llama, VOCAB_SIZE, policy, 100, 3, restart, install_chaos_plugin(tmp_path))
     report([result])

@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import HOST_AMX, PROJECT_VERSION, needs_isa  # noqa: E402
-from random_models import VOCAB_SIZE, make_model  # noqa: E402
-from vllm_serve import (  # noqa: E402
+
+from torch_kvcanary.testing.random_models import VOCAB_SIZE, make_model  # noqa: E402
+from torch_kvcanary.testing.serve import (  # noqa: E402
     CANARY_GROWTH_BOUND,
     Server,
     flip,

@@ -18,7 +18,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm r
 
 import vllm_sessions  # noqa: E402
 from engine_driver import VIOLATION  # noqa: E402
-from vllm_serve import install_flip_plugin, path_with  # noqa: E402
+
+from torch_kvcanary.testing.serve import install_flip_plugin, path_with  # noqa: E402
 
 pytestmark = pytest.mark.every_release
 

@@ -3,7 +3,6 @@ buffers shaped as vLLM's runners hold them, without vLLM. Its clean steps must f
 and a byte flipped in a context slot must be found and named, or its figures time a step
 that checks nothing."""
 
-import fake_runner
 import pytest
 import torch
 
@@ -11,6 +10,7 @@ from benchmarks import engine_step
 from torch_kvcanary.integrations.vllm import worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.sources import HashMode
+from torch_kvcanary.testing import fake_runner
 
 
 def _started(runner: str, requests: int = 3, context: int = 40):

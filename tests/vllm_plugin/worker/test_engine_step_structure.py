@@ -6,7 +6,6 @@ where the op ran on the host, and one step later where the device had not finish
 
 from __future__ import annotations
 
-import fake_runner
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ from torch_kvcanary.integrations.vllm import reports, worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.paged_step import MailboxWord
 from torch_kvcanary.sources import HashMode
+from torch_kvcanary.testing import fake_runner
 
 RANGE = "kvcanary_plugin_step"
 

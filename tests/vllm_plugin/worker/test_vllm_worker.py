@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
 from helpers import PROJECT_VERSION, REPO  # noqa: E402
-from random_models import make_eagle, make_llama, make_model  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config  # noqa: E402
+from torch_kvcanary.testing.random_models import make_eagle, make_llama, make_model  # noqa: E402
 
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")

@@ -4,13 +4,13 @@ parallelism where the engine would hang (on the tests' fake runner)."""
 
 import re
 
-import fake_runner
 import numpy as np
 import pytest
 import torch
 
 from torch_kvcanary import HashMode
 from torch_kvcanary.integrations.vllm import adapter, config, step_buffers, worker
+from torch_kvcanary.testing import fake_runner
 
 
 def test_a_token_copy_follows_requests_across_rows():

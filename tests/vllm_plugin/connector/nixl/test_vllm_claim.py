@@ -175,12 +175,11 @@ def decode_landing(strict: bool, rank: int = 0):
     """D's worker over the plugin's canary on buffers shaped as vLLM's runner holds them, a
     prompt of 40 tokens landed in request 0's blocks with region rows P never wrote (zeros),
     judged unverified for a mode mismatch: (canary, worker, the prompt's slots)."""
-    import fake_runner
-
     from torch_kvcanary.integrations.vllm import worker
     from torch_kvcanary.integrations.vllm.config import Settings
     from torch_kvcanary.integrations.vllm.connector.nixl import region
     from torch_kvcanary.sources import HashMode
+    from torch_kvcanary.testing import fake_runner
 
     buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
     canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))
@@ -253,12 +252,11 @@ def test_a_block_landed_shifted_is_said_as_a_shift(caplog):
     (NIXL pairing D's blocks with P's shifted by one) names what the request expects at the
     first differing slot and what P's rows that landed there say: the token and position of
     16 slots on."""
-    import fake_runner
-
     from torch_kvcanary.integrations.vllm import worker
     from torch_kvcanary.integrations.vllm.config import Settings
     from torch_kvcanary.integrations.vllm.connector.nixl import region
     from torch_kvcanary.sources import HashMode
+    from torch_kvcanary.testing import fake_runner
 
     buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=40, decode_steps=2)
     canary = worker.WorkerCanary(buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(buffers))

@@ -8,13 +8,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-import fake_runner  # noqa: E402
-
 from torch_kvcanary.integrations.vllm import worker  # noqa: E402
 from torch_kvcanary.integrations.vllm.config import Settings  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector import nixl  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector.nixl import region  # noqa: E402
 from torch_kvcanary.sources import HashMode  # noqa: E402
+from torch_kvcanary.testing import fake_runner  # noqa: E402
 
 # Ops that hand a value to the host, and so wait on a GPU: none may be on either side's step path.
 SYNCING_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select")

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation through vLLM's NixlConnector, verified by KvCanaryConnector:
 a prefill and a decode `vllm serve` and the proxy between them on 127.0.0.1
-(`tools/vllm_pd.py`), serving a tiny random float32 model greedily.
+(`torch_kvcanary.testing.pd`), serving a tiny random float32 model greedily.
 
 Clean requests sharing prefixes come out as a clean NIXL pair without the canary answers
 them, with the KV pulled over NIXL and nothing flagged. Then faults, each injected by a vLLM
@@ -27,9 +27,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
 
-from random_models import VOCAB_SIZE  # noqa: E402
-from vllm_pd import claim_dropper, pd_pair  # noqa: E402
-from vllm_serve import collective_rpc, complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
+from torch_kvcanary.testing.pd import claim_dropper, pd_pair  # noqa: E402
+from torch_kvcanary.testing.random_models import VOCAB_SIZE  # noqa: E402
+from torch_kvcanary.testing.serve import collective_rpc, complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
 
 # Clean requests: mixed lengths sharing prefixes, a few tokens each.
 CLEAN_REQUESTS = 200

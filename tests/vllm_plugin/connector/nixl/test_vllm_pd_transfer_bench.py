@@ -10,10 +10,9 @@ def test_the_transfer_benchmark_times_a_comparison_that_finds_a_flipped_byte(cap
     """`benchmarks.pd_transfer`'s cell: a byte of a prompt's KV flipped after P wrote its
     rows is found by D's landing (the benchmark times a comparison that compares), and the
     benchmark prints its table."""
-    from fake_runner import BLOCK_SIZE
-
     from benchmarks import pd_transfer
     from torch_kvcanary.integrations.vllm.connector import nixl
+    from torch_kvcanary.testing.fake_runner import BLOCK_SIZE
 
     cell = pd_transfer.TransferCell(layers=2, requests=2, tokens=40)
     cell.write()

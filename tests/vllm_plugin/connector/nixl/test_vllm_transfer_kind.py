@@ -22,12 +22,11 @@ class Landing:
     P's rows of the prompts of requests 0 and 1 (40 tokens each) written into the region."""
 
     def __init__(self):
-        import fake_runner
-
         from torch_kvcanary.integrations.vllm import worker
         from torch_kvcanary.integrations.vllm.config import Settings
         from torch_kvcanary.integrations.vllm.connector.nixl import region
         from torch_kvcanary.sources import HashMode
+        from torch_kvcanary.testing import fake_runner
 
         self.buffers = fake_runner.StepBuffers("v1", layers=2, requests=2, context=PROMPT, decode_steps=2)
         self.canary = worker.WorkerCanary(self.buffers, Settings("log", HashMode.ALL), runner_view=fake_runner.FakeRunner(self.buffers))
