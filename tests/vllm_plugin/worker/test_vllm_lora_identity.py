@@ -138,6 +138,39 @@ def test_each_request_is_rooted_once_and_forgotten_once_finished(engine):
     assert roots.derived - derived == 4 and lines.take() == []
 
 
+def test_a_reload_while_the_old_weights_requests_run_leaves_their_blocks_to_them(engine, folders, tmp_path, monkeypatch):
+    # vLLM recomputes a shared block in place for all its holders: a new request hitting
+    # blocks a running request of the old weights holds is named and goes on as vLLM serves
+    # it, and both finish (reporting the block would roll both back at every step). Once
+    # the old request is gone, the next reader's hit is reported and recomputed.
+    llm, lines, _ = engine
+    reported = Reported(monkeypatch, _worker_connector())
+    folder = tmp_path / "t"
+    shutil.copytree(folders["x"], folder)
+    lora = LoRARequest("t", 6, str(folder))
+    prompt = {"prompt_token_ids": random_tokens(random.Random(6), PROMPT_LENGTH)}
+    (clean,) = _run(llm, [prompt], LoRARequest("y", 2, str(folders["y"])))
+    engine_ = llm.llm_engine
+    engine_.add_request("old", prompt, _greedy(40), lora_request=lora)
+    for _ in range(4):
+        engine_.step()
+    shutil.copy(folders["y"] / WEIGHTS, folder / WEIGHTS)
+    assert engine_.add_lora(LoRARequest("t", 6, str(folder), load_inplace=True))
+    engine_.add_request("new", prompt, _greedy(8), lora_request=lora)
+    finished = {}
+    for _ in range(120):
+        finished.update({o.request_id: len(_answer(o)) for o in engine_.step() if o.finished})
+        if len(finished) == 2:
+            break
+    assert finished == {"old": 40, "new": 8}
+    assert reported.take() == set()
+    slot = _identity_line(lines.take(), "new")
+    (after,) = _run(llm, [prompt], lora)
+    assert after.num_cached_tokens == 2 * BLOCK_SIZE and _answer(after) == _answer(clean)
+    assert reported.take() == {slot // BLOCK_SIZE}
+    assert lines.take() == []  # the slot's line came at its first detection
+
+
 def test_under_quarantine_the_reader_of_the_old_blocks_fails_alone(tiny_llama, folders, tmp_path):
     with connector_engine(tiny_llama, "quarantine", **LORA) as (llm, lines, _):
         lora, prompt, _, _ = _reloaded_in_place(llm, folders, tmp_path, "q", 5)
