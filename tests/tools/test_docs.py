@@ -3,7 +3,8 @@
 by these rules, and the first failing rule says what to change.
 
 * A repository path: a word of a code span made of path characters with a ``/`` in it or a
-  file name with an extension of `SOURCE_SUFFIXES`, ``{a,b}`` expanded. It names a file or
+  file name with an extension of `SOURCE_SUFFIXES`, ``{a,b}`` expanded; in a fenced block (a
+  command), a word with a ``/`` and a file's suffix. It names a file or
   folder of the tree written from any folder above it (``worker/test_vllm_engine.py`` is
   ``tests/vllm_plugin/worker/test_vllm_engine.py``). Not checked: a path into vLLM's own
   or torch's tree (`FOREIGN_TREES`), an absolute path (a URL's, ``/metrics``), a glob or a
@@ -90,6 +91,17 @@ def _spans(doc: Path) -> list[tuple[int, str]]:
         if not fenced:
             spans += [(number, match[2].strip()) for match in CODE_SPAN.finditer(line)]
     return spans
+
+
+def _fenced_lines(doc: Path) -> list[tuple[int, str]]:
+    """The lines of ``doc``'s fenced code blocks (commands), with their line numbers."""
+    lines, fenced = [], False
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif fenced:
+            lines.append((number, line))
+    return lines
 
 
 def _expand(word: str) -> list[str]:
@@ -275,13 +287,13 @@ def _where(doc: Path, number: int) -> str:
 
 
 def _missing_paths(docs: list[Path]) -> list[str]:
-    return [
-        f"{_where(doc, number)}: `{word}`"
-        for doc in docs
-        for number, span in _spans(doc)
-        for word in _path_words(span)
-        if not _path_exists(word)
-    ]
+    missing = []
+    for doc in docs:
+        words = [(number, word) for number, span in _spans(doc) for word in _path_words(span)]
+        # In a command, only a path with a "/" and a file's suffix: the rest are its arguments.
+        words += [(n, word) for n, line in _fenced_lines(doc) for word in _path_words(line) if "/" in word and Path(word).suffix]
+        missing += [f"{_where(doc, number)}: `{word}`" for number, word in words if not _path_exists(word)]
+    return missing
 
 
 def _unresolved_names(docs: list[Path]) -> list[str]:
