@@ -185,6 +185,12 @@ def refusal(exception: type[BaseException], call) -> str:
     return str(info.value)
 
 
+def refusal_lines(exception: type[BaseException], calls: dict) -> str:
+    """A line ``name: message`` for each of ``calls`` (name -> call), each of which must raise an
+    ``exception``, in their order."""
+    return "\n".join(f"{name}: {refusal(exception, call)}" for name, call in calls.items())
+
+
 def refusal_table_test(cases: list[tuple]):
     """The test of a table of refusals, rows (name, call, exception, message): each ``call()``
     raises an ``exception`` whose message starts with ``kv-canary: message``. A test module

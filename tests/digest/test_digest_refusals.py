@@ -5,7 +5,7 @@ capacity unchecked adds nothing (the sanitizer job runs this file)."""
 import expecttest
 import pytest
 import torch
-from helpers import refusal
+from helpers import refusal, refusal_lines
 
 import torch_kvcanary as kc
 from torch_kvcanary import digest as digest_units
@@ -48,13 +48,13 @@ class TestDigestErrors(expecttest.TestCase):
             "rank 2": [torch.zeros(4, 2)],
             "float16 element unit": [torch.zeros(4, 2, 3, dtype=torch.float16)],
         }
-        messages = {name: refusal(ValueError, lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()}
-        messages["unit_offsets length"] = refusal(ValueError, lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0]))
-        messages["devices"] = refusal(ValueError, lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0]))
-        messages["positions shape"] = refusal(ValueError, lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0]))
-        messages["num_groups 0"] = refusal(ValueError, lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0))
+        calls = {name: (lambda v=v: kc.kv_digest(v, entries, entries, unit_offsets=[0])) for name, v in cases.items()}
+        calls["unit_offsets length"] = lambda: kc.kv_digest([u8, u8], entries, entries, unit_offsets=[0])
+        calls["devices"] = lambda: kc.kv_digest([u8.to("meta")], entries, entries, unit_offsets=[0])
+        calls["positions shape"] = lambda: kc.kv_digest([u8], entries, torch.tensor([0, 1]), unit_offsets=[0])
+        calls["num_groups 0"] = lambda: kc.kv_digest([u8], entries, entries, unit_offsets=[0], num_groups=0)
         self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            refusal_lines(ValueError, calls),
             """\
 unit of 6 bytes: kv-canary: digest view 0 has units of 6 bytes (shape [4, 2, 3, 6], dtype Byte); a unit's bytes must be a positive multiple of 4
 innermost not contiguous: kv-canary: digest view 0 must have a contiguous innermost dim (stride 1), got shape [4, 2, 3, 16] and strides [192, 96, 32, 2]; make the fastest-moving dim of each unit the last one
@@ -75,9 +75,8 @@ num_groups 0: kv-canary: num_groups must be >= 1, got 0""",
             "int16 groups": lambda: kc.kv_digest([view], entries, entries, unit_offsets=[0], groups=entries.short()),
             "a tensor for views": lambda: kc.kv_digest(view, entries, entries, unit_offsets=[0]),
         }
-        messages = {name: refusal(TypeError, fn) for name, fn in cases.items()}
         self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            refusal_lines(TypeError, cases),
             """\
 float slots: kv-canary: slots must be an int32 or int64 tensor, got Float
 list positions: kv-canary: positions must be an int32 or int64 tensor, got list

@@ -10,7 +10,7 @@ import sys
 import expecttest
 import pytest
 import torch
-from helpers import DEVICES, RAW_OP_REFUSAL, best_cpu_path, refusal, refusal_table_test, run_python
+from helpers import DEVICES, RAW_OP_REFUSAL, best_cpu_path, refusal, refusal_lines, refusal_table_test, run_python
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_kvcanary as kc
@@ -21,6 +21,12 @@ ROWS = torch.zeros(8, 64, dtype=torch.uint8)
 SLOTS = torch.tensor([0, 1])
 GOOD = kc.view_source(U8, read_bytes=64)
 op = torch.ops.kvcanary.fold.default
+
+
+def _real(**changes) -> kc.RealKvSource:
+    """A RealKvSource of ROWS (one 64-byte token a page, all of it read) but for `changes`."""
+    return kc.RealKvSource(**{"tensor": ROWS, "page_size": 1, "num_bytes_per_token": 64, "read_bytes": 64, **changes})
+
 
 # (name, call, exception, message start after "kv-canary: ")
 CASES = [
@@ -53,54 +59,19 @@ CASES = [
     ),
     ("mode: unknown", lambda: kc.resolve_read_bytes(5), ValueError, "mode must be a HashMode"),
     # RealKvSource
-    (
-        "source: page_size 0",
-        lambda: kc.RealKvSource(tensor=ROWS, page_size=0, num_bytes_per_token=64, read_bytes=64),
-        ValueError,
-        "RealKvSource.page_size must be >= 1",
-    ),
-    (
-        "source: page_size float",
-        lambda: kc.RealKvSource(tensor=ROWS, page_size=1.5, num_bytes_per_token=64, read_bytes=64),
-        TypeError,
-        "RealKvSource.page_size must be an int",
-    ),
+    ("source: page_size 0", lambda: _real(page_size=0), ValueError, "RealKvSource.page_size must be >= 1"),
+    ("source: page_size float", lambda: _real(page_size=1.5), TypeError, "RealKvSource.page_size must be an int"),
     (
         "source: token 40",
-        lambda: kc.RealKvSource(tensor=ROWS, page_size=1, num_bytes_per_token=40, read_bytes=16),
+        lambda: _real(num_bytes_per_token=40, read_bytes=16),
         ValueError,
         "RealKvSource.num_bytes_per_token must be a positive multiple of 16",
     ),
-    (
-        "source: read 0",
-        lambda: kc.RealKvSource(tensor=ROWS, page_size=1, num_bytes_per_token=64, read_bytes=0),
-        ValueError,
-        "RealKvSource.read_bytes must be a positive multiple of 16",
-    ),
-    (
-        "source: 1-D",
-        lambda: kc.RealKvSource(tensor=ROWS[0], page_size=1, num_bytes_per_token=64, read_bytes=64),
-        ValueError,
-        "RealKvSource.tensor must be at least 2-D",
-    ),
-    (
-        "source: not a tensor",
-        lambda: kc.RealKvSource(tensor=[1, 2], page_size=1, num_bytes_per_token=64, read_bytes=64),
-        TypeError,
-        "RealKvSource.tensor must be a torch.Tensor",
-    ),
-    (
-        "source: sparse",
-        lambda: kc.RealKvSource(tensor=ROWS.to_sparse(), page_size=1, num_bytes_per_token=64, read_bytes=64),
-        ValueError,
-        "RealKvSource.tensor must be a strided (dense) tensor",
-    ),
-    (
-        "source: page larger than row",
-        lambda: kc.RealKvSource(tensor=ROWS, page_size=2, num_bytes_per_token=64, read_bytes=64),
-        ValueError,
-        "RealKvSource page of 2 x 64 bytes does not fit",
-    ),
+    ("source: read 0", lambda: _real(read_bytes=0), ValueError, "RealKvSource.read_bytes must be a positive multiple of 16"),
+    ("source: 1-D", lambda: _real(tensor=ROWS[0]), ValueError, "RealKvSource.tensor must be at least 2-D"),
+    ("source: not a tensor", lambda: _real(tensor=[1, 2]), TypeError, "RealKvSource.tensor must be a torch.Tensor"),
+    ("source: sparse", lambda: _real(tensor=ROWS.to_sparse()), ValueError, "RealKvSource.tensor must be a strided (dense) tensor"),
+    ("source: page larger than row", lambda: _real(page_size=2), ValueError, "RealKvSource page of 2 x 64 bytes does not fit"),
     (
         "source: rows need a copy",
         lambda: kc.fold(
@@ -447,9 +418,8 @@ class TestFoldErrors(expecttest.TestCase):
                 tensor=torch.zeros(4, 100, dtype=torch.uint8)[:, :96], page_size=1, num_bytes_per_token=96, read_bytes=16
             ),
         }
-        messages = {name: refusal(ValueError, lambda s=s: kc.fold(s, slots)) for name, s in cases.items()}
         self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            refusal_lines(ValueError, {name: (lambda s=s: kc.fold(s, slots)) for name, s in cases.items()}),
             """\
 innermost not contiguous: kv-canary: source 0 must have a contiguous innermost dim (stride 1), got shape [4, 2, 32] and strides [1024, 512, 16]; make the fastest-moving dim of each token the last one
 run of 8 bytes: kv-canary: source 0 has contiguous runs of 8 bytes (shape [4, 2, 4, 8], strides [128, 64, 16, 1]); each contiguous innermost run must be a multiple of 16 bytes
@@ -469,9 +439,8 @@ row stride 100: kv-canary: source 0 has a stride of 100 bytes (shape [4, 1, 96],
             "rank 1": _raw([pool.view(-1)], slots, [16]),
             "token of 8 bytes": _raw([torch.zeros(4, 2, 8, dtype=torch.uint8)], slots, [16]),
         }
-        messages = {name: refusal(RAW_OP_REFUSAL, fn) for name, fn in cases.items()}
         self.assertExpectedInline(
-            "\n".join(f"{k}: {v}" for k, v in messages.items()),
+            refusal_lines(RAW_OP_REFUSAL, cases),
             """\
 list lengths: kv-canary: got 2 sources but 1 read_bytes; pass one read_bytes per source
 read_bytes 24: kv-canary: read_bytes[0] must be a positive multiple of 16 and <= the source's 32 bytes per token, got 24
