@@ -25,7 +25,7 @@ from connector_driver import Reported, _greedy, _metric, _worker_connector, conn
 from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
 from vllm_serve import Server  # noqa: E402
 
-from torch_kvcanary.integrations.vllm import config, connector, plugin, worker  # noqa: E402
+from torch_kvcanary.integrations.vllm import config, connector, plugin  # noqa: E402
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -403,69 +403,6 @@ def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy
         error = error.__cause__ or error.__context__
     assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
     assert re.match(f"kv-canary: {needs}: change that, or unset KVCANARY_VLLM to serve without the canary$", str(error)), str(error)
-
-
-class _FakeRunner:
-    """The `adapter.RunnerView` facts the preconditions read."""
-
-    is_v2 = False
-
-    def __init__(self, connector=None, failure_policy="recompute", async_scheduling=False, kinds=("FullAttentionSpec",)):
-        self._connector, self.kv_load_failure_policy, self.async_scheduling, self._kinds = (
-            connector,
-            failure_policy,
-            async_scheduling,
-            kinds,
-        )
-
-    def kv_connector(self):
-        return self._connector
-
-    def kv_cache_group_kinds(self):
-        return list(self._kinds)
-
-
-def _ours():
-    """An instance of the connector's class, unbuilt: what the plugin recognises the connector by is its class."""
-    return object.__new__(connector.KvCanaryConnector)
-
-
-@pytest.mark.parametrize(
-    "policy, runner, needs",
-    [
-        (
-            "repair",
-            _FakeRunner(_ours(), async_scheduling=True),
-            r"synchronous scheduling \(--no-async-scheduling, or async_scheduling=False\)",
-        ),
-        (
-            "repair",
-            _FakeRunner(_ours(), kinds=("SlidingWindowSpec", "FullAttentionSpec")),
-            r"a model with one KV cache group, this one has 2 \(SlidingWindowSpec, FullAttentionSpec\)",
-        ),
-        (
-            "quarantine",
-            _FakeRunner(_ours(), failure_policy="recompute"),
-            r'"kv_load_failure_policy": "fail" in the kv_transfer_config, not "recompute"',
-        ),
-        ("log", _FakeRunner(None), "vLLM's KV connector to be KvCanaryConnector"),  # with a drill
-    ],
-)
-def test_each_precondition_of_the_connector_policies(policy, runner, needs):
-    state = object.__new__(worker.WorkerCanary)
-    state.policy, state.drill, state.runner_view = policy, 0.01 if policy == "log" else 0.0, runner
-    with pytest.raises(ValueError, match=f"^kv-canary: KVCANARY_VLLM={policy}.* needs {needs}"):
-        state._connector()
-
-
-def test_without_a_connector_policy_the_connector_is_optional():
-    state = object.__new__(worker.WorkerCanary)
-    state.policy, state.drill = "log", 0.0
-    state.runner_view = _FakeRunner(None, async_scheduling=True, kinds=("SlidingWindowSpec", "FullAttentionSpec"))
-    assert state._connector() is None
-    ours = _ours()
-    state.runner_view = _FakeRunner(ours, failure_policy="fail", async_scheduling=True)
-    assert state._connector() is ours  # its counters, whatever the policy
 
 
 def _stats(**counts) -> connector.CanaryStats:
