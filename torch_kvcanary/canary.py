@@ -165,24 +165,21 @@ def _given(roots) -> tuple:
     return () if roots is None else (roots,)
 
 
-def _check_roots_fake(roots, slots) -> None:
+def _check_record_verify_fake(sources, slots, positions, tokens, prev_slots, roots, tables) -> None:
+    # record's and verify's checks: roots' dtype and device first, then those of every call.
     if roots is not None and roots.dtype != torch.int64:
         raise ValueError(f"kv-canary: roots must be an int64 tensor (64-bit hashes), got {roots.dtype}; pass roots as int64")
     if roots is not None and roots.device != slots.device:
         raise ValueError(f"kv-canary: roots is on {roots.device} but slots are on {slots.device}; put them on one device")
+    entries = {"positions": positions, "tokens": tokens, "prev_slots": prev_slots, "roots": roots}
+    _check_canary_fake_inputs(sources, slots, entries, tables)
 
 
 @torch.library.register_fake("kvcanary::record")
 def _record_fake(
     sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True, roots=None
 ):
-    _check_roots_fake(roots, slots)
-    _check_canary_fake_inputs(
-        sources,
-        slots,
-        {"positions": positions, "tokens": tokens, "prev_slots": prev_slots, "roots": roots},
-        (records, owner_tags, counters, ring),
-    )
+    _check_record_verify_fake(sources, slots, positions, tokens, prev_slots, roots, (records, owner_tags, counters, ring))
 
 
 @torch.library.register_fake("kvcanary::refold")
@@ -196,33 +193,23 @@ def _verify_fake(
     sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring,
     padding_slot=-1, check_bounds=True, roots=None,
 ):  # fmt: skip
-    _check_roots_fake(roots, slots)
-    _check_canary_fake_inputs(
-        sources,
-        slots,
-        {"positions": positions, "tokens": tokens, "prev_slots": prev_slots, "roots": roots},
-        (records, owner_tags, counters, ring),
-    )
+    _check_record_verify_fake(sources, slots, positions, tokens, prev_slots, roots, (records, owner_tags, counters, ring))
     return slots.new_empty(slots.shape, dtype=torch.bool)
 
 
-# The bound overloads' fakes: the table's check, then those of the Tensor[] form over no sources.
-@torch.library.register_fake("kvcanary::record.bound")
-def _record_bound_fake(sources_table, slots, *args, **kwargs):
-    check_table_fake(sources_table)
-    _record_fake([], [], slots, *args, **kwargs)
+def _bound_fake(fake):
+    """The fake of a bound overload: the table's check, then those of the Tensor[] form's
+    `fake` over no sources."""
+
+    def bound_fake(sources_table, slots, *args, **kwargs):
+        check_table_fake(sources_table)
+        return fake([], [], slots, *args, **kwargs)
+
+    return bound_fake
 
 
-@torch.library.register_fake("kvcanary::refold.bound")
-def _refold_bound_fake(sources_table, slots, *args, **kwargs):
-    check_table_fake(sources_table)
-    _refold_fake([], [], slots, *args, **kwargs)
-
-
-@torch.library.register_fake("kvcanary::verify.bound")
-def _verify_bound_fake(sources_table, slots, *args, **kwargs):
-    check_table_fake(sources_table)
-    return _verify_fake([], [], slots, *args, **kwargs)
+for _op, _fake in (("record", _record_fake), ("refold", _refold_fake), ("verify", _verify_fake)):
+    torch.library.register_fake(f"kvcanary::{_op}.bound")(_bound_fake(_fake))
 
 
 class KvCanary:
