@@ -113,14 +113,29 @@ class RecordPort(Protocol):
         """Whether the backend packs a block's tokens, so that a write of whole blocks changes
         the bytes of slots that hold no recorded token (`refold` them)."""
 
+    def request_root(self, request_id: str) -> int | None:
+        """The root of request ``request_id``'s chain: its identity (LoRA adapter, cache
+        salt) as this worker derives it from the request itself (`identity.request_root`;
+        `identity.ANCHOR` without one), never a value a transfer brought. None while the
+        runner holds no such request yet (a load that landed before the request's first
+        step)."""
+
     def record_landed(
-        self, slots: torch.Tensor, *, tokens: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor
+        self,
+        slots: torch.Tensor,
+        *,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        prev_slots: torch.Tensor,
+        roots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Records ``slots``, which a transfer has just landed, each holding its token and
         position (``tokens``, ``positions``) and chained through ``prev_slots`` (-1 at a
-        request's position 0; entries in order, so an entry may chain through the one
-        before): their records. All on the canary's device; the slots are the scheduler's
-        own, in range, and distinct: nothing waits on the device."""
+        request's position 0, whose chain is its request's root in ``roots``, the
+        `request_root` of each entry's request; without ``roots``, the anchor; entries in
+        order, so an entry may chain through the one before): their records. All on the
+        canary's device; the slots are the scheduler's own, in range, and distinct: nothing
+        waits on the device."""
 
     def head_digests(self, slots: torch.Tensor, heads: range, num_kv_heads: int, *, positions: torch.Tensor) -> torch.Tensor:
         """`digest.kv_digest_by_head` of ``slots`` holding ``positions`` in the watched caches, on the canary's device."""

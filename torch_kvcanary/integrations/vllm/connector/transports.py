@@ -20,7 +20,7 @@ class Transport:
 
 
 TRANSPORTS: dict[str, Transport] = {
-    "ExampleConnector": Transport(disk.DiskVerifier),
+    "ExampleConnector": Transport(disk.DiskVerifier, disk.DiskScheduler),
     "NixlConnector": Transport(nixl.NixlWorker, nixl.NixlScheduler),
 }
 """The inner connectors whose loads the canary verifies, by vLLM's name of each."""
