@@ -2,11 +2,11 @@
 (deploy/grafana/kv_canary.json) against a real Prometheus (Debian's `prometheus`, on
 127.0.0.1) scraping a real `vllm serve` with the plugin under ``repair`` and
 `KvCanaryConnector`: the server exports the canary's gauge as on, under ``repair``; a byte
-flipped in a cached block (tools/vllm_metrics_capture.py's fault plugin), which ``repair``
+flipped in a cached block (`testing.metrics_capture`'s fault), which ``repair``
 heals, takes KvCanaryCorruptionRepaired, a warning, from inactive to firing while every other
 alert stays inactive (nothing pages), the recording rules give the counts the server
 exported, and every dashboard panel's PromQL answers with data; then a block-table entry
-pointed at another request's block (tools/chaos_faults.py's ``table`` fault) leaves the server
+pointed at another request's block (the chaos injector's ``table`` fault) leaves the server
 serving and pages once, KvCanaryMappingViolation. `make test-prometheus` runs it.
 
 Prometheus scrapes and evaluates every second and loads a copy of the rules whose alerts'

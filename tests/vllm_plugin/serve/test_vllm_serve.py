@@ -86,7 +86,7 @@ def test_the_soak_fails_a_plugin_that_keeps_every_prompt(soaked, tiny_llama, tmp
     assert leaking.growth - off.growth >= CANARY_GROWTH_BOUND, (off.summary(), leaking.summary())
 
 
-# Each kind of attention model (tools/random_models.py): full attention, a sliding window,
+# Each kind of attention model (`testing.random_models`): full attention, a sliding window,
 # full and sliding groups over one pool, chunked-local and full groups, MLA, M-RoPE.
 KINDS = ("llama", "mistral", "gemma2", "llama4", "deepseek_v2", "qwen2_vl")
 # The flipped position: in the prompt's last full block, inside every kind's window

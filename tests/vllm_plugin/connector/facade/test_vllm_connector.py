@@ -3,7 +3,7 @@ in-process and driven step by step: repair (vLLM recomputes the blocks the canar
 and quarantine (vLLM fails the requests that read them), the rule for violations of the
 mapping, the counters in vLLM's Prometheus metrics, fault drills, the preconditions of the
 connector policies and the inner connectors it refuses; and through `vllm serve`
-(`tools/vllm_serve.py`), repaired drills and quarantine. The transports' own tests are in
+(`testing.serve.Server`), repaired drills and quarantine. The transports' own tests are in
 ../disk/ and ../nixl/, the delegate's forwarding of vLLM's connector base in ../delegate/.
 
 The engines serve a tiny random Llama in float32 (vLLM's recompute of a request then
@@ -23,9 +23,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 
 from connector_driver import Reported, _greedy, _metric, _worker_connector, connector_engine  # noqa: E402
 from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
-from vllm_serve import Server  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config, connector, plugin  # noqa: E402
+from torch_kvcanary.testing.serve import Server  # noqa: E402
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -448,7 +448,7 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
 
 
 def _server(model, policy: str, failure_policy: str, drill: float, tokens_per_step: int = 64):
-    """`vllm serve` (`tools/vllm_serve.py`: the API server, the engine core and its worker,
+    """`vllm serve` (`testing.serve.Server`: the API server, the engine core and its worker,
     each a process of its own, on 127.0.0.1) on the float32 model with the plugin under
     ``policy`` and `KvCanaryConnector`, fault drills of probability ``drill``, and at most
     ``tokens_per_step`` tokens a step."""
