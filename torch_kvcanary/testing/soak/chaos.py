@@ -238,10 +238,7 @@ def check(result: ChaosResult, prompts, clean_tokens: list, chaotic: Pass, log_l
     counted = check_counters(result, log, metrics, clean_metrics)
     check_memory(result)
     check_workload(result, prompts, metrics)
-    kinds = {}
-    for fault in result.injected:
-        kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
-    result.notes.append(f"faults by kind: {kinds}; counters over the chaos pass: {counted}")
+    result.notes.append(f"faults by kind: {result.faults_by_kind()}; counters over the chaos pass: {counted}")
 
 
 def check_naming(result: ChaosResult, log: LogEvidence) -> None:

@@ -286,11 +286,8 @@ def check(result: PdChaosResult, prompts, clean_tokens: list, chaotic: Pass, tim
     check_transfer_counter(result, log)
     check_failures(result, expected_failed, may_fail)
     check_memory(result)
-    kinds = {}
-    for fault in result.injected:
-        kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
     result.notes.append(
-        f"faults by kind: {kinds}; decode side: transfer slots failed {result.transfer_slots_failed:.0f}, blocks repaired "
+        f"faults by kind: {result.faults_by_kind()}; decode side: transfer slots failed {result.transfer_slots_failed:.0f}, blocks repaired "
         f"{result.repaired_blocks:.0f}; worker memory {result.growth / MIB:+.1f} MiB (a clean pass: "
         f"{result.baseline_growth / MIB:+.1f} MiB); failed while P restarted "
         f"{len(result.restart_casualties)}"

@@ -139,6 +139,13 @@ class SoakResult:
     def row(self) -> list[str]:
         raise NotImplementedError
 
+    def faults_by_kind(self) -> dict[str, int]:
+        """How many faults of each kind were injected."""
+        kinds: dict[str, int] = {}
+        for fault in self.injected:
+            kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
+        return kinds
+
 
 def table(results: list[SoakResult]) -> str:
     """The results as a Markdown table of their ``HEADER``."""
