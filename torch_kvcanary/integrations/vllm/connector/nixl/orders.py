@@ -22,7 +22,9 @@ class LoadOrder:
     """D: a request whose prompt positions [start, end) NIXL loads into ``block_ids``
     (all of the request's blocks) from a prefill side of ``remote_tp_size`` tensor-parallel
     ranks (`RECORDS_KEY`; None: there are no records of P's to compare with, for the reason
-    ``unverified`` (`claim.Claims.judge`), or none known: then every slot is bad)."""
+    ``unverified`` (`claim.Claims.judge`), or none known: then every slot is bad).
+    ``identified``: D's request has an identity (a LoRA adapter, a cache salt), whose root
+    its worker derives once the runner holds the request (`worker.NixlWorker`)."""
 
     request_id: str
     remote_tp_size: int | None
@@ -31,6 +33,7 @@ class LoadOrder:
     start: int
     end: int
     unverified: str | None = None
+    identified: bool = False
 
 
 @dataclass

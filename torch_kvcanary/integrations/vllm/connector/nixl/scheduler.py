@@ -48,6 +48,7 @@ class NixlScheduler(SchedulerVerifier):
                 LoadOrder(
                     request.request_id, remote_tp_size,
                     list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end, unverified,
+                    identified=request.lora_request is not None or bool(request.cache_salt),
                 )
             )  # fmt: skip
 

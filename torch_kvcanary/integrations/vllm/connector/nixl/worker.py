@@ -64,19 +64,22 @@ class LandedLoad:
 
 class LandingBatch:
     """D: the loads that landed together, as host arrays with an entry per landed slot: the
-    slot, its token and position, and the slot of its request's position before it (-1 at
-    position 0); and how each is compared with P's rows: ``whole_records`` (1: its records,
+    slot, its token and position, the slot of its request's position before it (-1 at
+    position 0) and the root its request's chain starts from (``roots``: each load's
+    `RecordPort.request_root`, given one per load; None: the anchor); and how each is
+    compared with P's rows: ``whole_records`` (1: its records,
     the heads being sharded alike on both sides), ``digest_rows`` (the entries compared by
     token, position, chain and their heads' digests), ``compared`` (1: the load carries rows
     of P's, the slot is compared with them), ``no_records`` (1: the load carries no rows of
     P's and is not trusted unverified, the slot is bad)."""
 
-    def __init__(self, landing: list[PendingLoad], block_size: int):
+    def __init__(self, landing: list[PendingLoad], block_size: int, roots: list[int] | None = None):
         self.block_size = block_size
         entries = [self._entries(pending.load, block_size) for pending in landing]
         self.request_slots = [slots for slots, *_ in entries]
         self.slots, self.tokens, self.positions, self.prev_slots = (np.concatenate(column) for column in zip(*entries))
         lengths = [len(slots) for slots in self.request_slots]
+        self.roots = None if roots is None else np.repeat(np.asarray(roots, dtype=np.int64), lengths)
         has_records = np.repeat([pending.remote is not None for pending in landing], lengths)
         same_heads = np.repeat([pending.same_heads for pending in landing], lengths)
         trusted = np.repeat([pending.trusted for pending in landing], lengths)
@@ -99,7 +102,7 @@ class LandingBatch:
         return np.setdiff1d(every, self.slots, assume_unique=True)
 
 
-def fault_kind(expected: list[int], theirs: list[int], tokens: list[int], expected_there: list[int] | None) -> str:
+def fault_kind(expected: list[int], theirs: list[int], tokens: list[int], expected_there: list[int] | None, *, first: bool = True) -> str:
     """The kind (`stats.FAILED_KINDS`) of a failed load, from its first differing slot:
     ``expected`` the request's record there and ``theirs`` P's row that landed there (each
     token, position and chain); ``tokens`` the request's tokens by position, and
@@ -107,12 +110,18 @@ def fault_kind(expected: list[int], theirs: list[int], tokens: list[int], expect
     P's row equal to the request's: ``bytes``, the bytes changed after P recorded them. P's
     row all zeros: ``unknown``, a row P never wrote. P's row naming another position of
     the request that holds its token (and, where D landed that position, its chain):
-    ``shifted``. Anything else: ``other_request``."""
+    ``shifted``. P's row of the request's token and position under another chain at the
+    load's ``first`` slot (where the chain comes from the request's root, or from D's own
+    record of the position before): ``identity``, KV P computed for the same tokens under
+    another identity (a LoRA adapter, a cache salt) than D's request has. Anything else:
+    ``other_request``."""
     if theirs == expected:
         return "bytes"
     if not any(theirs):
         return "unknown"
     token, position = theirs[FIELDS.index("token")], theirs[FIELDS.index("position")]
+    if first and token == expected[FIELDS.index("token")] and position == expected[FIELDS.index("position")]:
+        return "identity"
     own_token = position != expected[FIELDS.index("position")] and 0 <= position < len(tokens) and tokens[position] == token
     if own_token and (expected_there is None or expected_there == theirs):
         return "shifted"
@@ -135,6 +144,8 @@ class NixlWorker(WorkerVerifier):
         self.region: RecordsRegion | None = None
         self._pending: dict[str, PendingLoad] = {}
         self._landed: dict[str, LandedLoad] = {}  # D: loads landed and not yet read, by request id
+        self._awaiting: list[PendingLoad] = []  # D: loads landed of requests whose root the worker cannot derive yet
+        self._compared_later = 0  # D: slots of such loads compared since `take_counts`
         self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
         self.verify_seconds = 0.0  # D: host time spent recording and comparing landed requests
         self.write_seconds = 0.0  # P: host time spent writing the records of handed-over requests
@@ -199,7 +210,8 @@ class NixlWorker(WorkerVerifier):
         and D's loads it could not verify by reason (counted by rank 0 alone: vLLM sums the
         ranks' counters, and each rank sees each load)."""
         counts = {"transfer_slots_handed_over": self._handed_over, FAILED: self._failed, UNVERIFIED: self._unverified}
-        self._handed_over = 0
+        counts["transfer_slots_verified"] = self._compared_later  # loads compared in `before_load`, past `on_done`
+        self._handed_over = self._compared_later = 0
         self._failed = dict.fromkeys(FAILED_KINDS, 0)
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)
         return counts
@@ -211,7 +223,12 @@ class NixlWorker(WorkerVerifier):
         return (self.land(port, landed, failed) if landed else 0), 0
 
     def before_load(self, port: RecordPort, orders: NixlOrders | None) -> None:
-        """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
+        """D: compares the loads that landed awaiting their request's root (`land`) whose
+        request the runner now holds (a step that reads them starts: its forward comes after
+        this call), and notes each load NIXL starts reading, with how the prefill side holds
+        its heads."""
+        if self._awaiting:
+            self._land_awaiting(port)
         if orders is None:
             return
         for load in orders.loads:
@@ -251,10 +268,28 @@ class NixlWorker(WorkerVerifier):
         """D: records the slots of the requests NIXL finished loading, compares them with the
         rows of P's records that landed with them and breaks the records of those that
         differ, all of them at once and on the device; returns how many slots it compared.
-        A load NIXL itself failed is NIXL's load error and is not recorded."""
+        A load NIXL itself failed is NIXL's load error and is not recorded. A load of a
+        request with an identity (`LoadOrder.identified`) waits for its root, compared in
+        the `before_load` of the request's first step (counted in `take_counts`)."""
         failed = set(failed_recving or ())
         landing = [self._pending.pop(request_id) for request_id in finished_recving if request_id in self._pending]
         landing = [pending for pending in landing if pending.load.request_id not in failed]
+        # A request with an identity is compared under its own root, which the worker derives
+        # from the request once the runner holds it: from its first step on (`before_load`).
+        self._awaiting += [pending for pending in landing if pending.load.identified]
+        return self._land(port, [pending for pending in landing if not pending.load.identified])
+
+    def _land_awaiting(self, port: RecordPort) -> None:
+        """Compares, under their requests' roots, the awaiting loads whose request the runner holds."""
+        roots = [port.request_root(pending.load.request_id) for pending in self._awaiting]
+        ready = [(pending, root) for pending, root in zip(self._awaiting, roots) if root is not None]
+        self._awaiting = [pending for pending, root in zip(self._awaiting, roots) if root is None]
+        if ready:
+            self._compared_later += self._land(port, [pending for pending, _ in ready], [root for _, root in ready])
+
+    def _land(self, port: RecordPort, landing: list[PendingLoad], roots: list[int] | None = None) -> int:
+        """`land` of the loads ``landing``, each of a request whose chain starts at its root
+        in ``roots`` (the anchor where not given): how many slots it compared."""
         if not landing:
             return 0
         begin = time.perf_counter()
@@ -263,7 +298,7 @@ class NixlWorker(WorkerVerifier):
                 logger.warning(
                     "kv-canary: request %s: no records of its prefilled KV to compare with: %s", pending.load.request_id, pending.why
                 )
-        batch = LandingBatch(landing, self.block_size)
+        batch = LandingBatch(landing, self.block_size, roots)
         self._verify(port, batch)
         for pending, slots in zip(landing, batch.request_slots):
             load = pending.load
@@ -278,13 +313,14 @@ class NixlWorker(WorkerVerifier):
         """Records the batch's slots, compares them with the rows that landed with them and
         breaks the records of those that differ: one copy to the device, no wait on it."""
         host_unrecorded = batch.unrecorded_block_slots() if port.blocks_packed else np.empty(0, dtype=np.int64)
-        slots, tokens, positions, prev_slots, whole_records, compared, no_records, digest_rows, unrecorded = to_device(
+        rooted = batch.roots is not None
+        slots, tokens, positions, prev_slots, whole_records, compared, no_records, digest_rows, unrecorded, *roots = to_device(
             port.device, batch.slots, batch.tokens, batch.positions, batch.prev_slots,
-            batch.whole_records, batch.compared, batch.no_records, batch.digest_rows, host_unrecorded,
+            batch.whole_records, batch.compared, batch.no_records, batch.digest_rows, host_unrecorded, *([batch.roots] if rooted else []),
         )  # fmt: skip
         if len(host_unrecorded):
             port.refold(unrecorded)  # NIXL wrote whole blocks, these slots' bytes too
-        landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots)
+        landed = port.record_landed(slots, tokens=tokens, positions=positions, prev_slots=prev_slots, roots=roots[0] if rooted else None)
         theirs = self.region.read(slots)  # [n, heads, FIELDS]
         bad = (landed[:, :FOLD] != theirs[:, 0, :FOLD]).any(dim=1)
         bad |= (landed[:, FOLD] != theirs[:, 0, FOLD]) & whole_records.bool()
@@ -333,7 +369,13 @@ class NixlWorker(WorkerVerifier):
         offset = position - landed.start  # P's position among the load's slots, where D holds its own record
         slots = [slot, int(landed.slots[offset])] if 0 <= offset < len(landed.slots) else [slot]
         mine = port.records_of(torch.tensor(slots))[:, :FOLD].tolist()
-        kind = fault_kind(mine[0], theirs, landed.tokens, mine[1] if len(mine) > 1 else None)
+        kind = fault_kind(mine[0], theirs, landed.tokens, mine[1] if len(mine) > 1 else None, first=index == 0)
+        if kind == "identity":
+            return kind, (
+                f"at slot {slot} the request has token {token} at position {position}, as the prefill side's records that "
+                "landed say, and their chain is not the request's: its identity differs, the prefill side computed this KV "
+                "under another LoRA adapter or cache salt"
+            )
         said = (
             f"there the request has token {landed.tokens[landed.start + index]}, and the prefill side's records that landed "
             f"say token {token} at position {position}"
@@ -345,6 +387,8 @@ class NixlWorker(WorkerVerifier):
         for request_id in request_ids or ():
             self._landed.pop(request_id, None)
             self._pending.pop(request_id, None)
+        if request_ids and self._awaiting:
+            self._awaiting = [pending for pending in self._awaiting if pending.load.request_id not in request_ids]
 
     def _say_verify_time(self) -> None:
         logger.info(
