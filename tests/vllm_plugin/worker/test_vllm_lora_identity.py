@@ -114,8 +114,11 @@ def test_one_identity_shares_its_blocks_silently_beside_others(engine, folders):
     rng = random.Random(7)
     prompt = {"prompt_token_ids": random_tokens(rng, PROMPT_LENGTH)}
     salted = {**prompt, "cache_salt": "tenant-a"}
+    roots = plugin.active().request_roots
+    rooted = roots.rooted
     first = _run(llm, [prompt, salted, prompt], [x, None, None])
     assert [o.num_cached_tokens for o in first] == [0, 0, 0]
+    assert roots.rooted - rooted == 2  # x's and the salted request's: the worker saw the salt
     second = _run(llm, [prompt, salted, prompt], [x, None, None])
     assert [o.num_cached_tokens for o in second] == [2 * BLOCK_SIZE] * 3
     assert [_answer(o) for o in second] == [_answer(o) for o in first]

@@ -25,14 +25,15 @@ class RequestRoots:
     its later requests another root. A request without adapter or salt has `identity.ANCHOR`,
     the root of every record without identity.
 
-    ``derived`` counts the requests whose root was derived, ``seconds`` the host time that
-    took (adapter digests apart: ``adapter_seconds``)."""
+    ``derived`` counts the requests whose root was derived, ``rooted`` those of them with an
+    identity, ``seconds`` the host time that took (adapter digests apart: ``adapter_seconds``)."""
 
     def __init__(self, runner_view: adapter.RunnerView):
         self._view = runner_view
         self._roots: dict[str, int] = {}
         self._adapters: dict[int, int] = {}  # a loaded adapter's weights word, by its LoRA int id
         self.derived = 0
+        self.rooted = 0
         self.seconds = 0.0
         self.adapter_seconds = 0.0
         self._uncarried_said = False
@@ -63,6 +64,7 @@ class RequestRoots:
         root = identity.request_root(lora=lora, cache_salt=found.cache_salt)
         self._roots[request_id] = root
         self.derived += 1
+        self.rooted += root != identity.ANCHOR
         self.seconds += time.perf_counter() - start
         if not self._uncarried_said and self._view.uncarried_salts:
             self._uncarried_said = True
