@@ -7,20 +7,35 @@
 namespace kvcanary {
 namespace {
 
-// An optional per-entry input: int32/int64, on the slots' device, one value
-// per slot. Returns it in memory order (nullopt when not given).
-std::optional<Tensor> entry_tensor(const std::optional<Tensor>& input, const char* name,
-                                   const Tensor& slots) {
+// How a per-slot input is checked: its dtype, then what its message calls
+// its values and the remedy for another count.
+struct PerSlotRule {
+  void (*check_dtype)(const Tensor& t, const char* name);
+  const char* values;
+  const char* remedy;
+};
+
+// An optional input of one value per slot, on the slots' device, checked as
+// `rule` says. Returns it in memory order (nullopt when not given).
+std::optional<Tensor> per_slot_tensor(const std::optional<Tensor>& input, const char* name,
+                                      const Tensor& slots, const PerSlotRule& rule) {
   if (!input.has_value()) {
     return std::nullopt;
   }
   const Tensor& t = *input;
-  check_index_dtype(t, name);
+  rule.check_dtype(t, name);
   check_on_slots_device(t, slots, kPutOnOneDevice, name);
-  KVCANARY_CHECK_VALUE(t.numel() == slots.numel(), name, " has ", t.numel(), " entries (shape ",
-                       shape_of(t), ") but slots has ", slots.numel(), " (shape ", shape_of(slots),
-                       "); pass one value per slot");
+  KVCANARY_CHECK_VALUE(t.numel() == slots.numel(), name, " has ", t.numel(), " ", rule.values,
+                       " (shape ", shape_of(t), ") but slots has ", slots.numel(), " (shape ",
+                       shape_of(slots), "); ", rule.remedy);
   return in_memory_order(t);
+}
+
+// A per-entry input (positions, tokens, prev_slots): int32/int64.
+std::optional<Tensor> entry_tensor(const std::optional<Tensor>& input, const char* name,
+                                   const Tensor& slots) {
+  return per_slot_tensor(input, name, slots,
+                         {&check_index_dtype, "entries", "pass one value per slot"});
 }
 
 // The tag input: int64, on the slots' device, one value or one per slot.
@@ -38,18 +53,11 @@ std::optional<Tensor> tag_tensor(const std::optional<Tensor>& input, const Tenso
   return in_memory_order(t);
 }
 
-// The roots input: int64, on the slots' device, one value per slot.
+// The roots input: int64.
 std::optional<Tensor> root_tensor(const std::optional<Tensor>& input, const Tensor& slots) {
-  if (!input.has_value()) {
-    return std::nullopt;
-  }
-  const Tensor& t = *input;
-  check_roots_dtype(t);
-  check_on_slots_device(t, slots, kPutOnOneDevice, "roots");
-  KVCANARY_CHECK_VALUE(t.numel() == slots.numel(), "roots has ", t.numel(), " values (shape ",
-                       shape_of(t), ") but slots has ", slots.numel(), " (shape ", shape_of(slots),
-                       "); pass one root per slot, shaped like slots");
-  return in_memory_order(t);
+  const auto check_dtype = [](const Tensor& t, const char*) { check_roots_dtype(t); };
+  return per_slot_tensor(input, "roots", slots,
+                         {check_dtype, "values", "pass one root per slot, shaped like slots"});
 }
 
 void check_table(const Tensor& t, const char* name, const Tensor& slots,
