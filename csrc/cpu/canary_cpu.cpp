@@ -104,12 +104,7 @@ void refold_cpu(const SourcesArg& sources, const Tensor& slots, Tensor& records,
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CPU, m) {
-  m.impl("record", TORCH_BOX(&record_op<record_cpu>));
-  m.impl("verify", TORCH_BOX(&verify_op<verify_cpu>));
-  m.impl("refold", TORCH_BOX(&refold_op<refold_cpu>));
-  m.impl("record.bound", TORCH_BOX(&record_bound_op<record_cpu>));
-  m.impl("verify.bound", TORCH_BOX(&verify_bound_op<verify_cpu>));
-  m.impl("refold.bound", TORCH_BOX(&refold_bound_op<refold_cpu>));
+  register_canary_ops<record_cpu, verify_cpu, refold_cpu>(m);
 }
 
 }  // namespace kvcanary

@@ -150,12 +150,7 @@ void refold_cuda(const SourcesArg& sources, const Tensor& slots, Tensor& records
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(kvcanary, CUDA, m) {
-  m.impl("record", TORCH_BOX(&record_op<record_cuda>));
-  m.impl("verify", TORCH_BOX(&verify_op<verify_cuda>));
-  m.impl("refold", TORCH_BOX(&refold_op<refold_cuda>));
-  m.impl("record.bound", TORCH_BOX(&record_bound_op<record_cuda>));
-  m.impl("verify.bound", TORCH_BOX(&verify_bound_op<verify_cuda>));
-  m.impl("refold.bound", TORCH_BOX(&refold_bound_op<refold_cuda>));
+  register_canary_ops<record_cuda, verify_cuda, refold_cuda>(m);
 }
 
 }  // namespace kvcanary

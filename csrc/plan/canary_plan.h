@@ -3,6 +3,8 @@
 // checked before anything is written, so a refused call changes nothing.
 #pragma once
 
+#include <torch/csrc/stable/library.h>
+
 #include <optional>
 #include <vector>
 
@@ -101,6 +103,18 @@ template <RefoldKernel refold>
 void refold_bound_op(const Tensor& sources_table, const Tensor& slots, Tensor& records,
                      bool check_bounds) {
   refold({.table = &sources_table}, slots, records, check_bounds);
+}
+
+// A backend's registration of the canary ops: each of record, verify and
+// refold in its Tensor[] form and its bound overload.
+template <RecordKernel record, VerifyKernel verify, RefoldKernel refold, typename Library>
+void register_canary_ops(Library& m) {
+  m.impl("record", TORCH_BOX(&record_op<record>));
+  m.impl("verify", TORCH_BOX(&verify_op<verify>));
+  m.impl("refold", TORCH_BOX(&refold_op<refold>));
+  m.impl("record.bound", TORCH_BOX(&record_bound_op<record>));
+  m.impl("verify.bound", TORCH_BOX(&verify_bound_op<verify>));
+  m.impl("refold.bound", TORCH_BOX(&refold_bound_op<refold>));
 }
 
 // The per-entry inputs of one call as raw pointers, with the contiguous
