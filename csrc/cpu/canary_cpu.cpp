@@ -51,32 +51,18 @@ CpuCall plan_call(const CanaryInputs& in, const CanaryTables& tables, bool check
           folds};
 }
 
-template <typename Int>
-CpuCanaryTables<Int> cpu_tables(const CanaryTables& tables, int64_t capacity, Int* records,
-                                Int* owner_tags) {
-  return {records,
-          owner_tags,
-          tables.counters.mutable_data_ptr<int64_t>(),
-          tables.ring.mutable_data_ptr<int64_t>(),
-          tables.ring.size(0),
-          capacity};
-}
-
 void record_cpu(const CanaryInputs& args, const CanaryTables& tables, bool check_bounds) {
   const CpuCall call = plan_call(args, tables, check_bounds, true);
   fold_slots_cpu(call.fold, call.entries.slots, call.folds);
-  record_entries(cpu_tables(tables, call.capacity, tables.records.mutable_data_ptr<int64_t>(),
-                            tables.owner_tags.mutable_data_ptr<int64_t>()),
-                 call.columns, call.folds);
+  record_entries(table_pointers<CpuRecordTables>(tables, call.capacity), call.columns, call.folds);
 }
 
 Tensor verify_cpu(const CanaryInputs& args, const CanaryTables& tables, int64_t padding_slot,
                   bool check_bounds) {
   const CpuCall call = plan_call(args, tables, check_bounds, false);
   Tensor flagged = new_tensor(args.slots.sizes(), ScalarType::Bool, args.slots.device());
-  const VerifySide side{cpu_tables(tables, call.capacity, tables.records.const_data_ptr<int64_t>(),
-                                   tables.owner_tags.const_data_ptr<int64_t>()),
-                        call.columns, call.folds, padding_slot, flagged.mutable_data_ptr<bool>()};
+  const VerifySide side{table_pointers<CpuVerifyTables>(tables, call.capacity), call.columns,
+                        call.folds, padding_slot, flagged.mutable_data_ptr<bool>()};
   fold_slots_cpu(call.fold, call.entries.slots, call.folds,
                  {&VerifySide::lines, &VerifySide::after, &side});
   verify_rows(side.tables, call.columns, call.folds, padding_slot, side.flagged);

@@ -166,7 +166,8 @@ class PagedStepCpu {
     std::vector<int64_t> folds(batch.size());
     fold_slot_values_cpu(plan_.fold, batch.slots.data(), false, batch.size(), folds.data());
     const int64_t first_row = counters_[kRingWrite];
-    record_entries(record_tables(), columns, folds.data());
+    record_entries(table_pointers<CpuRecordTables>(args_.engine.tables, capacity_), columns,
+                   folds.data());
     std::vector<bool> reported(batch.size());
     for (int64_t i = 0; i < batch.size(); ++i) {
       const int64_t s = batch.slots[i];
@@ -292,8 +293,8 @@ class PagedStepCpu {
                                nullptr);
     std::vector<int64_t> folds(n);
     const auto flagged = std::make_unique<bool[]>(n);
-    const VerifySide side{verify_tables(), columns, folds.data(), args_.engine.padding_slot,
-                          flagged.get()};
+    const VerifySide side{table_pointers<CpuVerifyTables>(args_.engine.tables, capacity_), columns,
+                          folds.data(), args_.engine.padding_slot, flagged.get()};
     fold_slot_values_cpu(plan_.fold, batch.slots.data(), false, n, folds.data(),
                          {&VerifySide::lines, &VerifySide::after, &side});
     const int64_t first_row = counters_[kRingWrite];
@@ -313,24 +314,6 @@ class PagedStepCpu {
       origin[kOriginRow] = batch.rows[i];
       ++index;
     }
-  }
-
-  CpuRecordTables record_tables() const {
-    return {args_.engine.tables.records.mutable_data_ptr<int64_t>(),
-            args_.engine.tables.owner_tags.mutable_data_ptr<int64_t>(),
-            counters_,
-            ring_,
-            ring_capacity_,
-            capacity_};
-  }
-
-  CpuVerifyTables verify_tables() const {
-    return {args_.engine.tables.records.const_data_ptr<int64_t>(),
-            args_.engine.tables.owner_tags.const_data_ptr<int64_t>(),
-            counters_,
-            ring_,
-            ring_capacity_,
-            capacity_};
   }
 
   const PagedStepPlan& plan_;

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <optional>
 #include <span>
-#include <type_traits>
 #include <vector>
 
 #include "cuda/checks.h"
@@ -21,17 +20,6 @@
 
 namespace kvcanary {
 namespace {
-
-// The pointer a kernel gets to a table: writable where it writes (record),
-// read-only where it only reads (verify).
-template <typename Table>
-Table* table_data(const Tensor& table) {
-  if constexpr (std::is_const_v<Table>) {
-    return table.const_data_ptr<int64_t>();
-  } else {
-    return table.mutable_data_ptr<int64_t>();
-  }
-}
 
 template <typename Table>
 struct CudaCall {
@@ -82,12 +70,7 @@ void prepare(CudaCall<Table>& call, const Tensor& slots, const CanaryTables& tab
   }
   CanaryLaunchArgs<Table>& a = call.args;
   a.inputs = call.plan.entries.inputs;
-  a.records = table_data<Table>(tables.records);
-  a.owner_tags = table_data<Table>(tables.owner_tags);
-  a.counters = tables.counters.mutable_data_ptr<int64_t>();
-  a.ring = tables.ring.mutable_data_ptr<int64_t>();
-  a.ring_capacity = tables.ring.size(0);
-  a.capacity = call.plan.capacity;
+  point_at_tables(tables, call.plan.capacity, a);
   a.padding_slot = -1;
   fold_leading_groups(call.plan, slots, call.partial_folds, a.fold, stream);
 }

@@ -73,12 +73,7 @@ PagedStepLaunchArgs launch_args(const PagedStepPlan& plan, const PagedStepArgs& 
   e.num_groups = num_groups;
   e.block_size = a.engine.block_size;
   e.padding_slot = a.engine.padding_slot;
-  e.capacity = plan.capacity;
-  e.records = a.engine.tables.records.mutable_data_ptr<int64_t>();
-  e.owner_tags = a.engine.tables.owner_tags.mutable_data_ptr<int64_t>();
-  e.counters = a.engine.tables.counters.mutable_data_ptr<int64_t>();
-  e.ring = a.engine.tables.ring.mutable_data_ptr<int64_t>();
-  e.ring_capacity = a.engine.tables.ring.size(0);
+  point_at_tables(a.engine.tables, plan.capacity, e);
   e.origins = a.engine.origins.mutable_data_ptr<int64_t>();
   e.mailbox = mailbox;
   PagedCallLaunch& c = l.call;

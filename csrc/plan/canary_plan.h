@@ -6,6 +6,7 @@
 #include <torch/csrc/stable/library.h>
 
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "core/canary_records.h"
@@ -36,6 +37,40 @@ struct CanaryTables {
   const Tensor& counters;    // int64 [kNumCounters]
   const Tensor& ring;        // int64 [ring_capacity, kViolationFields]
 };
+
+// The pointer a kernel gets to one of the canary's tables: writable where it
+// writes (record), read-only where it only reads (verify).
+template <typename Int>
+Int* table_data(const Tensor& table) {
+  if constexpr (std::is_const_v<Int>) {
+    return table.const_data_ptr<int64_t>();
+  } else {
+    return table.mutable_data_ptr<int64_t>();
+  }
+}
+
+// Points a kernel's view of the canary's tables at `tables`: `out` is any
+// struct with the members records and owner_tags (int64_t*, or const int64_t*
+// where the kernel only reads them), counters, ring, ring_capacity and
+// capacity (a CPU kernel's tables, a CUDA launch's arguments).
+template <typename Pointers>
+void point_at_tables(const CanaryTables& tables, int64_t capacity, Pointers& out) {
+  using Int = std::remove_pointer_t<decltype(out.records)>;
+  out.records = table_data<Int>(tables.records);
+  out.owner_tags = table_data<Int>(tables.owner_tags);
+  out.counters = tables.counters.mutable_data_ptr<int64_t>();
+  out.ring = tables.ring.mutable_data_ptr<int64_t>();
+  out.ring_capacity = tables.ring.size(0);
+  out.capacity = capacity;
+}
+
+// The same as a new value of a struct that holds nothing else.
+template <typename Pointers>
+Pointers table_pointers(const CanaryTables& tables, int64_t capacity) {
+  Pointers out{};
+  point_at_tables(tables, capacity, out);
+  return out;
+}
 
 // A backend's record and verify on the bundled arguments.
 using RecordKernel = void (*)(const CanaryInputs& in, const CanaryTables& tables,
