@@ -62,9 +62,9 @@ struct ThreadEntry {
   int64_t fold;
 };
 
-// What every canary kernel starts with: thread 0 counts the call, and each
-// thread folds its entry's slot (every lane of a warp must take part).
-// Returns false for a warp wholly past the batch, which then returns.
+// Thread 0 counts the call, and each thread folds its entry's slot (every
+// lane of a warp must take part). Returns false for a warp wholly past the
+// batch.
 template <typename Table>
 __device__ __forceinline__ bool start_entry(const CanaryLaunchArgs<Table>& a, Counter calls,
                                             ulonglong2* tile, ThreadEntry& e) {
@@ -85,61 +85,64 @@ __device__ __forceinline__ bool start_entry(const CanaryLaunchArgs<Table>& a, Co
   return true;
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const RecordLaunchArgs a) {
+// What every canary kernel starts with (start_entry, over the block's fold
+// tiles), then apply(i, in_batch, slot, fold) for each thread of a warp that
+// reaches into the batch.
+template <typename Table, typename Apply>
+__device__ __forceinline__ void for_each_entry(const CanaryLaunchArgs<Table>& a, Counter calls,
+                                               Apply apply) {
   __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
   ThreadEntry e;
-  if (!start_entry(a, kRecordCalls, tiles[threadIdx.x / kWarpSize], e)) {
-    return;
+  if (start_entry(a, calls, tiles[threadIdx.x / kWarpSize], e)) {
+    apply(e.i, e.in_batch, e.slot, e.fold);
   }
-  const int64_t i = e.i, s = e.slot, fold = e.fold;
-  const bool in_batch = e.in_batch;
-  const bool recorded = in_batch && recordable(a, i);
-  if (recorded) {
-    int64_t* record = a.records + s * kRecordFields;
-    record[kToken] = entry_token(a.inputs, i);
-    record[kPosition] = entry_position(a.inputs, i);
-    record[kFold] = fold;
-    a.owner_tags[s] = a.inputs.tags != nullptr ? entry_tag(a.inputs, i) : -1;
-    if (!continues_run(a, i)) {
-      write_run_chain(a, i);
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock) record_kernel(const RecordLaunchArgs a) {
+  for_each_entry(a, kRecordCalls, [&](int64_t i, bool in_batch, int64_t s, int64_t fold) {
+    const bool recorded = in_batch && recordable(a, i);
+    if (recorded) {
+      int64_t* record = a.records + s * kRecordFields;
+      record[kToken] = entry_token(a.inputs, i);
+      record[kPosition] = entry_position(a.inputs, i);
+      record[kFold] = fold;
+      a.owner_tags[s] = a.inputs.tags != nullptr ? entry_tag(a.inputs, i) : -1;
+      if (!continues_run(a, i)) {
+        write_run_chain(a, i);
+      }
+    } else if (s >= 0) {
+      int64_t row[kViolationFields];
+      out_of_range_row(row, kKindRecord, a.inputs, i);
+      append_row(a, row);
     }
-  } else if (s >= 0) {
-    int64_t row[kViolationFields];
-    out_of_range_row(row, kKindRecord, a.inputs, i);
-    append_row(a, row);
-  }
-  count_warp(a.counters + kSlotsRecorded, recorded);
+    count_warp(a.counters + kSlotsRecorded, recorded);
+  });
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock) verify_kernel(const VerifyLaunchArgs a) {
-  __shared__ ulonglong2 tiles[kWarpsPerBlock][kWarpSize * kRowPitch];
-  ThreadEntry e;
-  if (!start_entry(a, kVerifyCalls, tiles[threadIdx.x / kWarpSize], e)) {
-    return;
-  }
-  const int64_t i = e.i, s = e.slot, fold = e.fold;
-  const bool in_batch = e.in_batch;
-  const bool checked = s >= 0 && s != a.padding_slot;
-  bool flagged = false;
-  if (checked) {
-    int64_t row[kViolationFields];
-    if (s >= a.capacity || entry_prev_slot(a.inputs, i) >= a.capacity) {
-      out_of_range_row(row, kKindVerify, a.inputs, i);
-      flagged = true;
-    } else {
-      const VerifyOutcome outcome =
-          verify_entry(a.records, a.owner_tags, a.inputs, i, s, fold, a.padding_slot);
-      flagged = outcome.reasons != 0;
-      verify_row(row, a.records, a.inputs, i, s, outcome);
+  for_each_entry(a, kVerifyCalls, [&](int64_t i, bool in_batch, int64_t s, int64_t fold) {
+    const bool checked = s >= 0 && s != a.padding_slot;
+    bool flagged = false;
+    if (checked) {
+      int64_t row[kViolationFields];
+      if (s >= a.capacity || entry_prev_slot(a.inputs, i) >= a.capacity) {
+        out_of_range_row(row, kKindVerify, a.inputs, i);
+        flagged = true;
+      } else {
+        const VerifyOutcome outcome =
+            verify_entry(a.records, a.owner_tags, a.inputs, i, s, fold, a.padding_slot);
+        flagged = outcome.reasons != 0;
+        verify_row(row, a.records, a.inputs, i, s, outcome);
+      }
+      if (flagged) {
+        append_row(a, row);
+      }
     }
-    if (flagged) {
-      append_row(a, row);
+    if (in_batch) {
+      a.flagged[i] = flagged;
     }
-  }
-  if (in_batch) {
-    a.flagged[i] = flagged;
-  }
-  count_warp(a.counters + kSlotsVerified, checked);
+    count_warp(a.counters + kSlotsVerified, checked);
+  });
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock)
