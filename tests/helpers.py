@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -176,6 +177,26 @@ def needs_isa(need: str, available: bool) -> pytest.MarkDecorator:
     """Skips a vLLM test where the host lacks what vLLM's CPU build needs for ``need`` (a key
     of ``ISA_SKIP_REASONS``)."""
     return pytest.mark.skipif(not available, reason=ISA_SKIP_REASONS[need])
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Runs the block on ``count`` of torch's threads, then gives torch back the number it had."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def ring_rows(violations) -> list[list[int]]:
+    """Violations (``KvCanary.poll()``) as the ring rows spec_oracle.Records gives: kind, slot,
+    position, stored token, expected token, stored chain, expected aux, reasons."""
+    return [
+        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
+        for v in violations
+    ]
 
 
 def refusal(exception: type[BaseException], call) -> str:

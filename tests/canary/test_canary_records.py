@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CUDA, DEVICES, random_case
+from helpers import CUDA, DEVICES, random_case, ring_rows, torch_threads
 from spec_oracle import MASK, Records
 
 import torch_kvcanary as kc
@@ -96,10 +96,7 @@ def test_random_calls_match_the_spec(seed, device):
         )  # fmt: skip
         assert flags.tolist() == want_flags
         expected_rows += rows
-    got = [
-        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
-        for v in canary.poll()
-    ]
+    got = ring_rows(canary.poll())
     key = lambda row: tuple(row)  # noqa: E731  (CUDA claims ring rows in no fixed order)
     assert sorted(got, key=key) == sorted(expected_rows, key=key)
     stats = canary.stats()
@@ -148,10 +145,7 @@ def test_calls_of_many_requests_apply_in_entry_order(seed):
         want_flags, rows = oracle.verify(slots, _folds(canary, slots, "cpu"), **given)
         assert flags.tolist() == want_flags
         expected_rows += rows
-    got = [
-        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
-        for v in canary.poll()
-    ]
+    got = ring_rows(canary.poll())
     assert got == expected_rows
 
 
@@ -171,9 +165,7 @@ def test_decode_steps_match_the_spec(threads):
     canary.record(torch.tensor(written))
     oracle.record(written, _folds(canary, written, "cpu"))
     changes = ["none", "chain through an earlier entry", "chain through a later entry", "slot twice", "padding"]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for change in changes * 4:
             slots = rng.sample(range(4096), 200)
             prev = [rng.choice(written + [-1]) for _ in slots]
@@ -194,8 +186,6 @@ def test_decode_steps_match_the_spec(threads):
             oracle.record(slots, _folds(canary, slots, "cpu"), **inputs)
             assert canary.records.tolist() == oracle.records, change
             written += [s for s in slots if s >= 0]
-    finally:
-        torch.set_num_threads(before)
     assert canary.stats()["slots_recorded"] == len(written)
 
 
@@ -219,9 +209,7 @@ def test_calls_of_many_tasks_and_threads_match_the_spec(threads):
     tokens = [rng.randrange(1 << 17) for _ in slots]
     tags = [rng.randrange(3) for _ in slots]
     inputs = {name: torch.tensor(values) for name, values in (("positions", positions), ("tokens", tokens), ("prev_slots", prev))}
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         canary.record(torch.tensor(slots), tag=torch.tensor(tags), **inputs)
         oracle.record(slots, _folds(canary, slots, "cpu"), positions=positions, tokens=tokens, prev_slots=prev, tags=tags)
         assert canary.records.tolist() == oracle.records
@@ -229,13 +217,8 @@ def test_calls_of_many_tasks_and_threads_match_the_spec(threads):
         pool[changed] += 1
         flags = canary.verify(torch.tensor(slots), **inputs)
         want_flags, rows = oracle.verify(slots, _folds(canary, slots, "cpu"), positions=positions, tokens=tokens, prev_slots=prev)
-    finally:
-        torch.set_num_threads(before)
     assert flags.tolist() == want_flags
-    got = [
-        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
-        for v in canary.poll()
-    ]
+    got = ring_rows(canary.poll())
     assert got == rows and len(rows) > 40
 
 

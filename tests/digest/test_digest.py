@@ -9,7 +9,7 @@ import random
 import pytest
 import spec_oracle as oracle
 import torch
-from helpers import DEVICES, random_bytes, random_digest_case, random_entries
+from helpers import DEVICES, random_bytes, random_digest_case, random_entries, torch_threads
 
 import torch_kvcanary as kc
 
@@ -164,12 +164,8 @@ def test_threads_agree(monkeypatch):
     positions = torch.randint(0, 1 << 20, (6000,), generator=gen)
     groups = torch.randint(0, 7, (6000,), generator=gen)
     args = dict(unit_offsets=[0, 4096], groups=groups, num_groups=7)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = kc.kv_digest(views, slots, positions, **args)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(kc.kv_digest(views, slots, positions, **args), one)
     halves = [
         kc.kv_digest(views, slots[s], positions[s], unit_offsets=[0, 4096], groups=groups[s], num_groups=7)

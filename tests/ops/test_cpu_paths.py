@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from golden import load_golden
-from helpers import CPU_PATHS, best_cpu_path, golden_source, random_case, run_python
+from helpers import CPU_PATHS, best_cpu_path, golden_source, random_case, run_python, torch_threads
 
 import torch_kvcanary as kc
 
@@ -99,14 +99,10 @@ def test_threads_agree(cpu_path, rows, row_bytes, num_slots):
         kc.view_source(pool[:, 64:].unsqueeze(1), read_bytes=row_bytes - 64),
     ]
     slots = torch.randint(-1, rows, (num_slots,), generator=gen)
-    threads = torch.get_num_threads()
     results = []
-    try:
-        for n in range(1, max(threads, 2) + 1):
-            torch.set_num_threads(n)
+    for n in range(1, max(torch.get_num_threads(), 2) + 1):
+        with torch_threads(n):
             results.append(kc.fold(sources, slots))
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.equal(results[0], kc.reference_fold(sources, slots))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import spec_oracle
 import torch
-from helpers import DEVICES, random_bytes, random_case, random_digest_case, random_slots
+from helpers import DEVICES, random_bytes, random_case, random_digest_case, random_slots, ring_rows
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts, ops, paged_step
@@ -158,11 +158,7 @@ def _reference_folds(canary: kc.KvCanary, slots: torch.Tensor) -> list[int]:
 
 
 def _ring_rows(violations) -> list[list[int]]:
-    rows = [
-        [int(v.kind), v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain, v.expected_aux, int(v.reasons)]
-        for v in violations
-    ]
-    return sorted(rows)  # CUDA claims ring rows in no fixed order
+    return sorted(ring_rows(violations))  # CUDA claims ring rows in no fixed order
 
 
 def _record_program(device: str) -> Program:

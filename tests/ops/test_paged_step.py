@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import spec_oracle
 import torch
+from helpers import torch_threads
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -279,14 +280,10 @@ def test_a_context_past_one_thread_s_share_on_one_and_two_threads():
     a = engine.add(16403)
     engine.run([(a, 16400)])
     damaged = 700 * 16 + 3
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with torch_threads(count):
             engine.slot_bytes(a.blocks[0][damaged // 16] * 16 + damaged % 16)
             assert [v[2] for v in engine.run([(a, 1)])] == [damaged]
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_block_table_view_with_strides():
