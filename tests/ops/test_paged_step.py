@@ -184,12 +184,18 @@ def random_batch(engine: Engine, rng: random.Random) -> list[tuple[Request, int]
     return batch
 
 
+def random_groups(rng: random.Random) -> tuple[int, list[tuple[int, int]]]:
+    """A random block size and KV cache groups: full attention, then none, one or both of a
+    sliding-window group and a chunked one."""
+    block_size = rng.choice([1, 2, 4, 16])
+    kinds = [(0, 0), (rng.choice([1, 3, 2 * block_size + 1]), 0), (0, rng.choice([block_size, 2 * block_size]))]
+    return block_size, [kinds[0]] + rng.sample(kinds[1:], rng.randrange(3))
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_random_engines_match_the_spec(seed):
     rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4, 16])
-    kinds = [(0, 0), (rng.choice([1, 3, 2 * block_size + 1]), 0), (0, rng.choice([block_size, 2 * block_size]))]
-    groups = [kinds[0]] + rng.sample(kinds[1:], rng.randrange(3))
+    block_size, groups = random_groups(rng)
     engine = Engine(
         rng, block_size, groups, blocks_packed=rng.random() < 0.4, padding=rng.choice([None, 0]),
         mode=rng.choice(list(kc.HashMode)), table_dtype=rng.choice([torch.int32, torch.int64]),

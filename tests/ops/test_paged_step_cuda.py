@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from test_paged_step import MAX_BLOCKS, MAX_REQS, MAX_TOKENS, Engine, random_batch, sources_of
+from test_paged_step import MAX_BLOCKS, MAX_REQS, MAX_TOKENS, Engine, random_batch, random_groups, sources_of
 
 import torch_kvcanary as kc
 from torch_kvcanary.paged_step import MailboxWord, PagedStep, StepPhase
@@ -135,9 +135,7 @@ LAYERS = [(seed, 1) for seed in range(8)] + [(8, 9), (9, 17), (10, 110)]
 @pytest.mark.parametrize("seed, layers", LAYERS)
 def test_random_steps_match_the_cpu(device, seed, layers):
     rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4, 16])
-    kinds = [(0, 0), (rng.choice([1, 3, 2 * block_size + 1]), 0), (0, rng.choice([block_size, 2 * block_size]))]
-    groups = [kinds[0]] + rng.sample(kinds[1:], rng.randrange(3))
+    block_size, groups = random_groups(rng)
     engine = Engine(
         rng, block_size, groups, padding=rng.choice([None, 0]), mode=rng.choice(list(kc.HashMode)),
         table_dtype=rng.choice([torch.int32, torch.int64]), layers=layers,
