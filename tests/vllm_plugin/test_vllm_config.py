@@ -33,22 +33,17 @@ def _assert_vllm_settings_refused(monkeypatch, environ: dict[str, str], message:
         plugin.register()
 
 
-@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
-def test_vllm_plugin_refuses_bad_summary_seconds(monkeypatch, value):
-    message = f"^kv-canary: KVCANARY_VLLM_SUMMARY_S must be a number of seconds >= 0 \\(0: after every step\\), got '{value}'$"
-    _assert_vllm_settings_refused(monkeypatch, {"KVCANARY_VLLM": "log", "KVCANARY_VLLM_SUMMARY_S": value}, message)
+# Each number setting, the policy it is set under, its bad values and what its refusal says.
+NUMBER_SETTINGS = [
+    ("KVCANARY_VLLM_SUMMARY_S", "log", ["-1", "soon", "nan", "inf"], r"a number of seconds >= 0 \(0: after every step\)"),
+    ("KVCANARY_VLLM_DRILL", "repair", ["-0.1", "1.5", "nan", "often"], r"a probability per step in \[0, 1\] \(0 or unset: no drills\)"),
+    ("KVCANARY_VLLM_EVERY", "log", ["0", "-2", "two", "1.5"], r"an int >= 1 \(1: every context slot at every step\)"),
+]
 
 
-@pytest.mark.parametrize("value", ["-0.1", "1.5", "nan", "often"])
-def test_vllm_plugin_refuses_a_drill_probability_out_of_range(monkeypatch, value):
-    message = rf"^kv-canary: KVCANARY_VLLM_DRILL must be a probability per step in \[0, 1\] \(0 or unset: no drills\), got '{value}'$"
-    _assert_vllm_settings_refused(monkeypatch, {"KVCANARY_VLLM": "repair", "KVCANARY_VLLM_DRILL": value}, message)
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
-def test_vllm_plugin_refuses_bad_every(monkeypatch, value):
-    monkeypatch.setenv("KVCANARY_VLLM", "log")
-    monkeypatch.setenv("KVCANARY_VLLM_EVERY", value)
-    message = f"^kv-canary: KVCANARY_VLLM_EVERY must be an int >= 1 \\(1: every context slot at every step\\), got '{value}'$"
-    with pytest.raises(ValueError, match=message):
-        config.settings()
+@pytest.mark.parametrize(
+    "name, policy, value, must", [(name, policy, value, must) for name, policy, values, must in NUMBER_SETTINGS for value in values]
+)
+def test_vllm_plugin_refuses_a_bad_number(monkeypatch, name, policy, value, must):
+    message = f"^kv-canary: {name} must be {must}, got '{value}'$"
+    _assert_vllm_settings_refused(monkeypatch, {"KVCANARY_VLLM": policy, name: value}, message)
