@@ -75,10 +75,7 @@ def test_a_policy_the_engine_cannot_serve_is_refused_with_every_change_to_make()
 
 @pytest.mark.parametrize("value", [None, ""])
 def test_off_unless_set(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv("KVCANARY_VLLM", raising=False)
-    else:
-        monkeypatch.setenv("KVCANARY_VLLM", value)
+    _set_or_unset(monkeypatch, "KVCANARY_VLLM", value)
     monkeypatch.setenv("KVCANARY_VLLM_MODE", "nonsense")  # not read when the plugin is off
     assert config.settings() is None
     modules = set(sys.modules)
@@ -91,12 +88,7 @@ def test_off_unless_set(monkeypatch, value):
     [("log", None, HashMode.ALL), ("raise", "all", HashMode.ALL), ("log", "partial", HashMode.PARTIAL), ("raise", "", HashMode.ALL)],
 )
 def test_settings(monkeypatch, policy, mode, expected):
-    monkeypatch.setenv("KVCANARY_VLLM", policy)
-    if mode is None:
-        monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
-    else:
-        monkeypatch.setenv("KVCANARY_VLLM_MODE", mode)
-    assert config.settings() == config.Settings(policy, expected)
+    assert _settings_with(monkeypatch, policy, "KVCANARY_VLLM_MODE", mode) == config.Settings(policy, expected)
 
 
 @pytest.mark.parametrize("policy, failure_policy", [("repair", "recompute"), ("quarantine", "fail")])
@@ -111,11 +103,16 @@ def test_the_connector_policies(monkeypatch, policy, failure_policy):
 def _settings_with(monkeypatch, policy: str, name: str, value: str | None) -> config.Settings:
     """The plugin's settings with KVCANARY_VLLM=policy and ``name`` set to ``value`` (None: unset)."""
     monkeypatch.setenv("KVCANARY_VLLM", policy)
+    _set_or_unset(monkeypatch, name, value)
+    return config.settings()
+
+
+def _set_or_unset(monkeypatch, name: str, value: str | None) -> None:
+    """Sets the variable ``name`` to ``value``, or unsets it for None."""
     if value is None:
         monkeypatch.delenv(name, raising=False)
     else:
         monkeypatch.setenv(name, value)
-    return config.settings()
 
 
 @pytest.mark.parametrize("value, probability", [(None, 0.0), ("", 0.0), ("0", 0.0), ("0.001", 0.001), ("1", 1.0)])
