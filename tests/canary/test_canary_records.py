@@ -149,17 +149,22 @@ def test_calls_of_many_requests_apply_in_entry_order(seed):
     assert got == expected_rows
 
 
+def _random_pool(seed: int, token_bytes: int, **canary_args) -> tuple[torch.Tensor, kc.KvCanary, Records]:
+    """4096 slots of `token_bytes` random bytes (one token a page, all of it read), the CPU
+    canary over them and the spec's records of as many slots."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (4096, token_bytes), dtype=torch.uint8, generator=gen)
+    source = kc.view_source(pool.unsqueeze(1), read_bytes=token_bytes)
+    return pool, kc.KvCanary(source, on_violation=None, **canary_args), Records(4096)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_steps_match_the_spec(threads):
     # Calls whose entries each chain through a slot of an earlier call (folded in tasks of 64
     # entries of 4 KiB, on one thread or two), and the same with one entry chaining through a
     # slot an earlier or a later entry of the call writes, a slot written twice, or padding:
     # every record as the spec's entry-order application leaves it.
-    gen = torch.Generator().manual_seed(5)
-    pool = torch.randint(0, 256, (4096, 4096), dtype=torch.uint8, generator=gen)
-    source = kc.view_source(pool.unsqueeze(1), read_bytes=4096)
-    canary = kc.KvCanary(source, on_violation=None)
-    oracle = Records(4096)
+    _, canary, oracle = _random_pool(5, 4096)
     rng = random.Random(threads)
     written = rng.sample(range(4096), 300)
     canary.record(torch.tensor(written))
@@ -194,11 +199,7 @@ def test_calls_of_many_tasks_and_threads_match_the_spec(threads):
     # Enough entries of 1 KiB for several of the fold's tasks, whose lane groups the CPU kernel
     # checks as they are folded, on one thread or two; some slots changed after record. On this
     # process's CPU path; test_cpu_paths.py reruns it on every other path.
-    gen = torch.Generator().manual_seed(3)
-    pool = torch.randint(0, 256, (4096, 1024), dtype=torch.uint8, generator=gen)
-    source = kc.view_source(pool.unsqueeze(1), read_bytes=1024)
-    canary = kc.KvCanary(source, on_violation=None, ring_capacity=4096)
-    oracle = Records(4096)
+    pool, canary, oracle = _random_pool(3, 1024, ring_capacity=4096)
     rng = random.Random(threads)
     slots, prev = [], []
     while len(slots) < 1500:
