@@ -7,22 +7,17 @@ docs/chaos.md); exits 1 if any check failed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from torch_kvcanary.testing.soak.chaos import FLIP_KINDS, ChaosResult, chaos
-from torch_kvcanary.testing.soak.harness import soak_policies
+from torch_kvcanary.testing.soak.harness import soak_parser, soak_policies
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--policy", choices=("repair", "quarantine", "both"), default="both")
-    parser.add_argument("--faults", type=int, default=12)
+    parser = soak_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default=",".join(FLIP_KINDS), help="fault kinds armed in turn (single, shared, preempted)")
     parser.add_argument("--table-fault", action="store_true", help="last, point a block-table entry at another request's block (checked)")
-    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
     args = parser.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
     from torch_kvcanary.testing.random_models import VOCAB_SIZE

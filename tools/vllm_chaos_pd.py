@@ -10,22 +10,17 @@ docs/chaos.md); with ``--unverified``, misconfigured pairs instead of faults
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from torch_kvcanary.testing.soak.chaos_pd import PdChaosResult, chaos_pd
-from torch_kvcanary.testing.soak.harness import soak_policies
+from torch_kvcanary.testing.soak.harness import soak_parser, soak_policies
 from torch_kvcanary.testing.soak.unverified import soak_unverified
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--policy", choices=("repair", "quarantine", "both"), default="both")
-    parser.add_argument("--faults", type=int, default=12)
+    parser = soak_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--restart-prefill", action="store_true", help="kill the prefill server once mid-run and start it again")
-    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
     parser.add_argument(
         "--unverified", action="store_true", help="instead of faults: a router dropping the canary's key, then P and D in two fold modes"
     )

@@ -5,6 +5,7 @@ patterns of the log's lines, and the fault injector's installation (`install_cha
 
 from __future__ import annotations
 
+import argparse
 import re
 import tempfile
 import threading
@@ -200,6 +201,17 @@ def check_answers(result: SoakResult, answers: list[dict], clean_tokens: list) -
             result.differing.append(rid)
     if result.differing:
         result.problems.append(f"{len(result.differing)} completed answers differ from the clean pass's: {result.differing[:10]}")
+
+
+def soak_parser(description: str) -> argparse.ArgumentParser:
+    """The options every soak's command line takes (the `soak_policies` arguments and the
+    workload's size); each soak adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--policy", choices=("repair", "quarantine", "both"), default="both")
+    parser.add_argument("--faults", type=int, default=12)
+    parser.add_argument("--model", type=Path, help="default: a tiny random Llama made on the spot")
+    return parser
 
 
 def soak_policies(name: str, policy: str, run, model: Path | None) -> int:
