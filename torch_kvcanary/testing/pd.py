@@ -27,13 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from torch_kvcanary.testing.pd_proxy import Proxy
-from torch_kvcanary.testing.serve import Server, complete, free_port, install_vllm_plugin, path_with
+from torch_kvcanary.testing.serve import Server, complete, free_port, install_vllm_plugin, path_with, server_options
 
 # A tiny float32 model served greedily: the same answer, token for token, wherever the KV was computed.
-PD_OPTIONS = (
-    "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(8 << 20),
-    "--max-num-seqs", "8", "--dtype", "float32", "--enable-prefix-caching", "--max-num-batched-tokens", "512",
-)  # fmt: skip
+PD_OPTIONS = server_options(dtype="float32", kv_bytes=8 << 20, tokens_per_step=512)
 # Requests in flight through the proxy at once (`send`).
 CONCURRENCY = 4
 # NIXL's progress thread polls UCX without pause unless told otherwise (`adapter.nixl.delay_progress_thread`).

@@ -34,13 +34,21 @@ VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 # vLLM's log format: "(PROCESS pid=PID) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE".
 VLLM_LINE = re.compile(r"^\((\S+) pid=(\d+)\) (\w+) \d\d-\d\d \d\d:\d\d:\d\d \[(\S+?):\d+\] (.*)$")
 
+
+def server_options(dtype: str = "bfloat16", kv_bytes: int = 2 << 20, tokens_per_step: int = 128) -> tuple:
+    """`vllm serve`'s options for the tiny models: sequences of up to 512 tokens, 8 at once,
+    in blocks of 32 with prefix caching, ``kv_bytes`` of KV cache in ``dtype``, and at most
+    ``tokens_per_step`` tokens a step."""
+    return (
+        "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(kv_bytes),
+        "--max-num-seqs", "8", "--dtype", dtype, "--enable-prefix-caching", "--max-num-batched-tokens", str(tokens_per_step),
+    )  # fmt: skip
+
+
 # The server every soak and server test starts: a small KV cache, so that a thousand
 # requests reuse and evict its blocks many times over, and a small token budget per step,
 # so that long prompts are prefilled in chunks.
-SERVE_OPTIONS = (
-    "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(2 << 20),
-    "--max-num-seqs", "8", "--dtype", "bfloat16", "--enable-prefix-caching", "--max-num-batched-tokens", "128",
-)  # fmt: skip
+SERVE_OPTIONS = server_options()
 
 
 # Ports are handed out below the kernel's ephemeral range: a server binds its port up to a

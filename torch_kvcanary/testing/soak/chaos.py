@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from torch_kvcanary.testing.serve import Server, anonymous_resident_bytes, collective_rpc, path_with
+from torch_kvcanary.testing.serve import Server, anonymous_resident_bytes, collective_rpc, path_with, server_options
 from torch_kvcanary.testing.soak import table_fault as table
 from torch_kvcanary.testing.soak.harness import (
     BLOCK_SIZE,
@@ -66,11 +66,7 @@ def serve_options(policy: str) -> tuple:
     a KV cache of 2 MiB (about 30 blocks of 32 tokens for the tiny Llama in float32, so blocks
     are evicted and reused and requests preempted), the connector and synchronous scheduling."""
     connector = {"kv_connector": "KvCanaryConnector", "kv_role": "kv_both", "kv_load_failure_policy": POLICIES[policy]}
-    return (
-        "--max-model-len", "512", "--block-size", "32", "--kv-cache-memory-bytes", str(2 << 20),
-        "--max-num-seqs", "8", "--dtype", "float32", "--enable-prefix-caching", "--max-num-batched-tokens", "128",
-        "--no-async-scheduling", "--kv-transfer-config", json.dumps(connector), "--enforce-eager",
-    )  # fmt: skip
+    return (*server_options(dtype="float32"), "--no-async-scheduling", "--kv-transfer-config", json.dumps(connector), "--enforce-eager")
 
 
 @dataclass
