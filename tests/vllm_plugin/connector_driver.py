@@ -73,6 +73,30 @@ def _metric(name: str, **labels) -> float:
     )
 
 
+def summed_counts(name: str, label: str, *counts: dict) -> tuple[dict, dict[str, float]]:
+    """Workers' `CanaryStats` of ``counts`` each (`CanaryStats.add_counts`; none empty),
+    summed as vLLM's output aggregator sums them: the line vLLM's stats log prints of the sum
+    (`CanaryStats.reduce`), and the samples of counter ``name`` that `exported` shows of it,
+    by their value of ``label`` (each of engine "0" and model "tiny")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from torch_kvcanary.integrations.vllm.connector import stats
+
+    workers = [stats.CanaryStats() for _ in counts]
+    for worker, count in zip(workers, counts):
+        worker.add_counts(count)
+        assert not worker.is_empty(), count
+    for worker in workers[1:]:
+        workers[0].aggregate(worker)
+    by = {}
+    for family in text_string_to_metric_families(exported(workers[0].data)):
+        for sample in family.samples:
+            if sample.name == name:
+                assert {k: v for k, v in sample.labels.items() if k != label} == {"engine": "0", "model_name": "tiny"}, sample
+                by[sample.labels[label]] = sample.value
+    return workers[0].reduce(), by
+
+
 def exported(data: dict, kv_role: str = "kv_consumer") -> str:
     """The text /metrics shows of one engine's canary stats ``data`` (`CanaryStats.data`),
     exported by the plugin's `CanaryPromMetrics` into a registry of its own (engine "0",
