@@ -1,5 +1,6 @@
 """The engine of the KV connector's tests: a tiny engine of vLLM's CPU build started in-process
-with the plugin and `KvCanaryConnector` in float32 (`connector_engine`), what the worker's
+with the plugin and `KvCanaryConnector` in float32 (`connector_engine`) and the error of one
+that refuses to start (`refused_start`), a clean run's answers (`clean_answers`), what the worker's
 connector reports as load errors step by step (`Reported`), the worker's connector, and
 vLLM's Prometheus metrics of the canary (of the running engine, or of given stats: `exported`)."""
 
@@ -7,6 +8,7 @@ import contextlib
 import functools
 from types import SimpleNamespace
 
+import pytest
 import vllm
 from engine_driver import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, KV_BYTES_PER_SLOT, NUM_BLOCKS, started_engine
 
@@ -32,6 +34,18 @@ def connector_engine(model, policy: str, *, failure_policy: str | None = None, e
         yield started
 
 
+def refused_start(model, policy: str, **options) -> ValueError:
+    """The ValueError behind the exception `connector_engine` raised starting with ``options``."""
+    with pytest.raises(Exception) as raised:
+        with connector_engine(model, policy, **options):
+            pass
+    error = raised.value
+    while error is not None and not isinstance(error, ValueError):
+        error = error.__cause__ or error.__context__
+    assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
+    return error
+
+
 class Reported:
     """What the worker's connector returned from get_block_ids_with_load_errors, step by step."""
 
@@ -54,6 +68,14 @@ class Reported:
 
 def _greedy(max_tokens: int):
     return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def clean_answers(llm, prompts: list[list[int]], max_tokens: int) -> list:
+    """The greedy tokens of ``prompts`` run through ``llm`` without a fault, the prefix cache
+    then emptied (the runs after it compute their KV again)."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens), use_tqdm=False)
+    llm.reset_prefix_cache()
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def _worker_connector():

@@ -21,7 +21,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from connector_driver import Reported, _greedy, _metric, _worker_connector, connector_engine  # noqa: E402
+from connector_driver import Reported, _greedy, _metric, _worker_connector, clean_answers, connector_engine, refused_start  # noqa: E402
 from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config, connector, plugin  # noqa: E402
@@ -45,6 +45,13 @@ def _run_to_end(driver: Driver, max_steps: int = 400, done: dict | None = None) 
         if len(done) == len(driver.ids):
             return done
     raise AssertionError(f"requests {sorted(set(driver.ids) - set(done))} did not finish")
+
+
+def _clean_then_decoding(llm, lines, label: str, prompts: list[list[int]], max_tokens: int) -> tuple[list, Driver]:
+    """A clean run's greedy answers to ``prompts``, then the same requests decoding in a
+    driver with no report on the way: where a test injects its fault."""
+    clean = clean_answers(llm, prompts, max_tokens)
+    return clean, decoding(llm, lines, label, prompts, [_greedy(max_tokens)] * len(prompts))
 
 
 def _flip(driver: Driver, request_id: str, block_index: int) -> int:
@@ -116,16 +123,9 @@ def test_a_mixed_workload_under_repair_reports_nothing(repair_engine, monkeypatc
 @pytest.mark.every_release
 def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repair_engine, monkeypatch):
     llm, lines, preemptions = repair_engine
-    prompts = _prompts(12)
-    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(80), use_tqdm=False)]
-    llm.reset_prefix_cache()
-    assert lines.take() == []
     reported = Reported(monkeypatch, _worker_connector())
     repaired_before = _metric("vllm:kv_canary_blocks_repaired_total")
-    driver = Driver(llm, "repair")
-    for prompt in prompts:
-        driver.add(prompt, _greedy(80))
-    driver.run_until_decoding()
+    clean, driver = _clean_then_decoding(llm, lines, "repair", _prompts(12), 80)
     assert reported.take() == set()
     victim = driver.ids[1]
     scheduled = llm.llm_engine.engine_core.engine_core.scheduler.requests[driver.internal_id(victim)]
@@ -151,14 +151,8 @@ def test_without_the_repair_the_flipped_bit_changes_the_answer(repair_engine, mo
     # What makes the comparison with a clean run above mean something: the same flip, with
     # the connector reporting nothing, changes the victim's greedy answer.
     llm, lines, _ = repair_engine
-    prompts = _prompts(12)
-    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(80), use_tqdm=False)]
-    llm.reset_prefix_cache()
     monkeypatch.setattr(connector.KvCanaryConnector, "_reports_blocks", lambda self: False)
-    driver = Driver(llm, "unrepaired")
-    for prompt in prompts:
-        driver.add(prompt, _greedy(80))
-    driver.run_until_decoding()
+    clean, driver = _clean_then_decoding(llm, lines, "unrepaired", _prompts(12), 80)
     _flip(driver, driver.ids[1], 1)
     outputs = _run_to_end(driver)
     answers = [outputs[r].outputs[0].token_ids for r in driver.ids]
@@ -168,14 +162,8 @@ def test_without_the_repair_the_flipped_bit_changes_the_answer(repair_engine, mo
 
 def test_repair_recomputes_a_shared_prefix_block_for_every_reader(repair_engine, monkeypatch):
     llm, lines, _ = repair_engine
-    prompts = _prompts(13)
-    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
-    llm.reset_prefix_cache()
     reported = Reported(monkeypatch, _worker_connector())
-    driver = Driver(llm, "shared")
-    for prompt in prompts:
-        driver.add(prompt, _greedy(60))
-    driver.run_until_decoding()
+    clean, driver = _clean_then_decoding(llm, lines, "shared", _prompts(13), 60)
     shared = driver.blocks(driver.ids[0])[0]
     assert all(driver.blocks(r)[0] == shared for r in driver.ids)  # the prefix cache's block
     state = plugin.active()
@@ -202,8 +190,7 @@ def _a_wrong_block_entry(llm, lines, reported: Reported, label: str):
     request, against a clean run's, and the violations counted in /metrics by that step."""
     rng = random.Random(14)
     prompts = [random_tokens(rng, 75 + 9 * i) for i in range(3)]
-    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
-    llm.reset_prefix_cache()
+    clean = clean_answers(llm, prompts, 60)
     driver = decoding(llm, lines, label, prompts, [_greedy(60) for _ in prompts])
     reader, owner, _ = driver.ids
     state = plugin.active()
@@ -233,8 +220,7 @@ def _a_wrong_entry_after_a_prefix_hit(llm, lines, reported: Reported, monkeypatc
     rng = random.Random(19)
     prefix = random_tokens(rng, 2 * BLOCK_SIZE)
     prompts = [prefix + random_tokens(rng, 30), random_tokens(rng, 70), prefix + random_tokens(rng, 20)]
-    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(40), use_tqdm=False)]
-    llm.reset_prefix_cache()
+    clean = clean_answers(llm, prompts, 40)
     driver = decoding(llm, lines, "hit", prompts[:2], [_greedy(40)] * 2)
     sharer, owner = driver.ids
     reader = driver.add(prompts[2], _greedy(40))
@@ -312,15 +298,9 @@ def test_a_drill_is_caught_and_repaired(tiny_llama):
         ours = _worker_connector()
         drill = ours.drill
         assert drill is not None and drill.probability == 0.5
-        prompts = _prompts(15)
         drill.probability = 0.0
-        clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(60), use_tqdm=False)]
-        llm.reset_prefix_cache()
         injected, caught = _metric("vllm:kv_canary_drills_injected_total"), _metric("vllm:kv_canary_drills_caught_total")
-        driver = Driver(llm, "drill")
-        for prompt in prompts:
-            driver.add(prompt, _greedy(60))
-        driver.run_until_decoding()
+        clean, driver = _clean_then_decoding(llm, lines, "drill", _prompts(15), 60)
         drill.probability = 1.0  # one drill in the next step, then none
         driver.step()
         drill.probability = 0.0
@@ -341,10 +321,7 @@ def test_quarantine_fails_only_the_affected_request(tiny_llama, monkeypatch):
         assert "policy quarantine through KvCanaryConnector;" in llm.startup_log
         reported = Reported(monkeypatch, _worker_connector())
         failed_before = _metric("vllm:kv_canary_requests_failed_total")
-        driver = Driver(llm, "quarantine")
-        for prompt in _prompts(16):
-            driver.add(prompt, _greedy(80))
-        driver.run_until_decoding()
+        driver = decoding(llm, lines, "quarantine", _prompts(16), [_greedy(80)] * 3)
         victim = driver.ids[2]
         block = _flip(driver, victim, 1)  # the victim's own block, after the shared one
         outputs = _run_to_end(driver)
@@ -395,13 +372,7 @@ def test_a_wrong_block_entry_under_quarantine_fails_the_reader_alone(tiny_llama,
     ],
 )
 def test_a_policy_the_engine_cannot_serve_is_refused_at_start(tiny_llama, policy, options, needs):
-    with pytest.raises(Exception) as raised:
-        with connector_engine(tiny_llama, policy, **options):
-            pass
-    error = raised.value
-    while error is not None and not isinstance(error, ValueError):
-        error = error.__cause__ or error.__context__
-    assert error is not None, f"{type(raised.value).__name__}: {raised.value}"
+    error = refused_start(tiny_llama, policy, **options)
     assert re.match(f"kv-canary: {needs}: change that, or unset KVCANARY_VLLM to serve without the canary$", str(error)), str(error)
 
 
