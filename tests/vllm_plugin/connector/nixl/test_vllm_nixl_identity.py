@@ -72,12 +72,12 @@ def test_a_load_is_compared_under_its_own_requests_identity(caplog, prefilled, d
     load = nixl.LoadOrder("request-0", 1, tokens, blocks, 0, PROMPT, identified=True)
     nixl_worker.before_load(port, nixl.NixlOrders(loads=[load]))
     assert nixl_worker.on_done(port, (), {"request-0"}, ()) == (0, 0)  # its root is not known yet: nothing compared
-    nixl_worker.before_load(port, None)  # a step without the request
+    nixl_worker.before_forward(port)  # a step without the request
     assert nixl_worker.take_counts()["transfer_slots_verified"] == 0
     assert canary.canary.verify(slots).nonzero().numel() == 0  # nothing recorded or broken before its root is known
     canary.canary.poll()
     port.roots["request-0"] = ROOTS[decoded]
-    nixl_worker.before_load(port, None)  # the request's first step: its forward comes next
+    nixl_worker.before_forward(port)  # the request's first step: its forward comes next
     flagged = canary.canary.verify(slots).nonzero().flatten().tolist()
     canary.canary.poll()
     with caplog.at_level(logging.WARNING, logger="vllm.torch_kvcanary"):

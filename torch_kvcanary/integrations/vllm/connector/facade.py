@@ -144,6 +144,8 @@ class KvCanaryConnector(InnerDelegate):
         self._forward = connector_metadata.forward
         self._orders = connector_metadata.orders
         self._steps += 1
+        if self._forward and self._verifying():
+            self._verifier.before_forward(self.records)
         if self._forward and self.drill is not None and self.port is not None and self.port.watching:
             self._run_drill()
 

@@ -91,6 +91,12 @@ class WorkerVerifier(ABC):
         verifier's own it moves with the KV). Default: the KV caches as they are."""
         return kv_caches
 
+    def before_forward(self, port: RecordPort) -> None:
+        """Once the step's metadata is bound, before its forward (vLLM starts an inner
+        connector's asynchronous loads after it), with the runner holding the step's
+        requests. Default: nothing to do."""
+        return None
+
     def before_load(self, port: RecordPort, orders) -> None:
         """Before the inner connector's ``start_load_kv``. Default: nothing to prepare."""
         return None

@@ -210,7 +210,7 @@ class NixlWorker(WorkerVerifier):
         and D's loads it could not verify by reason (counted by rank 0 alone: vLLM sums the
         ranks' counters, and each rank sees each load)."""
         counts = {"transfer_slots_handed_over": self._handed_over, FAILED: self._failed, UNVERIFIED: self._unverified}
-        counts["transfer_slots_verified"] = self._compared_later  # loads compared in `before_load`, past `on_done`
+        counts["transfer_slots_verified"] = self._compared_later  # loads compared in `before_forward`, past `on_done`
         self._handed_over = self._compared_later = 0
         self._failed = dict.fromkeys(FAILED_KINDS, 0)
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)
@@ -222,13 +222,14 @@ class NixlWorker(WorkerVerifier):
         (P: nothing; the records live as long as the blocks.)"""
         return (self.land(port, landed, failed) if landed else 0), 0
 
-    def before_load(self, port: RecordPort, orders: NixlOrders | None) -> None:
+    def before_forward(self, port: RecordPort) -> None:
         """D: compares the loads that landed awaiting their request's root (`land`) whose
-        request the runner now holds (a step that reads them starts: its forward comes after
-        this call), and notes each load NIXL starts reading, with how the prefill side holds
-        its heads."""
+        request the runner now holds: a step that reads them starts, and its forward comes next."""
         if self._awaiting:
             self._land_awaiting(port)
+
+    def before_load(self, port: RecordPort, orders: NixlOrders | None) -> None:
+        """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
         if orders is None:
             return
         for load in orders.loads:
@@ -270,12 +271,12 @@ class NixlWorker(WorkerVerifier):
         differ, all of them at once and on the device; returns how many slots it compared.
         A load NIXL itself failed is NIXL's load error and is not recorded. A load of a
         request with an identity (`LoadOrder.identified`) waits for its root, compared in
-        the `before_load` of the request's first step (counted in `take_counts`)."""
+        the `before_forward` of the request's first step (counted in `take_counts`)."""
         failed = set(failed_recving or ())
         landing = [self._pending.pop(request_id) for request_id in finished_recving if request_id in self._pending]
         landing = [pending for pending in landing if pending.load.request_id not in failed]
         # A request with an identity is compared under its own root, which the worker derives
-        # from the request once the runner holds it: from its first step on (`before_load`).
+        # from the request once the runner holds it: from its first step on (`before_forward`).
         self._awaiting += [pending for pending in landing if pending.load.identified]
         return self._land(port, [pending for pending in landing if not pending.load.identified])
 
