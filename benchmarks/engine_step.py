@@ -42,13 +42,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import statistics
 import time
 import timeit
 
 import torch
 
+from benchmarks.rows import parse_args, write_rows
 from torch_kvcanary.integrations.vllm import worker
 from torch_kvcanary.integrations.vllm.config import Settings
 from torch_kvcanary.sources import HashMode
@@ -264,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=7, help="decode steps timed per cell (and as many profiled)")
     parser.add_argument("--turns", type=int, default=1, help="run the whole grid this many times, in turns")
     parser.add_argument("--budget-gib", type=float, default=4.0, help="leave out a cell whose pool exceeds this")
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args(argv)
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    args = parse_args(parser, argv)
     cells = list(itertools.product(args.runner, args.modes, args.layers, args.requests, args.contexts))
     turns = []
     for turn in range(args.turns):
@@ -292,9 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     for runner, mode in itertools.product(args.runner, args.modes):
         for dimension, (alone, hot) in paired_ratios(runner, mode, cell_pairs).items():
             print(f"  {runner} {mode} {dimension}: host alone {alone:.2f}, host hot {hot:.2f}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump([row for rows in turns for row in rows], out, indent=1)
+    write_rows(args.json, [row for rows in turns for row in rows])
     return 0
 
 

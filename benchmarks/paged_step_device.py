@@ -31,13 +31,13 @@ is the device) and the device-only checks print "-".
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 import torch_kvcanary as kc
+from benchmarks.rows import parse_args, write_rows
 from torch_kvcanary import layouts
 from torch_kvcanary.paged_step import PagedStep
 
@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mode", default="ALL", choices=["PARTIAL", "ALL"])
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, host_line=False)
     rows = [run(args.device, layers, requests, args.context, args.steps, args.mode) for layers in args.layers for requests in args.requests]
     print("| device | layers | requests | context | host us | queued us | trivial us | device us | kernels | syncs | graph | violations |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |")
@@ -207,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{us(r['trivial_us'])} | {us(r['device_us'], 0)} | "
             f"{r['kernels'] if r['kernels'] is not None else '-'} | {r['syncs'] or '-'} | {r['graph'] or '-'} | {r['violations']} |"
         )
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+    write_rows(args.json, rows)
     bad = [r for r in rows if r["violations"] or r["graph"] == "DIFFERS"]
     return 1 if bad else 0
 

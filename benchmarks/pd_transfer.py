@@ -28,13 +28,13 @@ import argparse
 import contextlib
 import itertools
 import json
-import platform
 import statistics
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.rows import parse_args, write_rows
 from torch_kvcanary import digest
 from torch_kvcanary.integrations.vllm import worker
 from torch_kvcanary.integrations.vllm.config import Settings
@@ -163,17 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--calls", type=int, default=15, help="calls timed per cell and side")
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args(argv)
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    args = parse_args(parser, argv)
     rows = []
     for layers, requests, tokens in itertools.product(args.layers, args.requests, args.tokens):
         rows.append(run_cell(layers, requests, tokens, args.calls))
         print(json.dumps(rows[-1]), flush=True)
     print(format_rows(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 
