@@ -66,6 +66,19 @@ constexpr const char* kCounterNames[kNumCounters] = {
     "record_calls", "verify_calls", "slots_recorded", "slots_verified",
     "violations",   "ring_write",   "ring_overflow"};
 
+// The canary's tables as a kernel sees them, on the CPU and in a CUDA launch's
+// arguments: Int is int64_t where the kernel writes the records and owner
+// tags (record), const int64_t where it only reads them (verify).
+template <typename Int>
+struct CanaryTablePointers {
+  Int* records;       // [capacity, kRecordFields]
+  Int* owner_tags;    // [capacity]
+  int64_t* counters;  // [kNumCounters]
+  int64_t* ring;      // [ring_capacity, kViolationFields]
+  int64_t ring_capacity;
+  int64_t capacity;
+};
+
 // splitmix64(0xC0FFEE1234567890): the link of a request's first position.
 constexpr uint64_t kChainAnchor = 0xDE7FAE23A9A1B716ull;
 

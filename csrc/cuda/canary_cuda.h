@@ -10,22 +10,16 @@
 
 namespace kvcanary {
 
-// The arguments of the record and verify kernels. `Table` is int64_t for
-// record, which writes the records and owner tags, and const int64_t for
-// verify, which reads them.
+// The arguments of the record and verify kernels: the canary's tables (Table
+// is int64_t for record, which writes the records and owner tags, and const
+// int64_t for verify, which reads them), and:
 template <typename Table>
-struct CanaryLaunchArgs {
+struct CanaryLaunchArgs : CanaryTablePointers<Table> {
   // The fold of each entry's slot: the last group of sources (earlier groups,
   // when there are more than kSourcesPerLaunch, were folded into fold.out and
   // fold.continue_chain is set). fold.slots is inputs.slots.
   FoldLaunchArgs fold;
   EntryInputs inputs;
-  Table* records;     // [capacity, kRecordFields]
-  Table* owner_tags;  // [capacity]
-  int64_t* counters;  // [kNumCounters]
-  int64_t* ring;      // [ring_capacity, kViolationFields]
-  int64_t ring_capacity;
-  int64_t capacity;
   int64_t padding_slot;  // verify only; -1: none
   bool* flagged;         // verify only: one per entry
 };

@@ -16,19 +16,13 @@
 
 namespace kvcanary {
 
-// What the kernels read of the engine's constants (PagedEngineArgs): the KV
-// cache groups, the block size, the padding slot and the canary's tables.
-struct PagedEngineLaunch {
+// What the kernels read of the engine's constants (PagedEngineArgs): the
+// canary's tables, the KV cache groups, the block size and the padding slot.
+struct PagedEngineLaunch : CanaryTablePointers<int64_t> {
   PagedGroup groups[kMaxPagedGroups];
   int64_t num_groups;
   int64_t block_size;
   int64_t padding_slot;
-  int64_t capacity;
-  int64_t* records;
-  int64_t* owner_tags;
-  int64_t* counters;
-  int64_t* ring;
-  int64_t ring_capacity;
   int64_t* origins;
   int64_t* mailbox;  // device-visible address of the mailbox
 };

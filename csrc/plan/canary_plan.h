@@ -49,13 +49,10 @@ Int* table_data(const Tensor& table) {
   }
 }
 
-// Points a kernel's view of the canary's tables at `tables`: `out` is any
-// struct with the members records and owner_tags (int64_t*, or const int64_t*
-// where the kernel only reads them), counters, ring, ring_capacity and
-// capacity (a CPU kernel's tables, a CUDA launch's arguments).
-template <typename Pointers>
-void point_at_tables(const CanaryTables& tables, int64_t capacity, Pointers& out) {
-  using Int = std::remove_pointer_t<decltype(out.records)>;
+// Points a kernel's view of the canary's tables (a CPU kernel's tables, a
+// CUDA launch's arguments) at `tables`.
+template <typename Int>
+void point_at_tables(const CanaryTables& tables, int64_t capacity, CanaryTablePointers<Int>& out) {
   out.records = table_data<Int>(tables.records);
   out.owner_tags = table_data<Int>(tables.owner_tags);
   out.counters = tables.counters.mutable_data_ptr<int64_t>();

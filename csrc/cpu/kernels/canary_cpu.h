@@ -18,20 +18,9 @@
 
 namespace kvcanary {
 
-// The canary's tables as the CPU kernels see them: Int is int64_t where
-// record writes the records and owner tags, const int64_t where verify reads
-// them.
-template <typename Int>
-struct CpuCanaryTables {
-  Int* records;       // [capacity, kRecordFields]
-  Int* owner_tags;    // [capacity]
-  int64_t* counters;  // [kNumCounters]
-  int64_t* ring;      // [ring_capacity, kViolationFields]
-  int64_t ring_capacity;
-  int64_t capacity;
-};
-using CpuRecordTables = CpuCanaryTables<int64_t>;
-using CpuVerifyTables = CpuCanaryTables<const int64_t>;
+// The canary's tables as record and verify see them.
+using CpuRecordTables = CanaryTablePointers<int64_t>;
+using CpuVerifyTables = CanaryTablePointers<const int64_t>;
 
 // A call's per-entry inputs with every given one an int64 array: int64 inputs
 // read in place, int32 ones converted into scratch. For record a missing
@@ -90,7 +79,7 @@ namespace canary_cpu {
 // Appends a violation row (fill-once: rows past the ring's capacity are
 // dropped and counted).
 template <typename Int>
-void append_row(const CpuCanaryTables<Int>& t, const int64_t* row) {
+void append_row(const CanaryTablePointers<Int>& t, const int64_t* row) {
   const int64_t index = t.counters[kRingWrite]++;
   ++t.counters[kViolations];
   if (index >= t.ring_capacity) {
