@@ -43,11 +43,7 @@ Tensor digest_cpu(const std::vector<Tensor>& views, const Tensor& slots, const T
   CpuDigestRange range{};
   range.views = plan.views.data();
   range.num_views = static_cast<int>(plan.views.size());
-  range.capacity = plan.capacity;
-  range.slots = plan.slots.const_data_ptr<int64_t>();
-  range.positions = plan.positions.const_data_ptr<int64_t>();
-  range.groups = plan.groups.has_value() ? plan.groups->const_data_ptr<int64_t>() : nullptr;
-  range.num_groups = num_groups;
+  point_at_entries(plan, range);
 
   const CpuPath& path = cpu_path();
   std::mutex merge;

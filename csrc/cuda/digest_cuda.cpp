@@ -29,12 +29,8 @@ Tensor digest_cuda(const std::vector<Tensor>& views, const Tensor& slots, const 
   const cudaStream_t stream = current_stream(slots.get_device_index());
   check_cuda(cudaMemsetAsync(out.mutable_data_ptr(), 0, num_groups * sizeof(int64_t), stream));
   DigestLaunchArgs args{};
-  args.capacity = plan.capacity;
-  args.slots = plan.slots.const_data_ptr<int64_t>();
-  args.positions = plan.positions.const_data_ptr<int64_t>();
-  args.groups = plan.groups.has_value() ? plan.groups->const_data_ptr<int64_t>() : nullptr;
+  point_at_entries(plan, args);
   args.num_entries = plan.slots.numel();
-  args.num_groups = num_groups;
   args.out = out.mutable_data_ptr<int64_t>();
   const int num_views = static_cast<int>(plan.views.size());
   for (int first = 0; first < num_views; first += kSourcesPerLaunch) {

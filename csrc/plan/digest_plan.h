@@ -24,6 +24,18 @@ struct DigestPlan {
   std::optional<Tensor> groups;
 };
 
+// Points a kernel's view of the entries (a CPU thread's range, a CUDA
+// launch's arguments: their members capacity, slots, positions, groups and
+// num_groups) at the plan's.
+template <typename Entries>
+void point_at_entries(const DigestPlan& plan, Entries& out) {
+  out.capacity = plan.capacity;
+  out.slots = plan.slots.const_data_ptr<int64_t>();
+  out.positions = plan.positions.const_data_ptr<int64_t>();
+  out.groups = plan.groups.has_value() ? plan.groups->const_data_ptr<int64_t>() : nullptr;
+  out.num_groups = plan.num_groups;
+}
+
 // Checks the op's arguments (see the schema in ops.cpp) and lays out each
 // view. Never copies a view.
 DigestPlan make_digest_plan(const std::vector<Tensor>& views, const Tensor& slots,
