@@ -119,12 +119,16 @@ class TransferCell:
             digest._digest = digest_call
 
 
-def run_cell(layers: int, requests: int, tokens: int, calls: int) -> dict:
-    cell = TransferCell(layers, requests, tokens)
+def _timed(cell: TransferCell, calls: int) -> tuple[list[float], list[float]]:
+    """After `WARMUP` calls of each side, ``calls`` timed writes on P, then as many lands on D."""
     for _ in range(WARMUP):
         cell.write(), cell.land()
-    write = [cell.write() for _ in range(calls)]
-    land = [cell.land() for _ in range(calls)]
+    return [cell.write() for _ in range(calls)], [cell.land() for _ in range(calls)]
+
+
+def run_cell(layers: int, requests: int, tokens: int, calls: int) -> dict:
+    cell = TransferCell(layers, requests, tokens)
+    write, land = _timed(cell, calls)
     violations = cell.canary.stats()["violations"]
     cell.canary.canary.poll()
     failed = int(cell.canary.canary.verify(torch.from_numpy(nixl.slots_of(cell.blocks[0], tokens, BLOCK_SIZE))).sum())
@@ -132,10 +136,7 @@ def run_cell(layers: int, requests: int, tokens: int, calls: int) -> dict:
         raise SystemExit(f"the clean transfer found {violations} violations and {failed} broken slots: the benchmark's buffers are wrong")
     write_ops, land_ops = cell.ops(cell.write), cell.ops(cell.land)
     with cell.without_canary_ops():
-        for _ in range(WARMUP):
-            cell.write(), cell.land()
-        write_alone = [cell.write() for _ in range(calls)]
-        land_alone = [cell.land() for _ in range(calls)]
+        write_alone, land_alone = _timed(cell, calls)
     per_request = lambda seconds: statistics.median(seconds) / requests * 1e6  # noqa: E731
     return {
         "layers": layers, "requests": requests, "tokens": tokens,
