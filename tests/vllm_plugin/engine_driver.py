@@ -271,6 +271,27 @@ def decoding(llm, lines: Lines, label: str, prompts: list[list[int]], params: li
     return driver
 
 
+def flip_victim(llm, lines: Lines, length: int) -> tuple[Driver, str]:
+    """Three requests (prompts of ``length`` tokens and more; greedy and random sampling)
+    decoding, and the one whose KV a test flips a bit of: the second."""
+    rng = random.Random(2)
+    prompts = [random_tokens(rng, length + 9 * i) for i in range(3)]
+    driver = decoding(llm, lines, "flip", prompts, [sampling_params(200, i) for i in range(3)])
+    return driver, driver.ids[1]
+
+
+def flip_reported(lines: Lines, driver: Driver, victim: str, block: int, block_size: int) -> list:
+    """The violations (`parse_violations`) of the step after a bit of ``victim``'s block
+    ``block`` was flipped: at least one, each by the bytes alone, in that block, naming the
+    victim alone."""
+    found = parse_violations(lines.take())
+    assert found, "the flipped bit was not reported"
+    for reasons, slot, requests in found:
+        assert reasons == ["verify_real_kv_hash"] and slot // block_size == block, (reasons, slot)
+        assert requests == [driver.internal_id(victim)], requests
+    return found
+
+
 def assert_a_wrong_block_entry(found, request_id: str) -> None:
     """``found`` (`parse_violations`) after a block-table entry of ``request_id`` pointed at
     another request's block, bytes intact: named by that request alone, by token and chain,

@@ -105,10 +105,7 @@ def _newest_context_position(driver: Driver, request_id: str, group: int) -> int
 def test_a_flipped_byte_names_its_request(model_engine):
     _, llm, lines, _ = model_engine
     state = plugin.active()
-    rng = random.Random(2)
-    prompts = [engine_driver.random_tokens(rng, 70 + 9 * i) for i in range(3)]
-    driver = decoding(llm, lines, "flip", prompts, [sampling_params(200, i) for i in range(3)])
-    victim = driver.ids[1]
+    driver, victim = engine_driver.flip_victim(llm, lines, 70)
     position = _newest_context_position(driver, victim, 0)  # in the first group: a window's or a chunk's
     block, row = driver.blocks(victim, 0)[position // state.block_size], position % state.block_size
     assert lines.take() == []
@@ -118,11 +115,7 @@ def test_a_flipped_byte_names_its_request(model_engine):
     else:  # K and V planes per head: row `row` of head 1's K plane
         kv[block, 1, row, 77] ^= 1 << 9
     driver.step()
-    found = parse_violations(lines.take())
-    assert found, "the flipped byte was not reported"
-    for reasons, slot, requests in found:
-        assert reasons == ["verify_real_kv_hash"] and slot // state.block_size == block
-        assert requests == [driver.internal_id(victim)]
+    found = engine_driver.flip_reported(lines, driver, victim, block, state.block_size)
     if kv.dim() == 3:
         assert [slot for _, slot, _ in found] == [block * state.block_size + row]
     driver.finish()

@@ -141,18 +141,12 @@ def test_a_mixed_workload_checked_against_a_token_copy_raises_no_false_alarm(eng
 @pytest.mark.every_release
 def test_a_flipped_bit_names_its_request(engine):
     llm, lines, _ = engine
-    rng = random.Random(2)
-    prompts = [random_tokens(rng, 70 + 9 * i) for i in range(3)]
-    driver = decoding(llm, lines, "flip", prompts, [sampling_params(200, i) for i in range(3)])
-    victim = driver.ids[1]
+    driver, victim = engine_driver.flip_victim(llm, lines, 70)
     block = driver.blocks(victim)[1]
     layer = plugin.active().kv_caches[1]
     layer.view(torch.int16)[block, 1, 5, 77] ^= 1 << 9  # one bit of head 1
     driver.step()
-    found = parse_violations(lines.take())
-    assert found, "the flipped bit was not reported"
-    for reasons, slot, requests in found:
-        assert reasons == ["verify_real_kv_hash"] and slot // BLOCK_SIZE == block and requests == [driver.internal_id(victim)]
+    found = engine_driver.flip_reported(lines, driver, victim, block, BLOCK_SIZE)
     # Read again at every later step: counted, and summed up in a summary line, not repeated.
     state = plugin.active()
     later_steps = 6
@@ -175,10 +169,7 @@ def test_sampled_verification_finds_a_flipped_bit_within_every_steps(engine):
     # each found within 4 steps, one block in its turn at each step.
     llm, lines, _ = engine
     state = plugin.active()
-    driver = Driver(llm, "sampled")
-    driver.add(random_tokens(random.Random(11), 5 * BLOCK_SIZE + 3), sampling_params(200))
-    driver.run_until_decoding()
-    assert lines.take() == []
+    driver = decoding(llm, lines, "sampled", [random_tokens(random.Random(11), 5 * BLOCK_SIZE + 3)], [sampling_params(200)])
     every = 4
     blocks = driver.blocks(driver.ids[0])[:every]  # not the newest block, which every step verifies
     cells = [state.kv_caches[0].view(torch.int16)[block, 0, 3] for block in blocks]
@@ -384,9 +375,7 @@ def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
 def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()
-    driver = Driver(llm, "raise")
-    driver.add(random_tokens(random.Random(5), 70), sampling_params(200))
-    driver.run_until_decoding()
+    driver = decoding(llm, lines, "raise", [random_tokens(random.Random(5), 70)], [sampling_params(200)])
     block = driver.blocks(driver.ids[0])[0]
     state.kv_caches[0].view(torch.int16)[block, 0, 3, 3] ^= 1
     raised = _step_under_raise(driver)

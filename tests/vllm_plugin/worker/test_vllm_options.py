@@ -13,7 +13,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 
-from engine_driver import KV_BUDGET, decoding, parse_violations, random_tokens, sampling_params, started_engine  # noqa: E402
+from engine_driver import KV_BUDGET, flip_reported, flip_victim, random_tokens, sampling_params, started_engine  # noqa: E402
 from helpers import HOST_AMX, HOST_AVX512, needs_isa  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import plugin  # noqa: E402
@@ -69,15 +69,9 @@ def test_a_clean_workload_raises_no_false_alarm(options_engine):
 def test_a_flipped_bit_names_its_request(options_engine):
     llm, lines, _ = options_engine
     state = plugin.active()
-    rng = random.Random(2)
-    prompts = [random_tokens(rng, 140 + 9 * i) for i in range(3)]
-    driver = decoding(llm, lines, "flip", prompts, [sampling_params(200, i) for i in range(3)])
-    victim = driver.ids[1]
+    driver, victim = flip_victim(llm, lines, 140)
     block = driver.blocks(victim)[0]
     state.kv_caches[1].view(torch.uint8)[block, 1, 5, 100] ^= 1 << 6  # one bit of head 1, in bf16, fp16, fp32 or fp8
     driver.step()
-    found = parse_violations(lines.take())
-    assert found, "the flipped bit was not reported"
-    for reasons, slot, requests in found:
-        assert reasons == ["verify_real_kv_hash"] and slot // state.block_size == block and requests == [driver.internal_id(victim)]
+    flip_reported(lines, driver, victim, block, state.block_size)
     driver.finish()
