@@ -81,27 +81,25 @@ def _tree() -> frozenset[str]:
     return frozenset(found)
 
 
-def _spans(doc: Path) -> list[tuple[int, str]]:
-    """The inline code spans of ``doc`` outside fenced blocks, with their line numbers."""
-    spans, fenced = [], False
+def _lines(doc: Path):
+    """``doc``'s lines but its fences, each with its line number and whether it lies in a
+    fenced code block."""
+    fenced = False
     for number, line in enumerate(doc.read_text().splitlines(), 1):
         if FENCE.match(line):
             fenced = not fenced
-            continue
-        if not fenced:
-            spans += [(number, match[2].strip()) for match in CODE_SPAN.finditer(line)]
-    return spans
+        else:
+            yield number, line, fenced
+
+
+def _spans(doc: Path) -> list[tuple[int, str]]:
+    """The inline code spans of ``doc`` outside fenced blocks, with their line numbers."""
+    return [(number, match[2].strip()) for number, line, fenced in _lines(doc) if not fenced for match in CODE_SPAN.finditer(line)]
 
 
 def _fenced_lines(doc: Path) -> list[tuple[int, str]]:
     """The lines of ``doc``'s fenced code blocks (commands), with their line numbers."""
-    lines, fenced = [], False
-    for number, line in enumerate(doc.read_text().splitlines(), 1):
-        if FENCE.match(line):
-            fenced = not fenced
-        elif fenced:
-            lines.append((number, line))
-    return lines
+    return [(number, line) for number, line, fenced in _lines(doc) if fenced]
 
 
 def _expand(word: str) -> list[str]:
@@ -403,12 +401,18 @@ def _captured_series() -> dict[str, dict[str, set[str]]]:
     return found
 
 
+def _assert_the_counters_named(documented: dict, found: dict, where: str, found_only: str) -> None:
+    """The counter table's names (``documented``) are the names of ``found``, read from
+    ``where`` (whose names alone it calls ``found_only``)."""
+    assert set(documented) == set(found), (
+        f"kv-canary: docs/vllm_connector.md's counter table and {where} differ: "
+        f"documented only {sorted(set(documented) - set(found))}, {found_only} only {sorted(set(found) - set(documented))}"
+    )
+
+
 def test_the_counter_table_is_what_a_server_exports():
     documented, captured = _documented_counters(), _captured_series()
-    assert set(documented) == set(captured), (
-        "kv-canary: docs/vllm_connector.md's counter table and the captured /metrics differ: "
-        f"documented only {sorted(set(documented) - set(captured))}, exported only {sorted(set(captured) - set(documented))}"
-    )
+    _assert_the_counters_named(documented, captured, "the captured /metrics", "exported")
     for name, (labels, row) in documented.items():
         assert labels == set(captured[name]), (
             f"kv-canary: {name} is exported with the labels {sorted(captured[name])}, documented {sorted(labels)}"
@@ -458,10 +462,7 @@ def _declared_counters() -> dict[str, tuple[set[str], tuple[str, ...] | None]]:
 
 def test_the_counter_table_is_what_the_connector_declares():
     documented, declared = _documented_counters(), _declared_counters()
-    assert set(documented) == set(declared), (
-        "kv-canary: docs/vllm_connector.md's counter table and connector/stats.py's COUNTERS differ: "
-        f"documented only {sorted(set(documented) - set(declared))}, declared only {sorted(set(declared) - set(documented))}"
-    )
+    _assert_the_counters_named(documented, declared, "connector/stats.py's COUNTERS", "declared")
     for name, (labels, values) in declared.items():
         documented_labels, row = documented[name]
         assert labels <= documented_labels, f"kv-canary: {name} is declared with the label {labels}, documented {documented_labels}"
