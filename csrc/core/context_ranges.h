@@ -12,13 +12,19 @@
 
 namespace kvcanary {
 
-// One call's inputs (host or device pointers) and outputs.
-struct ContextRanges {
-  const void* block_table;  // [>= num_rows, max_blocks], int32 when table_int32
+// A paged block table (a host or device pointer): row r's block j at
+// block_table[r * row_stride + j * block_stride].
+struct BlockTable {
+  const void* block_table;  // [>= rows, max_blocks], int32 when table_int32
   bool table_int32;
   int64_t row_stride;  // in elements
   int64_t block_stride;
   int64_t max_blocks;
+};
+
+// One call's inputs (host or device pointers: the block table, num_rows rows
+// of it read) and outputs.
+struct ContextRanges : BlockTable {
   const int64_t* offsets;  // num_rows + 1
   const int64_t* starts;   // num_rows
   int64_t num_rows;

@@ -42,12 +42,7 @@ enum OriginField : int {
 
 // One KV cache group's view of the step: its block table (row r for request
 // r) and slot mapping (token t's slot), and what it attends to.
-struct PagedGroup {
-  const void* block_table;
-  bool table_int32;
-  int64_t row_stride;  // in elements
-  int64_t block_stride;
-  int64_t max_blocks;
+struct PagedGroup : BlockTable {
   const void* slot_mapping;  // >= num_tokens entries, contiguous
   bool slot_mapping_int32;
   int64_t sliding_window;  // > 0: a sliding window of that many tokens
@@ -105,11 +100,7 @@ KVC_HOST_DEVICE int64_t group_slot(const PagedGroup& g, int64_t block_size, int6
 // ranges, the cut slot and the outputs left for the caller to set).
 KVC_HOST_DEVICE ContextRanges group_ranges(const PagedGroup& g, int64_t block_size) {
   ContextRanges c{};
-  c.block_table = g.block_table;
-  c.table_int32 = g.table_int32;
-  c.row_stride = g.row_stride;
-  c.block_stride = g.block_stride;
-  c.max_blocks = g.max_blocks;
+  static_cast<BlockTable&>(c) = g;
   c.block_size = block_size;
   c.cut_slot = -1;
   return c;
