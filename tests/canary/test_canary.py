@@ -13,10 +13,15 @@ def _paged_pool(device, blocks=8, block_size=16, heads=2, dim=32, seed=0):
     return torch.randn(2, blocks, block_size, heads, dim, generator=gen).to(torch.bfloat16).to(device)
 
 
+def _canary(device, **canary_args) -> tuple[torch.Tensor, kc.KvCanary]:
+    """A vLLM NHD pool of 8 blocks of 16 slots on `device` (`_paged_pool`) and a canary over it."""
+    kv = _paged_pool(device)
+    return kv, kc.KvCanary(layouts.vllm(kv, layout="NHD"), **canary_args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_flags_exactly_the_changed_slots(device):
-    kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    kv, canary = _canary(device)
     assert canary.capacity == 8 * 16 and canary.device.type == device
     slots = torch.arange(128, device=device)
     canary.record(slots)
@@ -44,8 +49,7 @@ def test_partial_misses_what_all_catches(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_padding_and_a_smaller_capacity(device):
-    kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), capacity=100)
+    kv, canary = _canary(device, capacity=100)
     canary.record(torch.tensor([-1, 5, -3], device=device))
     assert canary.fingerprints.shape == (100,) and int((canary.fingerprints != 0).sum()) == 1
     flags = canary.verify(torch.tensor([-1, 5, -7], device=device))
@@ -54,8 +58,7 @@ def test_padding_and_a_smaller_capacity(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tags_catch_a_slot_recorded_by_another_owner(device):
-    kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    kv, canary = _canary(device)
     mine = torch.arange(16, 32, device=device)  # block 1 belongs to request 7
     canary.record(mine, tag=7)
     assert canary.violations(mine, tag=7) == []
@@ -73,8 +76,7 @@ def test_tags_catch_a_slot_recorded_by_another_owner(device):
 def test_copied_records_follow_copied_bytes(device):
     """A block copied whole (vLLM's copy-on-write) verifies once its records are copied too,
     and swapped blocks (sources read before any destination is written) verify swapped."""
-    kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    kv, canary = _canary(device)
     block = torch.arange(16, device=device)
     positions, tokens = torch.arange(32, 48, device=device), torch.arange(100, 116, device=device)
     prev = torch.cat([torch.tensor([-1], device=device), 32 + block[:-1]])
@@ -100,8 +102,7 @@ def test_refold_takes_new_bytes_and_keeps_the_rest_of_each_record(device):
     """After a legitimate write to other slots' bytes (a block-packed backend), refold gives
     the slots the fold a fresh record of their bytes has, and keeps token, position, chain
     and owner; negative slots are skipped."""
-    kv = _paged_pool(device)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    kv, canary = _canary(device)
     block = torch.arange(16, 32, device=device)
     positions, tokens = torch.arange(16, device=device), torch.arange(200, 216, device=device)
     prev = torch.cat([torch.tensor([-1], device=device), block[:-1]])
