@@ -10,14 +10,22 @@ import torch_kvcanary as kc
 from torch_kvcanary import FailReason, layouts
 
 
+def _canary_and_block(seed: int, block_index: int, first_token: int) -> tuple[kc.KvCanary, torch.Tensor, dict]:
+    """A canary over a random vLLM NHD pool of 8 blocks of 16 slots, the slots of one block,
+    and a request's inputs for them: positions 0 to 15, tokens from `first_token`, each slot
+    chaining through the one before."""
+    kv = torch.randn(2, 8, 16, 2, 32, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
+    block = torch.arange(16 * block_index, 16 * block_index + 16)
+    prev_slots = torch.cat([torch.tensor([-1]), block[:-1]])
+    return canary, block, dict(positions=torch.arange(16), tokens=torch.arange(first_token, first_token + 16), prev_slots=prev_slots)
+
+
 def test_invalidate_makes_verify_flag_the_slots_until_recorded_again():
     """`KvCanary.invalidate`, which the vLLM connector breaks records with: the slots fail
     verify on their bytes alone (token, position, chain and owner kept), however often they
     are invalidated, until a record call writes them again; negative slots are skipped."""
-    kv = torch.randn(2, 8, 16, 2, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
-    block = torch.arange(16, 32)
-    checks = dict(positions=torch.arange(16), tokens=torch.arange(200, 216), prev_slots=torch.cat([torch.tensor([-1]), block[:-1]]))
+    canary, block, checks = _canary_and_block(0, 1, 200)
     canary.record(block, tag=3, **checks)
     before = canary.records.clone()
     canary.invalidate(torch.tensor([-1, 18, 19, 19], dtype=torch.int32))
@@ -39,10 +47,7 @@ def test_invalidate_where_breaks_only_the_slots_it_marks_without_waiting_on_the_
     on the device (no op that hands a value to the host), and a ``where`` of another shape
     or dtype is refused with nothing changed. With ``refold=False`` (slots just recorded
     from their bytes as they are) no refold is dispatched, and the verdicts are the same."""
-    kv = torch.randn(2, 8, 16, 2, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
-    block = torch.arange(32, 48)
-    checks = dict(positions=torch.arange(16), tokens=torch.arange(300, 316), prev_slots=torch.cat([torch.tensor([-1]), block[:-1]]))
+    canary, block, checks = _canary_and_block(1, 2, 300)
     canary.record(block, **checks, check_bounds=False)
     before = canary.records.clone()
     where = torch.zeros(16, dtype=torch.bool)
