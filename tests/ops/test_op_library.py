@@ -25,6 +25,13 @@ def cxx_enum(path, name: str) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"^\s*(k\w+)\s*=\s*(\d+)\s*,", body.group(1), re.MULTILINE)}
 
 
+def counted_enum(name: str, count: str) -> tuple[dict[str, int], int]:
+    """The enumerators of paged_step.h's enum ``name`` but its last, ``count``, the number of
+    the others, and that number."""
+    cxx = cxx_enum(PAGED_STEP_HEADER, name)
+    return cxx, cxx.pop(count)
+
+
 def as_python_names(cxx: dict[str, int], prefix: str = "k") -> dict[str, int]:
     """kWholeStep as WHOLE_STEP: the enumerators' names as the Python enums spell
     them, ``prefix`` left out."""
@@ -33,8 +40,7 @@ def as_python_names(cxx: dict[str, int], prefix: str = "k") -> dict[str, int]:
 
 def test_the_paged_step_phases_are_the_cxx_enum():
     # kWholeStep is WHOLE_STEP; kNumPhases the number of them.
-    cxx = cxx_enum(PAGED_STEP_HEADER, "PagedStepPhase")
-    count = cxx.pop("kNumPhases")
+    cxx, count = counted_enum("PagedStepPhase", "kNumPhases")
     assert as_python_names(cxx) == {phase.name: phase.value for phase in StepPhase}
     assert count == len(StepPhase)
 
@@ -42,8 +48,7 @@ def test_the_paged_step_phases_are_the_cxx_enum():
 def test_the_mailbox_words_are_the_cxx_enum():
     # The kernels write the mailbox by the C++ enum; PagedStep reads it by the Python one:
     # kMailRingStart is RING_START, kMailboxWords the mailbox's length.
-    cxx = cxx_enum(PAGED_STEP_HEADER, "MailboxWord")
-    count = cxx.pop("kMailboxWords")
+    cxx, count = counted_enum("MailboxWord", "kMailboxWords")
     assert as_python_names(cxx, prefix="kMail") == {word.name: word.value for word in MailboxWord}
     assert count == len(MailboxWord)
 
@@ -51,8 +56,7 @@ def test_the_mailbox_words_are_the_cxx_enum():
 def test_the_origin_columns_are_the_cxx_enum():
     # KvCanary allocates the origins [ring rows, _ORIGIN_FIELDS]; the kernels write
     # kOriginFields columns, in the C++ enum's order (Violation's step, group and row).
-    cxx = cxx_enum(PAGED_STEP_HEADER, "OriginField")
-    count = cxx.pop("kOriginFields")
+    cxx, count = counted_enum("OriginField", "kOriginFields")
     assert cxx == {"kOriginStep": 0, "kOriginGroup": 1, "kOriginRow": 2}
     assert count == _ORIGIN_FIELDS == len(cxx)
 
