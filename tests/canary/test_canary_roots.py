@@ -43,11 +43,17 @@ def _rooted(device, root: int, first: int = 5):
     return entries, _longs([root, 99, -99], device)  # only entry 0 is a first position: the rest are not read
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_rooted_request_chains_from_its_root(device):
+def _recorded_rooted(device):
+    """A canary that has recorded a request rooted at ROOT, the request's entries and roots."""
     canary = _canary(device)
     entries, roots = _rooted(device, ROOT)
     canary.record(**entries, roots=roots)
+    return canary, entries, roots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rooted_request_chains_from_its_root(device):
+    canary, entries, roots = _recorded_rooted(device)
     second = mix3(ROOT, 11, 0)
     assert canary.records[5:8, 2].tolist() == [ROOT, signed(second), signed(mix3(second, 12, 1))]
     assert canary.records[5:8, :2].tolist() == [[11, 0], [12, 1], [13, 2]]
@@ -58,9 +64,7 @@ def test_a_rooted_request_chains_from_its_root(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_first_position_read_under_another_root_is_an_identity_violation(device):
-    canary = _canary(device)
-    entries, roots = _rooted(device, ROOT)
-    canary.record(**entries, roots=roots)
+    canary, entries, roots = _recorded_rooted(device)
     assert canary.verify(**entries, roots=roots).tolist() == [False, False, False]
     assert canary.poll() == []
     flags = canary.verify(**entries, roots=_longs([OTHER, 0, 0], device))
