@@ -82,22 +82,33 @@ def paged_slots(block_table: list[int], block_size: int) -> torch.Tensor:
     return torch.tensor([block_table[i // block_size] * block_size + i % block_size for i in range(TOKENS)])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_vllm_blocks(request_kv, tp):
-    k, v, ks, vs = request_kv
+def check_rank_digests(request_kv, tp: int, rank_units) -> None:
+    """The request in blocks [6, 1, 3] of 4 slots (of 8 blocks) on each of ``tp`` ranks: the
+    ranks' digests of their units, ``rank_units(rank, heads, k_scales, v_scales, table,
+    block_size)`` over its paged scales, make the request's logical digest."""
+    _, _, ks, vs = request_kv
     table, block_size = [6, 1, 3], 4
     per_rank = []
     for rank in range(tp):
         h = rank_heads(rank, tp)
+        k_sc = [paged(ks[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
+        v_sc = [paged(vs[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
+        per_rank.append(digest_of(rank_units(rank, h, k_sc, v_sc, table, block_size), paged_slots(table, block_size)))
+    assert group_digest(per_rank) == logical_digest(*request_kv)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_blocks(request_kv, tp):
+    k, v, _, _ = request_kv
+
+    def rank_units(rank, h, k_sc, v_sc, table, block_size):
         caches = [
             torch.stack([paged(k[layer][:, h], table, 8, block_size), paged(v[layer][:, h], table, 8, block_size)])
             for layer in range(LAYERS)
         ]
-        k_sc = [paged(ks[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
-        v_sc = [paged(vs[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
-        u = units.vllm_units(caches, k_scales=k_sc, v_scales=v_sc, tp_rank=rank, tp_size=tp)
-        per_rank.append(digest_of(u, paged_slots(table, block_size)))
-    assert group_digest(per_rank) == logical_digest(k, v, ks, vs)
+        return units.vllm_units(caches, k_scales=k_sc, v_scales=v_sc, tp_rank=rank, tp_size=tp)
+
+    check_rank_digests(request_kv, tp, rank_units)
 
 
 def packed_layer(k_layer, v_layer, table, num_blocks, block_size, order) -> torch.Tensor:
@@ -111,18 +122,14 @@ def packed_layer(k_layer, v_layer, table, num_blocks, block_size, order) -> torc
 @pytest.mark.parametrize("layout", sorted(kc.layouts.VLLM_LAYOUTS))
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_packed_layouts(request_kv, layout, tp):
-    k, v, ks, vs = request_kv
-    table, block_size = [6, 1, 3], 4
-    per_rank = []
-    for rank in range(tp):
-        h = rank_heads(rank, tp)
-        order = kc.layouts.VLLM_LAYOUTS[layout]
+    k, v, _, _ = request_kv
+    order = kc.layouts.VLLM_LAYOUTS[layout]
+
+    def rank_units(rank, h, k_sc, v_sc, table, block_size):
         caches = [packed_layer(k[layer][:, h], v[layer][:, h], table, 8, block_size, order) for layer in range(LAYERS)]
-        k_sc = [paged(ks[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
-        v_sc = [paged(vs[layer][:, h], table, 8, block_size) for layer in range(LAYERS)]
-        u = units.vllm_units(caches, layout=layout, backend="FLASH_ATTN", k_scales=k_sc, v_scales=v_sc, tp_rank=rank, tp_size=tp)
-        per_rank.append(digest_of(u, paged_slots(table, block_size)))
-    assert group_digest(per_rank) == logical_digest(k, v, ks, vs)
+        return units.vllm_units(caches, layout=layout, backend="FLASH_ATTN", k_scales=k_sc, v_scales=v_sc, tp_rank=rank, tp_size=tp)
+
+    check_rank_digests(request_kv, tp, rank_units)
 
 
 def test_vllm_cpu_layout(request_kv):
