@@ -468,3 +468,17 @@ def test_the_counter_table_is_what_the_connector_declares():
         assert labels <= documented_labels, f"kv-canary: {name} is declared with the label {labels}, documented {documented_labels}"
         unnamed = {value for value in values or () if f"`{value}`" not in row}
         assert not unnamed, f"kv-canary: the row of {name} does not name its label values {sorted(unnamed)}"
+
+
+def test_each_guide_names_every_module_of_its_folder():
+    """A package folder's guide (its README.md) lists its key files: every module and
+    subfolder of the folder, written in backticks (``worker.py``, ``nixl/``)."""
+    unnamed = []
+    for guide in sorted(PACKAGE.rglob("README.md")):
+        named = {span for _, span in _spans(guide)}
+        for entry in sorted(guide.parent.iterdir()):
+            name = f"{entry.name}/" if entry.is_dir() else entry.name
+            if entry.name != "__pycache__" and (entry.suffix == ".py" or (entry.is_dir() and any(entry.rglob("*.py")))):
+                if name not in named:
+                    unnamed.append(f"{guide.relative_to(REPO)}: `{name}`")
+    assert not unnamed, "kv-canary: these guides do not name a module of their folder; add it to Key source files:\n" + "\n".join(unnamed)
