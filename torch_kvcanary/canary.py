@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .binding import SourceTable, check_table_fake
-from .ops import check_index_dtype, integer_view, may_check_bounds, refusal
+from .ops import check_index_dtype, check_sources_fake, integer_view, may_check_bounds, refusal
 from .policy import apply_policy, check_policy
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
 
@@ -149,9 +149,7 @@ def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
     for name, value in entries.items():
         if value is not None and value.numel() != slots.numel():
             raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
-    for index, view in enumerate(sources):
-        if view.device != slots.device:
-            raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
+    check_sources_fake(sources, slots, views=False)
     for table in tables:
         if table.device != slots.device:
             raise ValueError(

@@ -80,12 +80,19 @@ def _fold_fake(sources, slots, read_bytes, check_bounds=True):
     check_index_dtype(slots, "slots")
     if len(sources) != len(read_bytes):
         raise ValueError(f"kv-canary: got {len(sources)} sources but {len(read_bytes)} read_bytes; pass one read_bytes per source")
+    check_sources_fake(sources, slots, views=True)
+    return slots.new_empty(slots.shape, dtype=torch.int64)
+
+
+def check_sources_fake(sources, slots: torch.Tensor, *, views: bool) -> None:
+    """The sources' checks that need no data, in source order, with the kernels' messages:
+    each on the slots' device and, with ``views``, a view [num_pages, page_size, ...]. Mixed
+    devices reach a fake kernel when one of them is meta."""
     for index, view in enumerate(sources):
         if view.device != slots.device:
             raise ValueError(f"kv-canary: source {index} is on {view.device} but slots are on {slots.device}; put them on one device")
-        if view.dim() < 2:
+        if views and view.dim() < 2:
             raise ValueError(f"kv-canary: source {index} must be a view [num_pages, page_size, *token_shape], got shape {list(view.shape)}")
-    return slots.new_empty(slots.shape, dtype=torch.int64)
 
 
 @torch.library.register_fake("kvcanary::fold.bound")
