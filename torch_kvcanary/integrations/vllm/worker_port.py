@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ... import digest, layouts
+from ...canary import FailReason, Violation
 from . import adapter
 
 
@@ -90,26 +91,28 @@ class WorkerPort:
         Under repair the request's row is set back to the scheduler's blocks, so that vLLM's
         recompute reads the right ones. Where the row equals the scheduler's blocks the
         request read what vLLM gave it, so the flagged block itself is wrong (its bytes or
-        records), and it is reported as flagged, like a byte fault. The records of what
-        each request with a wrong row wrote in the step are broken: it computed them from
-        the wrong context."""
+        records), and it is reported as flagged, like a byte fault, but for KV of another
+        identity that requests of that identity hold (`_held_by_its_identity`). The records
+        of what each request with a wrong row wrote in the step are broken: it computed them
+        from the wrong context."""
         misreads = self._worker.step_misreads()
         if not misreads:
             return set(), set()
         worker = self._worker
         forward = worker.step_forward
         states = worker.model_runner.requests
-        by_reader: dict[tuple[int, int], list[int]] = {}
+        by_reader: dict[tuple[int, int], list[Violation]] = {}
         for violation in misreads:
-            by_reader.setdefault((violation.group, violation.row), []).append(violation.slot)
+            by_reader.setdefault((violation.group, violation.row), []).append(violation)
         misread, readers, spoiled = set(), set(), []
-        for (group_index, row), slots in by_reader.items():
+        for (group_index, row), found in by_reader.items():
             group = worker.groups[group_index]
             request_id = forward.request_ids[row]
             own = [int(block) for block in states[request_id].block_ids[group.index]]
             if group.row_blocks(row).tolist() == own:
+                misread.update(self._held_by_its_identity(request_id, group.index, found, block_size))
                 continue
-            misread.update(slots)
+            misread.update(violation.slot for violation in found)
             if self.policy == "repair":
                 group.block_table.add_row(own, row)
             context, written = int(forward.num_computed[row]), int(forward.num_scheduled[row])
@@ -124,6 +127,29 @@ class WorkerPort:
         if spoiled:
             self.break_records(torch.from_numpy(np.concatenate(spoiled)))
         return misread, readers
+
+    def _held_by_its_identity(self, request_id: str, group: int, violations: list[Violation], block_size: int) -> set[int]:
+        """The slots of ``violations`` (reads of request ``request_id`` in blocks the scheduler
+        gave it) that hold KV of another identity alone (VERIFY_IDENTITY_MISMATCH; at a first
+        position the stored chain is its writer's root) in a block another request of that
+        identity holds: an adapter reloaded in place, whose old weights' requests still run,
+        beside a new request that hit their blocks. vLLM recomputes a shared block in place
+        for all its holders, so reporting it would roll them back to recompute it under their
+        identity, and the reader would read another identity there again, step after step,
+        neither going on. Such a read is logged and not reported: the reader goes on with the
+        KV vLLM served it, and its next read once no holder of that identity is left reports
+        the block."""
+        worker = self._worker
+        states = worker.model_runner.requests
+        held = set()
+        for violation in violations:
+            if violation.reasons != FailReason.VERIFY_IDENTITY_MISMATCH:
+                continue
+            block = violation.slot // block_size
+            holders = [other for other, state in states.items() if other != request_id and block in state.block_ids[group]]
+            if any(worker.request_roots.root(other) == violation.stored_chain for other in holders):
+                held.add(violation.slot)
+        return held
 
     def drill_target(self, rng: random.Random) -> tuple[int, torch.Tensor] | None:
         """A context slot of a request of the input batch in the first watched group, and the
