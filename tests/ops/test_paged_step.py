@@ -192,6 +192,17 @@ def random_groups(rng: random.Random) -> tuple[int, list[tuple[int, int]]]:
     return block_size, [kinds[0]] + rng.sample(kinds[1:], rng.randrange(3))
 
 
+def damage_a_recorded_slot(engine: Engine, rng: random.Random, block_size: int) -> None:
+    """Changes the bytes of a random position some request has recorded (none where its block
+    in group 0 is block 0, the null block)."""
+    done = [r for r in engine.requests if r.computed]
+    victim = rng.choice(done)
+    p = rng.randrange(victim.computed)
+    block = victim.blocks[0][p // block_size]
+    if block:
+        engine.slot_bytes(block * block_size + p % block_size)
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_random_engines_match_the_spec(seed):
     rng = random.Random(seed)
@@ -212,26 +223,25 @@ def test_random_engines_match_the_spec(seed):
             break
         every = rng.choice([1, 1, 2, 3])
         flagged += len(engine.run(batch, every=every, tokens=rng.choice(["history", "none"])))
-        if rng.random() < 0.5:  # damage a slot some request has recorded
-            done = [r for r in engine.requests if r.computed]
-            victim = rng.choice(done)
-            p = rng.randrange(victim.computed)
-            block = victim.blocks[0][p // block_size]
-            if block:
-                engine.slot_bytes(block * block_size + p % block_size)
+        if rng.random() < 0.5:
+            damage_a_recorded_slot(engine, rng, block_size)
 
 
-def test_a_request_reads_a_block_another_writes_in_the_same_step():
-    # A prefills its first block while B, a prefix hit on that block, writes its next
-    # position: B's first entry chains through A's last slot, written in the same call, and
-    # B (first in the batch) is recorded after A.
-    rng = random.Random(3)
-    engine = Engine(rng, 4, [(0, 0)], padding=0)
+def read_a_block_written_in_the_same_step(engine: Engine) -> tuple[Request, Request]:
+    """A (9 tokens) prefills its first block of 4 while B, a prefix hit on that block, writes
+    its next position: B's first entry chains through A's last slot, written in the same call,
+    and B (first in the batch) must be recorded after A. No step flags anything."""
     a = engine.add(9)
     engine.run([(a, 2)])
     b = engine.add(9, prefix=a)
     assert engine.run([(b, 1), (a, 2)]) == []
     assert engine.run([(b, 1), (a, 1)]) == []
+    return a, b
+
+
+def test_a_request_reads_a_block_another_writes_in_the_same_step():
+    engine = Engine(random.Random(3), 4, [(0, 0)], padding=0)
+    a, b = read_a_block_written_in_the_same_step(engine)
     chain = engine.canary.records[b.blocks[0][1] * 4, 2].item()  # position 4's chain: the link of position 3
     assert chain == engine.oracle_records.link(a.blocks[0][0] * 4 + 3)
 
@@ -252,11 +262,17 @@ def test_a_violation_names_its_step_group_and_request():
     assert {tuple(v[-3:]) for v in got} == {(3, 0, 0), (3, 0, 1)}
 
 
+def _prefilled(seed: int, tokens: int, prefill: int) -> tuple[Engine, Request]:
+    """An engine of one full-attention group (blocks of 4) and a request of ``tokens`` tokens
+    whose first ``prefill`` it has run."""
+    engine = Engine(random.Random(seed), 4, [(0, 0)])
+    a = engine.add(tokens)
+    engine.run([(a, prefill)])
+    return engine, a
+
+
 def test_every_turn_samples_the_context():
-    rng = random.Random(5)
-    engine = Engine(rng, 4, [(0, 0)])
-    a = engine.add(30)
-    engine.run([(a, 20)])
+    engine, a = _prefilled(5, 30, 20)
     engine.slot_bytes(a.blocks[0][1] * 4)  # block 1: in turn 1 of every 3, not in turns 2 and 0
     assert len(engine.run([(a, 1)], every=3)) == 1  # step 1: turn 1
     assert engine.run([(a, 1)], every=3) == []  # turn 2
@@ -266,10 +282,7 @@ def test_every_turn_samples_the_context():
 
 
 def test_the_history_is_checked_where_known():
-    rng = random.Random(10)
-    engine = Engine(rng, 4, [(0, 0)])
-    a = engine.add(12)
-    engine.run([(a, 8)])
+    engine, a = _prefilled(10, 12, 8)
     engine.history[a.history_row, 2] += 1  # the history disagrees with the records at positions 2 and 5
     engine.history[a.history_row, 5] += 1
     known = torch.ones(engine.history.shape, dtype=torch.bool)

@@ -10,7 +10,17 @@ import random
 
 import pytest
 import torch
-from test_paged_step import MAX_BLOCKS, MAX_REQS, MAX_TOKENS, Engine, random_batch, random_groups, sources_of
+from test_paged_step import (
+    MAX_BLOCKS,
+    MAX_REQS,
+    MAX_TOKENS,
+    Engine,
+    damage_a_recorded_slot,
+    random_batch,
+    random_groups,
+    read_a_block_written_in_the_same_step,
+    sources_of,
+)
 
 import torch_kvcanary as kc
 from torch_kvcanary.paged_step import MailboxWord, PagedStep, StepPhase
@@ -153,12 +163,8 @@ def test_random_steps_match_the_cpu(device, seed, layers):
         if not batch:
             break
         engine.run(batch, every=rng.choice([1, 1, 2, 3]), tokens=rng.choice(["history", "none"]))
-        if rng.random() < 0.5:  # damage a slot some request has recorded
-            victim = rng.choice([r for r in engine.requests if r.computed])
-            p = rng.randrange(victim.computed)
-            block = victim.blocks[0][p // block_size]
-            if block:
-                engine.slot_bytes(block * block_size + p % block_size)
+        if rng.random() < 0.5:
+            damage_a_recorded_slot(engine, rng, block_size)
 
 
 @pytest.mark.parametrize("device", ["cuda"])
@@ -167,11 +173,7 @@ def test_a_request_reads_a_block_another_writes_in_the_same_step(device):
     # kernel's dependent pass must record it after A, as the CPU does.
     engine = Engine(random.Random(3), 4, [(0, 0), (3, 0)], padding=0)
     Twin(engine, device)
-    a = engine.add(9)
-    engine.run([(a, 2)])
-    b = engine.add(9, prefix=a)
-    assert engine.run([(b, 1), (a, 2)]) == []
-    assert engine.run([(b, 1), (a, 1)]) == []
+    read_a_block_written_in_the_same_step(engine)
 
 
 @pytest.mark.parametrize("device", ["cuda"])
