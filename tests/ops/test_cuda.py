@@ -27,6 +27,14 @@ def _sources(pool):
     return [kc.view_source(pool[i], read_bytes=kc.resolve_read_bytes(kc.HashMode.ALL)) for i in range(2)]
 
 
+def _every_slot():
+    """The sources of a pool on the GPU, every slot of it, and their folds on the current stream."""
+    pool = _pool()
+    sources = _sources(pool)
+    slots = torch.arange(pool.shape[1] * pool.shape[2], device="cuda")
+    return sources, slots, kc.fold(sources, slots)
+
+
 def test_matches_cpu_on_random_layouts():
     for seed in range(40):
         cpu, slots, mode = random_case(seed, max_sources=20, lengths=range(3001))
@@ -49,10 +57,7 @@ def test_compile_reduce_overhead():
 
 
 def test_non_default_stream():
-    pool = _pool()
-    sources = _sources(pool)
-    slots = torch.arange(pool.shape[1] * pool.shape[2], device="cuda")
-    expected = kc.fold(sources, slots)
+    sources, slots, expected = _every_slot()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -62,10 +67,7 @@ def test_non_default_stream():
 
 
 def test_two_streams_at_once():
-    pool = _pool()
-    sources = _sources(pool)
-    slots = torch.arange(pool.shape[1] * pool.shape[2], device="cuda")
-    expected = kc.fold(sources, slots)
+    sources, slots, expected = _every_slot()
     streams = [torch.cuda.Stream() for _ in range(2)]
     outs = []
     for stream in streams:
