@@ -49,39 +49,36 @@ def settings() -> Settings | None:
     return Settings(policy, MODES[mode], _summary_seconds(), _drill(), _every())
 
 
-def _every() -> int:
-    value = os.environ.get(EVERY_ENV, "")
+def _number(name: str, default, parse, valid, must: str):
+    """The value of variable ``name`` read by ``parse`` (``default`` where it is unset or
+    empty); a value ``parse`` refuses, or one that is not ``valid``, is refused with what it
+    ``must`` be."""
+    value = os.environ.get(name, "")
     if not value:
-        return 1
-    if not (value.isdigit() and int(value) >= 1):
-        raise ValueError(f"kv-canary: {EVERY_ENV} must be an int >= 1 (1: every context slot at every step), got {value!r}")
-    return int(value)
+        return default
+    try:
+        number = parse(value)
+    except ValueError:
+        number = None
+    if number is None or not valid(number):
+        raise ValueError(f"kv-canary: {name} must be {must}, got {value!r}")
+    return number
+
+
+def _every() -> int:
+    return _number(
+        EVERY_ENV, 1, lambda v: int(v) if v.isdigit() else None, lambda n: n >= 1, "an int >= 1 (1: every context slot at every step)"
+    )
 
 
 def _summary_seconds() -> float:
-    value = os.environ.get(SUMMARY_ENV, "")
-    if not value:
-        return SUMMARY_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"kv-canary: {SUMMARY_ENV} must be a number of seconds >= 0 (0: after every step), got {value!r}")
-    return seconds
+    return _number(
+        SUMMARY_ENV, SUMMARY_SECONDS, float, lambda s: math.isfinite(s) and s >= 0, "a number of seconds >= 0 (0: after every step)"
+    )
 
 
 def _drill() -> float:
-    value = os.environ.get(DRILL_ENV, "")
-    if not value:
-        return 0.0
-    try:
-        probability = float(value)
-    except ValueError:
-        probability = math.nan
-    if not 0 <= probability <= 1:
-        raise ValueError(f"kv-canary: {DRILL_ENV} must be a probability per step in [0, 1] (0 or unset: no drills), got {value!r}")
-    return probability
+    return _number(DRILL_ENV, 0.0, float, lambda p: 0 <= p <= 1, "a probability per step in [0, 1] (0 or unset: no drills)")
 
 
 @dataclass(frozen=True)
