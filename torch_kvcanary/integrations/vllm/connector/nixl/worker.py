@@ -34,6 +34,28 @@ from .sharding import Sharding
 logger = logging.getLogger(adapter.LOGGER)
 
 TIMES_EVERY = 100
+
+
+class HostTime:
+    """The host time one side spends on its requests (D recording and comparing what landed,
+    P writing the records it hands over), said in ``line`` (the requests, then the time of
+    each in us) at every `TIMES_EVERY` requests and when the worker closes."""
+
+    def __init__(self, line: str):
+        self.line, self.seconds, self.requests = line, 0.0, 0
+
+    def add(self, begin: float, requests: int) -> None:
+        """``requests`` more, done since ``begin`` (`time.perf_counter`)."""
+        self.seconds += time.perf_counter() - begin
+        before, self.requests = self.requests, self.requests + requests
+        if before // TIMES_EVERY != self.requests // TIMES_EVERY:
+            self.say()
+
+    def say(self) -> None:
+        if self.requests:
+            logger.info(self.line, self.requests, 1e6 * self.seconds / self.requests)
+
+
 """Each side logs its host time per request after every this many requests, and at shutdown."""
 
 
@@ -147,10 +169,10 @@ class NixlWorker(WorkerVerifier):
         self._awaiting: list[PendingLoad] = []  # D: loads landed of requests whose root the worker cannot derive yet
         self._compared_later = 0  # D: slots of such loads compared since `take_counts`
         self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
-        self.verify_seconds = 0.0  # D: host time spent recording and comparing landed requests
-        self.write_seconds = 0.0  # P: host time spent writing the records of handed-over requests
-        self.verified_requests = 0
-        self.written_requests = 0
+        self.verify_time = HostTime(
+            "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us of host time each recording and comparing"
+        )
+        self.write_time = HostTime("kv-canary: wrote the records of %d requests handed over through NIXL: %.0f us of host time each")
         self._handed_over = 0  # P: slots written since `take_counts`
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)  # D: loads judged unverified since `take_counts`, by reason
         self._failed = dict.fromkeys(FAILED_KINDS, 0)  # D: landed slots a step found bad since `take_counts`, by kind
@@ -199,10 +221,7 @@ class NixlWorker(WorkerVerifier):
         digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, positions=positions)
         self.region.write(slots, port.records_of(slots), digests)
         self._handed_over += len(host_slots)
-        self.write_seconds += time.perf_counter() - begin
-        before, self.written_requests = self.written_requests, self.written_requests + len(handovers)
-        if before // TIMES_EVERY != self.written_requests // TIMES_EVERY:
-            self._say_write_time()
+        self.write_time.add(begin, len(handovers))
 
     def take_counts(self) -> dict:
         """The counters since the last call, by their names in `stats`: P's prompt slots whose
@@ -304,10 +323,7 @@ class NixlWorker(WorkerVerifier):
         for pending, slots in zip(landing, batch.request_slots):
             load = pending.load
             self._landed[load.request_id] = LandedLoad(slots, load.tokens, load.start, pending.remote is not None)
-        self.verify_seconds += time.perf_counter() - begin
-        before, self.verified_requests = self.verified_requests, self.verified_requests + len(landing)
-        if before // TIMES_EVERY != self.verified_requests // TIMES_EVERY:
-            self._say_verify_time()
+        self.verify_time.add(begin, len(landing))
         return int(batch.compared.sum())  # a load taken unverified is landed and recorded, not compared
 
     def _verify(self, port: RecordPort, batch: LandingBatch) -> None:
@@ -391,20 +407,6 @@ class NixlWorker(WorkerVerifier):
         if request_ids and self._awaiting:
             self._awaiting = [pending for pending in self._awaiting if pending.load.request_id not in request_ids]
 
-    def _say_verify_time(self) -> None:
-        logger.info(
-            "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us of host time each recording and comparing",
-            self.verified_requests, 1e6 * self.verify_seconds / self.verified_requests,
-        )  # fmt: skip
-
-    def _say_write_time(self) -> None:
-        logger.info(
-            "kv-canary: wrote the records of %d requests handed over through NIXL: %.0f us of host time each",
-            self.written_requests, 1e6 * self.write_seconds / self.written_requests,
-        )  # fmt: skip
-
     def close(self) -> None:
-        if self.verified_requests:
-            self._say_verify_time()
-        if self.written_requests:
-            self._say_write_time()
+        self.verify_time.say()
+        self.write_time.say()
