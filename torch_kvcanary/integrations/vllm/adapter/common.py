@@ -166,6 +166,31 @@ class PluginCallbacks:
     refusal: Callable[[str], Exception]
 
 
+def watching_after_allocation(model_runner, callbacks: PluginCallbacks, *, prepare: Callable[[], None] | None = None) -> Callable:
+    """The runner's ``initialize_kv_cache`` wrapped so that once it has allocated the KV
+    cache (not in a profiling run), ``prepare`` runs and the runner's watcher starts
+    (`watch`, with ``callbacks.start``): both runners' first hook."""
+    initialize_kv_cache = inner_method(model_runner, "initialize_kv_cache")
+
+    def initialize_kv_cache_with_canary(kv_cache_config, is_profiling=False, *args, **kwargs):
+        initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
+        if not is_profiling:
+            if prepare is not None:
+                prepare()
+            watch(model_runner, callbacks.start(model_runner))
+
+    return initialize_kv_cache_with_canary
+
+
+def begin_execute(model_runner, scheduler_output) -> None:
+    """What both runners' execute_model hooks do first: the identities the step's new
+    requests carry are noted (once the watcher runs: `identity.IdentityNotes.note`), and the
+    step's forward is marked not seen yet."""
+    if getattr(model_runner, WATCHER, None) is not None:
+        identity_notes(model_runner).note(scheduler_output)
+    setattr(model_runner, FORWARD_SEEN, False)
+
+
 def watch(model_runner, watcher: Watcher | None) -> None:
     """Makes ``watcher`` the one the hooks call for ``model_runner`` (None: none)."""
     setattr(model_runner, WATCHER, watcher)

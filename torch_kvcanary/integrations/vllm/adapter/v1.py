@@ -15,13 +15,13 @@ from .common import (
     RunnerView,
     Step,
     TokenHistory,
+    begin_execute,
     forward_unseen,
     inner_method,
     is_model_runner_v2,
     qualified_name,
-    watch,
+    watching_after_allocation,
 )
-from .identity import notes as identity_notes
 
 # What the hooks keep on a V1 runner besides the common attributes: the scheduler output of the
 # step in execute_model, and a step left open for the speculative drafter's writes.
@@ -42,21 +42,13 @@ def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
     the engine with ``callbacks.refusal`` at that step, so the canary is never silently off."""
     if model_runner.__dict__.get(HOOKED, False):
         return
-    initialize_kv_cache = inner_method(model_runner, "initialize_kv_cache")
     execute_model = inner_method(model_runner, "execute_model")
     model_forward = inner_method(model_runner, "_model_forward")
     sample_tokens = inner_method(model_runner, "sample_tokens")
 
-    def initialize_kv_cache_with_canary(kv_cache_config, is_profiling=False, *args, **kwargs):
-        initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
-        if not is_profiling:
-            watch(model_runner, callbacks.start(model_runner))
-
     def execute_model_with_canary(scheduler_output, *args, **kwargs):
-        if getattr(model_runner, WATCHER, None) is not None:
-            identity_notes(model_runner).note(scheduler_output)
+        begin_execute(model_runner, scheduler_output)
         setattr(model_runner, _SCHEDULED, scheduler_output)
-        setattr(model_runner, FORWARD_SEEN, False)
         try:
             output = execute_model(scheduler_output, *args, **kwargs)
         finally:
@@ -88,7 +80,7 @@ def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
         _end_pending_step(model_runner)
         return output
 
-    model_runner.initialize_kv_cache = initialize_kv_cache_with_canary
+    model_runner.initialize_kv_cache = watching_after_allocation(model_runner, callbacks)
     model_runner.execute_model = execute_model_with_canary
     model_runner._model_forward = model_forward_with_canary
     model_runner.sample_tokens = sample_tokens_with_canary

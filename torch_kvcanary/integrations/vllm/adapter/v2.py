@@ -16,12 +16,12 @@ from .common import (
     Step,
     TokenHistory,
     Watcher,
+    begin_execute,
     forward_unseen,
     inner_method,
     qualified_name,
-    watch,
+    watching_after_allocation,
 )
-from .identity import notes as identity_notes
 
 
 def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
@@ -34,19 +34,13 @@ def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
     scheduled tokens ran without the connector's ``pre_forward`` stops the engine."""
     if model_runner.__dict__.get(HOOKED, False):
         return
-    initialize_kv_cache = inner_method(model_runner, "initialize_kv_cache")
     execute_model = inner_method(model_runner, "execute_model")
 
-    def initialize_kv_cache_with_canary(kv_cache_config, is_profiling=False, *args, **kwargs):
-        initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
-        if not is_profiling:
-            model_runner.kv_connector = _ForwardBracket(model_runner.kv_connector, model_runner)
-            watch(model_runner, callbacks.start(model_runner))
+    def bracket_forwards() -> None:
+        model_runner.kv_connector = _ForwardBracket(model_runner.kv_connector, model_runner)
 
     def execute_model_with_canary(scheduler_output, *args, **kwargs):
-        if getattr(model_runner, WATCHER, None) is not None:
-            identity_notes(model_runner).note(scheduler_output)
-        setattr(model_runner, FORWARD_SEEN, False)
+        begin_execute(model_runner, scheduler_output)
         output = execute_model(scheduler_output, *args, **kwargs)
         if forward_unseen(model_runner, scheduler_output):
             raise callbacks.refusal(
@@ -56,7 +50,7 @@ def hook_model_runner(model_runner, callbacks: PluginCallbacks) -> None:
             )
         return output
 
-    model_runner.initialize_kv_cache = initialize_kv_cache_with_canary
+    model_runner.initialize_kv_cache = watching_after_allocation(model_runner, callbacks, prepare=bracket_forwards)
     model_runner.execute_model = execute_model_with_canary
     setattr(model_runner, HOOKED, True)
 

@@ -34,6 +34,22 @@ FORMAT = 1
 to either is a new version, which a D of the former one takes unverified."""
 LAYOUT = ("block_size", "num_kv_heads", "head_size", "cache_dtype", "dtype")
 """The facts of the KV layout both sides must share for P's rows to compare with D's records."""
+_AGREED = (
+    (
+        "format",
+        "format_version",
+        "its records are of format {there!r} and this side reads format {here}",
+        "serve both sides with the same torch_kvcanary version",
+    ),
+    (
+        "mode",
+        "mode_mismatch",
+        f"it folds with {MODE_ENV}={{there}} and this side with {MODE_ENV}={{here}}",
+        f"set {MODE_ENV} to the same value on both sides",
+    ),
+)
+"""The settings both sides must share, each with the reason a D takes a transfer unverified
+when they differ, what differs (``there``: P's claim, ``here``: D's own) and the fix."""
 
 
 def facts(vllm_config, block_size: int, mode: str) -> dict:
@@ -95,16 +111,9 @@ class Claims:
                 f"its kv_transfer_params carry no {RECORDS_KEY}: serve the prefill side with {CONNECTOR} and {POLICY_ENV} set, "
                 f"its canary on, and have the router hand kv_transfer_params on unchanged"
             )
-        if claim.get("format") != own["format"]:
-            return "format_version", (
-                f"its records are of format {claim.get('format')!r} and this side reads format {own['format']}: "
-                f"serve both sides with the same torch_kvcanary version"
-            )
-        if claim.get("mode") != own["mode"]:
-            return "mode_mismatch", (
-                f"it folds with {MODE_ENV}={claim.get('mode')} and this side with {MODE_ENV}={own['mode']}: "
-                f"set {MODE_ENV} to the same value on both sides"
-            )
+        for key, reason, differs, fix in _AGREED:
+            if claim.get(key) != own[key]:
+                return reason, f"{differs.format(there=claim.get(key), here=own[key])}: {fix}"
         differ = [f"{key} {claim.get(key)!r} there, {own[key]!r} here" for key in LAYOUT if claim.get(key) != own[key]]
         tp_size = claim.get("tp_size")
         if not (isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size > 0):
