@@ -61,8 +61,10 @@ MODELS = {
 SETTINGS = ("off", "partial", "all")
 
 
-def workload(num_requests: int, prompt_len: int, output_len: int):
-    """Prompts sharing a one-block prefix, greedy, each generating ``output_len`` tokens."""
+def workload(num_requests: int, prompt_len: int, output_len: int, *, cache_salts: bool = False):
+    """Prompts sharing a one-block prefix, greedy, each generating ``output_len`` tokens;
+    with ``cache_salts`` each under a cache salt of its own (an identity each request's
+    records are rooted in, derived once per request)."""
     import random
 
     from vllm import SamplingParams
@@ -70,6 +72,9 @@ def workload(num_requests: int, prompt_len: int, output_len: int):
     rng = random.Random(0)
     prefix = [rng.randrange(2, 512) for _ in range(32)]
     prompts = [{"prompt_token_ids": prefix + [rng.randrange(2, 512) for _ in range(prompt_len - 32)]} for _ in range(num_requests)]
+    if cache_salts:
+        for number, prompt in enumerate(prompts):
+            prompt["cache_salt"] = f"tenant-{number}"
     return prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
 
@@ -91,7 +96,7 @@ def child(args) -> None:
         "partial": worker.WorkerCanary(runner, config.Settings("log", HashMode.PARTIAL, every=args.every)),
         "all": worker.WorkerCanary(runner, config.Settings("log", HashMode.ALL, every=args.every)),
     }
-    prompts, params = workload(args.requests, args.prompt_len, args.output_len)
+    prompts, params = workload(args.requests, args.prompt_len, args.output_len, cache_salts=args.cache_salts)
     rates = {setting: [] for setting in SETTINGS}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for setting in SETTINGS:
@@ -215,7 +220,7 @@ def run_model(model_dir: Path, args) -> dict:
     env.update(KVCANARY_VLLM="log", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus)
     command = [sys.executable, __file__, "--child", "--model-dir", str(model_dir), "--rounds", str(args.rounds),
                "--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-               "--every", str(args.every)]  # fmt: skip
+               "--every", str(args.every)] + (["--cache-salts"] if args.cache_salts else [])  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{model_dir.name} failed:\n{done.stderr[-4000:]}")
@@ -235,6 +240,11 @@ def main() -> None:
         "the other cores of a shared machine slows a run in proportion instead of stalling every barrier)",
     )  # fmt: skip
     parser.add_argument("--every", type=int, default=1, help="the canaries' KVCANARY_VLLM_EVERY (sampled verification)")
+    parser.add_argument(
+        "--cache-salts",
+        action="store_true",
+        help="each request under a cache salt of its own (the cost of deriving and rooting identities)",
+    )
     parser.add_argument("--step-time", action="store_true", help="the plugin's time per step as the context grows (see above)")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[200, 2000], help="--step-time's prompt lengths")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -252,7 +262,7 @@ def main() -> None:
                 run_step_time(make_llama(Path(scratch) / name, **MODELS[name]), args)
         return
     print(f"{args.requests} requests of {args.prompt_len} prompt + {args.output_len} generated tokens, "
-          f"{args.rounds} rounds of off/partial/all (every {args.every}); vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
+          f"{args.rounds} rounds of off/partial/all (every {args.every}{', each request salted' if args.cache_salts else ''}); vLLM on cores {args.cpus} of {os.cpu_count()}")  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
             result = run_model(make_llama(Path(scratch) / name, **MODELS[name]), args)
