@@ -1,16 +1,6 @@
-"""The canary as a vLLM KV connector, laid out by role as vLLM lays out its NIXL connector:
-
-* `facade`: `KvCanaryConnector`, which builds the transfer verifier's half of its role,
-  calls it at the matching connector calls, and applies the canary's policy (flagged
-  blocks become load errors), and its drills (`drill`) and counters (`stats`);
-* `delegate`: `InnerDelegate`, every connector call forwarded to the inner connector;
-* `verifier`: the base classes of a transfer verifier's two halves (`SchedulerVerifier`,
-  `WorkerVerifier`), each optional hook a documented no-op;
-* `transports`: the registry of transports (`TRANSPORTS`): `disk` (``ExampleConnector``)
-  and `nixl` (``NixlConnector``, whose records travel with the blocks, `nixl.region`);
-* `port`: what the connector asks of its worker's canary, by caller: `CanaryPort` (the
-  facade and drills), `RecordPort` (the verifiers); the plugin's worker implements both;
-* `checks`: the connectors refused at start.
+"""The canary as a vLLM KV connector (`KvCanaryConnector`), laid out by role as vLLM lays
+out its NIXL connector: a facade over per-transport verifiers. The folder's guide, README.md,
+names each module, a reading path and where to change what.
 
 vLLM imports this package when a ``kv_transfer_config`` names the connector (the plugin
 registers ``KvCanaryConnector`` with vLLM's connector factory as this package's class, so

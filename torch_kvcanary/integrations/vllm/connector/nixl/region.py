@@ -1,17 +1,10 @@
-"""The canary's records as a region NIXL transfers with the KV (`RecordsRegion`).
-
-Each worker of either side holds, beside its KV cache, an int64 tensor indexed by block like
-a KV layer: ``[num_blocks, heads, block_size, len(FIELDS)]``, the rank's KV heads outermost
-in a block as in the KV layers NIXL splits between tensor-parallel ranks of different sizes.
-The connector hands it to ``NixlConnector`` as one more layer (`adapter.nixl.with_records_region`),
-so NIXL's own read of a request's blocks brings each block's rows too, each rank's heads from
-the prefill ranks holding them: no port and no round trip of the canary's own.
-
-P writes the rows of a request's prompt slots in the step that completes the prompt, after
-the forward recorded them (`write`); the rows then live exactly as long as the blocks: a block
-freed and reused is rewritten by its next owner or holds its former owner's rows, and either
-differs from what a reader of the reused block expects. D reads the rows of the slots NIXL
-landed (`read`) and compares them with its own records of what landed.
+"""The canary's records as a region NIXL transfers with the KV (`RecordsRegion`): an int64
+tensor beside each worker's KV cache, indexed by block like a KV layer,
+``[num_blocks, heads, block_size, len(FIELDS)]`` (the rank's KV heads outermost in a block,
+as in the KV layers NIXL splits between tensor-parallel ranks of different sizes), which the
+connector registers as one more layer (`adapter.nixl.add_transfer_layer`). P writes the rows
+of a prompt's slots (`write`), D reads those NIXL landed (`read`): the protocol is in
+docs/vllm_internals.md ("Prefill/decode through NIXL").
 """
 
 from __future__ import annotations
