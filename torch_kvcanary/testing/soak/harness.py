@@ -5,6 +5,7 @@ patterns of the log's lines, and the fault injector's installation (`install_cha
 
 from __future__ import annotations
 
+import abc
 import argparse
 import re
 import tempfile
@@ -113,7 +114,7 @@ def tokens(answer: dict) -> list[int] | None:
 
 
 @dataclass
-class SoakResult:
+class SoakResult(abc.ABC):
     """One policy's chaos pass, of a server or a pair: what was injected and named, what
     failed or differed, the restarts and memory growth, and every check that did not hold
     (``problems``). ``HEADER`` names the columns of `row`; ``FAULT_KEYS`` the fields of an
@@ -137,8 +138,9 @@ class SoakResult:
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
+    @abc.abstractmethod
     def row(self) -> list[str]:
-        raise NotImplementedError
+        """The result's cells of `table`, one per column of its class's ``HEADER``."""
 
     def faults_by_kind(self) -> dict[str, int]:
         """How many faults of each kind were injected."""
