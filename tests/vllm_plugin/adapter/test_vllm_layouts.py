@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM s
 import torch_kvcanary as kc  # noqa: E402
 from torch_kvcanary import digest, layouts  # noqa: E402
 
-pytestmark = pytest.mark.every_release  # each release's CPU kernels
+pytestmark = [pytest.mark.vllm, pytest.mark.every_release]  # each release's CPU kernels
 
 BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE = 3, 2, 32, 64
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 import engine_driver  # noqa: E402
 from engine_driver import BLOCK_SIZE, CANARY_BYTES_PER_SLOT, Driver, decoding, parse_violations, sampling_params  # noqa: E402

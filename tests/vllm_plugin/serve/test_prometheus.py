@@ -28,6 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-prometheus runs these tests in the vLLM venv")
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed here: make test-prometheus runs these tests in the vLLM venv")
+pytestmark = pytest.mark.prometheus
 
 from torch_kvcanary.testing.metrics_capture import PROMPT, connector_server, flip, read_flipped  # noqa: E402
 from torch_kvcanary.testing.serve import collective_rpc, free_ports, install_flip_plugin, stop  # noqa: E402

@@ -13,6 +13,7 @@ import re
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from torch_kvcanary.testing.random_models import VOCAB_SIZE  # noqa: E402
 from torch_kvcanary.testing.soak import chaos_pd, table_fault  # noqa: E402

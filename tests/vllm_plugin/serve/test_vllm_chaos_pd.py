@@ -4,7 +4,7 @@ with NIXL between them; its single-server twin is test_vllm_chaos.py."""
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
-pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
+pytestmark = pytest.mark.nixl
 
 
 # The P/D chaos soak in its short form: 100 requests, three faults

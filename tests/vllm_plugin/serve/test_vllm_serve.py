@@ -11,6 +11,7 @@ import re
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from helpers import HOST_AMX, PROJECT_VERSION, needs_isa  # noqa: E402
 

@@ -21,7 +21,7 @@ from engine_driver import VIOLATION  # noqa: E402
 
 from torch_kvcanary.testing.serve import install_flip_plugin, path_with  # noqa: E402
 
-pytestmark = pytest.mark.every_release
+pytestmark = [pytest.mark.vllm, pytest.mark.every_release]
 
 TOOL = Path(__file__).resolve().parent / "vllm_sessions.py"
 

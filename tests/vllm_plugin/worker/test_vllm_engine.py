@@ -14,6 +14,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 
 import engine_driver  # noqa: E402

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from engine_driver import KV_BUDGET, flip_reported, flip_victim, random_tokens, sampling_params, started_engine  # noqa: E402
 from helpers import HOST_AMX, HOST_AVX512, needs_isa  # noqa: E402

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from helpers import PROJECT_VERSION, REPO  # noqa: E402
 

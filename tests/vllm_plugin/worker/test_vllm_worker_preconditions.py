@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from torch_kvcanary.integrations.vllm import connector, worker  # noqa: E402
 from torch_kvcanary.testing import fake_runner  # noqa: E402

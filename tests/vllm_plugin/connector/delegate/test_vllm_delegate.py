@@ -5,6 +5,7 @@ which the facade defines; a forwarded call reaches the inner connector."""
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from torch_kvcanary.integrations.vllm import connector  # noqa: E402
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from connector_driver import Reported, _greedy, _metric, _worker_connector, connector_engine, refused_start  # noqa: E402
-from engine_driver import BLOCK_SIZE, parse_violations, random_tokens  # noqa: E402
+from engine_driver import BLOCK_SIZE, ENGINES, parse_violations, random_tokens  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config, connector  # noqa: E402
 
@@ -43,13 +44,20 @@ def _swap_blocks(kv: torch.Tensor) -> torch.Tensor:
     return torch.cat([kv[BLOCK_SIZE : 2 * BLOCK_SIZE], kv[:BLOCK_SIZE], kv[2 * BLOCK_SIZE :]])
 
 
-@pytest.mark.parametrize("fault", ["none", "flipped byte", "swapped blocks", "another request's file", "truncated file", "no records"])
-def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, monkeypatch, fault):
-    # The producer saves a prompt's first two blocks to disk (vLLM's ExampleConnector), and
-    # the canary's records beside them; the consumer (the same engine, its prefix cache
-    # reset) loads them for the same prompt, and verifies what landed before the forward.
-    storage = tmp_path / "kv"
-    storage.mkdir()
+FAULTS = ["none", "flipped byte", "swapped blocks", "another request's file", "truncated file", "no records"]
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    """The folder ExampleConnector saves to, that of `disk_engine`."""
+    return tmp_path_factory.mktemp("kv")
+
+
+@pytest.fixture
+def disk_engine(tiny_llama, storage):
+    """The engine of the verified transfers under repair (`ENGINES`), with ExampleConnector
+    inside saving to ``storage``. Each test prompts with tokens of its own (ExampleConnector
+    names a prompt's folder by its tokens) and resets the prefix cache."""
     inner = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     transfer = {
         "kv_connector": config.CONNECTOR,
@@ -57,48 +65,65 @@ def test_a_transfer_through_example_connector_is_verified(tiny_llama, tmp_path, 
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {connector.INNER: inner},
     }
-    rng = random.Random(20)
+    return ENGINES.get(
+        ("disk", tiny_llama, json.dumps(transfer)), lambda: connector_engine(tiny_llama, "repair", kv_transfer_config=transfer)
+    )
+
+
+def _saved(storage, llm, prompt, max_tokens: int):
+    """The answer to ``prompt``, and the folder ExampleConnector saved its blocks to."""
+    before = set(storage.iterdir())
+    (answer,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(max_tokens), use_tqdm=False)
+    (folder,) = set(storage.iterdir()) - before
+    return answer, folder
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_transfer_through_example_connector_is_verified(disk_engine, storage, monkeypatch, fault):
+    # The producer saves a prompt's first two blocks to disk (vLLM's ExampleConnector), and
+    # the canary's records beside them; the consumer (the same engine, its prefix cache
+    # reset) loads them for the same prompt, and verifies what landed before the forward.
+    llm, lines, _ = disk_engine
+    rng = random.Random(20 + FAULTS.index(fault))
     prompt, other = random_tokens(rng, 2 * BLOCK_SIZE + 10), random_tokens(rng, 2 * BLOCK_SIZE + 10)
-    with connector_engine(tiny_llama, "repair", kv_transfer_config=transfer) as (llm, lines, _):
-        ours = _worker_connector()
-        assert type(ours.inner).__name__ == "ExampleConnector"
-        (clean,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
-        (folder,) = storage.iterdir()
-        llm.generate([{"prompt_token_ids": other}], _greedy(1), use_tqdm=False)
-        (other_folder,) = set(storage.iterdir()) - {folder}
-        assert len(_layer_files(folder)) == 2 and (folder / connector.DiskVerifier.SIDECAR).exists()
-        llm.reset_prefix_cache()
-        if fault == "flipped byte":
-            _rewrite(_layer_files(folder)[1], _flip_stored)
-        elif fault == "swapped blocks":
-            _rewrite(_layer_files(folder)[0], _swap_blocks)
-        elif fault == "another request's file":
-            for mine, theirs in zip(_layer_files(folder), _layer_files(other_folder)):
-                mine.write_bytes(theirs.read_bytes())
-        elif fault == "truncated file":
-            path = _layer_files(folder)[1]
-            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        elif fault == "no records":
-            (folder / connector.DiskVerifier.SIDECAR).unlink()
-        reported = Reported(monkeypatch, ours)
-        verified, failed = _metric("vllm:kv_canary_transfer_slots_verified_total"), _metric("vllm:kv_canary_transfer_slots_failed_total")
-        (loaded,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
-        assert loaded.num_cached_tokens == 2 * BLOCK_SIZE  # both blocks came from disk
-        assert loaded.outputs[0].token_ids == clean.outputs[0].token_ids
-        assert _metric("vllm:kv_canary_transfer_slots_verified_total") - verified == 2 * BLOCK_SIZE
-        failed = _metric("vllm:kv_canary_transfer_slots_failed_total") - failed
-        blocks = reported.take()
-        if fault == "none":
-            assert failed == 0 and blocks == set() and lines.take() == []
-        else:
-            assert failed > 0 and blocks, "the fault in what was stored was not reported as a load error"
-            # One slot's bytes (a row of its block), or every slot of both blocks.
-            assert failed == (1 if fault == "flipped byte" else 2 * BLOCK_SIZE)
-            said = lines.take()
-            if fault == "truncated file":  # the inner connector's load raised: logged, with its traceback
-                assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
-                said = said[1:]
-            assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in parse_violations(said))
+    ours = _worker_connector()
+    assert type(ours.inner).__name__ == "ExampleConnector"
+    clean, folder = _saved(storage, llm, prompt, 24)
+    _, other_folder = _saved(storage, llm, other, 1)
+    assert len(_layer_files(folder)) == 2 and (folder / connector.DiskVerifier.SIDECAR).exists()
+    llm.reset_prefix_cache()
+    if fault == "flipped byte":
+        _rewrite(_layer_files(folder)[1], _flip_stored)
+    elif fault == "swapped blocks":
+        _rewrite(_layer_files(folder)[0], _swap_blocks)
+    elif fault == "another request's file":
+        for mine, theirs in zip(_layer_files(folder), _layer_files(other_folder)):
+            mine.write_bytes(theirs.read_bytes())
+    elif fault == "truncated file":
+        path = _layer_files(folder)[1]
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif fault == "no records":
+        (folder / connector.DiskVerifier.SIDECAR).unlink()
+    reported = Reported(monkeypatch, ours)
+    verified, failed = _metric("vllm:kv_canary_transfer_slots_verified_total"), _metric("vllm:kv_canary_transfer_slots_failed_total")
+    (loaded,) = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)
+    assert loaded.num_cached_tokens == 2 * BLOCK_SIZE  # both blocks came from disk
+    assert loaded.outputs[0].token_ids == clean.outputs[0].token_ids
+    assert _metric("vllm:kv_canary_transfer_slots_verified_total") - verified == 2 * BLOCK_SIZE
+    failed = _metric("vllm:kv_canary_transfer_slots_failed_total") - failed
+    blocks = reported.take()
+    if fault == "none":
+        assert failed == 0 and blocks == set() and lines.take() == []
+    else:
+        assert failed > 0 and blocks, "the fault in what was stored was not reported as a load error"
+        # One slot's bytes (a row of its block), or every slot of both blocks.
+        assert failed == (1 if fault == "flipped byte" else 2 * BLOCK_SIZE)
+        said = lines.take()
+        if fault == "truncated file":  # the inner connector's load raised: logged, with its traceback
+            assert said[0] == "kv-canary: ExampleConnector failed to load KV; its blocks are reported as load errors"
+            said = said[1:]
+        assert said and all(reasons == ["verify_real_kv_hash"] for reasons, _, _ in parse_violations(said))
+    llm.reset_prefix_cache()
 
 
 def test_a_connector_in_the_canarys_place_that_loads_kv_is_refused_at_start(tiny_llama, tmp_path):

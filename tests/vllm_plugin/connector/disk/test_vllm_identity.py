@@ -22,6 +22,7 @@ import sys
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from connector_driver import Reported, _greedy, _metric, _worker_connector, connector_engine  # noqa: E402
 from engine_driver import BLOCK_SIZE, parse_violations, random_tokens  # noqa: E402

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from connector_driver import Reported, _greedy, _metric, _worker_connector, clean_answers, connector_engine, refused_start  # noqa: E402
-from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
+from engine_driver import BLOCK_SIZE, ENGINES, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config, connector, plugin  # noqa: E402
 from torch_kvcanary.testing.serve import Server  # noqa: E402
@@ -61,10 +62,11 @@ def _flip(driver: Driver, request_id: str, block_index: int) -> int:
     return block
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def repair_engine(tiny_llama):
-    with connector_engine(tiny_llama, "repair") as started:
-        yield started
+    """The engine of the repair tests (`ENGINES`): each leaves it serving, with its requests
+    finished and its prefix cache reset."""
+    return ENGINES.get(("connector", tiny_llama, "repair"), lambda: connector_engine(tiny_llama, "repair"))
 
 
 # Without a transfer -------------------------------------------------------------------
@@ -316,41 +318,49 @@ def test_a_drill_is_caught_and_repaired(tiny_llama):
 # Quarantine -----------------------------------------------------------------------------
 
 
-def test_quarantine_fails_only_the_affected_request(tiny_llama, monkeypatch):
-    with connector_engine(tiny_llama, "quarantine") as (llm, lines, _):
-        assert "policy quarantine through KvCanaryConnector;" in llm.startup_log
-        reported = Reported(monkeypatch, _worker_connector())
-        failed_before = _metric("vllm:kv_canary_requests_failed_total")
-        driver = decoding(llm, lines, "quarantine", _prompts(16), [_greedy(80)] * 3)
-        victim = driver.ids[2]
-        block = _flip(driver, victim, 1)  # the victim's own block, after the shared one
-        outputs = _run_to_end(driver)
-        assert block in reported.take()
-        assert outputs[victim].outputs[0].finish_reason == "error"
-        for other in driver.ids[:2]:
-            assert outputs[other].outputs[0].finish_reason == "length" and len(outputs[other].outputs[0].token_ids) == 80
-        assert _metric("vllm:kv_canary_requests_failed_total") - failed_before == 1
-        assert parse_violations(lines.take())
-        # The engine keeps serving.
-        (after,) = llm.generate([{"prompt_token_ids": _prompts(17)[0]}], _greedy(8), use_tqdm=False)
-        assert len(after.outputs[0].token_ids) == 8
+@pytest.fixture
+def quarantine_engine(tiny_llama):
+    """The engine of the quarantine tests (`ENGINES`): each leaves it serving, with its
+    requests finished and its prefix cache reset (a flipped block's bytes stay wrong)."""
+    return ENGINES.get(("connector", tiny_llama, "quarantine"), lambda: connector_engine(tiny_llama, "quarantine"))
 
 
-def test_a_wrong_block_entry_under_quarantine_fails_the_reader_alone(tiny_llama, monkeypatch):
-    with connector_engine(tiny_llama, "quarantine") as (llm, lines, _):
-        failed = _metric("vllm:kv_canary_requests_failed_total")
-        driver, outputs, clean = _a_wrong_block_entry(llm, lines, Reported(monkeypatch, _worker_connector()), "mapping")
-        reader, *others = driver.ids
-        assert outputs[reader].outputs[0].finish_reason == "error"
-        assert [outputs[r].outputs[0].token_ids for r in others] == clean[1:]
-        assert _metric("vllm:kv_canary_requests_failed_total") - failed == 1
-        # After a prefix hit the shared block is not reported: the reader fails at its next read, alone.
-        reported = Reported(monkeypatch, _worker_connector())
-        (sharer, owner, reader), clean, blocks, shared = _a_wrong_entry_after_a_prefix_hit(llm, lines, reported, monkeypatch)
-        assert reader.outputs[0].finish_reason == "error"
-        assert [sharer.outputs[0].token_ids, owner.outputs[0].token_ids] == clean[:2]
-        assert len(blocks) == 1 and not blocks & set(shared)
-        assert _metric("vllm:kv_canary_requests_failed_total") - failed == 2
+def test_quarantine_fails_only_the_affected_request(quarantine_engine, monkeypatch):
+    llm, lines, _ = quarantine_engine
+    assert "policy quarantine through KvCanaryConnector;" in llm.startup_log
+    reported = Reported(monkeypatch, _worker_connector())
+    failed_before = _metric("vllm:kv_canary_requests_failed_total")
+    driver = decoding(llm, lines, "quarantine", _prompts(16), [_greedy(80)] * 3)
+    victim = driver.ids[2]
+    block = _flip(driver, victim, 1)  # the victim's own block, after the shared one
+    outputs = _run_to_end(driver)
+    assert block in reported.take()
+    assert outputs[victim].outputs[0].finish_reason == "error"
+    for other in driver.ids[:2]:
+        assert outputs[other].outputs[0].finish_reason == "length" and len(outputs[other].outputs[0].token_ids) == 80
+    assert _metric("vllm:kv_canary_requests_failed_total") - failed_before == 1
+    assert parse_violations(lines.take())
+    # The engine keeps serving.
+    (after,) = llm.generate([{"prompt_token_ids": _prompts(17)[0]}], _greedy(8), use_tqdm=False)
+    assert len(after.outputs[0].token_ids) == 8
+    llm.reset_prefix_cache()  # the flipped block's bytes stay wrong
+
+
+def test_a_wrong_block_entry_under_quarantine_fails_the_reader_alone(quarantine_engine, monkeypatch):
+    llm, lines, _ = quarantine_engine
+    failed = _metric("vllm:kv_canary_requests_failed_total")
+    driver, outputs, clean = _a_wrong_block_entry(llm, lines, Reported(monkeypatch, _worker_connector()), "mapping")
+    reader, *others = driver.ids
+    assert outputs[reader].outputs[0].finish_reason == "error"
+    assert [outputs[r].outputs[0].token_ids for r in others] == clean[1:]
+    assert _metric("vllm:kv_canary_requests_failed_total") - failed == 1
+    # After a prefix hit the shared block is not reported: the reader fails at its next read, alone.
+    reported = Reported(monkeypatch, _worker_connector())
+    (sharer, owner, reader), clean, blocks, shared = _a_wrong_entry_after_a_prefix_hit(llm, lines, reported, monkeypatch)
+    assert reader.outputs[0].finish_reason == "error"
+    assert [sharer.outputs[0].token_ids, owner.outputs[0].token_ids] == clean[:2]
+    assert len(blocks) == 1 and not blocks & set(shared)
+    assert _metric("vllm:kv_canary_requests_failed_total") - failed == 2
 
 
 # Preconditions --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 

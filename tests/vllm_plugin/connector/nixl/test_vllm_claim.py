@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from torch_kvcanary.integrations.vllm.connector import nixl  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector.nixl import claim  # noqa: E402

@@ -7,6 +7,7 @@ import json
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from torch_kvcanary.integrations.vllm import config, connector  # noqa: E402
 

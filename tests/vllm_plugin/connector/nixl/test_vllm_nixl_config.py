@@ -3,6 +3,7 @@
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 
 def test_what_the_nixl_verification_cannot_watch_is_refused():

@@ -3,6 +3,7 @@
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 
 def test_slots_of_a_request_follow_its_blocks():

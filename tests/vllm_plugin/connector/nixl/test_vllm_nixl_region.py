@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 
 def test_the_records_region_holds_each_slots_rows_by_kernel_block_heads_outermost():

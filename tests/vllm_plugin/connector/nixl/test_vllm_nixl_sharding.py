@@ -3,6 +3,7 @@
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 # vLLM's sharding of KV heads over tensor-parallel ranks, written out: with at least as many
 # heads as ranks each rank holds a run of heads; with fewer, each head is replicated on

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 from torch_kvcanary.integrations.vllm import worker  # noqa: E402
 from torch_kvcanary.integrations.vllm.config import Settings  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
-pytest.importorskip("nixl", reason="NIXL is not installed in this venv: `make test-vllm-pd` installs it (pip install nixl)")
+pytestmark = pytest.mark.nixl
 
 from torch_kvcanary.testing.pd import claim_dropper, pd_pair  # noqa: E402
 from torch_kvcanary.testing.random_models import VOCAB_SIZE  # noqa: E402

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
+pytestmark = pytest.mark.vllm
 
 
 def test_the_transfer_benchmark_times_a_comparison_that_finds_a_flipped_byte(capsys):
