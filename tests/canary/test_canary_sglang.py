@@ -8,6 +8,8 @@ from helpers import DEVICES
 
 import torch_kvcanary as kc
 
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
+
 CAPACITY, TOKEN_BYTES = 96, 128
 
 

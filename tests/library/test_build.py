@@ -24,6 +24,8 @@ from torch_kvcanary import _torch_floor
 from torch_kvcanary._library import has_cuda_library
 from torch_kvcanary.cli import fold_backends
 
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
+
 CUDA_LIBRARY = has_cuda_library()
 # The CUDA kernels are registered where torch is a CUDA build and the package has them.
 CUDA_REGISTERED = CUDA_LIBRARY and torch.version.cuda is not None

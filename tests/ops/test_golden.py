@@ -6,7 +6,10 @@ import base64
 import importlib.util
 import json
 
+import pytest
 from golden import GOLDEN_PATH, expected_fingerprints, regenerate
+
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
 
 
 def _load_script():

@@ -19,6 +19,8 @@ from helpers import DEVICES, random_bytes, random_case, random_digest_case, rand
 import torch_kvcanary as kc
 from torch_kvcanary import layouts, ops, paged_step
 
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
+
 # --- the table -------------------------------------------------------------------------------
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from helpers import REPO
 
 from torch_kvcanary.canary import _ORIGIN_FIELDS
 from torch_kvcanary.paged_step import MailboxWord, StepPhase
+
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
 
 API_DOC = REPO / "docs" / "api.md"
 

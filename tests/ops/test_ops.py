@@ -19,6 +19,8 @@ from helpers import (
 
 import torch_kvcanary as kc
 
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
+
 GOLDEN = load_golden()
 
 

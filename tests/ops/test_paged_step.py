@@ -21,6 +21,8 @@ import torch_kvcanary as kc
 from torch_kvcanary import layouts
 from torch_kvcanary.paged_step import MailboxWord, PagedStep, StepPhase
 
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
+
 MAX_REQS, MAX_TOKENS, MAX_BLOCKS = 6, 64, 12
 
 

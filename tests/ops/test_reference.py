@@ -3,6 +3,7 @@ against the spec transcription (spec_oracle) on the golden vectors."""
 
 import random
 
+import pytest
 import spec_oracle as oracle
 import torch
 from golden import expected_fingerprints, load_golden
@@ -10,6 +11,8 @@ from helpers import golden_source
 
 import torch_kvcanary as kc
 from torch_kvcanary.reference import splitmix64
+
+pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
 
 
 def test_splitmix64_matches_python_integers():
