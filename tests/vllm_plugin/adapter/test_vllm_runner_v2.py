@@ -1,5 +1,5 @@
 """The vLLM plugin on Model Runner V2 (vLLM's CPU build, V2's CPU runner), each engine in a
-Python process of its own.
+Python process of its own; the tests of one configuration share one (`v2_log`).
 
 V2 runs its bookkeeping kernels in Triton, and vLLM's CPU build here has Triton without a CPU
 backend, so vLLM turns Triton off and V2 cannot run. Triton's interpreter (``TRITON_INTERPRET=1``)
@@ -98,28 +98,36 @@ print("MIXED", json.dumps(dict(
 )), flush=True)
 """
 
+# A fault (sys.argv[2] or a section's: "flip" or "table") injected into one of three requests
+# decoding, named by the kind; two steps then read it. Its requests end with the section.
 FAULT = """
-engine = llm.llm_engine
-ids = [f"fault-{i}" for i in range(3)]
-rng = random.Random(2)
-for i, request_id in enumerate(ids):
-    engine.add_request(request_id, {"prompt_token_ids": tokens(rng, 70 + 9 * i)}, greedy(200))
-decoding(ids, engine)
-victim, other = ids[1], ids[2]
-if sys.argv[2] == "flip":
-    block = blocks(victim)[1]
-    state.kv_caches[1].view(torch.int16)[block, 1, 5, 77] ^= 1 << 9
-else:  # the victim's second block-table entry points at another request's second block
-    block = blocks(other)[1]
-    runner.block_tables.block_tables[0].gpu[request_index(victim), 1] = block
-print("FAULT", json.dumps(dict(block=block, victim=internal_id(victim), block_size=BLOCK)), flush=True)
-try:
-    engine.step()
-    engine.step()
-except Exception as error:
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    print("RAISED", type(error).__name__, flush=True)
+def fault(kind):
+    engine = llm.llm_engine
+    ids = [f"{kind}-{i}" for i in range(3)]
+    rng = random.Random(2)
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, {"prompt_token_ids": tokens(rng, 70 + 9 * i)}, greedy(200))
+    decoding(ids, engine)
+    victim, other = ids[1], ids[2]
+    if kind == "flip":
+        block = blocks(victim)[1]
+        state.kv_caches[1].view(torch.int16)[block, 1, 5, 77] ^= 1 << 9
+    else:  # the victim's second block-table entry points at another request's second block
+        block = blocks(other)[1]
+        runner.block_tables.block_tables[0].gpu[request_index(victim), 1] = block
+    print("FAULT", json.dumps(dict(block=block, victim=internal_id(victim), block_size=BLOCK)), flush=True)
+    try:
+        engine.step()
+        engine.step()
+    except Exception as error:
+        while error.__cause__ is not None or error.__context__ is not None:
+            error = error.__cause__ or error.__context__
+        print("RAISED", type(error).__name__, flush=True)
+        return
+    engine.abort_request(ids)
+    for _ in range(3):
+        engine.step()
+    llm.reset_prefix_cache()  # the flipped block's bytes stay wrong
 """
 
 LINE = re.compile(r"kv_canary violation: launch_tag=vllm fail_reason=(\S+) slot_idx=(\d+) .* request_id=(\S+)$")
@@ -139,8 +147,8 @@ def _result(output: str, key: str):
     return json.loads(line[len(key) + 1 :])
 
 
-def test_model_runner_v2_is_watched_and_a_mixed_workload_raises_no_false_alarm(tiny_llama):
-    output = _run(tiny_llama, MIXED_WORKLOAD, KVCANARY_VLLM="log")
+def test_model_runner_v2_is_watched_and_a_mixed_workload_raises_no_false_alarm(v2_log):
+    output = v2_log["start"] + v2_log["mixed"]
     assert re.search(r"kv-canary: watching vllm\.v1\.worker\.cpu\.model_runner\.CPUModelRunner: 1 KV cache group", output)
     mixed = _result(output, "MIXED")
     assert mixed["lengths"] == [60 + 25 * (i % 4) for i in range(10)]
@@ -200,8 +208,8 @@ def test_model_runner_v2_watches_every_attention_kind(tmp_path, kind, groups):
 
 
 @pytest.mark.parametrize("fault", ["flip", "table"])
-def test_model_runner_v2_a_fault_names_its_request(tiny_llama, fault):
-    output = _run(tiny_llama, FAULT, fault, KVCANARY_VLLM="log")
+def test_model_runner_v2_a_fault_names_its_request(v2_log, fault):
+    output = v2_log[fault]
     injected = _result(output, "FAULT")
     found = [LINE.search(line).groups() for line in output.splitlines() if LINE.search(line)]
     assert found, f"the {fault} was not reported:\n{output[-3000:]}"
@@ -216,7 +224,7 @@ def test_model_runner_v2_a_fault_names_its_request(tiny_llama, fault):
 
 
 def test_model_runner_v2_under_raise_stops_the_step(tiny_llama):
-    output = _run(tiny_llama, FAULT, "flip", KVCANARY_VLLM="raise")
+    output = _run(tiny_llama, FAULT + "fault(sys.argv[2])\n", "flip", KVCANARY_VLLM="raise")
     assert "RAISED KvCorruptionError" in output, output[-3000:]
 
 
@@ -251,8 +259,34 @@ except Exception as error:
 """
 
 
-def test_a_model_runner_v2_step_past_its_forward_bracket_stops_the_engine(tiny_llama):
-    output = _run(tiny_llama, PAST_THE_BRACKET, KVCANARY_VLLM="log")
+# The engine under log runs its tests one after another, each in a section of its output:
+# the mixed workload first (it asserts no violation at all), then each fault on requests of
+# its own, then the step past the forward bracket, which ends the engine.
+V2_LOG_SECTIONS = {
+    "mixed": MIXED_WORKLOAD,
+    "flip": "fault('flip')",
+    "table": "fault('table')",
+    "past the bracket": PAST_THE_BRACKET,
+}
+
+
+@pytest.fixture(scope="module")
+def v2_log(tiny_llama) -> dict[str, str]:
+    """The output of each section of `V2_LOG_SECTIONS` from one engine under log."""
+    script = FAULT + "".join(f"print('SECTION {name}', flush=True)\n{code}\n" for name, code in V2_LOG_SECTIONS.items())
+    output = _run(tiny_llama, script, KVCANARY_VLLM="log")
+    sections, name = {"start": []}, "start"
+    for line in output.splitlines():
+        if line.startswith("SECTION "):
+            name = line[len("SECTION ") :]
+            sections[name] = []
+        sections[name].append(line)
+    assert list(sections) == ["start", *V2_LOG_SECTIONS], output[-4000:]
+    return {name: "\n".join(lines) + "\n" for name, lines in sections.items()}
+
+
+def test_a_model_runner_v2_step_past_its_forward_bracket_stops_the_engine(v2_log):
+    output = v2_log["past the bracket"]
     assert _result(output, "UNWATCHABLE") is None
     assert "GENERATED" not in output
     assert (
