@@ -180,8 +180,21 @@ def field(data: bytes) -> bytes:
     return le64(len(data)) + data
 
 
+def utf8(text: str) -> bytes:
+    """UTF-8, each code point by its own form; a surrogate code point (U+D800 to U+DFFF, which
+    a Python str can hold alone) in the three-byte form of its number."""
+    out = b""
+    for char in text:
+        point = ord(char)
+        if 0xD800 <= point <= 0xDFFF:
+            out += bytes([0xE0 | point >> 12, 0x80 | (point >> 6) & 0x3F, 0x80 | point & 0x3F])
+        else:
+            out += char.encode("utf-8")
+    return out
+
+
 def text_word(text: str) -> int:
-    return signed(blake64(text.encode("utf-8")))
+    return signed(blake64(utf8(text)))
 
 
 def tensor_record(tensor: torch.Tensor) -> bytes:
@@ -191,7 +204,7 @@ def tensor_record(tensor: torch.Tensor) -> bytes:
 
 
 def weights_word(tensors: dict[str, torch.Tensor]) -> int:
-    return signed(blake64(b"".join(field(name.encode("utf-8")) + tensor_record(tensors[name]) for name in sorted(tensors))))
+    return signed(blake64(b"".join(field(utf8(name)) + tensor_record(tensors[name]) for name in sorted(tensors))))
 
 
 def root(lora: tuple[int, str, int] | None = None, cache_salt: str | None = None) -> int:

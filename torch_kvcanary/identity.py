@@ -66,6 +66,13 @@ def _check_str(value, name: str) -> str:
     return value
 
 
+def _utf8(text: str) -> bytes:
+    """``text``'s UTF-8 bytes, a lone surrogate (a Python str can hold one, a client can send
+    one) in the three-byte form of its code point (``surrogatepass``): any str has bytes,
+    and two strs have the same bytes only where they are equal."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _field(data: bytes) -> bytes:
     """``data`` preceded by its length (8 bytes, little-endian): fields never run together."""
     return len(data).to_bytes(8, "little") + data
@@ -92,8 +99,8 @@ def _hash_tensor(hasher, tensor: torch.Tensor) -> None:
 
 def text_word(text: str) -> int:
     """The word of a text (an adapter's name, a cache salt, an mm_hash): the first 8 bytes,
-    little-endian, of blake2b(digest_size=8) of its UTF-8 bytes, as int64."""
-    return _digest_word(hashlib.blake2b(_check_str(text, "text").encode(), digest_size=8))
+    little-endian, of blake2b(digest_size=8) of its UTF-8 bytes (`_utf8`), as int64."""
+    return _digest_word(hashlib.blake2b(_utf8(_check_str(text, "text")), digest_size=8))
 
 
 def tensor_word(tensor: torch.Tensor) -> int:
@@ -111,7 +118,7 @@ def lora_weights_word(tensors: Mapping[str, torch.Tensor]) -> int:
         raise TypeError(f"kv-canary: lora_weights_word takes a mapping of name -> tensor, got {type(tensors).__name__}")
     hasher = hashlib.blake2b(digest_size=8)
     for name in sorted(_check_str(n, "a LoRA weight's name") for n in tensors):
-        hasher.update(_field(name.encode()))
+        hasher.update(_field(_utf8(name)))
         _hash_tensor(hasher, tensors[name])
     return _digest_word(hasher)
 

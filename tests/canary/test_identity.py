@@ -55,6 +55,16 @@ def test_texts_and_weights_words(chains):
     texts = {t["text"]: t["word"] for t in chains["texts"]}
     assert [identity.text_word(t) for t in texts] == list(texts.values())
     assert len(set(texts.values())) == len(texts)  # "a", "a\0" and "a\0\0" are three words
+    # A lone surrogate, which strict UTF-8 refuses, has a word (a client's cache salt may hold
+    # one). A surrogate pair in a str is two code points, not the character it would encode
+    # (JSON cannot pin the pair apart from the character: the oracle is asked here).
+    lone = [t for t in texts if any(0xD800 <= ord(c) <= 0xDFFF for c in t)]
+    assert len(lone) == 2
+    for text in lone:
+        with pytest.raises(UnicodeEncodeError):
+            text.encode("utf-8")
+    pair, character = "\ud83d\ude00", "\U0001f600"
+    assert identity.text_word(pair) == spec_oracle.text_word(pair) != identity.text_word(character) == spec_oracle.text_word(character)
     for entry in chains["weights"]:
         tensors = weights_tensors(entry)
         assert identity.lora_weights_word(tensors) == entry["word"]

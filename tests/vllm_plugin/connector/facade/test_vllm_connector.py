@@ -124,10 +124,27 @@ def test_a_mixed_workload_under_repair_reports_nothing(repair_engine, monkeypatc
 
 @pytest.mark.every_release
 def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repair_engine, monkeypatch):
+    _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, "repair")
+
+
+def test_a_cache_salt_with_a_lone_surrogate_leaves_the_canary_on_and_repairing(repair_engine, monkeypatch):
+    # vLLM's Python API passes any str as a cache salt (`vllm serve` refuses this one): its
+    # requests are rooted in it (identity.text_word takes a lone surrogate in its three-byte
+    # form) and answered, and the canary stays on and repairs the next flipped block.
+    llm, lines, _ = repair_engine
+    salted = llm.generate([{"prompt_token_ids": p, "cache_salt": "\ud800"} for p in _prompts(21)], _greedy(8), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in salted] == [8] * len(salted)
+    assert lines.take() == [] and plugin.active().on
+    _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, "after-salt")
+
+
+def _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, label: str) -> None:
+    """A byte of a decoding request's block flipped: named, the block reported to vLLM's
+    scheduler, recomputed, and every answer a clean run's."""
     llm, lines, preemptions = repair_engine
     reported = Reported(monkeypatch, _worker_connector())
     repaired_before = _metric("vllm:kv_canary_blocks_repaired_total")
-    clean, driver = _clean_then_decoding(llm, lines, "repair", _prompts(12), 80)
+    clean, driver = _clean_then_decoding(llm, lines, label, _prompts(12), 80)
     assert reported.take() == set()
     victim = driver.ids[1]
     scheduled = llm.llm_engine.engine_core.engine_core.scheduler.requests[driver.internal_id(victim)]
