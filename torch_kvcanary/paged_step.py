@@ -49,14 +49,34 @@ def _paged_step_fake(
             f"kv-canary: paged_step's scratch must be a contiguous 1-D int64 tensor on the canary's device ({records.device}), "
             f"got {scratch.dtype} of shape {list(scratch.shape)} on {scratch.device}"
         )
-    if roots is not None and roots.dtype != torch.int64:
-        raise ValueError(f"kv-canary: roots must be an int64 tensor (64-bit hashes), got {roots.dtype}; pass roots as int64")
-    buffers = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions, "input_ids": input_ids, "roots": roots}
+    buffers = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "positions": positions, "input_ids": input_ids}
     for name, value in buffers.items():
-        if value is not None and value.device != records.device:
-            raise ValueError(
-                f"kv-canary: {name} is on {value.device} but the canary is on {records.device}; pass the step's buffers on the canary's device"
-            )
+        if value is not None:
+            _check_step_device(value, name, records)
+    if roots is not None:
+        if roots.dtype != torch.int64:
+            raise ValueError(f"kv-canary: roots must be an int64 tensor (64-bit hashes), got {roots.dtype}; pass roots as int64")
+        _check_step_buffer(roots, "roots", num_reqs, "one per request", records)
+
+
+def _check_step_buffer(value: torch.Tensor, name: str, needed: int, entries: str, records: torch.Tensor) -> None:
+    # check_step_buffer's shape, size and device checks (csrc/plan/paged_step_plan.cpp), with its messages.
+    if value.dim() != 1 or not value.is_contiguous():
+        raise ValueError(
+            f"kv-canary: {name} must be a contiguous 1-D tensor, got shape {list(value.shape)} and strides {list(value.stride())}"
+        )
+    if value.numel() < needed:
+        raise ValueError(
+            f"kv-canary: {name} has {value.numel()} entries but the step needs {needed} ({entries}); pass the engine's whole buffer"
+        )
+    _check_step_device(value, name, records)
+
+
+def _check_step_device(value: torch.Tensor, name: str, records: torch.Tensor) -> None:
+    if value.device != records.device:
+        raise ValueError(
+            f"kv-canary: {name} is on {value.device} but the canary is on {records.device}; pass the step's buffers on the canary's device"
+        )
 
 
 def scratch_size(canary, block_tables: list[torch.Tensor], slot_mappings: list[torch.Tensor]) -> int:

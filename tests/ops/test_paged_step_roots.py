@@ -7,8 +7,10 @@ the block-packed phases are the CPU's)."""
 
 import pytest
 import torch
-from helpers import DEVICES
+from helpers import DEVICES, RAW_OP_REFUSAL
 from spec_oracle import ANCHOR, mix3, signed
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
 
 import torch_kvcanary as kc
 from torch_kvcanary import layouts
@@ -97,3 +99,23 @@ def test_without_roots_position_zero_is_the_anchors(device):
         (0, kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH, signed(ANCHOR)),
         (1, kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH, signed(ANCHOR)),
     ]
+
+
+@pytest.mark.parametrize(
+    "roots",
+    [torch.zeros(1, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)[::2]],
+    ids=["one for two requests", "2-D", "strided"],
+)
+def test_the_fake_refuses_the_roots_the_kernel_refuses(roots):
+    # A step of two requests and no tokens: roots must be 1-D, contiguous, >= 2 entries. The fake
+    # (FakeTensor, torch.compile) refuses them with the kernel's message, as a ValueError.
+    step = Step()
+    zeros = torch.zeros(4, dtype=torch.int64)
+    buffers = (zeros, zeros[:2], zeros, zeros, None, None, None)
+    args = (*step.op._groups, *buffers, *step.op._tables, 2, 0, BLOCK, StepPhase.WHOLE_STEP, 0, 1, 0, roots)
+    op = torch.ops.kvcanary.paged_step.default
+    with pytest.raises(RAW_OP_REFUSAL, match="^kv-canary: roots ") as real:
+        op(*args)
+    with FakeTensorMode() as mode, pytest.raises(ValueError) as fake:
+        op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    assert str(fake.value) == str(real.value)
