@@ -373,10 +373,17 @@ class KvCanary:
         With ``roots`` (as `record` takes them) an entry whose ``prev_slots`` value is
         negative expects ``roots[i]`` as its chain, and a mismatch there is
         VERIFY_IDENTITY_MISMATCH (the slot's KV was recorded under another identity) in place
-        of VERIFY_CHAIN_HASH_MISMATCH; without ``roots`` every check is as before."""
+        of VERIFY_CHAIN_HASH_MISMATCH; without ``roots`` every check is as before. ``roots``
+        without ``prev_slots`` is refused (ValueError): no chain is checked then, so no root
+        would be (the op itself takes them, unused: docs/spec.md, section 6)."""
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
             _check_entry_input(value, name)
         _check_roots(roots)
+        if roots is not None and prev_slots is None:
+            raise ValueError(
+                "kv-canary: verify was given roots but no prev_slots, without which no chain is checked and so no root; "
+                "pass prev_slots (negative at each request's first position, where its root is compared), or no roots"
+            )
         tags = None if tag is None else self._tag_tensor(tag)
         padding = -1 if self.padding_slot is None else self.padding_slot
         try:

@@ -115,10 +115,10 @@ def test_canary_refused_calls_write_nothing(device):
         (TypeError, "^kv-canary: prev_slots must be an int32 or int64 tensor shaped like slots, got list", {"prev_slots": [1, 2, 3, 4]}),
         (ValueError, r"^kv-canary: tag has 2 values", {"tag": torch.tensor([1, 2], device=device)}),
         (TypeError, "^kv-canary: tag must be an int or an int64 tensor", {"tag": 1.5}),
-        (ValueError, r"^kv-canary: roots has 3 values \(shape \[3\]\) but slots has 4 \(shape \[4\]\); pass one root per slot", {"roots": torch.zeros(3, dtype=torch.int64, device=device)}),
+        (ValueError, r"^kv-canary: roots has 3 values \(shape \[3\]\) but slots has 4 \(shape \[4\]\); pass one root per slot", {"roots": torch.zeros(3, dtype=torch.int64, device=device), "prev_slots": slots - 1}),
         (TypeError, "^kv-canary: roots must be an int64 tensor shaped like slots, got torch.int32; pass roots as int64", {"roots": slots.int()}),
         (TypeError, "^kv-canary: roots must be an int64 tensor shaped like slots, got list", {"roots": [1, 2, 3, 4]}),
-        (ValueError, "^kv-canary: roots is on meta but slots are on", {"roots": torch.zeros(4, dtype=torch.int64, device="meta")}),
+        (ValueError, "^kv-canary: roots is on meta but slots are on", {"roots": torch.zeros(4, dtype=torch.int64, device="meta"), "prev_slots": slots - 1}),
     ]  # fmt: skip
     for error, match, change in bad:
         kwargs = {"slots": slots, **change}

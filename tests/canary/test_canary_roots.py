@@ -139,3 +139,16 @@ def test_an_entry_past_the_capacity_reports_its_previous_slot_not_its_root(devic
     assert canary.records[3, 2].item() == ROOT
     (row,) = canary.poll()
     assert (row.slot, row.expected_aux, row.reasons) == (100, -1, kc.FailReason.SLOT_OUT_OF_RANGE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_refuses_roots_without_prev_slots(device):
+    # Without prev_slots verify checks no chain, so no root would be compared: a caller who
+    # passes roots means them to be checked. Refused before anything runs.
+    canary, entries, roots = _recorded_rooted(device)
+    without = {key: value for key, value in entries.items() if key != "prev_slots"}
+    before = canary.stats()
+    with pytest.raises(ValueError, match=r"^kv-canary: verify was given roots but no prev_slots.*; pass prev_slots"):
+        canary.verify(**without, roots=_longs([OTHER, 0, 0], device))
+    assert canary.stats() == before
+    assert canary.verify(**without).tolist() == [False, False, False]  # without roots: no chain checked, as before
