@@ -42,7 +42,7 @@ class Identities:
     @staticmethod
     def root(entry: dict, weights: dict[str, int]) -> int:
         lora = entry["lora"]
-        lora = None if lora is None else (lora["id"], lora["name"], weights[lora["weights"]])
+        lora = None if lora is None else (lora["name"], weights[lora["weights"]])
         return oracle.root(lora=lora, cache_salt=entry["cache_salt"])
 
     def token(self, spec) -> int:

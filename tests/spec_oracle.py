@@ -164,7 +164,7 @@ class Records:
 
 # --- identity: roots and words ----------------------------------------------------------------
 
-TAG_LORA_ID, TAG_LORA_NAME, TAG_LORA_WEIGHTS, TAG_CACHE_SALT, TAG_ITEM, TAG_EMBEDDING = 1, 2, 3, 4, 5, 6
+TAG_LORA_NAME, TAG_LORA_WEIGHTS, TAG_CACHE_SALT, TAG_ITEM, TAG_EMBEDDING = 2, 3, 4, 5, 6  # tag 1 is retired
 WORD_BITS = (1 << 63) - 1
 
 
@@ -207,12 +207,12 @@ def weights_word(tensors: dict[str, torch.Tensor]) -> int:
     return signed(blake64(b"".join(field(utf8(name)) + tensor_record(tensors[name]) for name in sorted(tensors))))
 
 
-def root(lora: tuple[int, str, int] | None = None, cache_salt: str | None = None) -> int:
-    """A request's root from its adapter (id, name, weights word) and its cache salt."""
+def root(lora: tuple[str, int] | None = None, cache_salt: str | None = None) -> int:
+    """A request's root from its adapter (name, weights word) and its cache salt."""
     h = ANCHOR
     if lora is not None:
-        lora_id, name, weights = lora
-        h = mix3(mix3(mix3(h, TAG_LORA_ID, lora_id), TAG_LORA_NAME, text_word(name)), TAG_LORA_WEIGHTS, weights)
+        name, weights = lora
+        h = mix3(mix3(h, TAG_LORA_NAME, text_word(name)), TAG_LORA_WEIGHTS, weights)
     if cache_salt:
         h = mix3(h, TAG_CACHE_SALT, text_word(cache_salt))
     return signed(h)

@@ -27,8 +27,8 @@ _MASK64 = (1 << 64) - 1
 WORD_MASK = (1 << 63) - 1
 ANCHOR = 0xDE7FAE23A9A1B716 - (1 << 64)  # splitmix64(0xC0FFEE1234567890) as int64, SGLang's anchor
 
-# The field tags of docs/spec.md: each value mixed into a root or a word is keyed by one.
-TAG_LORA_ID = 1
+# The field tags of docs/spec.md: each value mixed into a root or a word is keyed by one. Tag 1
+# is retired: a tag never means two things across versions, so a new field takes one above 6.
 TAG_LORA_NAME = 2
 TAG_LORA_WEIGHTS = 3
 TAG_CACHE_SALT = 4
@@ -124,24 +124,24 @@ def lora_weights_word(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 class LoraIdentity(NamedTuple):
-    """A LoRA adapter as loaded: its int id, its name and the word of its weights
-    (`lora_weights_word`); an in-place reload with other weights has another identity."""
+    """A LoRA adapter as loaded: its name and the word of its weights (`lora_weights_word`).
+    Not the int id an engine numbers it by: each server numbers its adapters in its own
+    order, and the same files loaded anywhere, in any order, are the same identity; an
+    in-place reload with other weights is another."""
 
-    id: int
     name: str
     weights_word: int
 
 
 def request_root(*, lora: LoraIdentity | None = None, cache_salt: str | None = None) -> int:
     """The root of a request's chain (int64): `ANCHOR` when it has no identity, else
-    ``h = ANCHOR``, then ``h = mix3(h, tag, word)`` for the adapter's id, name and weights
-    and for the cache salt, in that order, each where given. An empty salt is no salt, as
-    in vLLM's block hashes."""
+    ``h = ANCHOR``, then ``h = mix3(h, tag, word)`` for the adapter's name and weights and
+    for the cache salt, in that order, each where given. An empty salt is no salt, as in
+    vLLM's block hashes."""
     h = ANCHOR & _MASK64
     if lora is not None:
         if not isinstance(lora, LoraIdentity):
             raise TypeError(f"kv-canary: lora must be a LoraIdentity or None, got {type(lora).__name__}")
-        h = _mix3(h, TAG_LORA_ID, _check_int(lora.id, "the LoRA id", -(1 << 63), 1 << 63))
         h = _mix3(h, TAG_LORA_NAME, text_word(lora.name))
         h = _mix3(h, TAG_LORA_WEIGHTS, _check_int(lora.weights_word, "the LoRA weights word", -(1 << 63), 1 << 63))
     if cache_salt is not None and _check_str(cache_salt, "cache_salt"):

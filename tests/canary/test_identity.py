@@ -1,8 +1,9 @@
 """The identity of docs/spec.md section 8 against its chain vectors
 (tests/data/chain_vectors.json): the spec transcription regenerates the file byte for byte,
 torch_kvcanary.identity gives its words and roots, KvCanary on the CPU writes its records and
-gives its verify rows, and the file says what the spec says of them (no identity is the
-anchor, a reload is another root, a prefix before an item stays shared)."""
+gives its verify rows, the plugin's `RequestRoots` roots vLLM's requests as the file does, and
+the file says what the spec says of them (no identity is the anchor, a reload is another
+root, an adapter's per-server int id is no part of it, a prefix before an item stays shared)."""
 
 import ast
 import base64
@@ -17,6 +18,8 @@ import torch
 from chain_golden import CHAIN_PATH, load_chains, pinned_tensor, regenerate, weights_tensors
 
 from torch_kvcanary import KvCanary, identity, view_source
+from torch_kvcanary.integrations.vllm.adapter import RequestIdentity
+from torch_kvcanary.integrations.vllm.request_roots import RequestRoots
 
 ANCHOR = 0xDE7FAE23A9A1B716 - (1 << 64)
 
@@ -45,7 +48,7 @@ def test_expected_values_follow_the_inputs(chains):
     tensor["data_b64"] = base64.b64encode(bytes(raw)).decode()
     changed = json.loads(regenerate(json.dumps(document)))
     old_roots, new_roots = _by_name(chains["roots"]), _by_name(changed["roots"])
-    assert {n for n in old_roots if old_roots[n]["root"] != new_roots[n]["root"]} == {"lora_x", "lora_x_salt_a"}
+    assert {n for n in old_roots if old_roots[n]["root"] != new_roots[n]["root"]} == {"lora_x", "lora_x_salt_a", "lora_x_weights_named_z"}
     old_chains, new_chains = _by_name(chains["chains"]), _by_name(changed["chains"])
     differ = {n for n in old_chains if old_chains[n]["records"] != new_chains[n]["records"]}
     assert differ == {"rooted_prefill_then_decode", "two_roots_one_call"}
@@ -77,12 +80,62 @@ def test_roots(chains):
     words = {w["name"]: identity.lora_weights_word(weights_tensors(w)) for w in chains["weights"]}
     for entry in chains["roots"]:
         lora = entry["lora"]
-        lora = None if lora is None else identity.LoraIdentity(lora["id"], lora["name"], words[lora["weights"]])
+        lora = None if lora is None else identity.LoraIdentity(lora["name"], words[lora["weights"]])
         assert identity.request_root(lora=lora, cache_salt=entry["cache_salt"]) == entry["root"], entry["name"]
     roots = {e["name"]: e["root"] for e in chains["roots"]}
     assert roots["none"] == roots["empty_salt"] == identity.ANCHOR == ANCHOR
-    assert roots["lora_x_reloaded"] != roots["lora_x"]
+    assert roots["lora_x_reloaded"] != roots["lora_x"] != roots["lora_x_weights_named_z"]  # the weights count, and the name
     assert len(set(roots.values())) == len(roots) - 1  # every identity its own root, but the empty salt
+
+
+class _Runner:
+    """What `RequestRoots` reads of a runner: each request's `RequestIdentity`, and the
+    weights of the adapters its LoRA manager holds, by vLLM's int id."""
+
+    uncarried_salts = 0
+
+    def __init__(self, held: dict[int, dict[str, torch.Tensor]], requests: dict[str, RequestIdentity]):
+        self.held, self.requests = held, requests
+
+    def watch_lora_loads(self, loaded) -> bool:
+        for lora_id, weights in self.held.items():
+            loaded(lora_id, weights)
+        return True
+
+    def take_finished(self) -> set[str]:
+        return set()
+
+    def request_identity(self, request_id: str) -> RequestIdentity:
+        return self.requests[request_id]
+
+    def held_adapter_weights(self, lora_id: int) -> dict[str, torch.Tensor] | None:
+        return self.held.get(lora_id)
+
+
+def test_the_plugins_roots_hold_an_adapters_name_and_weights_not_its_int_id(chains):
+    # vLLM numbers adapters per server: adapter-x as id 1 on one server and id 7 on another
+    # (or unloaded and loaded again) has the file's one root; its weights under another name,
+    # or other weights under its name, have theirs.
+    weights = {w["name"]: weights_tensors(w) for w in chains["weights"]}
+    held = {1: weights["x"], 7: weights["x"], 8: weights["x"], 9: weights["x_reloaded"]}
+    requests = {
+        "x as 1": RequestIdentity(1, "adapter-x"),
+        "x as 7": RequestIdentity(7, "adapter-x"),
+        "x as 7, salted": RequestIdentity(7, "adapter-x", "tenant-a"),
+        "x's weights as z": RequestIdentity(8, "adapter-z"),
+        "x reloaded": RequestIdentity(9, "adapter-x"),
+        "none": RequestIdentity(),
+    }
+    roots = RequestRoots(_Runner(held, requests))
+    pinned = {e["name"]: e["root"] for e in chains["roots"]}
+    assert {r: roots.root(r) for r in requests} == {
+        "x as 1": pinned["lora_x"],
+        "x as 7": pinned["lora_x"],
+        "x as 7, salted": pinned["lora_x_salt_a"],
+        "x's weights as z": pinned["lora_x_weights_named_z"],
+        "x reloaded": pinned["lora_x_reloaded"],
+        "none": pinned["none"],
+    }
 
 
 def test_item_and_embedding_words(chains):
@@ -176,7 +229,7 @@ def test_kv_canary_gives_the_verify_rows(chains):
     "call, error",
     [
         (lambda: identity.request_root(cache_salt=b"salt"), TypeError),
-        (lambda: identity.request_root(lora=(1, "x", 2)), TypeError),
+        (lambda: identity.request_root(lora=("x", 2)), TypeError),
         (lambda: identity.item_word(1, -1), ValueError),
         (lambda: identity.item_word(1 << 63, 0), ValueError),
         (lambda: identity.lora_weights_word([torch.zeros(2)]), TypeError),

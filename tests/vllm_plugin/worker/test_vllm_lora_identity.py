@@ -7,7 +7,8 @@ adapter's weights as the worker loaded them, so that hit is a violation naming t
 the slot and ``verify_identity``; under ``repair`` vLLM recomputes the reader, which then
 answers as the new weights do; under ``quarantine`` it fails the reader alone. Requests of
 one identity share their blocks silently, beside requests of none, of a cache salt, and of
-adapters unloaded and loaded again.
+adapters unloaded and loaded again, under the same int id or another (vLLM numbers adapters
+per server: the root holds the adapter's name and weights, not its id).
 
 The adapters are random (`torch_kvcanary.testing.lora`), B non-zero on the K and V
 projections, so two of them write different KV for the same tokens.
@@ -128,6 +129,21 @@ def test_one_identity_shares_its_blocks_silently_beside_others(engine, folders):
     (reloaded,) = _run(llm, [prompt], x)
     assert reloaded.num_cached_tokens == 2 * BLOCK_SIZE and _answer(reloaded) == _answer(first[0])
     assert lines.take() == []
+
+
+def test_the_same_files_loaded_again_under_another_int_id_share_their_blocks_silently(engine, folders, monkeypatch):
+    # vLLM numbers adapters per server (a P and a D that loaded adapters in another order
+    # number them apart): an adapter unloaded and loaded again from the same files under a
+    # new int id is the same identity, and its earlier blocks serve it without a line.
+    llm, lines, _ = engine
+    reported = Reported(monkeypatch, _worker_connector())
+    prompt = {"prompt_token_ids": random_tokens(random.Random(11), PROMPT_LENGTH)}
+    (before,) = _run(llm, [prompt], LoRARequest("u", 11, str(folders["x"])))
+    assert llm.llm_engine.remove_lora(11)
+    (after,) = _run(llm, [prompt], LoRARequest("u", 12, str(folders["x"])))
+    assert after.num_cached_tokens == 2 * BLOCK_SIZE  # vLLM keys the blocks on the adapter's name and path
+    assert _answer(after) == _answer(before)
+    assert lines.take() == [] and reported.take() == set()
 
 
 def test_each_request_is_rooted_once_and_forgotten_once_finished(engine):

@@ -22,8 +22,10 @@ class RequestRoots:
     and its cache salt), kept by request id, and dropped once vLLM has finished the request.
     An adapter's weights are digested once per load (`identity.lora_weights_word`), as the
     worker's LoRA manager loaded them: an adapter reloaded in place with other weights gives
-    its later requests another root. A request without adapter or salt has `identity.ANCHOR`,
-    the root of every record without identity.
+    its later requests another root. vLLM's int id of an adapter only finds the weights this
+    worker holds under it now: each server numbers its adapters in its own order, so the id
+    is no part of a root. A request without adapter or salt has `identity.ANCHOR`, the root
+    of every record without identity.
 
     ``derived`` counts the requests whose root was derived, ``rooted`` those of them with an
     identity, ``seconds`` the host time that took (adapter digests apart: ``adapter_seconds``)."""
@@ -31,7 +33,7 @@ class RequestRoots:
     def __init__(self, runner_view: adapter.RunnerView):
         self._view = runner_view
         self._roots: dict[str, int] = {}
-        self._adapters: dict[int, int] = {}  # a loaded adapter's weights word, by its LoRA int id
+        self._adapters: dict[int, int] = {}  # the weights word of the adapter each LoRA int id holds now
         self.derived = 0
         self.rooted = 0
         self.seconds = 0.0
@@ -60,7 +62,7 @@ class RequestRoots:
         found = self._view.request_identity(request_id)
         lora = None
         if found.lora_id is not None:
-            lora = identity.LoraIdentity(found.lora_id, found.lora_name, self._weights_word(found.lora_id))
+            lora = identity.LoraIdentity(found.lora_name, self._weights_word(found.lora_id))
         root = identity.request_root(lora=lora, cache_salt=found.cache_salt)
         self._roots[request_id] = root
         self.derived += 1
@@ -96,7 +98,7 @@ class RequestRoots:
 
     def describe(self) -> str:
         """What the start line says of the identity the worker reads."""
-        lora = "LoRA adapters (id, name and weights as loaded)" if self.watches_lora else "no LoRA adapter (LoRA off)"
+        lora = "LoRA adapters (name and weights as loaded)" if self.watches_lora else "no LoRA adapter (LoRA off)"
         salt = "cache_salt carried from the scheduler" if adapter.carries_cache_salt() else "cache_salt not carried (unread)"
         unread = self._view.unread_identity()
         return f"request identity: {lora}, {salt}" + (f"; not read: {', '.join(unread)}" if unread else "")

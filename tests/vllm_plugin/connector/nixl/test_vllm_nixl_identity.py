@@ -27,7 +27,7 @@ ROOTS = {
     "none": identity.ANCHOR,
     "salt s1": identity.request_root(cache_salt="s1"),
     "salt s2": identity.request_root(cache_salt="s2"),
-    "adapter x": identity.request_root(lora=identity.LoraIdentity(1, "x", 11)),
+    "adapter x": identity.request_root(lora=identity.LoraIdentity("x", 11)),
 }
 
 

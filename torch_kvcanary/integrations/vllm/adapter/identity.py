@@ -28,7 +28,8 @@ _UNSEEN = object()
 
 class RequestIdentity(NamedTuple):
     """What covers a whole request: its LoRA adapter's int id and name (None: no adapter)
-    and its cache salt (None: none)."""
+    and its cache salt (None: none). The root holds the adapter's name and weights; the int
+    id, vLLM's number of the adapter on this server, finds the weights the worker holds."""
 
     lora_id: int | None = None
     lora_name: str | None = None
