@@ -127,15 +127,20 @@ def test_repair_recomputes_a_flipped_block_and_the_answers_are_a_clean_runs(repa
     _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, "repair")
 
 
-def test_a_cache_salt_with_a_lone_surrogate_leaves_the_canary_on_and_repairing(repair_engine, monkeypatch):
-    # vLLM's Python API passes any str as a cache salt (`vllm serve` refuses this one): its
-    # requests are rooted in it (identity.text_word takes a lone surrogate in its three-byte
-    # form) and answered, and the canary stays on and repairs the next flipped block.
+# What vLLM's Python API passes on as a cache salt (`vllm serve` refuses all but strs): each
+# is rooted in its own text (`adapter.identity.salt_text`), nothing of it raises.
+CLIENT_SALTS = ["\ud800", "\udfff\ud800", "", "a\x00b", "x" * (1 << 20), 123, 0, 1.5, b"bytes", ("a", 1), None]
+
+
+def test_any_cache_salt_is_answered_and_the_canary_stays_on_and_repairing(repair_engine, monkeypatch):
     llm, lines, _ = repair_engine
-    salted = llm.generate([{"prompt_token_ids": p, "cache_salt": "\ud800"} for p in _prompts(21)], _greedy(8), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in salted] == [8] * len(salted)
-    assert lines.take() == [] and plugin.active().on
-    _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, "after-salt")
+    clean = clean_answers(llm, _prompts(21), 8)
+    for salt in CLIENT_SALTS:
+        salted = llm.generate([{"prompt_token_ids": p, "cache_salt": salt} for p in _prompts(21)], _greedy(8), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in salted] == clean, repr(salt)[:20]
+        assert lines.take() == [] and plugin.active().on, repr(salt)[:20]
+    assert _metric("vllm:kv_canary_canary_faults_total") == 0
+    _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, "after-salts")
 
 
 def _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, label: str) -> None:
@@ -163,6 +168,35 @@ def _assert_a_flipped_block_is_repaired(repair_engine, monkeypatch, label: str) 
     assert _metric("vllm:kv_canary_blocks_repaired_total") - repaired_before == 1
     assert _metric("vllm:kv_canary_violations_total", reason="verify_real_kv_hash") >= len(found)
     assert _metric("vllm:kv_canary_slots_verified_total") > 0 and _metric("vllm:kv_canary_slots_recorded_total") > 0
+    llm.reset_prefix_cache()
+
+
+def test_faults_of_the_canarys_own_code_in_the_connector_calls_leave_the_engine_serving_and_repairing(repair_engine, monkeypatch):
+    # The mapping rule, the repair rule and the counters each raise at every call: the
+    # flipped block is still reported and recomputed (as a byte fault), each part's first
+    # fault is logged with its traceback and every one counted, and the canary stays on.
+    from torch_kvcanary.integrations.vllm.worker_port import WorkerPort
+
+    def fault(*args, **kwargs):
+        raise ZeroDivisionError("a fault injected into the canary's code")
+
+    llm, lines, _ = repair_engine
+    before = {part: _metric("vllm:kv_canary_canary_faults_total", part=part) for part in ("mapping", "repair", "counters")}
+    reported = Reported(monkeypatch, _worker_connector())
+    clean, driver = _clean_then_decoding(llm, lines, "own-faults", _prompts(14), 60)
+    for name in ("misread_blocks", "break_from_flagged_blocks", "counters"):
+        monkeypatch.setattr(WorkerPort, name, fault)
+    block = _flip(driver, driver.ids[1], 1)
+    driver.step()
+    assert reported.take() == {block}
+    outputs = _run_to_end(driver)
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    assert plugin.active().on
+    logged = [line for line in lines.take() if "failed in a KV connector call" in line]
+    assert sorted(re.search(r"call \((\w+)\)", line)[1] for line in logged) == ["counters", "mapping", "repair"]
+    counted = {part: _metric("vllm:kv_canary_canary_faults_total", part=part) - n for part, n in before.items()}
+    assert counted["repair"] == 1 and counted["mapping"] >= 1 and counted["counters"] >= 2, counted
+    monkeypatch.undo()
     llm.reset_prefix_cache()
 
 
@@ -437,8 +471,9 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
     assert line == (
         "KV Transfer metrics: kv_canary_violations_verify_real_kv_hash=6, kv_canary_violations_verify_token=1, "
         "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
-        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, "
-        "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0, kv_canary_transfer_slots_handed_over=0"
+        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, kv_canary_drills_expired=0, "
+        "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0, kv_canary_transfer_slots_handed_over=0, "
+        "kv_canary_canary_faults=0, kv_canary_transfers_loaded=0, kv_canary_transfer_params_unknown_keys=0"
     )
 
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 from torch_kvcanary.integrations.vllm import config  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector import CanaryPromMetrics, CanaryStats  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector.facade import KvCanaryConnector  # noqa: E402
+from torch_kvcanary.integrations.vllm.connector.guard import Guard  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector.stats import OFF  # noqa: E402
 
 LABELS = {"model_name": "tiny", "engine": "0"}
@@ -56,7 +57,7 @@ def test_the_gauge_is_on_from_the_start_and_off_for_good_once_a_worker_turns_off
 
 def test_a_worker_whose_canary_is_off_says_so_at_every_step():
     connector = object.__new__(KvCanaryConnector)  # the worker side's state that the stats read, without an engine
-    connector.port, connector._verifier, connector.stats = SimpleNamespace(watching=False), None, CanaryStats()
+    connector.port, connector._verifier, connector.stats, connector.guard = SimpleNamespace(watching=False), None, CanaryStats(), Guard()
     for _ in range(2):
         taken = connector.get_kv_connector_stats()
         assert taken is not None and taken.data[OFF] == 1 and "kv_canary_off" in taken.reduce()

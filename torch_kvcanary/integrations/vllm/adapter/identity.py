@@ -85,7 +85,7 @@ class IdentityNotes:
             if salt is _UNSEEN:
                 self.uncarried += 1
             elif salt:
-                self.salts[new.req_id] = salt
+                self.salts[new.req_id] = salt_text(salt)
 
     def take_salt(self, request_id: str) -> str | None:
         return self.salts.pop(request_id, None)
@@ -160,3 +160,12 @@ def lora_identity(lora_request) -> RequestIdentity:
     if lora_request is None:
         return RequestIdentity()
     return RequestIdentity(lora_request.lora_int_id, lora_request.lora_name)
+
+
+def salt_text(salt: object) -> str:
+    """The text a request's ``cache_salt`` is rooted in. `vllm serve` takes a str, and
+    vLLM's Python API passes any object on (its block hashes encode the object as it is): a
+    str is its own text; another object is its type's name and its ``repr``, so that salts
+    vLLM hashes apart (``123``, ``"123"``, ``b"123"``) are rooted apart, and deriving the
+    root never raises for what a client sent."""
+    return salt if isinstance(salt, str) else f"{type(salt).__qualname__}:{salt!r}"

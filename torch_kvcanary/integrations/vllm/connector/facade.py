@@ -52,8 +52,9 @@ from ..config import CONNECTOR_POLICIES
 from .checks import check_inner
 from .delegate import InnerDelegate, build_inner, inner_config
 from .drill import Drill
+from .guard import Guard
 from .port import CanaryPort, RecordPort
-from .stats import FAILED, CanaryPromMetrics, CanaryStats
+from .stats import FAILED, FAULTS, CanaryPromMetrics, CanaryStats
 from .transports import TRANSPORTS
 
 logger = logging.getLogger(adapter.LOGGER)
@@ -100,6 +101,7 @@ class KvCanaryConnector(InnerDelegate):
         self.port: CanaryPort | None = None  # the worker's canary, once the plugin has built it (`attach`)
         self.records: RecordPort | None = None  # the same, as the verifier uses it
         self.stats = CanaryStats()
+        self.guard = Guard()  # the canary's own code in each call below (`guard`)
         self.drill: Drill | None = None
         self._forward = False
         self._steps = 0
@@ -145,9 +147,11 @@ class KvCanaryConnector(InnerDelegate):
         self._orders = connector_metadata.orders
         self._steps += 1
         if self._forward and self._verifying():
-            self._verifier.before_forward(self.records)
+            with self.guard.guarding("verifier"):
+                self._verifier.before_forward(self.records)
         if self._forward and self.drill is not None and self.port is not None and self.port.watching:
-            self._run_drill()
+            with self.guard.guarding("drill"):
+                self._run_drill()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """The inner connector's loads. The verifier prepares for them first; for those that
@@ -157,20 +161,27 @@ class KvCanaryConnector(InnerDelegate):
         judges the loads it was landing, every block of them a load error
         (`WorkerVerifier.after_failed_load`), or, for loads that land later, lets the
         exception go on."""
-        if not self._verifying():
+        prepared = False
+        if self._verifying():
+            with self.guard.guarding("verifier"):
+                self._verifier.before_load(self.records, self._orders)
+                prepared = True
+        if not prepared:  # the loads land unverified
             super().start_load_kv(forward_context, **kwargs)
             return
-        self._verifier.before_load(self.records, self._orders)
         try:
             super().start_load_kv(forward_context, **kwargs)
         except Exception:
-            landed = self._verifier.after_failed_load(self.records)
+            landed = None
+            with self.guard.guarding("verifier"):
+                landed = self._verifier.after_failed_load(self.records)
             if landed is None:
                 raise
             logger.exception("kv-canary: %s failed to load KV; its blocks are reported as load errors", type(self.inner).__name__)
             self._count_landed(landed)
             return
-        self._count_landed(self._verifier.after_load(self.records))
+        with self.guard.guarding("verifier"):
+            self._count_landed(self._verifier.after_load(self.records))
 
     def _count_landed(self, landed: tuple[int, int]) -> None:
         verified, failed = landed
@@ -182,7 +193,8 @@ class KvCanaryConnector(InnerDelegate):
         records of the saved slots (the forward's slots are recorded by now)."""
         super().wait_for_save()
         if self._verifying():
-            self._verifier.after_save(self.records, self._orders)
+            with self.guard.guarding("verifier"):
+                self._verifier.after_save(self.records, self._orders)
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)
@@ -201,8 +213,9 @@ class KvCanaryConnector(InnerDelegate):
         that reads them reports their blocks."""
         if not self._verifying():
             return
-        self._verifier.forget(finished_req_ids)
-        self._count_landed(self._verifier.on_done(self.records, sending, recving, failed))
+        with self.guard.guarding("verifier"):
+            self._verifier.forget(finished_req_ids)
+            self._count_landed(self._verifier.on_done(self.records, sending, recving, failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The inner connector's, and under repair or quarantine the blocks of the slots the
@@ -215,19 +228,24 @@ class KvCanaryConnector(InnerDelegate):
             return errors
         flagged = self.port.flagged_slots()
         if self._reports_blocks():
-            misread, readers = self.port.misread_blocks(self._block_size)
+            misread, readers = set(), set()  # where the mapping rule fails, every flagged slot is reported as a byte fault
+            with self.guard.guarding("mapping"):
+                misread, readers = self.port.misread_blocks(self._block_size)
             if misread:  # the blocks read through a wrong mapping are their owners': not reported
                 flagged = flagged[~torch.isin(flagged, torch.tensor(sorted(misread), dtype=flagged.dtype, device=flagged.device))]
             if self.port.policy == "repair":
                 self.stats.add("blocks_repaired", len(readers - errors))
             errors |= readers
-        self._catch_drills(flagged)
+        with self.guard.guarding("drill"):
+            self._catch_drills(flagged)
         if self._verifying():
-            flagged_set = set(flagged.tolist()) if flagged.numel() else set()
-            self._verifier.on_flagged(self.records, flagged_set)  # the verifier counts them by kind (`take_counts`)
+            with self.guard.guarding("verifier"):
+                flagged_set = set(flagged.tolist()) if flagged.numel() else set()
+                self._verifier.on_flagged(self.records, flagged_set)  # the verifier counts them by kind (`take_counts`)
         if self._reports_blocks() and flagged.numel():
             blocks = set((flagged // self._block_size).tolist())
-            self.port.break_from_flagged_blocks(flagged)
+            with self.guard.guarding("repair"):
+                self.port.break_from_flagged_blocks(flagged)
             if self.port.policy == "repair":
                 self.stats.add("blocks_repaired", len(blocks))
             errors |= blocks
@@ -237,15 +255,18 @@ class KvCanaryConnector(InnerDelegate):
         """The canary's counters since the last call (vLLM calls it every step). vLLM
         builds one stats class per connector (`build_kv_connector_stats`), the canary's:
         the inner connector's own are not passed on."""
-        if self.port is not None and self.port.watching:
-            counters = self.port.counters()
-            self.stats.add("slots_verified", counters["slots_verified"] - self._verified)
-            self.stats.add("slots_recorded", counters["slots_recorded"] - self._recorded)
-            self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
-        elif self.port is not None:  # the canary has turned itself off: said at every step (`stats.OFF`)
-            self.stats.mark_off()
+        with self.guard.guarding("counters"):
+            if self.port is not None and self.port.watching:
+                counters = self.port.counters()
+                self.stats.add("slots_verified", counters["slots_verified"] - self._verified)
+                self.stats.add("slots_recorded", counters["slots_recorded"] - self._recorded)
+                self._verified, self._recorded = counters["slots_verified"], counters["slots_recorded"]
+            elif self.port is not None:  # the canary has turned itself off: said at every step (`stats.OFF`)
+                self.stats.mark_off()
         if self._verifier is not None:
-            self.stats.add_counts(self._verifier.take_counts())
+            with self.guard.guarding("verifier"):
+                self.stats.add_counts(self._verifier.take_counts())
+        self.stats.add(FAULTS, self.guard.take())
         if self.stats.is_empty():
             return None
         taken, self.stats = self.stats, CanaryStats()
@@ -261,22 +282,28 @@ class KvCanaryConnector(InnerDelegate):
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._planner is not None:
-            self._planner.bind_kv_cache_manager(kv_cache_manager)
+            with self.guard.guarding("verifier"):
+                self._planner.bind_kv_cache_manager(kv_cache_manager)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self._planner is not None:  # before the inner connector, which may clear what it reads (NIXL's do_remote_prefill)
-            self._planner.on_alloc(request, blocks, num_external_tokens)
+            with self.guard.guarding("verifier"):
+                self._planner.on_alloc(request, blocks, num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         inner = super().build_connector_meta(scheduler_output)
-        orders = self._planner.plan(scheduler_output) if self._planner is not None else None
+        orders = None
+        if self._planner is not None:
+            with self.guard.guarding("verifier"):
+                orders = self._planner.plan(scheduler_output)
         return KvCanaryMetadata(forward=scheduler_output.total_num_scheduled_tokens > 0, inner=inner, orders=orders)
 
     def update_connector_output(self, connector_output):
         super().update_connector_output(connector_output)
         if self._planner is not None:
-            self._planner.on_output(connector_output)
+            with self.guard.guarding("verifier"):
+                self._planner.on_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The inner connector's answer (none: free the blocks now). Under
@@ -288,7 +315,8 @@ class KvCanaryConnector(InnerDelegate):
             self.stats.add("requests_failed", 1)
         delay, params = super().request_finished(request, block_ids)
         if self._planner is not None:
-            self._planner.on_finished(request, params)
+            with self.guard.guarding("verifier"):
+                self._planner.on_finished(request, params)
         return delay, params
 
     # Class side ------------------------------------------------------------------
@@ -310,6 +338,7 @@ class KvCanaryConnector(InnerDelegate):
     # The canary's work -----------------------------------------------------------
 
     def _run_drill(self) -> None:
+        self.stats.add("drills_expired", self.drill.expire(self._steps))
         if self.drill.run(self.port, self._steps):
             self.stats.add("drills_injected", 1)
 

@@ -35,6 +35,11 @@ UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mis
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
 params carry no claim of the prefill side's records, or a claim of another records format,
 fold mode or KV layout than the decode side's (`nixl.claim`)."""
+FAULTS = "canary_faults"
+FAULT_PARTS = ("verifier", "mapping", "repair", "drill", "counters")
+"""What an exception of the canary's own code in a KV connector call is counted by
+(``data[FAULTS]`` by part, `guard.Guard`): the transfer verifier, the mapping rule
+(`port.CanaryPort.misread_blocks`), the repair rule, the drills, the counters."""
 OFF = "canary_off"
 """A state beside the counts: 1 where a worker's canary has turned itself off (a fault of
 its own; it stays off), reported by that worker at every step from then on; workers and
@@ -84,6 +89,13 @@ COUNTERS = (
     CounterSpec(
         "transfer_slots_handed_over",
         "Prompt slots whose records a prefill side wrote for the decode side to read with the KV (NixlConnector).",
+    ),
+    CounterSpec(
+        FAULTS,
+        "Exceptions of the canary's own code in a KV connector call, by part: caught, the engine and the canary going on "
+        "without that part's work in that step (the first of each part logged with its traceback).",
+        label="part",
+        values=FAULT_PARTS,
     ),
     CounterSpec(
         UNVERIFIED,
