@@ -32,6 +32,10 @@ CONNECTOR_CONFIG = (
 V1 = "Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)"
 SYNCHRONOUS = "synchronous scheduling (--no-async-scheduling, or async_scheduling=False)"
 TWO_GROUPS = "a model with one KV cache group, this one has 2 (SlidingWindowSpec, FullAttentionSpec)"
+DRILL_POLICY = (
+    "KVCANARY_VLLM=repair or quarantine for fault drills (under log a drilled bit stays in the KV and feeds the answers, "
+    "under raise it stops the engine), or KVCANARY_VLLM_DRILL unset"
+)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +49,10 @@ TWO_GROUPS = "a model with one KV cache group, this one has 2 (SlidingWindowSpec
         ),
         ("raise", 0.0, dict(canary_connector=False, model_runner_v2=True), []),
         ("log", 0.0, dict(model_runner_v2=True), [V1]),  # the connector's counters need V1
-        ("log", 0.5, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "recompute"]),
+        ("log", 0.5, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "recompute", DRILL_POLICY]),
+        ("log", 0.5, {}, [DRILL_POLICY]),  # a drilled bit would stay in the KV and feed the answers
+        ("raise", 0.5, {}, [DRILL_POLICY]),  # a drill would stop the engine
+        ("quarantine", 0.5, dict(kv_load_failure_policy="fail"), []),
         ("repair", 0.0, {}, []),
         ("repair", 0.0, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "recompute"]),
         ("quarantine", 0.0, dict(canary_connector=False, kv_load_failure_policy=None), [CONNECTOR_CONFIG % "fail"]),
@@ -63,6 +70,14 @@ TWO_GROUPS = "a model with one KV cache group, this one has 2 (SlidingWindowSpec
 def test_what_each_policy_needs_of_the_engine(policy, drill, changes, needs):
     engine = dataclasses.replace(SERVABLE, **changes)
     assert config.connector_needs(policy, drill, engine) == needs
+
+
+def test_a_drill_under_log_is_refused_with_the_change_to_make():
+    error = config.connector_refusal("log", 0.01, config.connector_needs("log", 0.01, SERVABLE))
+    assert str(error) == (
+        f"kv-canary: KVCANARY_VLLM=log with KVCANARY_VLLM_DRILL=0.01 needs {DRILL_POLICY}: "
+        "change that, or unset KVCANARY_VLLM to serve without the canary"
+    )
 
 
 def test_a_policy_the_engine_cannot_serve_is_refused_with_every_change_to_make():

@@ -97,7 +97,8 @@ def connector_needs(policy: str, drill: float, engine: EngineFacts) -> list[str]
     lacks, each as the change to make; none where the engine can serve them. repair and
     quarantine report blocks to vLLM's scheduler through the KV connector, which maps them
     back to requests only with synchronous scheduling and one KV cache group, and acts on
-    them by the connector's kv_load_failure_policy; a drill is repaired the same way."""
+    them by the connector's kv_load_failure_policy; a drill is repaired the same way, and so
+    is drilled only under them."""
     reports = policy in CONNECTOR_POLICIES
     needs = []
     if (reports or drill) and not engine.canary_connector:
@@ -108,6 +109,11 @@ def connector_needs(policy: str, drill: float, engine: EngineFacts) -> list[str]
         )
     if engine.model_runner_v2 and (engine.canary_connector or reports or drill):
         needs.append("Model Runner V1 for the KV connector (VLLM_USE_V2_MODEL_RUNNER=0)")
+    if drill and not reports:
+        needs.append(
+            f"{POLICY_ENV}={' or '.join(CONNECTOR_POLICIES)} for fault drills (under log a drilled bit stays in the KV and "
+            f"feeds the answers, under raise it stops the engine), or {DRILL_ENV} unset"
+        )
     if reports:
         failure_policy = CONNECTOR_POLICIES[policy]
         if engine.canary_connector and engine.kv_load_failure_policy != failure_policy:

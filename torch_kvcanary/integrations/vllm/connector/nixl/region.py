@@ -3,7 +3,8 @@ tensor beside each worker's KV cache, indexed by block like a KV layer,
 ``[num_blocks, heads, block_size, len(FIELDS)]`` (the rank's KV heads outermost in a block,
 as in the KV layers NIXL splits between tensor-parallel ranks of different sizes), which the
 connector registers as one more layer (`adapter.nixl.add_transfer_layer`). P writes the rows
-of a prompt's slots (`write`), D reads those NIXL landed (`read`): the protocol is in
+of a prompt's slots (`write`) and marks those of KV its canary flagged (`mark`), D reads those
+NIXL landed (`read`): the protocol is in
 docs/vllm_internals.md ("Prefill/decode through NIXL").
 """
 
@@ -17,6 +18,8 @@ FIELDS = (*RECORD_FIELDS, "digest")
 """The row of a slot and head: the canary's record of the slot (its token, position, chain and
 fold over the rank's heads) and the transfer digest of the head (`digest.kv_digest_by_head`)."""
 DIGEST = FIELDS.index("digest")
+MARKED = FIELDS.index("fold")
+"""The fields from which on a marked row differs from the row of the same KV (`RecordsRegion.mark`)."""
 LAYER_NAME = "~kv_canary.transfer_records"
 """The region's name among the layers NixlConnector registers, the same on every side. It
 sorts after every model layer's name ("~" after letters and digits): NixlConnector orders its
@@ -62,3 +65,15 @@ class RecordsRegion:
         """D: the rows of ``slots``, int64 ``[n, heads, len(FIELDS)]``."""
         blocks, offsets = self._rows(slots)
         return self.tensor[blocks, :, offsets]
+
+    def mark(self, slots: torch.Tensor, where: torch.Tensor) -> None:
+        """P: marks the rows of ``slots`` where ``where`` (a bool tensor shaped like them)
+        holds, as rows of KV P does not hand over as its own (its canary flagged the step
+        that computed it): their fold and every head digest changed (the lowest bit
+        flipped), their token, position and chain kept. A row so marked differs from the
+        fold and the digests of the KV it sits beside, so D, whichever of them it compares,
+        finds each such slot bad. Nothing waits on the device."""
+        blocks, offsets = self._rows(slots)
+        rows = self.tensor[blocks, :, offsets]
+        rows[:, :, MARKED:] ^= where.to(torch.int64)[:, None, None]
+        self.tensor[blocks, :, offsets] = rows

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from ...config import CONNECTOR
 from ..port import RecordPort, to_device
 from ..stats import FAILED, FAILED_KINDS, UNVERIFIED, UNVERIFIED_REASONS
 from ..verifier import WorkerVerifier
+from .claim import FirstSeen
 from .config import RECORDS_KEY, STRICT, check_nixl, prepare_worker, strict_transfers
 from .landing import LandedLoad, LandingBatch, PendingLoad, fault_kind
 from .orders import LoadOrder, NixlOrders, slots_of
@@ -58,6 +60,18 @@ class HostTime:
 """Each side logs its host time per request after every this many requests, and at shutdown."""
 
 
+@dataclass
+class HandedOver:
+    """P: the prompts a step handed over, until that step's verdict (`NixlWorker.on_flagged`):
+    their slots, the index of each slot's prompt, and the records their rows were written
+    from (on the device), with each prompt's blocks (on the host)."""
+
+    slots: torch.Tensor
+    prompts: torch.Tensor
+    records: torch.Tensor
+    blocks: list[list[int]]
+
+
 class NixlWorker(WorkerVerifier):
     """The worker side of tensor-parallel rank ``rank`` of a server whose ranks hold the
     model's KV heads as ``sharding`` says: P's records written into the region NIXL moves
@@ -76,13 +90,15 @@ class NixlWorker(WorkerVerifier):
         self._landed: dict[str, LandedLoad] = {}  # D: loads landed and not yet read, by request id
         self._awaiting: list[PendingLoad] = []  # D: loads landed of requests whose root the worker cannot derive yet
         self._compared_later = 0  # D: slots of such loads compared since `take_counts`
-        self._said: set[int] = set()  # the prefill tensor-parallel sizes `_say_comparison` logged
+        self._said = FirstSeen("prefill tensor-parallel sizes")  # those `_say_comparison` logged
         self.verify_time = HostTime(
             "kv-canary: verified the KV of %d requests landed through NIXL: %.0f us of host time each recording and comparing"
         )
         self.write_time = HostTime("kv-canary: wrote the records of %d requests handed over through NIXL: %.0f us of host time each")
         self._handed_over = 0  # P: slots written since `take_counts`
+        self._handed: HandedOver | None = None  # P: the prompts of the step, until its verdict
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)  # D: loads judged unverified since `take_counts`, by reason
+        self._loaded = self._unknown_keys = 0  # D: loads ordered and their unknown params keys since `take_counts`
         self._failed = dict.fromkeys(FAILED_KINDS, 0)  # D: landed slots a step found bad since `take_counts`, by kind
 
     @classmethod
@@ -118,25 +134,49 @@ class NixlWorker(WorkerVerifier):
 
     def after_save(self, port: RecordPort, orders: NixlOrders | None) -> None:
         """P: writes the records and head digests of the requests whose prompts the step
-        completed (after its forward) into the region, all of them at once, on the device."""
+        completed (after its forward) into the region, all of them at once, on the device.
+        The step's verdict marks those of a prompt whose step had a violation (`on_flagged`)."""
         if orders is None or not orders.handovers:
             return
         begin = time.perf_counter()
         handovers = orders.handovers
         host_slots = np.concatenate([slots_of(order.block_ids, order.tokens, self.block_size) for order in handovers])
         host_positions = np.concatenate([np.arange(order.tokens) for order in handovers])
-        slots, positions = to_device(port.device, host_slots, host_positions)
+        host_prompts = np.repeat(np.arange(len(handovers)), [order.tokens for order in handovers])
+        slots, positions, prompts = to_device(port.device, host_slots, host_positions, host_prompts)
         digests = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, positions=positions)
-        self.region.write(slots, port.records_of(slots), digests)
+        records = port.records_of(slots)
+        self.region.write(slots, records, digests)
+        self._handed = HandedOver(slots, prompts, records, [order.block_ids for order in handovers])
         self._handed_over += len(host_slots)
         self.write_time.add(begin, len(handovers))
+
+    def _mark_spoiled(self, port: RecordPort, flagged: set[int]) -> None:
+        """P, at the verdict of the step that handed prompts over: marks the rows of each
+        prompt whose step had a violation (`RecordsRegion.mark`), so that D finds every slot
+        of it bad and fails or recomputes it as its policy says: a prompt with a slot of its
+        blocks in ``flagged``, or with records of its slots changed since they were written
+        (the misread rule breaks what a request that read through a wrong mapping wrote,
+        `CanaryPort.misread_blocks`). The verdict comes after the write (`after_save` runs
+        in vLLM's ``wait_for_save``, the verdict in ``get_block_ids_with_load_errors``),
+        before the request is handed over (its params leave with the step's output).
+        Nothing waits on the device."""
+        handed, self._handed = self._handed, None
+        flagged_blocks = {slot // self.block_size for slot in flagged}
+        host_hit = np.array([not flagged_blocks.isdisjoint(blocks) for blocks in handed.blocks], dtype=np.int64)
+        (hit,) = to_device(port.device, host_hit)
+        changed = (port.records_of(handed.slots) != handed.records).any(dim=1).to(torch.int64)
+        hit = hit.index_add(0, handed.prompts, changed)
+        self.region.mark(handed.slots, (hit > 0)[handed.prompts])
 
     def take_counts(self) -> dict:
         """The counters since the last call, by their names in `stats`: P's prompt slots whose
         records it wrote for a decode side, D's landed slots that failed by kind (`on_flagged`),
-        and D's loads it could not verify by reason (counted by rank 0 alone: vLLM sums the
-        ranks' counters, and each rank sees each load)."""
+        and D's loads, those it could not verify by reason, and their unknown params keys
+        (counted by rank 0 alone: vLLM sums the ranks' counters, and each rank sees each load)."""
         counts = {"transfer_slots_handed_over": self._handed_over, FAILED: self._failed, UNVERIFIED: self._unverified}
+        counts |= {"transfers_loaded": self._loaded, "transfer_params_unknown_keys": self._unknown_keys}
+        self._loaded = self._unknown_keys = 0
         counts["transfer_slots_verified"] = self._compared_later  # loads compared in `before_forward`, past `on_done`
         self._handed_over = self._compared_later = 0
         self._failed = dict.fromkeys(FAILED_KINDS, 0)
@@ -159,6 +199,9 @@ class NixlWorker(WorkerVerifier):
         """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
         if orders is None:
             return
+        if self.rank == 0:
+            self._loaded += len(orders.loads)
+            self._unknown_keys += sum(load.unknown_keys for load in orders.loads)
         for load in orders.loads:
             if load.remote_tp_size is None:
                 self._pending[load.request_id] = self._unverifiable(load)
@@ -182,9 +225,8 @@ class NixlWorker(WorkerVerifier):
 
     def _say_comparison(self, remote: Sharding, sources: list[int], same_heads: bool) -> None:
         """Logs, once per prefill tensor-parallel size, what this rank compares with which prefill ranks."""
-        if remote.tp_size in self._said:
+        if not self._said.first(remote.tp_size):
             return
-        self._said.add(remote.tp_size)
         heads = f"heads {self.heads.start}-{self.heads.stop - 1} of {self.sharding.num_kv_heads}"
         compared = "each slot's records" if same_heads else "each slot's token, position and chain, and its digest of each head,"
         logger.info(
@@ -261,7 +303,10 @@ class NixlWorker(WorkerVerifier):
         step's verdict) among those of the loads it read for the first time, each such load
         logged; those loads are then no longer tracked. Returns how many slots failed, and
         counts them under the kind of their load's first differing slot (`fault_kind`; a load
-        without records of P's: ``no_records``)."""
+        without records of P's: ``no_records``). P: marks the rows of the step's prompts
+        whose step had a violation (`_mark_spoiled`)."""
+        if self._handed is not None:
+            self._mark_spoiled(port, flagged)
         failed = 0
         for request_id in port.step_requests():
             landed = self._landed.pop(request_id, None)
@@ -289,12 +334,18 @@ class NixlWorker(WorkerVerifier):
         another position, another request's KV as another token (read on the host: a
         failure's path alone)."""
         slot = int(landed.slots[index])
-        theirs = self.region.read(torch.tensor([slot]))[0, 0, :FOLD].tolist()
+        row = self.region.read(torch.tensor([slot]))[0]
+        theirs = row[0, :FOLD].tolist()
         token, position = theirs[FIELDS.index("token")], theirs[FIELDS.index("position")]
         offset = position - landed.start  # P's position among the load's slots, where D holds its own record
         slots = [slot, int(landed.slots[offset])] if 0 <= offset < len(landed.slots) else [slot]
         mine = port.records_of(torch.tensor(slots))[:, :FOLD].tolist()
         kind = fault_kind(mine[0], theirs, landed.tokens, mine[1] if len(mine) > 1 else None, first=index == 0)
+        if kind == "bytes" and self._marked(port, slot, landed.start + index, row[:, DIGEST]):
+            return "unknown", (
+                "the prefill side marked its rows of this KV: its own canary flagged the step that computed it "
+                "(its log names the violation)"
+            )
         if kind == "identity":
             return kind, (
                 f"at slot {slot} the request has token {token} at position {position}, as the prefill side's records that "
@@ -306,6 +357,14 @@ class NixlWorker(WorkerVerifier):
             f"say token {token} at position {position}"
         )
         return kind, said
+
+    def _marked(self, port: RecordPort, slot: int, position: int, digests: torch.Tensor) -> bool:
+        """Whether P's row of ``slot`` (holding ``position``), whose head digests that landed
+        are ``digests``, is marked (`RecordsRegion.mark`): each differs from this side's
+        digest of the head's landed KV in the lowest bit alone."""
+        slots, positions = to_device(port.device, np.array([slot]), np.array([position]))
+        mine = port.head_digests(slots, self.heads, self.sharding.num_kv_heads, positions=positions)
+        return bool(((mine[0] ^ 1) == digests).all())
 
     def forget(self, request_ids) -> None:
         """D: requests vLLM finished (or aborted) before a step read what landed for them."""
