@@ -10,6 +10,12 @@ import torch
 from .port import CanaryPort
 
 _INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+EXPIRY_STEPS = 1024
+"""Engine steps after its flip a drill stays pending. A drill flips a slot a request of its
+step reads, which the canary verifies in that step, or within ``KVCANARY_VLLM_EVERY`` steps
+while a request reads it; one not flagged by then was not read again (its requests finished),
+and its block may since hold another request's KV, so a later flag of the slot is another
+fault's, not the drill's. 1024 is far above any ``EVERY`` worth running."""
 
 
 @dataclass
@@ -17,7 +23,7 @@ class Drill:
     """Fault drills: before a step's forward, with ``probability``, one bit of a slot that
     a request of the step reads flips (in the top byte of its first element in the first
     source, which every fold covers). ``pending`` maps each flipped slot to the step it
-    flipped in, until the canary flags it."""
+    flipped in, until the canary flags it or it expires (`EXPIRY_STEPS`)."""
 
     probability: float
     rng: random.Random = field(default_factory=random.Random)
@@ -41,6 +47,14 @@ class Drill:
         """The engine steps each pending drill among ``flagged`` slots took to be caught, as
         of engine step ``step``; those drills are no longer pending."""
         return [step - self.pending.pop(slot) for slot in sorted(flagged & set(self.pending))]
+
+    def expire(self, step: int) -> int:
+        """Drops the drills pending for more than `EXPIRY_STEPS` steps as of engine step
+        ``step``; how many."""
+        expired = [slot for slot, flipped in self.pending.items() if step - flipped > EXPIRY_STEPS]
+        for slot in expired:
+            del self.pending[slot]
+        return len(expired)
 
 
 def _top_byte_bit(size: int, bit: int) -> int:

@@ -77,6 +77,10 @@ COUNTERS = (
     CounterSpec("drills_caught", "Fault drills the canary caught."),
     CounterSpec("drill_steps_to_catch", "Engine steps from each caught drill's flip to its detection, summed."),
     CounterSpec(
+        "drills_expired",
+        "Fault drills whose flipped slot the canary had not flagged 1024 engine steps later (no request read it again), no longer pending.",
+    ),
+    CounterSpec(
         "transfer_slots_verified", "KV cache slots loaded by the inner connector and verified against the records stored with them."
     ),
     CounterSpec(
@@ -96,6 +100,16 @@ COUNTERS = (
         "without that part's work in that step (the first of each part logged with its traceback).",
         label="part",
         values=FAULT_PARTS,
+    ),
+    CounterSpec(
+        "transfers_loaded",
+        "Transfers a decode side loaded through the inner connector (NixlConnector), verified or not: what "
+        "transfers_unverified is a share of.",
+    ),
+    CounterSpec(
+        "transfer_params_unknown_keys",
+        "kv_canary_* keys of the loaded requests' kv_transfer_params the decode side does not know (a router's typo, a newer "
+        "prefill side's key): ignored, each load judged by its kv_canary_records alone.",
     ),
     CounterSpec(
         UNVERIFIED,

@@ -17,6 +17,12 @@ error, as a transfer whose rows differ does.
 The claim travels per request rather than in NIXL's handshake: a router may drop it from
 one request's params and not another's, and P's canary may switch itself off between two
 requests, neither of which a handshake made once per pair of engines sees.
+
+What a client writes reaches D bounded: a ``kv_canary_*`` key of the params other than
+`RECORDS_KEY` (a router's typo, or a key of a newer P) is counted and said once per name, and
+the load is judged by its claim alone, so that an added key switches no verification off; the
+prefill engines, key names and tensor-parallel sizes D says something of are remembered up to
+`SAID_LIMIT` each (`FirstSeen`), however many a client cycles through.
 """
 
 from __future__ import annotations
@@ -28,6 +34,17 @@ from ...config import CONNECTOR, MODE_ENV, POLICY_ENV
 from .config import RECORDS_KEY, STRICT
 
 logger = logging.getLogger(adapter.LOGGER)
+
+PREFIX = "kv_canary_"
+"""The prefix of the canary's keys in ``kv_transfer_params``; `RECORDS_KEY` is the one D reads."""
+SAID_LIMIT = 64
+"""How many prefill engines (with a reason), unknown key names or prefill tensor-parallel sizes
+a side remembers having said something of: far more than a fleet has, so that each real one
+is said, and few enough that a client cycling ids sends at most this many lines to the log
+and keeps this many in memory."""
+SHOWN_CHARACTERS = 80
+"""The most characters of a client's string (an engine id, a key name) a side keeps or says."""
+
 
 FORMAT = 1
 """The version of the records P writes (`region.FIELDS` and what each field holds): a change
@@ -68,6 +85,38 @@ def facts(vllm_config, block_size: int, mode: str) -> dict:
     }
 
 
+class FirstSeen:
+    """Which keys a side has said something of: `first` is true once per key, for the first
+    `SAID_LIMIT` keys; past them a new key is neither remembered nor said, and ``full`` is
+    said once, at the first such key, to say that no more are named."""
+
+    def __init__(self, full: str, limit: int = SAID_LIMIT):
+        self.full = full
+        self.limit = limit
+        self._keys: set = set()
+        self._dropped = False
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def first(self, key) -> bool:
+        if key in self._keys:
+            return False
+        if len(self._keys) < self.limit:
+            self._keys.add(key)
+            return True
+        if not self._dropped:
+            self._dropped = True
+            logger.warning("kv-canary: %s (%d said): no more are named, only counted", self.full, self.limit)
+        return False
+
+
+def shown(value) -> str:
+    """A client's value as a side keeps and says it: its repr, cut to `SHOWN_CHARACTERS`."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= SHOWN_CHARACTERS else f"{text[:SHOWN_CHARACTERS]}...({len(text)} characters)"
+
+
 class Claims:
     """A side's claims and judgements: ``own`` its `facts` (None: its canary is off, so it
     claims nothing and judges nothing); ``strict`` the `STRICT` setting."""
@@ -75,7 +124,8 @@ class Claims:
     def __init__(self, own: dict | None, *, strict: bool = False):
         self.own = own
         self.strict = strict
-        self._said: set[tuple[str, str]] = set()  # (prefill engine, reason) already said
+        self._said = FirstSeen("prefill engines and reasons of unverified transfers")  # (prefill engine, reason) said
+        self._unknown = FirstSeen(f"unknown {PREFIX}* key names")  # unknown key names said
 
     def stop(self) -> None:
         """This side's canary has turned itself off: it claims and judges nothing from now on."""
@@ -100,8 +150,25 @@ class Claims:
         reason, fix = self._mismatch(claim)
         if reason is None:
             return claim["tp_size"], None
-        self._say(str(params.get("remote_engine_id", "?")), reason, fix)
+        self._say(shown(params.get("remote_engine_id", "?")), reason, fix)
         return None, reason
+
+    def unknown_keys(self, params: dict) -> int:
+        """D: how many keys of ``params`` are ``kv_canary_*`` keys other than `RECORDS_KEY`, each
+        name said once (`FirstSeen`); none where this side's canary is off."""
+        if self.own is None:
+            return 0
+        unknown = [shown(key) for key in params if isinstance(key, str) and key.startswith(PREFIX) and key != RECORDS_KEY]
+        for key in unknown:
+            if self._unknown.first(key):
+                logger.warning(
+                    "kv-canary: a request's kv_transfer_params carry %r, a key this decode side does not know (a router's typo, "
+                    "or a newer prefill side's): it is ignored and counted (vllm:kv_canary_transfer_params_unknown_keys_total), "
+                    "the load judged by %s alone: serve both sides with the same torch_kvcanary version, and have the router "
+                    "hand kv_transfer_params on unchanged (said once per key name)",
+                    key, RECORDS_KEY,
+                )  # fmt: skip
+        return len(unknown)
 
     def _mismatch(self, claim) -> tuple[str | None, str]:
         """The reason ``claim`` cannot be compared with and the fix; (None, "") where it can."""
@@ -126,9 +193,8 @@ class Claims:
         return None, ""
 
     def _say(self, engine: str, reason: str, fix: str) -> None:
-        if (engine, reason) in self._said:
+        if not self._said.first((engine, reason)):
             return
-        self._said.add((engine, reason))
         outcome = (
             f"fails as a load error ({STRICT} is true)"
             if self.strict

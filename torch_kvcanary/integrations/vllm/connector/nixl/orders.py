@@ -24,7 +24,8 @@ class LoadOrder:
     ranks (`RECORDS_KEY`; None: there are no records of P's to compare with, for the reason
     ``unverified`` (`claim.Claims.judge`), or none known: then every slot is bad).
     ``identified``: D's request has an identity (a LoRA adapter, a cache salt), whose root
-    its worker derives once the runner holds the request (`worker.NixlWorker`)."""
+    its worker derives once the runner holds the request (`worker.NixlWorker`).
+    ``unknown_keys``: how many ``kv_canary_*`` keys of its params D does not know (`claim.Claims.unknown_keys`)."""
 
     request_id: str
     remote_tp_size: int | None
@@ -34,6 +35,7 @@ class LoadOrder:
     end: int
     unverified: str | None = None
     identified: bool = False
+    unknown_keys: int = 0
 
 
 @dataclass
