@@ -13,6 +13,8 @@ and applies the policy (log, raise, a callable).
 from __future__ import annotations
 
 import enum
+import hashlib
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -107,13 +109,34 @@ class Violation:
         return cls(ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits), *origin)
 
     def line(self, name: str) -> str:
-        """SGLang's log line for this violation, with ``launch_tag=name``."""
+        """SGLang's log line for this violation, with ``launch_tag=name``; its chains as
+        `chain_fingerprint` gives them (docs/spec.md, "Log line")."""
         labels = "+".join(self.reasons.labels) or "none"
+        # A row of SLOT_OUT_OF_RANGE alone holds no chain: a 0 and the entry's previous slot.
+        shown = _hex64 if self.reasons == FailReason.SLOT_OUT_OF_RANGE else chain_fingerprint
         return (
             f"kv_canary violation: launch_tag={name} fail_reason={labels} slot_idx={self.slot} "
             f"position={self.position} stored_token={self.stored_token} expected_token={self.expected_token} "
-            f"stored_chain_hash={self.stored_chain & _MASK64:#018x} expected_aux={self.expected_aux & _MASK64:#018x}"
+            f"stored_chain_hash={shown(self.stored_chain)} expected_aux={shown(self.expected_aux)}"
         )
+
+
+# A chain is never logged in full: a request's root is the chain of its first position, an
+# unkeyed hash of its identity (a cache salt can be guessed from it offline), and any later
+# chain gives the root back with the request's tokens. The key is drawn once per process, so
+# lines of one process show which chains are equal and no one can compute a fingerprint.
+_FINGERPRINT_KEY = os.urandom(16)
+
+
+def chain_fingerprint(chain: int) -> str:
+    """How a log line shows a chain: ``fp:`` and 8 hex digits of BLAKE2b (``digest_size=4``)
+    of its 8 little-endian bytes keyed with this process's random key."""
+    digest = hashlib.blake2b((chain & _MASK64).to_bytes(8, "little"), digest_size=4, key=_FINGERPRINT_KEY)
+    return f"fp:{digest.hexdigest()}"
+
+
+def _hex64(value: int) -> str:
+    return f"{value & _MASK64:#018x}"
 
 
 class KvCorruptionError(RuntimeError):

@@ -2,9 +2,11 @@
 (spec_oracle.py), on random layouts and call sequences; one launch per verify; TP agreement.
 The PT2 contracts are in test_op_contracts.py."""
 
+import hashlib
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -285,11 +287,44 @@ def test_log_line_is_sglangs_format(caplog):
     with caplog.at_level(logging.WARNING, logger="torch_kvcanary"):
         (v,) = canary.poll()
     chain = v.stored_chain & MASK
+    # Each chain as its fingerprint: BLAKE2b-32 of its 8 bytes, keyed with the process's key.
+    fingerprint = hashlib.blake2b(chain.to_bytes(8, "little"), digest_size=4, key=kc.canary._FINGERPRINT_KEY).hexdigest()
     assert caplog.messages == [
         f"kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_real_kv_hash+verify_token slot_idx=4 position=1 "
-        f"stored_token=101 expected_token=7 stored_chain_hash={chain:#018x} expected_aux={chain:#018x}"
+        f"stored_token=101 expected_token=7 stored_chain_hash=fp:{fingerprint} expected_aux=fp:{fingerprint}"
     ]
-    assert caplog.records[0].levelno == logging.WARNING and len(f"{chain:#018x}") == 18
+    assert caplog.records[0].levelno == logging.WARNING and len(fingerprint) == 8
+    assert f"{chain:016x}" not in caplog.messages[0]
+
+
+def test_a_log_line_shows_which_chains_are_equal_but_not_the_chains():
+    # A request's two slots read as chained through two slots never recorded: their stored
+    # chains differ, their expected ones (the link of an empty record) are one value. The
+    # lines' fingerprints are equal and differ as the chains do; no chain is in the line.
+    kv = _pool("cpu")
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None)
+    slots, inputs = _request(canary, [3, 4], "cpu")
+    canary.verify(slots, **dict(inputs, prev_slots=torch.tensor([5, 6])))
+    first, second = canary.poll()
+    assert first.expected_aux == second.expected_aux and len({first.stored_chain, second.stored_chain, first.expected_aux}) == 3
+    lines = [v.line("KV") for v in (first, second)]
+    (stored_1, expected_1), (stored_2, expected_2) = [
+        re.search(r"stored_chain_hash=fp:([0-9a-f]{8}) expected_aux=fp:([0-9a-f]{8})$", line).groups() for line in lines
+    ]
+    assert expected_1 == expected_2 and len({stored_1, stored_2, expected_1}) == 3
+    assert first.line("KV") == lines[0]  # one process, one key: the same line again
+    for v, line in zip((first, second), lines):
+        assert f"{v.stored_chain & MASK:016x}" not in line and f"{v.expected_aux & MASK:016x}" not in line
+
+
+def test_an_out_of_range_line_gives_its_previous_slot():
+    # A row of bit 7 alone holds no chain: its previous slot is written out (SGLang's form).
+    kv = _pool("cpu")
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), on_violation=None, capacity=8)
+    canary.record(torch.tensor([2]), prev_slots=torch.tensor([9]), check_bounds=False)
+    (v,) = canary.poll()
+    assert v.reasons == kc.FailReason.SLOT_OUT_OF_RANGE
+    assert v.line("KV").endswith(" stored_chain_hash=0x0000000000000000 expected_aux=0x0000000000000009")
 
 
 def test_policies():

@@ -247,3 +247,26 @@ def test_each_corrupted_slot_is_logged_once_and_then_summed_up():
     assert reports.summary(130.5) == (
         "kv_canary summary: launch_tag=vllm seconds=20.0 repeated_detections=1 repeated_slots=1 slots_logged=3 ring_dropped=0"
     )
+
+
+def test_a_violation_line_names_its_requests_and_no_root():
+    # A salted request's position 0 read under another salt: the row's stored and expected
+    # chains are the two roots, unkeyed hashes of the salts. The line gives fingerprints,
+    # one root's alike on every line of this process.
+    from torch_kvcanary import identity
+    from torch_kvcanary.canary import FailReason, Violation, ViolationKind
+    from torch_kvcanary.integrations.vllm.reports import violation_line
+
+    written, read = identity.request_root(cache_salt="tenant-7"), identity.request_root(cache_salt="tenant-8")
+    violation = Violation(ViolationKind.VERIFY, 16, 0, 11, 11, written, read, FailReason.VERIFY_IDENTITY_MISMATCH)
+    line = violation_line(violation, ["req-1-abc"])
+    shown = re.fullmatch(
+        r"kv_canary violation: launch_tag=vllm fail_reason=verify_identity slot_idx=16 position=0 stored_token=11 expected_token=11 "
+        r"stored_chain_hash=fp:([0-9a-f]{8}) expected_aux=fp:([0-9a-f]{8}) request_id=req-1-abc",
+        line,
+    )
+    assert shown is not None and shown[1] != shown[2], line
+    for root in (written, read):
+        assert f"{root % (1 << 64):016x}" not in line
+    again = violation_line(dataclasses.replace(violation, slot=32, stored_chain=read), ["req-2-def"])
+    assert f"stored_chain_hash=fp:{shown[2]} " in again

@@ -33,7 +33,7 @@ def test_engine_ids_map_to_the_tools_request_ids():
 def _violation(slot, *requests, reason="verify_real_kv_hash"):
     return (
         f"(Worker pid=1) WARNING 12-05 11:09:35 [policy.py:49] kv_canary violation: launch_tag=vllm fail_reason={reason} "
-        f"slot_idx={slot} position=16 stored_token=199 expected_token=199 stored_chain_hash=0x1 expected_aux=0x1 "
+        f"slot_idx={slot} position=16 stored_token=199 expected_token=199 stored_chain_hash=fp:00000001 expected_aux=fp:00000001 "
         f"request_id={','.join(f'cmpl-{r}-0-abcdef12' for r in requests)}"
     )
 

@@ -77,7 +77,8 @@ def byte_only(violation: Violation) -> bool:
 
 
 def violation_line(violation: Violation, requests: list[str]) -> str:
-    """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
+    """The log line of docs/spec.md for ``violation`` (its chains as keyed fingerprints, so no
+    request's root, a hash of its cache salt, is logged), then the ids of the vLLM requests behind it."""
     return f"{violation.line(LAUNCH_TAG)} request_id={','.join(requests) or 'none'}"
 
 
