@@ -210,7 +210,7 @@ def test_an_unverified_transfer_is_taken_as_it_landed_counted_and_never_a_load_e
     canary.canary.poll()
     assert nixl_worker.on_flagged(canary.port, set()) == 0
     counts = nixl_worker.take_counts()
-    assert counts["transfers_unverified"] == {"no_claim": 0, "format_version": 0, "mode_mismatch": 1, "layout_mismatch": 0}
+    assert counts["transfers_unverified"] == {"no_claim": 0, "format_version": 0, "mode_mismatch": 1, "layout_mismatch": 0, "canary_off": 0}
     assert nixl_worker.take_counts()["transfers_unverified"]["mode_mismatch"] == 0  # taken: counted once
 
 

@@ -31,10 +31,12 @@ load carried no records of P's to compare with (failed under the strict setting)
 ``unknown``, not classified (rows P never wrote; the ExampleConnector transport's other
 failures)."""
 UNVERIFIED = "transfers_unverified"
-UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mismatch")
+UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mismatch", "canary_off")
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
 params carry no claim of the prefill side's records, or a claim of another records format,
-fold mode or KV layout than the decode side's (`nixl.claim`)."""
+fold mode or KV layout than the decode side's (`nixl.claim`); or, ``canary_off``, the KV
+heads of a tensor-parallel rank whose canary has turned itself off, counted by that rank for
+each load while its other ranks compare theirs (`nixl.worker`)."""
 FAULTS = "canary_faults"
 FAULT_PARTS = ("verifier", "mapping", "repair", "drill", "counters")
 """What an exception of the canary's own code in a KV connector call is counted by
@@ -115,7 +117,7 @@ COUNTERS = (
         UNVERIFIED,
         "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
         "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
-        "kv_canary_strict_transfers fails them instead).",
+        "kv_canary_strict_transfers fails them instead); canary_off: a rank's share of a load, that rank's canary being off.",
         label="reason",
         values=UNVERIFIED_REASONS,
         logs_total=False,

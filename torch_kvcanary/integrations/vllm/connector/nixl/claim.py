@@ -119,26 +119,31 @@ def shown(value) -> str:
 
 class Claims:
     """A side's claims and judgements: ``own`` its `facts` (None: its canary is off, so it
-    claims nothing and judges nothing); ``strict`` the `STRICT` setting."""
+    claims nothing and judges nothing); ``strict`` the `STRICT` setting; ``claiming``
+    whether it claims (no longer once a worker's canary turned itself off, `stop`)."""
 
     def __init__(self, own: dict | None, *, strict: bool = False):
         self.own = own
         self.strict = strict
+        self.claiming = own is not None
         self._said = FirstSeen("prefill engines and reasons of unverified transfers")  # (prefill engine, reason) said
         self._unknown = FirstSeen(f"unknown {PREFIX}* key names")  # unknown key names said
 
     def stop(self) -> None:
-        """This side's canary has turned itself off: it claims and judges nothing from now on."""
-        if self.own is not None:
+        """A worker's canary on this side has turned itself off: that worker writes no rows, so
+        this side claims nothing from now on. It goes on judging the claims it receives: its
+        workers still watching compare what lands, and the one whose canary is off takes its
+        share unverified (`worker.NixlWorker.land_unwatched`)."""
+        if self.claiming:
             logger.warning(
                 "kv-canary: this side's canary has turned itself off: the requests it hands over from now on carry no claim of "
                 "records, and a decode side takes their KV unverified (no_claim)"
             )
-        self.own = None
+        self.claiming = False
 
     def claim(self) -> dict | None:
         """P: the claim for a request whose records it wrote (a copy of its facts)."""
-        return dict(self.own) if self.own is not None else None
+        return dict(self.own) if self.claiming else None
 
     def judge(self, params: dict) -> tuple[int | None, str | None]:
         """D: the prefill side's tensor-parallel size to compare a load with, or None and the

@@ -74,7 +74,8 @@ class NixlScheduler(SchedulerVerifier):
         """P: once the workers say a canary has turned itself off, they write no records, and
         this side claims none from then on (`Claims.stop`). The requests that finish in the
         step it turned off in are handed on before vLLM passes the step's output here: those
-        few may still carry a claim, which D then finds differs from their rows."""
+        few may still carry a claim, which D then finds differs from their rows. D goes on
+        judging claims: its workers still watching compare their heads of each load."""
         if canary_off(connector_output):
             self.claims.stop()
 

@@ -212,6 +212,13 @@ class NixlWorker(WorkerVerifier):
             self._say_comparison(remote, sources, same_heads)
             self._pending[load.request_id] = PendingLoad(load, remote, "", same_heads)
 
+    def land_unwatched(self, orders: NixlOrders | None) -> None:
+        """D, on a rank whose canary has turned itself off: the loads NIXL starts reading land
+        without this rank's comparison, while the ranks still watching compare their heads of
+        them; each is counted unverified (``canary_off``) by this rank, and none fails for it."""
+        if orders is not None:
+            self._unverified["canary_off"] += len(orders.loads)
+
     def _unverifiable(self, load: LoadOrder) -> PendingLoad:
         """A load without records of P's to compare with: taken unverified where the scheduler
         judged why (`claim.Claims`), unless `strict`; counted by reason."""
