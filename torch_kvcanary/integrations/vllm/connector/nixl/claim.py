@@ -107,7 +107,7 @@ class FirstSeen:
             return True
         if not self._dropped:
             self._dropped = True
-            logger.warning("kv-canary: %s (%d said): no more are named, only counted", self.full, self.limit)
+            logger.warning("kv-canary: %s (%d said): no more are named, the counters go on", self.full, self.limit)
         return False
 
 
