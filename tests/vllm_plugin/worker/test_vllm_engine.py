@@ -376,6 +376,10 @@ def test_a_block_vllm_copies_carries_its_records(engine, monkeypatch):
 def test_raise_stops_the_step(engine):
     llm, lines, _ = engine
     state = plugin.active()
+    # First what vLLM's Python API passes on as a cache salt, each rooted in its own text:
+    # none stops a step, or turns the canary off.
+    _generate_salted_under_raise(llm)
+    assert lines.take() == [] and state.on and state.faults == 0
     driver = decoding(llm, lines, "raise", [random_tokens(random.Random(5), 70)], [sampling_params(200)])
     block = driver.blocks(driver.ids[0])[0]
     state.kv_caches[0].view(torch.int16)[block, 0, 3, 3] ^= 1
@@ -438,6 +442,19 @@ def _chain(error: BaseException):
     while error is not None:
         yield error
         error = error.__cause__ or error.__context__
+
+
+def _generate_salted_under_raise(llm) -> None:
+    prompts = [random_tokens(random.Random(seed), 50) for seed in (21, 22)]
+    state = plugin.active()
+    state.policy = "raise"
+    try:
+        for salt in ["\ud800", "", "a\x00b", "x" * (1 << 20), 123, b"bytes", ("a", 1)]:
+            outputs = llm.generate([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], sampling_params(6), use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6], repr(salt)[:20]
+    finally:
+        state.policy = "log"
+    llm.reset_prefix_cache()
 
 
 def _step_under_raise(driver: Driver) -> BaseException:

@@ -117,3 +117,21 @@ def test_the_rank_whose_canary_is_off_counts_each_load_unverified_and_fails_none
     counts = nixl_worker.take_counts()
     assert counts["transfers_unverified"]["canary_off"] == 3 and not any(counts["transfer_slots_failed"].values())
     assert "canary_off" in stats.UNVERIFIED_REASONS
+
+
+def test_the_connector_of_a_rank_whose_canary_is_off_counts_its_loads_in_its_stats():
+    # The facade hands a rank's loads to `land_unwatched` once its canary is off, and the
+    # counts reach the stats vLLM sums over the ranks.
+    from torch_kvcanary.integrations.vllm.connector.facade import KvCanaryConnector, KvCanaryMetadata
+    from torch_kvcanary.integrations.vllm.connector.guard import Guard
+
+    connector = object.__new__(KvCanaryConnector)  # the worker side's state, without an engine
+    connector.inner, connector.stats, connector.guard, connector.drill, connector._steps = None, stats.CanaryStats(), Guard(), None, 0
+    connector.port = connector.records = SimpleNamespace(watching=False)
+    connector._verifier = nixl.NixlWorker(BLOCK_SIZE, sharding=nixl.Sharding(2, HEADS), rank=1)
+    loads = [nixl.LoadOrder(f"request-{i}", 2, list(range(PROMPT)), [3, 4, 5], 0, PROMPT) for i in range(2)]
+    connector.bind_connector_metadata(KvCanaryMetadata(forward=True, orders=nixl.NixlOrders(loads=loads)))
+    connector.start_load_kv(forward_context=None)
+    taken = connector.get_kv_connector_stats()
+    assert taken.data["transfers_unverified"]["canary_off"] == 2 and taken.data["canary_off"] == 1
+    assert not any(taken.data["canary_faults"].values())

@@ -167,6 +167,9 @@ class KvCanaryConnector(InnerDelegate):
                 self._verifier.before_load(self.records, self._orders)
                 prepared = True
         if not prepared:  # the loads land unverified
+            if self._verifier is not None and self.port is not None and not self.port.watching:
+                with self.guard.guarding("verifier"):
+                    self._verifier.land_unwatched(self._orders)  # this worker's share of each load: counted unverified
             super().start_load_kv(forward_context, **kwargs)
             return
         try:

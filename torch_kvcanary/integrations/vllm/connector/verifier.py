@@ -101,6 +101,11 @@ class WorkerVerifier(ABC):
         """Before the inner connector's ``start_load_kv``. Default: nothing to prepare."""
         return None
 
+    def land_unwatched(self, orders) -> None:
+        """The worker's canary is off (a fault of its own): the inner connector's loads of
+        ``orders`` land without this worker's comparison. Default: nothing counted."""
+        return None
+
     def after_load(self, port: RecordPort) -> tuple[int, int]:
         """After the inner connector's ``start_load_kv`` returned: (slots verified, slots that
         failed) of the loads that landed within it. Default: (0, 0), the loads land later
