@@ -515,6 +515,10 @@ def _counters(server) -> dict[str, float]:
     return counters
 
 
+# Cache salts a client may send `vllm serve` (which refuses some itself, with HTTP 400).
+SERVED_SALTS = ["\ud800", "", "a\x00b", "x" * (1 << 20), 123, None, ["a"]]
+
+
 @pytest.mark.every_release
 def test_vllm_serve_repairs_drilled_faults(tiny_llama):
     prompts = _prompts(18)
@@ -522,11 +526,16 @@ def test_vllm_serve_repairs_drilled_faults(tiny_llama):
         clean = [_tokens_of(server.complete(prompt, 40, return_token_ids=True)) for prompt in prompts]
     assert all(len(tokens) == 40 for tokens in clean)
     with _server(tiny_llama, "repair", "recompute", drill=0.25) as server:
+        # What a client may send as a cache salt: answered or refused (HTTP 400), the canary on.
+        salted = [server.complete(prompts[0][:20], 4, return_token_ids=True, cache_salt=salt) for salt in SERVED_SALTS]
+        assert [answer.get("error", 200) in (200, 400) for answer in salted] == [True] * len(SERVED_SALTS), salted
         answers = [_tokens_of(answer) for answer in _concurrently(server, prompts, [40] * len(prompts))]
         assert answers == clean  # every drilled block recomputed: the clean run's greedy tokens
         counters = _counters(server)
         assert server.alive() and _tokens_of(server.complete(prompts[0][:20], 4, return_token_ids=True)) is not None
-        said = server.log()
+        assert server.metric("vllm:kv_canary_enabled") == 1
+        said, errors = server.log(), [line for line in server.lines() if line[2] == "ERROR"]
+    assert "Traceback" not in said and not errors, errors
     assert "policy repair through KvCanaryConnector, drills with probability 0.25 per step;" in said
     assert counters["vllm:kv_canary_drills_injected_total"] >= 1
     assert counters["vllm:kv_canary_drills_caught_total"] == counters["vllm:kv_canary_drills_injected_total"]
