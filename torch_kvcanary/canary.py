@@ -485,12 +485,17 @@ class KvCanary:
             lines.append(f"kv_canary: launch_tag={self.name} {elsewhere} violations on other ranks of the process group")
         return lines
 
-    def stats(self) -> dict[str, int]:
-        """The device counters (eager; reads them): ``record_calls``, ``verify_calls``,
-        ``slots_recorded``, ``slots_verified``, ``violations`` (every one, including those
-        dropped), ``ring_overflow`` (dropped because the ring was full) and ``ring_write``
-        (rows waiting for the next poll)."""
-        values = self._host.counters()
+    def stats(self, *, wait: bool = True) -> dict[str, int]:
+        """The device counters: ``record_calls``, ``verify_calls``, ``slots_recorded``,
+        ``slots_verified``, ``violations`` (every one, including those dropped),
+        ``ring_overflow`` (dropped because the ring was full) and ``ring_write`` (rows
+        waiting for the next poll). With ``wait`` (eager) they are read as the device's
+        work queued so far leaves them; without it the device is never waited for: on CUDA
+        they are those of the latest copy to the host that has finished (a copy is queued
+        at each call, so they lag the device by the calls whose copies are in flight; all
+        zero before the first has finished), on the CPU the current ones. Each counter only
+        grows, so a lagging read is an earlier value of it."""
+        values = self._host.counters() if wait else self._host.counters_without_waiting()
         return {name: values[i] for name, i in self._counter.items()}
 
     def prometheus_collector(self):
@@ -607,6 +612,9 @@ class _HostReader:
             self._pinned_counters = torch.empty(counters.shape, dtype=torch.int64, pin_memory=True)
             self._pinned_ring = torch.empty(ring.shape, dtype=torch.int64, pin_memory=True)
             self._pinned_origins = torch.empty(origins.shape, dtype=torch.int64, pin_memory=True)
+            self._pinned_lagging = torch.empty(counters.shape, dtype=torch.int64, pin_memory=True)
+        self._lagging = [0] * counters.numel()  # the counters of the latest finished copy (`counters_without_waiting`)
+        self._lagging_copy = None  # the event of the copy in flight
 
     def _read(self, device_tensor: torch.Tensor, pinned: torch.Tensor) -> list:
         if not self._cuda:
@@ -619,6 +627,21 @@ class _HostReader:
 
     def counters(self) -> list[int]:
         return self._read(self._counters, self._pinned_counters if self._cuda else None)
+
+    def counters_without_waiting(self) -> list[int]:
+        """The counters as of the latest finished copy (CUDA: a copy into a pinned buffer of
+        its own, queued where none is in flight, its event queried, never waited on), or
+        the current ones on the CPU."""
+        if not self._cuda:
+            return self._counters.tolist()
+        if self._lagging_copy is not None and self._lagging_copy.query():
+            self._lagging = self._pinned_lagging.tolist()
+            self._lagging_copy = None
+        if self._lagging_copy is None:
+            self._pinned_lagging.copy_(self._counters, non_blocking=True)
+            self._lagging_copy = torch.cuda.Event()
+            self._lagging_copy.record()
+        return self._lagging
 
     def ring_rows(self, count: int) -> list[list[int]]:
         return self._read(self._ring[:count], self._pinned_ring[:count] if self._cuda else None)

@@ -367,6 +367,28 @@ def test_ring_overflow_is_counted(caplog):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_stats_without_waiting_never_run_ahead_of_the_device_and_catch_up(device):
+    # Read each step by vLLM's connector, which must not wait for the device: each counter
+    # read without waiting is one the eager read gave at or before that call, and once the
+    # device is idle, two calls later (one copy queued, one read), the eager values.
+    kv = _pool(device)
+    canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"))
+    slots = torch.arange(6, device=device)
+    eager = []
+    for calls in range(1, 5):
+        canary.record(slots)
+        canary.verify(slots)
+        lagging = canary.stats(wait=False)
+        eager.append(canary.stats())
+        assert eager[-1]["record_calls"] == calls and eager[-1]["slots_verified"] == 6 * calls
+        assert lagging in [{name: 0 for name in lagging}, *eager], (lagging, eager)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    canary.stats(wait=False)
+    assert canary.stats(wait=False) == canary.stats()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_padding_slot_is_sglangs(device):
     kv = _pool(device)
     canary = kc.KvCanary(layouts.vllm(kv, layout="NHD"), padding_slot=0, on_violation=None)
