@@ -12,225 +12,22 @@ and applies the policy (log, raise, a callable).
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from .binding import SourceTable, check_table_fake
-from .ops import check_index_dtype, check_sources_fake, integer_view, may_check_bounds, refusal
+from .binding import SourceTable
+from .canary_inputs import check_entry_input, check_roots, given_roots  # (importing it registers the ops' fake kernels)
+from .host_reads import HostReader, others_count
+from .ops import integer_view, may_check_bounds, refusal
 from .policy import apply_policy, check_policy
+from .records import FOLD, RECORD_FIELDS, SLOT_BYTES, StepTables
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
-
-_MASK64 = (1 << 64) - 1
-RECORD_FIELDS = ("token", "position", "chain", "fold")
-"""The columns of `KvCanary.records`, SGLang's canary-buffer order."""
-FOLD = RECORD_FIELDS.index("fold")
-"""The records' fold column; those before it (token, position, chain) do not depend on how the KV heads are sharded."""
-
-_VIOLATION_FIELDS = 8
-_ORIGIN_FIELDS = 3  # a ring row's (step, group, row) of the paged step that wrote it
-
-SLOT_BYTES = 8 * (len(RECORD_FIELDS) + 1)
-"""Device bytes a `KvCanary` holds per tracked slot: its record (four int64 fields) and its
-owner tag (one int64)."""
-
-
-class StepTables(NamedTuple):
-    """The tables of a `KvCanary` that a paged step reads and updates in place
-    (`KvCanary.step_tables`, what `PagedStep` passes to `kvcanary::paged_step`)."""
-
-    sources_table: torch.Tensor  # the bound sources' table (`SourceTable.table`)
-    records: torch.Tensor  # int64 [capacity, 4]
-    owner_tags: torch.Tensor  # int64 [capacity]
-    counters: torch.Tensor  # int64 [counters]
-    ring: torch.Tensor  # int64 [ring_capacity, 8]: the violation ring
-    origins: torch.Tensor  # int64 [ring_capacity, 3]: each ring row's (step, group, row)
-
-
-class FailReason(enum.IntFlag):
-    """Why an entry was flagged: SGLang's bit values, then this package's."""
-
-    VERIFY_CHAIN_HASH_MISMATCH = 1 << 0
-    VERIFY_POSITION_MISMATCH = 1 << 1
-    VERIFY_REAL_KV_HASH_MISMATCH = 1 << 2
-    WRITE_TOKEN_MISMATCH = 1 << 3  # SGLang's write-input assert; never set here
-    WRITE_POSITION_MISMATCH = 1 << 4  # SGLang's write-input assert; never set here
-    VERIFY_TOKEN_MISMATCH = 1 << 5
-    VERIFY_OWNER_MISMATCH = 1 << 6  # the slot was recorded under another tag
-    # A slot or previous slot past the capacity, met where the call could not raise
-    # (CUDA-graph capture, compiled CUDA code): the entry was skipped.
-    SLOT_OUT_OF_RANGE = 1 << 7
-    # A request's first position whose chain is not the root its call gave (the request's
-    # identity: its KV was written under another one); in place of VERIFY_CHAIN_HASH_MISMATCH.
-    VERIFY_IDENTITY_MISMATCH = 1 << 8
-
-    @property
-    def labels(self) -> list[str]:
-        """SGLang's labels of the set bits, in bit order (``verify_chain_hash``, ...)."""
-        return [bit.name.lower().removesuffix("_mismatch") for bit in FailReason if self & bit]
-
-
-class ViolationKind(enum.IntEnum):
-    """The call that flagged a violation."""
-
-    RECORD = 0  # only SLOT_OUT_OF_RANGE
-    VERIFY = 1
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One row of the violation ring. ``position``, ``stored_token`` and ``stored_chain`` are
-    the slot's record; ``expected_token`` is the token given to verify (-1: none) and
-    ``expected_aux`` the chain it expected. For SLOT_OUT_OF_RANGE, ``slot`` and ``position``
-    are the entry's inputs and ``expected_aux`` its previous slot."""
-
-    kind: ViolationKind
-    slot: int
-    position: int
-    stored_token: int
-    expected_token: int
-    stored_chain: int
-    expected_aux: int
-    reasons: FailReason
-    # The paged step behind the row (`paged_step.PagedStep`): its step, KV cache group and
-    # row (request); -1 for rows of the other calls.
-    step: int = -1
-    group: int = -1
-    row: int = -1
-
-    @classmethod
-    def from_row(cls, row: list[int], origin: list[int] = (-1, -1, -1)) -> Violation:
-        kind, slot, position, stored_token, expected_token, stored_chain, expected_aux, bits = row
-        return cls(ViolationKind(kind), slot, position, stored_token, expected_token, stored_chain, expected_aux, FailReason(bits), *origin)
-
-    def line(self, name: str) -> str:
-        """SGLang's log line for this violation, with ``launch_tag=name``; its chains as
-        `chain_fingerprint` gives them (docs/spec.md, "Log line")."""
-        labels = "+".join(self.reasons.labels) or "none"
-        # A row of SLOT_OUT_OF_RANGE alone holds no chain: a 0 and the entry's previous slot.
-        shown = _hex64 if self.reasons == FailReason.SLOT_OUT_OF_RANGE else chain_fingerprint
-        return (
-            f"kv_canary violation: launch_tag={name} fail_reason={labels} slot_idx={self.slot} "
-            f"position={self.position} stored_token={self.stored_token} expected_token={self.expected_token} "
-            f"stored_chain_hash={shown(self.stored_chain)} expected_aux={shown(self.expected_aux)}"
-        )
-
-
-# A chain is never logged in full: a request's root is the chain of its first position, an
-# unkeyed hash of its identity (a cache salt can be guessed from it offline), and any later
-# chain gives the root back with the request's tokens. The key is drawn once per process, so
-# lines of one process show which chains are equal and no one can compute a fingerprint.
-_FINGERPRINT_KEY = os.urandom(16)
-
-
-def chain_fingerprint(chain: int) -> str:
-    """How a log line shows a chain: ``fp:`` and 8 hex digits of BLAKE2b (``digest_size=4``)
-    of its 8 little-endian bytes keyed with this process's random key."""
-    digest = hashlib.blake2b((chain & _MASK64).to_bytes(8, "little"), digest_size=4, key=_FINGERPRINT_KEY)
-    return f"fp:{digest.hexdigest()}"
-
-
-def _hex64(value: int) -> str:
-    return f"{value & _MASK64:#018x}"
-
-
-class KvCorruptionError(RuntimeError):
-    """Raised by `KvCanary.poll` under ``on_violation="raise"``; ``lines`` holds one log line
-    per violation (and a summary line for violations dropped or seen on other ranks)."""
-
-    def __init__(self, lines: list[str], violations: list[Violation]):
-        super().__init__("\n".join(lines))
-        self.lines = lines
-        self.violations = violations
+from .violations import ORIGIN_FIELDS, VIOLATION_FIELDS, FailReason, KvCorruptionError, Violation, ViolationKind  # noqa: F401
 
 
 def _counter_index() -> dict[str, int]:
     return {name: i for i, name in enumerate(torch.ops.kvcanary.canary_counters())}
-
-
-def _check_entry_input(value, name: str) -> None:
-    if value is not None and not isinstance(value, torch.Tensor):
-        raise TypeError(f"kv-canary: {name} must be an int32 or int64 tensor shaped like slots, got {type(value).__name__}")
-
-
-def _check_roots(roots) -> None:
-    # Their dtype, which the kernels' refusal would report as a ValueError; the rest is checked
-    # with the other inputs (csrc/plan/canary_plan.cpp).
-    if roots is not None and (not isinstance(roots, torch.Tensor) or roots.dtype != torch.int64):
-        got = roots.dtype if isinstance(roots, torch.Tensor) else type(roots).__name__
-        raise TypeError(f"kv-canary: roots must be an int64 tensor shaped like slots, got {got}; pass roots as int64")
-
-
-def _check_canary_fake_inputs(sources, slots, entries, tables) -> None:
-    # The canary kernels' cheap checks (csrc/plan/canary_plan.cpp): one value per slot, one
-    # device. Mixed devices dispatch here when one of them is meta.
-    for name, value in entries.items():
-        if value is not None and value.numel() != slots.numel():
-            raise ValueError(f"kv-canary: {name} has {value.numel()} entries but slots has {slots.numel()}; pass one value per slot")
-    check_sources_fake(sources, slots, views=False)
-    for table in tables:
-        if table.device != slots.device:
-            raise ValueError(
-                f"kv-canary: the canary's tables are on {table.device} but slots are on {slots.device}; put slots on the canary's device"
-            )
-
-
-def _given(roots) -> tuple:
-    """The trailing ``roots`` argument of an op call: none when not given, so that a call
-    without roots passes the arguments it passed before the op took them."""
-    return () if roots is None else (roots,)
-
-
-def _check_record_verify_fake(sources, slots, positions, tokens, prev_slots, roots, tables) -> None:
-    # record's and verify's checks: roots' dtype and device first, then those of every call.
-    if roots is not None and roots.dtype != torch.int64:
-        raise ValueError(f"kv-canary: roots must be an int64 tensor (64-bit hashes), got {roots.dtype}; pass roots as int64")
-    if roots is not None and roots.device != slots.device:
-        raise ValueError(f"kv-canary: roots is on {roots.device} but slots are on {slots.device}; put them on one device")
-    entries = {"positions": positions, "tokens": tokens, "prev_slots": prev_slots, "roots": roots}
-    _check_canary_fake_inputs(sources, slots, entries, tables)
-
-
-@torch.library.register_fake("kvcanary::record")
-def _record_fake(
-    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring, check_bounds=True, roots=None
-):
-    _check_record_verify_fake(sources, slots, positions, tokens, prev_slots, roots, (records, owner_tags, counters, ring))
-
-
-@torch.library.register_fake("kvcanary::refold")
-def _refold_fake(sources, read_bytes, slots, records, check_bounds=True):
-    check_index_dtype(slots, "slots")
-    _check_canary_fake_inputs(sources, slots, {}, (records,))
-
-
-@torch.library.register_fake("kvcanary::verify")
-def _verify_fake(
-    sources, read_bytes, slots, positions, tokens, prev_slots, tags, records, owner_tags, counters, ring,
-    padding_slot=-1, check_bounds=True, roots=None,
-):  # fmt: skip
-    _check_record_verify_fake(sources, slots, positions, tokens, prev_slots, roots, (records, owner_tags, counters, ring))
-    return slots.new_empty(slots.shape, dtype=torch.bool)
-
-
-def _bound_fake(fake):
-    """The fake of a bound overload: the table's check, then those of the Tensor[] form's
-    `fake` over no sources."""
-
-    def bound_fake(sources_table, slots, *args, **kwargs):
-        check_table_fake(sources_table)
-        return fake([], [], slots, *args, **kwargs)
-
-    return bound_fake
-
-
-for _op, _fake in (("record", _record_fake), ("refold", _refold_fake), ("verify", _verify_fake)):
-    torch.library.register_fake(f"kvcanary::{_op}.bound")(_bound_fake(_fake))
 
 
 class KvCanary:
@@ -304,9 +101,9 @@ class KvCanary:
         self._records = torch.zeros(capacity, len(RECORD_FIELDS), dtype=torch.int64, device=self.device)
         self._owner_tags = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._counters = torch.zeros(len(self._counter), dtype=torch.int64, device=self.device)
-        self._ring = torch.zeros(ring_capacity, _VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
-        self._origins = torch.full((ring_capacity, _ORIGIN_FIELDS), -1, dtype=torch.int64, device=self.device)
-        self._host = _HostReader(self._counters, self._ring, self._origins)
+        self._ring = torch.zeros(ring_capacity, VIOLATION_FIELDS, dtype=torch.int64, device=self.device)
+        self._origins = torch.full((ring_capacity, ORIGIN_FIELDS), -1, dtype=torch.int64, device=self.device)
+        self._host = HostReader(self._counters, self._ring, self._origins)
         self._no_tag = torch.full((1,), -1, dtype=torch.int64, device=self.device)
 
     @staticmethod
@@ -314,7 +111,7 @@ class KvCanary:
         """Device bytes a `KvCanary` of ``capacity`` slots holds: `SLOT_BYTES` per slot, plus
         what does not grow with the capacity (its violation ring, its counters and the
         one-element "no tag"), its ring rows' origins among them."""
-        return capacity * SLOT_BYTES + 8 * (ring_capacity * (_VIOLATION_FIELDS + _ORIGIN_FIELDS) + len(_counter_index()) + 1)
+        return capacity * SLOT_BYTES + 8 * (ring_capacity * (VIOLATION_FIELDS + ORIGIN_FIELDS) + len(_counter_index()) + 1)
 
     @property
     def nbytes(self) -> int:
@@ -366,13 +163,13 @@ class KvCanary:
         entry out of range is then skipped and reported, as in captured CUDA code.
         """
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
-            _check_entry_input(value, name)
-        _check_roots(roots)
+            check_entry_input(value, name)
+        check_roots(roots)
         try:
             self._call(
                 torch.ops.kvcanary.record, slots, positions, tokens, prev_slots, self._tag_tensor(tag),
                 self._records, self._owner_tags, self._counters, self._ring, check_bounds and may_check_bounds(slots),
-                *_given(roots),
+                *given_roots(roots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
@@ -400,8 +197,8 @@ class KvCanary:
         without ``prev_slots`` is refused (ValueError): no chain is checked then, so no root
         would be (the op itself takes them, unused: docs/spec.md, section 6)."""
         for value, name in ((slots, "slots"), (positions, "positions"), (tokens, "tokens"), (prev_slots, "prev_slots")):
-            _check_entry_input(value, name)
-        _check_roots(roots)
+            check_entry_input(value, name)
+        check_roots(roots)
         if roots is not None and prev_slots is None:
             raise ValueError(
                 "kv-canary: verify was given roots but no prev_slots, without which no chain is checked and so no root; "
@@ -412,7 +209,7 @@ class KvCanary:
         try:
             return self._call(
                 torch.ops.kvcanary.verify, slots, positions, tokens, prev_slots, tags,
-                self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots), *_given(roots),
+                self._records, self._owner_tags, self._counters, self._ring, padding, may_check_bounds(slots), *given_roots(roots),
             )  # fmt: skip
         except (ValueError, RuntimeError) as error:
             raise refusal(error, {"slots": slots, "positions": positions, "tokens": tokens, "prev_slots": prev_slots}) from None
@@ -464,7 +261,7 @@ class KvCanary:
         violations = [Violation.from_row(row, origin) for row, origin in zip(rows, origins)]
         dropped = pending - len(rows)
         local = pending
-        elsewhere = _others_count(local, group, self.device) if group is not None else 0
+        elsewhere = others_count(local, group, self.device) if group is not None else 0
         if local + elsewhere > 0:
             apply_policy(
                 self.on_violation,
@@ -599,62 +396,3 @@ class KvCanary:
     def violations(self, slots: torch.Tensor, tag: torch.Tensor | int | None = None) -> list[int]:
         """The slots of ``slots`` that `verify` flags, in order (eager; syncs)."""
         return slots[self.verify(slots, tag=tag)].tolist()
-
-
-class _HostReader:
-    """Reads the counters and ring rows to the host. On CUDA it copies them through pinned
-    buffers and waits on an event for that copy only, instead of a blocking copy."""
-
-    def __init__(self, counters: torch.Tensor, ring: torch.Tensor, origins: torch.Tensor):
-        self._counters, self._ring, self._origins = counters, ring, origins
-        self._cuda = counters.device.type == "cuda"
-        if self._cuda:
-            self._pinned_counters = torch.empty(counters.shape, dtype=torch.int64, pin_memory=True)
-            self._pinned_ring = torch.empty(ring.shape, dtype=torch.int64, pin_memory=True)
-            self._pinned_origins = torch.empty(origins.shape, dtype=torch.int64, pin_memory=True)
-            self._pinned_lagging = torch.empty(counters.shape, dtype=torch.int64, pin_memory=True)
-        self._lagging = [0] * counters.numel()  # the counters of the latest finished copy (`counters_without_waiting`)
-        self._lagging_copy = None  # the event of the copy in flight
-
-    def _read(self, device_tensor: torch.Tensor, pinned: torch.Tensor) -> list:
-        if not self._cuda:
-            return device_tensor.tolist()
-        pinned.copy_(device_tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return pinned.tolist()
-
-    def counters(self) -> list[int]:
-        return self._read(self._counters, self._pinned_counters if self._cuda else None)
-
-    def counters_without_waiting(self) -> list[int]:
-        """The counters as of the latest finished copy (CUDA: a copy into a pinned buffer of
-        its own, queued where none is in flight, its event queried, never waited on), or
-        the current ones on the CPU."""
-        if not self._cuda:
-            return self._counters.tolist()
-        if self._lagging_copy is not None and self._lagging_copy.query():
-            self._lagging = self._pinned_lagging.tolist()
-            self._lagging_copy = None
-        if self._lagging_copy is None:
-            self._pinned_lagging.copy_(self._counters, non_blocking=True)
-            self._lagging_copy = torch.cuda.Event()
-            self._lagging_copy.record()
-        return self._lagging
-
-    def ring_rows(self, count: int) -> list[list[int]]:
-        return self._read(self._ring[:count], self._pinned_ring[:count] if self._cuda else None)
-
-    def origins(self, count: int) -> list[list[int]]:
-        return self._read(self._origins[:count], self._pinned_origins[:count] if self._cuda else None)
-
-
-def _others_count(local: int, group, device: torch.device) -> int:
-    """How many violations the other ranks of ``group`` saw (an all-reduce of the counts)."""
-    import torch.distributed as dist
-
-    on_device = dist.get_backend(group) != "gloo"
-    count = torch.tensor([local], dtype=torch.int64, device=device if on_device else "cpu")
-    dist.all_reduce(count, group=group)
-    return int(count.item()) - local

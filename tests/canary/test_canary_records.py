@@ -288,7 +288,7 @@ def test_log_line_is_sglangs_format(caplog):
         (v,) = canary.poll()
     chain = v.stored_chain & MASK
     # Each chain as its fingerprint: BLAKE2b-32 of its 8 bytes, keyed with the process's key.
-    fingerprint = hashlib.blake2b(chain.to_bytes(8, "little"), digest_size=4, key=kc.canary._FINGERPRINT_KEY).hexdigest()
+    fingerprint = hashlib.blake2b(chain.to_bytes(8, "little"), digest_size=4, key=kc.violations._FINGERPRINT_KEY).hexdigest()
     assert caplog.messages == [
         f"kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_real_kv_hash+verify_token slot_idx=4 position=1 "
         f"stored_token=101 expected_token=7 stored_chain_hash=fp:{fingerprint} expected_aux=fp:{fingerprint}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import REPO
 
-from torch_kvcanary.canary import _ORIGIN_FIELDS
+from torch_kvcanary.violations import ORIGIN_FIELDS
 from torch_kvcanary.paged_step import MailboxWord, StepPhase
 
 pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
@@ -57,11 +57,11 @@ def test_the_mailbox_words_are_the_cxx_enum():
 
 
 def test_the_origin_columns_are_the_cxx_enum():
-    # KvCanary allocates the origins [ring rows, _ORIGIN_FIELDS]; the kernels write
+    # KvCanary allocates the origins [ring rows, ORIGIN_FIELDS]; the kernels write
     # kOriginFields columns, in the C++ enum's order (Violation's step, group and row).
     cxx, count = counted_enum("OriginField", "kOriginFields")
     assert cxx == {"kOriginStep": 0, "kOriginGroup": 1, "kOriginRow": 2}
-    assert count == _ORIGIN_FIELDS == len(cxx)
+    assert count == ORIGIN_FIELDS == len(cxx)
 
 
 def documented_schemas() -> dict[str, str]:
