@@ -1,7 +1,7 @@
 """What the kvcanary ops' Python wrappers share (how a refusal reaches the caller, the integer
 view of an input, whether a call may check bounds), and the fold's wrapper
-`fold` beside its fake kernel. The other ops' wrappers and fakes: canary.py (record, verify,
-refold), digest.py (digest), paged_step.py (paged_step)."""
+`fold` beside its fake kernel. The other ops' wrappers and fakes: canary.py with
+canary_inputs.py (record, verify, refold), digest.py (digest), paged_step.py (paged_step)."""
 
 from __future__ import annotations
 
