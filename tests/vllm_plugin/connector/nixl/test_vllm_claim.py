@@ -1,10 +1,10 @@
 """What P claims of the records its blocks carry through NixlConnector, and D's judgement of
 the claim, without NIXL or a server: P claims its records format, fold mode, KV layout and
 tensor-parallel size for a request whose records it wrote, and nothing while its canary is
-off; D takes a transfer it cannot compare with (no claim, another format, mode or layout)
-unverified, counts it by reason and says so once per prefill engine and reason, fails it
-only under the strict setting, and exports the count as
-``vllm:kv_canary_transfers_unverified_total{reason}``."""
+off; D takes a transfer it cannot compare with (another format, mode or layout) unverified,
+counts it by reason and says so once per prefill engine and reason, fails it only under the
+strict setting, and exports the count as ``vllm:kv_canary_transfers_unverified_total{reason}``;
+a transfer without a claim it compares all the same (test_vllm_nixl_unclaimed.py)."""
 
 import logging
 from types import SimpleNamespace
@@ -115,7 +115,7 @@ def test_p_claims_nothing_once_its_canary_has_turned_itself_off(monkeypatch, cap
     scheduler.on_finished(request, params)
     assert nixl.RECORDS_KEY not in params
     (said,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
-    assert "canary has turned itself off" in said and "no_claim" in said
+    assert "canary has turned itself off" in said and "a decode side finds bad" in said
 
 
 def with_claim(**changes):
@@ -125,8 +125,10 @@ def with_claim(**changes):
 JUDGEMENTS = [
     ("same facts", with_claim(), (2, None)),
     ("another tensor-parallel size is compared by head digests", with_claim(tp_size=4), (4, None)),
-    ("router dropped the key", handed_params(), (None, "no_claim")),
-    ("claim is not a dict", {**handed_params(), nixl.RECORDS_KEY: 2}, (None, "no_claim")),
+    # No claim: compared all the same, P's tensor-parallel size the one the params give NIXL.
+    ("router dropped the key", handed_params(), (1, None)),
+    ("router dropped the key, NIXL's tp_size kept", {**handed_params(), "tp_size": 4}, (4, None)),
+    ("claim is not a dict", {**handed_params(), nixl.RECORDS_KEY: 2}, (1, None)),
     ("another records format", with_claim(format=2), (None, "format_version")),
     ("another fold mode", with_claim(mode="partial"), (None, "mode_mismatch")),
     ("another block size", with_claim(block_size=32), (None, "layout_mismatch")),
@@ -162,7 +164,8 @@ def test_each_unverifiable_peer_and_reason_is_said_once_with_its_fix(caplog):
     assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[0]
     assert "is taken unverified" in said[0]
     assert "prefill engine prefill-b" in said[1]
-    assert "no_claim" in said[2] and "have the router hand kv_transfer_params on unchanged" in said[2]
+    assert "compared all the same" in said[2] and "have the router hand kv_transfer_params on unchanged" in said[2]
+    assert "unverified" not in said[2]
 
 
 def test_the_strict_setting_must_be_a_bool():
@@ -210,7 +213,7 @@ def test_an_unverified_transfer_is_taken_as_it_landed_counted_and_never_a_load_e
     canary.canary.poll()
     assert nixl_worker.on_flagged(canary.port, set()) == 0
     counts = nixl_worker.take_counts()
-    assert counts["transfers_unverified"] == {"no_claim": 0, "format_version": 0, "mode_mismatch": 1, "layout_mismatch": 0, "canary_off": 0}
+    assert counts["transfers_unverified"] == {"format_version": 0, "mode_mismatch": 1, "layout_mismatch": 0, "canary_off": 0}
     assert nixl_worker.take_counts()["transfers_unverified"]["mode_mismatch"] == 0  # taken: counted once
 
 
@@ -237,11 +240,11 @@ def test_unverified_transfers_reach_metrics_by_reason():
         "vllm:kv_canary_transfers_unverified_total",
         "reason",
         {"transfer_slots_handed_over": 3, "transfers_unverified": {"mode_mismatch": 2}},
-        {"transfers_unverified": {"mode_mismatch": 1, "no_claim": 4}},
+        {"transfers_unverified": {"mode_mismatch": 1, "canary_off": 4}},
     )
-    assert line["kv_canary_transfers_unverified_mode_mismatch"] == 3 and line["kv_canary_transfers_unverified_no_claim"] == 4
+    assert line["kv_canary_transfers_unverified_mode_mismatch"] == 3 and line["kv_canary_transfers_unverified_canary_off"] == 4
     assert "kv_canary_transfers_unverified_layout_mismatch" not in line  # the line names nonzero reasons alone
-    assert by_reason.items() >= {"mode_mismatch": 3.0, "no_claim": 4.0, "format_version": 0.0}.items(), by_reason
+    assert by_reason.items() >= {"mode_mismatch": 3.0, "canary_off": 4.0, "format_version": 0.0}.items(), by_reason
 
 
 def test_a_block_landed_shifted_is_said_as_a_shift(caplog):

@@ -34,7 +34,7 @@ def test_an_unknown_kv_canary_key_is_said_once_per_name_and_the_claim_still_judg
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert [claims.unknown_keys(params) for params in (typo, typo, newer, with_claim())] == [1, 1, 1, 0]
         assert claims.judge(typo) == (2, None)  # verified by its claim: an added key switches nothing off
-        assert claims.judge(newer) == (None, "no_claim")
+        assert claims.judge(newer) == (1, None) and claims.unclaimed(newer)  # no claim: compared all the same
     said = _warnings(caplog)
     unknown = [line for line in said if "kv_canary_" in line and "does not know" in line]
     assert len(unknown) == 2, said
@@ -57,11 +57,13 @@ def test_many_prefill_engine_ids_are_remembered_and_said_up_to_a_bound(caplog):
     claims = _claims()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for i in range(5000):
-            assert claims.judge({**handed_params(), "remote_engine_id": f"engine-{i}" + "z" * 1000}) == (None, "no_claim")
+            engine = f"engine-{i}" + "z" * 1000
+            assert claims.judge({**with_claim(mode="partial"), "remote_engine_id": engine}) == (None, "mode_mismatch")
+            assert claims.judge({**handed_params(), "remote_engine_id": engine}) == (1, None)  # no claim: compared
     said = _warnings(caplog)
-    assert len(said) == claim.SAID_LIMIT + 1, len(said)
-    assert "no more are named" in said[-1]
-    assert len(claims._said) == claim.SAID_LIMIT
+    assert len(said) == 2 * (claim.SAID_LIMIT + 1), len(said)
+    assert sum("no more are named" in line for line in said) == 2
+    assert len(claims._said) == len(claims._unclaimed_said) == claim.SAID_LIMIT
 
 
 def test_the_limit_is_stated():
@@ -86,8 +88,8 @@ def test_d_orders_each_load_with_its_unknown_keys_and_rank_0_counts_them_with_th
     for request_id, params in (("a", {**with_claim(), "kv_canary_recordz": 1}), ("b", with_claim()), ("c", handed_params())):
         scheduler.on_alloc(*_remote_load(request_id, params), 32)
     orders = scheduler.plan(SimpleNamespace(num_scheduled_tokens={}))
-    assert [(load.remote_tp_size, load.unverified, load.unknown_keys) for load in orders.loads] == [
-        (2, None, 1), (2, None, 0), (None, "no_claim", 0),
+    assert [(load.remote_tp_size, load.unverified, load.unknown_keys, load.unclaimed) for load in orders.loads] == [
+        (2, None, 1, False), (2, None, 0, False), (1, None, 0, True),
     ]  # fmt: skip
     for rank, expected in ((0, (3, 1)), (1, (0, 0))):
         worker = nixl.NixlWorker(16, sharding=nixl.Sharding(2, 8), rank=rank)

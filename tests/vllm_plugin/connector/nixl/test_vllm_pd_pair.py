@@ -10,10 +10,12 @@ side told to read another request's blocks; the decode side's read cut short (a 
 read); blocks read after P's lease on them expired and P reused them. Under ``repair`` each
 is named as a load error and recomputed, the answer equals the clean one, the decode server
 keeps serving and both servers' /metrics count it; without the canary the same fault changes
-the answer with HTTP 200. A load D cannot compare (no claim of P's records, or a claim of
-another fold mode) is taken unverified: the clean answer, no load error, counted and said
-once; a pair whose sides fold in two modes, under quarantine behind a router that drops the
-claim from some requests' params, fails none and answers as P alone. `make test-vllm-pd` runs these.
+the answer with HTTP 200. A load whose params a router stripped of P's claim of records is
+compared all the same (token, position, chain, head digests): a flipped byte or another
+request's blocks named and repaired. A load D cannot compare (a claim of another fold mode)
+is taken unverified: the clean answer, no load error, counted and said once; a pair whose
+sides fold in two modes, under quarantine behind a router that drops the claim from some
+requests' params, fails none and answers as P alone. `make test-vllm-pd` runs these.
 """
 
 import os
@@ -337,16 +339,67 @@ def test_each_fault_is_a_load_error_repaired_to_the_clean_answer(fault, clean, c
     _assert_repaired(canary_pair[3], fault, faulted[FAULT_PROMPTS[fault]])
 
 
+def _stripped(params: dict) -> dict:
+    """``params`` as a router hands them on that rebuilt them without P's claim of records."""
+    return {key: value for key, value in params.items() if key != "kv_canary_records"}
+
+
+def _assert_named_and_repaired(faults, prompt, answer, clean_answer, before) -> None:
+    """The load of ``prompt``, its params stripped of P's claim, was a load error repaired to
+    ``clean_answer`` (D's counts before it: ``before``), compared all the same and counted unclaimed."""
+    decode = faults.decode
+    assert _tokens(answer) == clean_answer and decode.alive()
+    after = _repair_counts(decode), decode.metric("vllm:kv_canary_transfers_unclaimed_total")
+    assert after[0][0] > before[0][0] and after[0][1] > before[0][1] and after[1] == before[1] + 1, (before, after)
+    assert any("differ from the prefill side's records" in line[3] for line in decode.canary_lines())
+
+
+def test_a_router_stripping_the_claim_leaves_a_flipped_byte_named_and_repaired(canary_pair, tiny_llama):
+    """A byte of P's KV flipped for a request whose params a router stripped of P's claim:
+    D, which loads only from a P registering the records' region, compares the load all the
+    same, names it as a load error and repairs it to the clean answer (P's own)."""
+    prefill, decode, _, faults = canary_pair
+    prompt = FAULTED[FAULT_PROMPTS["flip on prefill"]]
+    clean_answer = _tokens(complete(prefill.url, tiny_llama, prompt, MAX_TOKENS))
+    before = _repair_counts(decode), decode.metric("vllm:kv_canary_transfers_unclaimed_total")
+    faults.forget()
+    params = _stripped(faults.prefilled(prompt))
+    collective_rpc(prefill, "kvcanary_test_flip_block", str(params["remote_block_ids"][0][0]))
+    _assert_named_and_repaired(faults, prompt, faults.decoded(prompt, params), clean_answer, before)
+
+
+def test_a_stripped_claim_with_another_requests_blocks_is_named_and_repaired(canary_pair, tiny_llama):
+    """D told to read the blocks of another request P prefilled (a forged remote_block_ids),
+    the params stripped of P's claim: named as a load error and repaired to the clean answer."""
+    prefill, decode, _, faults = canary_pair
+    index = FAULT_PROMPTS["other request's blocks"]
+    prompt, other = FAULTED[index], FAULTED[index + 1]
+    clean_answer = _tokens(complete(prefill.url, tiny_llama, prompt, MAX_TOKENS))
+    faults.forget()
+    theirs, params = faults.prefilled(other), faults.prefilled(prompt)
+    faults.decoded(other, theirs)  # releases other's blocks on P, which stay cached
+    before = _repair_counts(decode), decode.metric("vllm:kv_canary_transfers_unclaimed_total")
+    answer = faults.decoded(prompt, _stripped({**params, "remote_block_ids": theirs["remote_block_ids"]}))
+    _assert_named_and_repaired(faults, prompt, answer, clean_answer, before)
+
+
 def test_a_load_d_cannot_compare_is_taken_unverified_and_said_once(canary_pair, tiny_llama):
     """D handed P's params without P's claim of records (a router that rebuilt them), and
     with a claim of another fold mode (P serving another KVCANARY_VLLM_MODE), each twice:
-    no load is an error (the answer is the clean one, nothing failed or repaired); each is
-    counted unverified under its reason and said once for the prefill engine, with the fix.
-    The clean answer is P's own, served whole (disaggregated or not, a clean answer is the same)."""
+    no load is an error (the answer is the clean one, nothing failed or repaired). The loads
+    without a claim are compared all the same, each slot verified, counted unclaimed and said
+    once; those of another mode are counted unverified under mode_mismatch and said once for
+    the prefill engine, with the fix. The clean answer is P's own, served whole
+    (disaggregated or not, a clean answer is the same)."""
     prefill, decode, _, faults = canary_pair
     clean_answer = _tokens(complete(prefill.url, tiny_llama, FAULTED[4], MAX_TOKENS))
-    unverified = "vllm:kv_canary_transfers_unverified_total"
-    before = _repair_counts(decode), decode.metric(unverified, reason="no_claim"), decode.metric(unverified, reason="mode_mismatch")
+    unverified, unclaimed = "vllm:kv_canary_transfers_unverified_total", "vllm:kv_canary_transfers_unclaimed_total"
+
+    def counts():
+        verified = decode.metric("vllm:kv_canary_transfer_slots_verified_total")
+        return _repair_counts(decode), decode.metric(unclaimed), decode.metric(unverified, reason="mode_mismatch"), verified
+
+    before = counts()
 
     def dropped(params):
         del params["kv_canary_records"]
@@ -356,16 +409,22 @@ def test_a_load_d_cannot_compare_is_taken_unverified_and_said_once(canary_pair, 
         params["kv_canary_records"]["mode"] = "partial"
         return params
 
-    for change in (dropped, dropped, other_mode, other_mode):
+    for change in (dropped, dropped):
         faults.forget()  # D pulls the whole prompt each time
         answer = faults.decoded(FAULTED[4], change(faults.prefilled(FAULTED[4])))
         assert _tokens(answer) == clean_answer and decode.alive()
-    after = _repair_counts(decode), decode.metric(unverified, reason="no_claim"), decode.metric(unverified, reason="mode_mismatch")
-    assert after == (before[0], before[1] + 2, before[2] + 2), (before, after)
+    compared = counts()
+    assert compared[:3] == (before[0], before[1] + 2, before[2]) and compared[3] > before[3], (before, compared)
+    for change in (other_mode, other_mode):
+        faults.forget()
+        answer = faults.decoded(FAULTED[4], change(faults.prefilled(FAULTED[4])))
+        assert _tokens(answer) == clean_answer and decode.alive()
+    assert counts() == (before[0], before[1] + 2, before[2] + 2, compared[3]), (before, compared, counts())
     said = [line for line in decode.canary_lines() if "is taken unverified" in line[3]]
-    assert [line[2] for line in said] == ["WARNING", "WARNING"], said
-    assert "no_claim" in said[0][3] and "mode_mismatch" in said[1][3]
-    assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[1][3]
+    assert [line[2] for line in said] == ["WARNING"] and "mode_mismatch" in said[0][3], said
+    assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[0][3]
+    said = [line for line in decode.canary_lines() if "compared all the same" in line[3]]
+    assert [line[2] for line in said] == ["WARNING"], said
 
 
 # Of the FAULTED prompts, those whose params the router of the mixed pair rebuilds without P's claim.
@@ -375,9 +434,11 @@ CLAIM_DROPPED = (1, 3, 5)
 def test_a_pair_in_two_fold_modes_behind_a_router_dropping_the_claim_fails_nothing(tiny_llama):
     """P folding 16 bytes of each slot (KVCANARY_VLLM_MODE=partial) and D the whole slot (all),
     under quarantine, behind a router that drops P's claim from some requests' params: no
-    request fails, each answers as P alone serves it; D takes each load unverified, counted
-    under mode_mismatch where the claim arrived and no_claim where it was dropped (each prompt
-    is one load: no two share a block), none compared; each reason said once for the prefill engine."""
+    request fails, each answers as P alone serves it; D takes each load whose claim arrived
+    unverified, counted under mode_mismatch, and compares each load whose claim was dropped
+    by token, position, chain and head digests, which do not depend on the fold mode: each
+    slot verified, counted unclaimed (each prompt is one load: no two share a block); each
+    said once for the prefill engine."""
     dropped = {FAULTED[index][0] for index in CLAIM_DROPPED}
     modes = ({"KVCANARY_VLLM_MODE": "partial"}, {"KVCANARY_VLLM_MODE": "all"})
     route = claim_dropper(lambda body: body["prompt"][0] in dropped)
@@ -386,12 +447,15 @@ def test_a_pair_in_two_fold_modes_behind_a_router_dropping_the_claim_fails_nothi
         alone = [_tokens(complete(prefill.url, tiny_llama, prompt, MAX_TOKENS)) for prompt in FAULTED]
         assert [_tokens(answer) for answer in answers] == alone
         unverified = "vllm:kv_canary_transfers_unverified_total"
-        counts = {reason: decode.metric(unverified, reason=reason) for reason in ("mode_mismatch", "no_claim")}
-        assert counts == {"mode_mismatch": len(FAULTED) - len(CLAIM_DROPPED), "no_claim": len(CLAIM_DROPPED)}, counts
-        assert decode.metric("vllm:kv_canary_transfer_slots_verified_total") == 0
+        counts = decode.metric(unverified), decode.metric(unverified, reason="mode_mismatch")
+        assert counts == (len(FAULTED) - len(CLAIM_DROPPED),) * 2, counts
+        assert decode.metric("vllm:kv_canary_transfers_unclaimed_total") == len(CLAIM_DROPPED)
+        pulled = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        verified = decode.metric("vllm:kv_canary_transfer_slots_verified_total")
+        assert 0 < verified < pulled, (verified, pulled)  # the dropped claims' loads, compared; the others not
         assert decode.metric("vllm:kv_canary_requests_failed_total") == decode.metric("vllm:kv_canary_transfer_slots_failed_total") == 0
-        said = [line for line in decode.canary_lines() if "is taken unverified" in line[3]]
-        assert sorted((line[2], "no_claim" in line[3]) for line in said) == [("WARNING", False), ("WARNING", True)], said
+        said = [(line[2], "is taken unverified" in line[3]) for line in decode.canary_lines() if "prefill engine" in line[3]]
+        assert sorted(said) == [("WARNING", False), ("WARNING", True)], said
 
 
 def _fill_kv_cache(server, model) -> None:

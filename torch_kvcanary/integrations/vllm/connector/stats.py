@@ -31,10 +31,11 @@ load carried no records of P's to compare with (failed under the strict setting)
 ``unknown``, not classified (rows P never wrote; the ExampleConnector transport's other
 failures)."""
 UNVERIFIED = "transfers_unverified"
-UNVERIFIED_REASONS = ("no_claim", "format_version", "mode_mismatch", "layout_mismatch", "canary_off")
+UNVERIFIED_REASONS = ("format_version", "mode_mismatch", "layout_mismatch", "canary_off")
 """Why a decode side took a transfer's KV unverified (``data[UNVERIFIED]`` by reason): the
-params carry no claim of the prefill side's records, or a claim of another records format,
-fold mode or KV layout than the decode side's (`nixl.claim`); or, ``canary_off``, the KV
+params carry a claim of another records format, fold mode or KV layout than the decode
+side's (`nixl.claim`; a load without a claim is compared all the same, counted in
+``transfers_unclaimed``); or, ``canary_off``, the KV
 heads of a tensor-parallel rank whose canary has turned itself off, counted by that rank for
 each load while its other ranks compare theirs (`nixl.worker`)."""
 FAULTS = "canary_faults"
@@ -109,15 +110,20 @@ COUNTERS = (
         "transfers_unverified is a share of.",
     ),
     CounterSpec(
+        "transfers_unclaimed",
+        "Transfers a decode side loaded whose kv_transfer_params carried no claim of the prefill side's records, compared all "
+        "the same by each slot's token, position and chain and its head digests (rows the prefill side did not write fail).",
+    ),
+    CounterSpec(
         "transfer_params_unknown_keys",
         "kv_canary_* keys of the loaded requests' kv_transfer_params the decode side does not know (a router's typo, a newer "
         "prefill side's key): ignored, each load judged by its kv_canary_records alone.",
     ),
     CounterSpec(
         UNVERIFIED,
-        "Transfers a decode side took unverified, by reason: no claim of the prefill side's records in the request's "
-        "kv_transfer_params, or a claim of another records format, fold mode or KV layout (KvCanaryConnector's "
-        "kv_canary_strict_transfers fails them instead); canary_off: a rank's share of a load, that rank's canary being off.",
+        "Transfers a decode side took unverified, by reason: a claim of the prefill side's records of another records "
+        "format, fold mode or KV layout in the request's kv_transfer_params (KvCanaryConnector's kv_canary_strict_transfers "
+        "fails them instead); canary_off: a rank's share of a load, that rank's canary being off.",
         label="reason",
         values=UNVERIFIED_REASONS,
         logs_total=False,

@@ -7,12 +7,23 @@ dtypes (the fold and the digests read the same bytes). P claims, in the params o
 it handed over with its records written (`RECORDS_KEY`), each of these facts of its own and
 its tensor-parallel size (`facts`); D compares the claim with its own facts.
 
-A transfer whose params carry no claim (P runs no canary, or its canary is off, or a router
-rebuilt the params without the key) or a claim that differs from D's facts is *unverified*:
-D takes its KV as it landed, records it, and watches it from then on, without comparing it
-with P's rows; it is counted by reason (`stats.UNVERIFIED_REASONS`) and said once per prefill
-engine and reason with the fix. Under the `STRICT` setting such a transfer fails as a load
-error, as a transfer whose rows differ does.
+A transfer whose params carry no claim (a router rebuilt the params without the key, or P's
+canary is off) is compared all the same, by what depends neither on the fold mode nor on P's
+tensor-parallel size: each slot's token, position and chain, and its head digests. The
+client cannot switch that off: D loads only from a P that registers the records' region
+(vLLM's NixlConnector refuses, in its handshake, a peer whose regions differ in number or
+names: ``_validate_remote_agent_handshake``), so a P it loads from runs KvCanaryConnector, and
+the rows ride NIXL's read of the blocks whatever the params say. Rows P never wrote (zeros:
+its canary off) are load errors like any other rows that differ. Such a load is counted in
+``transfers_unclaimed`` and said once per prefill engine.
+
+A claim that differs from D's facts (another records format, fold mode or KV layout) is
+*unverified*: D takes the KV as it landed, records it, and watches it from then on, without
+comparing it with P's rows (a claim of another fold mode is the one a router cannot forge
+into a missed fault: stripped, the load is compared). It is counted by reason
+(`stats.UNVERIFIED_REASONS`) and said once per prefill engine and reason with the fix.
+Under the `STRICT` setting such a transfer fails as a load error, as a transfer whose rows
+differ does.
 
 The claim travels per request rather than in NIXL's handshake: a router may drop it from
 one request's params and not another's, and P's canary may switch itself off between two
@@ -111,6 +122,16 @@ class FirstSeen:
         return False
 
 
+def nixl_tp_size(params: dict) -> int:
+    """The prefill side's tensor-parallel size as a load's ``params`` give it to NixlConnector
+    (its ``tp_size``, 1 where absent, as vLLM's ``ReqMeta`` reads it); 1 where it is no size
+    (NIXL's handshake, made with it, would then fail). D compares a load without a claim by
+    token, position, chain and head digests, which do not depend on it: it only names P's
+    ranks in D's log."""
+    tp_size = params.get("tp_size", 1)
+    return tp_size if isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size > 0 else 1
+
+
 def shown(value) -> str:
     """A client's value as a side keeps and says it: its repr, cut to `SHOWN_CHARACTERS`."""
     text = value if isinstance(value, str) else repr(value)
@@ -127,6 +148,7 @@ class Claims:
         self.strict = strict
         self.claiming = own is not None
         self._said = FirstSeen("prefill engines and reasons of unverified transfers")  # (prefill engine, reason) said
+        self._unclaimed_said = FirstSeen("prefill engines of loads without a claim")
         self._unknown = FirstSeen(f"unknown {PREFIX}* key names")  # unknown key names said
 
     def stop(self) -> None:
@@ -137,7 +159,8 @@ class Claims:
         if self.claiming:
             logger.warning(
                 "kv-canary: this side's canary has turned itself off: the requests it hands over from now on carry no claim of "
-                "records, and a decode side takes their KV unverified (no_claim)"
+                "records and no rows of them, which a decode side finds bad (load errors: recomputed under repair, failed under "
+                "quarantine)"
             )
         self.claiming = False
 
@@ -148,15 +171,26 @@ class Claims:
     def judge(self, params: dict) -> tuple[int | None, str | None]:
         """D: the prefill side's tensor-parallel size to compare a load with, or None and the
         reason the load is unverified (`stats.UNVERIFIED_REASONS`), said once per prefill engine
-        and reason; (None, None) where this side's canary is off and verifies nothing."""
+        and reason; (None, None) where this side's canary is off and verifies nothing. A load
+        without a claim (`unclaimed`) is compared all the same, said once per prefill engine:
+        its size is the one its params give NIXL (`nixl_tp_size`)."""
         if self.own is None:
             return None, None
         claim = params.get(RECORDS_KEY)
+        if not isinstance(claim, dict):
+            self._say_unclaimed(shown(params.get("remote_engine_id", "?")))
+            return nixl_tp_size(params), None
         reason, fix = self._mismatch(claim)
         if reason is None:
             return claim["tp_size"], None
         self._say(shown(params.get("remote_engine_id", "?")), reason, fix)
         return None, reason
+
+    def unclaimed(self, params: dict) -> bool:
+        """D: whether a load's ``params`` carry no claim of P's records while this side verifies:
+        it is compared by token, position, chain and head digests, which depend neither on the
+        fold mode nor on P's tensor-parallel size."""
+        return self.own is not None and not isinstance(params.get(RECORDS_KEY), dict)
 
     def unknown_keys(self, params: dict) -> int:
         """D: how many keys of ``params`` are ``kv_canary_*`` keys other than `RECORDS_KEY`, each
@@ -175,14 +209,9 @@ class Claims:
                 )  # fmt: skip
         return len(unknown)
 
-    def _mismatch(self, claim) -> tuple[str | None, str]:
+    def _mismatch(self, claim: dict) -> tuple[str | None, str]:
         """The reason ``claim`` cannot be compared with and the fix; (None, "") where it can."""
         own = self.own
-        if not isinstance(claim, dict):
-            return "no_claim", (
-                f"its kv_transfer_params carry no {RECORDS_KEY}: serve the prefill side with {CONNECTOR} and {POLICY_ENV} set, "
-                f"its canary on, and have the router hand kv_transfer_params on unchanged"
-            )
         for key, reason, differs, fix in _AGREED:
             if claim.get(key) != own[key]:
                 return reason, f"{differs.format(there=claim.get(key), here=own[key])}: {fix}"
@@ -196,6 +225,17 @@ class Claims:
                 f"its KV layout differs ({'; '.join(differ)}): serve both sides with the same model and cache settings",
             )
         return None, ""
+
+    def _say_unclaimed(self, engine: str) -> None:
+        if self._unclaimed_said.first(engine):
+            logger.warning(
+                "kv-canary: the KV this decode side reads from prefill engine %s comes with kv_transfer_params that carry no %s: "
+                "it is compared all the same, by each slot's token, position and chain and its head digests (counted in "
+                "vllm:kv_canary_transfers_unclaimed_total), and rows the prefill side did not write fail as load errors: serve "
+                "the prefill side with %s and %s set, its canary on, and have the router hand kv_transfer_params on unchanged "
+                "(said once per prefill engine)",
+                engine, RECORDS_KEY, CONNECTOR, POLICY_ENV,
+            )  # fmt: skip
 
     def _say(self, engine: str, reason: str, fix: str) -> None:
         if not self._said.first((engine, reason)):

@@ -25,7 +25,9 @@ class LoadOrder:
     ``unverified`` (`claim.Claims.judge`), or none known: then every slot is bad).
     ``identified``: D's request has an identity (a LoRA adapter, a cache salt), whose root
     its worker derives once the runner holds the request (`worker.NixlWorker`).
-    ``unknown_keys``: how many ``kv_canary_*`` keys of its params D does not know (`claim.Claims.unknown_keys`)."""
+    ``unknown_keys``: how many ``kv_canary_*`` keys of its params D does not know (`claim.Claims.unknown_keys`).
+    ``unclaimed``: its params carry no claim of P's records (`claim.Claims.unclaimed`): it is
+    compared all the same, by token, position, chain and head digests."""
 
     request_id: str
     remote_tp_size: int | None
@@ -36,6 +38,7 @@ class LoadOrder:
     unverified: str | None = None
     identified: bool = False
     unknown_keys: int = 0
+    unclaimed: bool = False
 
 
 @dataclass

@@ -49,7 +49,7 @@ class NixlScheduler(SchedulerVerifier):
                     request.request_id, remote_tp_size,
                     list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]), start, end, unverified,
                     identified=request.lora_request is not None or bool(request.cache_salt),
-                    unknown_keys=self.claims.unknown_keys(params),
+                    unknown_keys=self.claims.unknown_keys(params), unclaimed=self.claims.unclaimed(params),
                 )
             )  # fmt: skip
 

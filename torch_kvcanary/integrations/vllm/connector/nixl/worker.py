@@ -21,7 +21,6 @@ import torch
 
 from .....canary import FOLD
 from ... import adapter
-from ...config import CONNECTOR
 from ..port import RecordPort, to_device
 from ..stats import FAILED, FAILED_KINDS, UNVERIFIED, UNVERIFIED_REASONS
 from ..verifier import WorkerVerifier
@@ -99,6 +98,7 @@ class NixlWorker(WorkerVerifier):
         self._handed: HandedOver | None = None  # P: the prompts of the step, until its verdict
         self._unverified = dict.fromkeys(UNVERIFIED_REASONS, 0)  # D: loads judged unverified since `take_counts`, by reason
         self._loaded = self._unknown_keys = 0  # D: loads ordered and their unknown params keys since `take_counts`
+        self._unclaimed = 0  # D: loads ordered whose params carried no claim since `take_counts`, compared all the same
         self._failed = dict.fromkeys(FAILED_KINDS, 0)  # D: landed slots a step found bad since `take_counts`, by kind
 
     @classmethod
@@ -172,11 +172,13 @@ class NixlWorker(WorkerVerifier):
     def take_counts(self) -> dict:
         """The counters since the last call, by their names in `stats`: P's prompt slots whose
         records it wrote for a decode side, D's landed slots that failed by kind (`on_flagged`),
-        and D's loads, those it could not verify by reason, and their unknown params keys
-        (counted by rank 0 alone: vLLM sums the ranks' counters, and each rank sees each load)."""
+        and D's loads, those it could not verify by reason, those whose params carried no claim,
+        and their unknown params keys (counted by rank 0 alone: vLLM sums the ranks' counters,
+        and each rank sees each load)."""
         counts = {"transfer_slots_handed_over": self._handed_over, FAILED: self._failed, UNVERIFIED: self._unverified}
         counts |= {"transfers_loaded": self._loaded, "transfer_params_unknown_keys": self._unknown_keys}
-        self._loaded = self._unknown_keys = 0
+        counts["transfers_unclaimed"] = self._unclaimed
+        self._loaded = self._unknown_keys = self._unclaimed = 0
         counts["transfer_slots_verified"] = self._compared_later  # loads compared in `before_forward`, past `on_done`
         self._handed_over = self._compared_later = 0
         self._failed = dict.fromkeys(FAILED_KINDS, 0)
@@ -196,17 +198,24 @@ class NixlWorker(WorkerVerifier):
             self._land_awaiting(port)
 
     def before_load(self, port: RecordPort, orders: NixlOrders | None) -> None:
-        """D: notes each load NIXL starts reading, with how the prefill side holds its heads."""
+        """D: notes each load NIXL starts reading, with how the prefill side holds its heads.
+        A load whose params carry no claim (`LoadOrder.unclaimed`) is compared by token,
+        position, chain and head digests (``same_heads`` false), which depend neither on P's
+        fold mode nor on its tensor-parallel size: neither is known but from the claim."""
         if orders is None:
             return
         if self.rank == 0:
             self._loaded += len(orders.loads)
             self._unknown_keys += sum(load.unknown_keys for load in orders.loads)
+            self._unclaimed += sum(load.unclaimed for load in orders.loads)
         for load in orders.loads:
             if load.remote_tp_size is None:
                 self._pending[load.request_id] = self._unverifiable(load)
                 continue
             remote = Sharding(load.remote_tp_size, self.sharding.num_kv_heads)
+            if load.unclaimed:
+                self._pending[load.request_id] = PendingLoad(load, remote, "", same_heads=False)
+                continue
             sources = remote.sources(self.heads)
             same_heads = len(sources) == 1 and remote.heads(sources[0]) == self.heads
             self._say_comparison(remote, sources, same_heads)
@@ -223,7 +232,7 @@ class NixlWorker(WorkerVerifier):
         """A load without records of P's to compare with: taken unverified where the scheduler
         judged why (`claim.Claims`), unless `strict`; counted by reason."""
         if load.unverified is None:
-            why = f"its kv_transfer_params carry no {RECORDS_KEY} (the prefill side runs no {CONNECTOR})"
+            why = f"this side's scheduler judged no claim of {RECORDS_KEY} for it (its canary off there, on in this worker)"
             return PendingLoad(load, None, why, same_heads=False)
         if self.rank == 0:
             self._unverified[load.unverified] += 1
