@@ -125,9 +125,10 @@ class FirstSeen:
 def nixl_tp_size(params: dict) -> int:
     """The prefill side's tensor-parallel size as a load's ``params`` give it to NixlConnector
     (its ``tp_size``, 1 where absent, as vLLM's ``ReqMeta`` reads it); 1 where it is no size
-    (NIXL's handshake, made with it, would then fail). D compares a load without a claim by
-    token, position, chain and head digests, which do not depend on it: it only names P's
-    ranks in D's log."""
+    (NIXL's handshake, made with it, would then fail). It need not be what NIXL reads by: NIXL
+    reads a prefill engine by the size the params of the request that made the handshake
+    gave. D compares a load without a claim by token, position, chain and head digests, which
+    do not depend on it; it is the load's `LoadOrder.remote_tp_size`, and nothing is judged by it."""
     tp_size = params.get("tp_size", 1)
     return tp_size if isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size > 0 else 1
 
