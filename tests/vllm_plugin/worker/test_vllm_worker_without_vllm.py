@@ -17,7 +17,7 @@ def test_a_token_copy_follows_requests_across_rows():
     # The host's tokens of each request (what `adapter.RunnerV1.known_tokens` gives when it
     # takes a row), and what the copy must hold row by row after each step.
     host = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4], "d": [-1, 3]}
-    copy = step_buffers.TokenCopy(3, 6, torch.device("cpu"))
+    copy = step_buffers.TokenCopy(3, 6, torch.int32, torch.device("cpu"))
 
     def follow(request_ids):
         history = copy.follow(request_ids, lambda row: torch.tensor(host[request_ids[row]], dtype=torch.int32))

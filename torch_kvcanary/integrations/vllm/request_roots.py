@@ -100,5 +100,6 @@ class RequestRoots:
         """What the start line says of the identity the worker reads."""
         lora = "LoRA adapters (name and weights as loaded)" if self.watches_lora else "no LoRA adapter (LoRA off)"
         salt = "cache_salt carried from the scheduler" if adapter.carries_cache_salt() else "cache_salt not carried (unread)"
+        read = "".join(f", {name} ({how})" for name, how in self._view.read_identity().items())
         unread = self._view.unread_identity()
-        return f"request identity: {lora}, {salt}" + (f"; not read: {', '.join(unread)}" if unread else "")
+        return f"request identity: {lora}, {salt}{read}" + (f"; not read: {', '.join(unread)}" if unread else "")

@@ -45,17 +45,19 @@ class StepRows:
 
 
 class TokenCopy:
-    """A device copy of a token history the runner keeps on the host (Model Runner V1 on a
-    GPU), so that the context's tokens are checked on the device without host work per
-    slot: int32 ``tokens[row, position]`` by input-batch row, -1 where not known (the token
-    check skips those). A request's context is copied from the host when it takes a row
+    """The canary's copy of a Model Runner V1's token history: on the device where the runner
+    keeps its own on the host (V1 on a GPU), so that the context's tokens are checked on the
+    device without host work per slot, and where requests may give prompt embeddings, whose
+    rows' words (int64) the runner's int32 history cannot hold. ``tokens[row, position]`` by
+    input-batch row: what fed the position (a token id or a word), -1 where not known (the
+    token check skips those). A request's context is copied from the host when it takes a row
     (`adapter.Runner.known_tokens`: exact there, under async scheduling too), its row is
     moved on the device when vLLM moves the request to another row, and each step's tokens
     are written on the device from its input ids after the forward (`record`), as the
     runner's own history would hold them under synchronous scheduling."""
 
-    def __init__(self, rows: int, length: int, device: torch.device):
-        self.tokens = torch.full((rows, length), -1, dtype=torch.int32, device=device)
+    def __init__(self, rows: int, length: int, dtype: torch.dtype, device: torch.device):
+        self.tokens = torch.full((rows, length), -1, dtype=dtype, device=device)
         self._row_of: dict[str, int] = {}  # each request's row at the last step
 
     @property
@@ -84,7 +86,7 @@ class TokenCopy:
         return adapter.TokenHistory(self.tokens, None)
 
     def record(self, forward: adapter.Step, num_tokens: int) -> None:
-        """After a step's forward: the token at each (input-batch row, position) it wrote."""
+        """After a step's forward: what fed each (input-batch row, position) it wrote."""
         rows = np.repeat(np.arange(len(forward.num_scheduled)), forward.num_scheduled)
         rows = torch.from_numpy(rows).to(self.tokens.device, non_blocking=True)
-        self.tokens[rows, forward.positions[:num_tokens]] = forward.input_ids[:num_tokens].to(torch.int32)
+        self.tokens[rows, forward.positions[:num_tokens]] = forward.input_ids[:num_tokens].to(self.tokens.dtype)

@@ -114,7 +114,7 @@ class WorkerCanary:
             head_views.append(digest.vllm_head_views(layer.kv_cache, layer.backend, layout))
         self.canary = KvCanary(sources, mode=chosen.mode, on_violation=self._report, name=LAUNCH_TAG, padding_slot=adapter.NULL_SLOT)
         self._check_tokens = self.runner_view.token_history_current
-        self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.token_history_on_host else None
+        self._token_copy = TokenCopy(*self.runner_view.token_rows, self.canary.device) if self.runner_view.keeps_token_copy else None
         self.blocks_packed = any(b in layouts.VLLM_BLOCK_PACKED_BACKENDS for b in backends)
         # Every group's step in one call (two around the forward on a block-packed backend).
         self._paged = PagedStep(

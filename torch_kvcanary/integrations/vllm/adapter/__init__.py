@@ -9,6 +9,8 @@ connector machinery (`connectors`), and names the logger whose lines reach vLLM'
 
 * `versions`: the vLLM series supported and what differs between them (`RELEASES`, `is_supported`, `release`);
 * `common`: what the runners' hooks share and hand the plugin;
+* `groups`: a runner's KV cache groups as the plugin watches them;
+* `embeddings`: what fed each position where requests may give prompt embeddings;
 * `v1`, `v2`: Model Runner V1's and V2's hooks, `Step` and view;
 * `hooks`: the worker's hooks, which check and hook its runner and size its KV cache;
 * `identity`: what vLLM holds of a request's identity (its LoRA adapter's loads, its cache salt);
@@ -22,13 +24,8 @@ vLLM starts and must cost nothing while the plugin is off.
 from . import nixl
 from .common import (
     LOGGER,
-    NULL_SLOT,
-    SKIPPED_SPECS,
     V1_RUNNER,
     V2_RUNNER,
-    WATCHED_SPECS,
-    AttentionLayer,
-    KvCacheGroup,
     PluginCallbacks,
     RunnerView,
     Step,
@@ -45,6 +42,7 @@ from .connectors import (
     tensor_parallel_rank,
     total_kv_heads,
 )
+from .groups import NULL_SLOT, SKIPPED_SPECS, WATCHED_SPECS, AttentionLayer, KvCacheGroup
 from .hooks import hook, runner_view, unwatchable
 from .identity import RequestIdentity, carries_cache_salt
 from .v1 import RunnerV1

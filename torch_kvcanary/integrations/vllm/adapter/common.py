@@ -1,5 +1,5 @@
 """What the adapter's modules share: the values the hooks hand the plugin (`Step`,
-`TokenHistory`, `KvCacheGroup`), what they ask of it (`Watcher`, `PluginCallbacks`), the
+`TokenHistory`; `KvCacheGroup` is `groups`'), what they ask of it (`Watcher`, `PluginCallbacks`), the
 attributes they keep on vLLM's objects, the helpers both runners' hooks use, and what the
 plugin reads of either runner (`RunnerView`)."""
 
@@ -14,6 +14,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from .embeddings import prompt_words
+from .groups import SKIPPED_SPECS, WATCHED_SPECS, AttentionLayer, KvCacheGroup
 from .identity import RequestIdentity, held_adapter_weights, lora_identity, watch_lora_loads
 from .identity import notes as identity_notes
 
@@ -34,6 +36,8 @@ WATCHER = "_kvcanary"
 FORWARD_SEEN = "_kvcanary_forward_seen"
 BUDGET = "_kvcanary_kv_budget"
 
+PROMPT_EMBEDDINGS = "prompt embeddings"
+
 
 @dataclass(frozen=True)
 class Step:
@@ -48,7 +52,9 @@ class Step:
     request_ids: list[str]
     num_scheduled: np.ndarray  # int64, tokens this forward runs per row
     num_computed: np.ndarray  # int64, tokens already in the KV cache per row (the context)
-    input_ids: torch.Tensor | None  # None when the model runs on input embeddings
+    # What fed each token: its token id, or the word of the embedding row that fed it
+    # (`embeddings`); None when the model runs on input embeddings the plugin cannot name.
+    input_ids: torch.Tensor | None
     positions: torch.Tensor  # 1-D, also for M-RoPE models
     # int64 [copies, 2]: (source, destination) of each whole block vLLM copied before this
     # forward (copy-on-write of a partial prefix hit), in every layer of the pool.
@@ -83,69 +89,6 @@ class Watcher(Protocol):
     def begin_step(self, read_step: Callable[[], Step]): ...
 
     def end_step(self, batch) -> None: ...
-
-
-@dataclass(frozen=True)
-class AttentionLayer:
-    name: str
-    kv_cache: torch.Tensor  # the tensor vLLM binds to the layer
-    backend: str  # its attention backend's get_name()
-    drafter: bool = False  # a layer of the speculative drafter, not of the served model
-
-
-NULL_SLOT = 0
-"""A slot no token is ever written to: vLLM's block pool keeps block 0 as its null block,
-which block tables show in place of the blocks a window has freed, and never hands out."""
-
-# The KV cache groups the plugin watches, by their spec's class (vllm/v1/kv_cache_interface.py),
-# and those it skips: Mamba groups hold a state per request, not a slot per token.
-WATCHED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
-SKIPPED_SPECS = ("MambaSpec",)
-
-
-@dataclass(frozen=True)
-class KvCacheGroup:
-    """One watched KV cache group of a runner: its index in vLLM's ``kv_cache_groups``, its
-    kind (spec class name), its attention layers in layer order, its block size (kernel
-    blocks: slot = block * block_size + offset in the layers' tensors), the block table
-    attention reads on the runner's device (int32 ``[>= rows, max_blocks]``, row ``i`` for
-    input-batch row ``i``), Model Runner V1's block table object of the group (None under
-    V2), the window of a sliding-window or chunked-local group, and its slot mapping (the
-    runner's buffer, refilled each step: token ``t``'s slot, int64 ``[>= tokens]``)."""
-
-    index: int
-    kind: str
-    layers: list[AttentionLayer]
-    block_size: int
-    device_block_table: torch.Tensor
-    block_table: object = None
-    sliding_window: int | None = None
-    attention_chunk_size: int | None = None
-    slot_mapping: torch.Tensor | None = None
-
-    def first_attended(self, num_computed: np.ndarray) -> np.ndarray:
-        """Per row, the first position the forward's tokens attend to, with ``num_computed``
-        tokens in the cache; vLLM frees the blocks wholly below it, and may reuse them.
-        These are vLLM's ``get_num_skipped_tokens`` of SlidingWindowManager (without the
-        trailing tokens it retains for spec decoding, which it does not attend to) and of
-        ChunkedLocalAttentionManager; 0 for full attention."""
-        if self.sliding_window is not None:
-            return np.maximum(num_computed - self.sliding_window + 1, 0)
-        if self.attention_chunk_size is not None:
-            return num_computed // self.attention_chunk_size * self.attention_chunk_size
-        return np.zeros_like(num_computed)
-
-    def row_blocks(self, row: int) -> np.ndarray:
-        """The blocks of input-batch row ``row`` in the group's block table, in order (V1)."""
-        table = self.block_table
-        return table.block_table.np[row, : table.num_blocks_per_row[row]]
-
-    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The slot (block * block_size + offset) of each (input-batch row, position) in the
-        group's device block table; -1 where the position is negative (before a request's first token)."""
-        at = positions.clamp(min=0)
-        blocks = self.device_block_table[rows, at // self.block_size].to(torch.int64)
-        return torch.where(positions >= 0, blocks * self.block_size + at % self.block_size, -1)
 
 
 @dataclass(frozen=True)
@@ -188,6 +131,7 @@ def begin_execute(model_runner, scheduler_output) -> None:
     step's forward is marked not seen yet."""
     if getattr(model_runner, WATCHER, None) is not None:
         identity_notes(model_runner).note(scheduler_output)
+        prompt_words(model_runner).forget(scheduler_output.finished_req_ids)
     setattr(model_runner, FORWARD_SEEN, False)
 
 
@@ -271,6 +215,12 @@ class RunnerView(abc.ABC):
         """Whether the runner keeps its token history on the host while its model runs on a
         device: the canary then keeps a copy on the device (`step_buffers.TokenCopy`)."""
 
+    @property
+    def keeps_token_copy(self) -> bool:
+        """Whether the canary keeps its own copy of the token history (`step_buffers.TokenCopy`,
+        of `token_rows`' shape and dtype, from `known_tokens` and each step's input ids)."""
+        return self.token_history_on_host
+
     @abc.abstractmethod
     def token_history(self, device: torch.device) -> TokenHistory | None:
         """The runner's token history where it lives on ``device``, else None."""
@@ -325,13 +275,26 @@ class RunnerView(abc.ABC):
     def held_adapter_weights(self, lora_id: int) -> dict[str, torch.Tensor] | None:
         return held_adapter_weights(self.model_runner, lora_id)
 
-    def unread_identity(self) -> list[str]:
-        """What of a request's identity the plugin does not read from this runner's requests:
-        a multimodal model's items behind their placeholder tokens, and prompt embeddings
-        (positions whose token is not known, which the canary does not check)."""
+    @property
+    def prompt_embeds_enabled(self) -> bool:
+        """Whether the runner's requests may give prompt embeddings (``enable_prompt_embeds``)."""
         config = getattr(self.model_runner, "model_config", None)
-        kinds = (("multimodal items", "supports_multimodal_inputs"), ("prompt embeddings", "enable_prompt_embeds"))
-        return [name for name, flag in kinds if config is not None and getattr(config, flag, False)]
+        return config is not None and bool(getattr(config, "enable_prompt_embeds", False))
+
+    def read_identity(self) -> dict[str, str]:
+        """What of a request's identity the plugin reads from this runner's requests beyond
+        its root, each with how: none here (`RunnerV1` reads prompt embeddings)."""
+        return {}
+
+    def unread_identity(self) -> list[str]:
+        """What of a request's identity this runner's requests may give and the plugin does
+        not read (`read_identity`): a multimodal model's items behind their placeholder
+        tokens, prompt embeddings (positions whose token is not known, which the canary does
+        not check)."""
+        config = getattr(self.model_runner, "model_config", None)
+        kinds = (("multimodal items", "supports_multimodal_inputs"), (PROMPT_EMBEDDINGS, "enable_prompt_embeds"))
+        given = [name for name, flag in kinds if config is not None and getattr(config, flag, False)]
+        return [name for name in given if name not in self.read_identity()]
 
     def kv_connector(self):
         """This worker's KV connector (vLLM builds it before the KV cache), or None."""

@@ -104,12 +104,16 @@ def _checked_runner(worker, callbacks: PluginCallbacks):
 
 
 def _token_copy_bytes(model_runner) -> int:
-    """The bytes of the canary's device copy of a runner's token history (int32, one row per
-    input-batch row), where it keeps one (`RunnerView.token_history_on_host`)."""
-    if not v1.keeps_token_history_on_host(model_runner):
+    """The bytes of the canary's copy of a V1 runner's token history, where it keeps one
+    (`RunnerView.keeps_token_copy`): one row per input-batch row, int32, or int64 where it
+    holds prompt embeddings' words."""
+    if is_model_runner_v2(model_runner):
         return 0
-    batch = model_runner.input_batch
-    return batch.max_num_reqs * batch.max_model_len * 4
+    view = v1.RunnerV1(model_runner)
+    if not view.keeps_token_copy:
+        return 0
+    rows, length, dtype = view.token_rows
+    return rows * length * dtype.itemsize
 
 
 def _kv_bytes_per_slot(worker) -> Fraction:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import embeddings
 from .common import (
     FORWARD_SEEN,
     HOOKED,
+    PROMPT_EMBEDDINGS,
     V1_RUNNER,
     WATCHER,
     PluginCallbacks,
@@ -103,7 +105,10 @@ def _step(model_runner, scheduler_output, input_ids: torch.Tensor | None, positi
     num_computed = batch.num_computed_tokens_cpu[: len(request_ids)].astype(np.int64)
     if positions.dim() != 1:  # M-RoPE's [3, tokens]: the runner keeps the sequence positions beside them
         positions = model_runner.positions
-    if input_ids is None and model_runner.supports_mm_inputs and not model_runner.enable_prompt_embeds:
+    if input_ids is None and model_runner.enable_prompt_embeds:
+        # The token ids the runner keeps, and a word for each position an embedding row feeds.
+        input_ids = embeddings.step_input_words(model_runner, request_ids, num_scheduled, num_computed)
+    elif input_ids is None and model_runner.supports_mm_inputs:
         # A multimodal model runs on the embeddings of the runner's input ids (placeholders
         # where an image goes), which the runner keeps.
         input_ids = model_runner.input_ids.gpu
@@ -144,22 +149,38 @@ class RunnerV1(RunnerView):
         return keeps_token_history_on_host(self.model_runner)
 
     @property
-    def token_rows(self) -> tuple[int, int]:
-        """The token history's shape: (input-batch rows, positions per row)."""
+    def keeps_token_copy(self) -> bool:
+        """Whether the canary keeps its own copy of the token history (`step_buffers.TokenCopy`):
+        where V1 keeps it on the host while its model runs on a device, and where requests may
+        give prompt embeddings, whose rows' words the runner's int32 history cannot hold."""
+        return self.token_history_on_host or self.prompt_embeds_enabled
+
+    @property
+    def token_rows(self) -> tuple[int, int, torch.dtype]:
+        """The shape of the canary's copy of the token history (input-batch rows, positions per
+        row) and its dtype: int64 where it holds embedding rows' words, else int32."""
         batch = self.model_runner.input_batch
-        return batch.max_num_reqs, batch.max_model_len
+        return batch.max_num_reqs, batch.max_model_len, torch.int64 if self.prompt_embeds_enabled else torch.int32
+
+    def read_identity(self) -> dict[str, str]:
+        """Prompt embeddings, where requests may give them: each row's word in its position's token field."""
+        return {PROMPT_EMBEDDINGS: "a word per embedding row"} if self.prompt_embeds_enabled else {}
 
     def _lora_request(self, request_id: str):
         state = self.model_runner.requests.get(request_id)
         return None if state is None else state.lora_request
 
     def known_tokens(self, row: int) -> torch.Tensor:
-        """The tokens of input-batch row ``row``'s context as V1 holds them on the host once a
-        request has taken the row (its prompt, and a resumed request's earlier output): int32
-        ``[context]`` on the host, -1 where the prompt is embeddings."""
+        """What fed input-batch row ``row``'s context as V1 holds it on the host once a request
+        has taken the row (its prompt, and a resumed request's earlier output): ``[context]``
+        on the host, int32 token ids, or where requests may give prompt embeddings int64 with
+        each embedding row's word at its position (`embeddings.known_words`)."""
         batch = self.model_runner.input_batch
         context = int(batch.num_computed_tokens_cpu[row])
-        return torch.where(batch.is_token_ids_tensor[row, :context], batch.token_ids_cpu_tensor[row, :context], -1)
+        tokens = torch.where(batch.is_token_ids_tensor[row, :context], batch.token_ids_cpu_tensor[row, :context], -1)
+        if not self.prompt_embeds_enabled:
+            return tokens
+        return embeddings.known_words(self.model_runner, batch.req_ids[row], tokens, context)
 
     def context(self) -> tuple[list[str], np.ndarray]:
         """The request ids of the input batch's rows and, per row, its tokens in the KV cache."""
