@@ -20,7 +20,7 @@ from torch_kvcanary.testing.soak import chaos_pd, table_fault  # noqa: E402
 from torch_kvcanary.testing.soak.chaos import FLIP_KINDS, ChaosResult, chaos, check  # noqa: E402
 from torch_kvcanary.testing.soak.harness import Pass, install_chaos_plugin, report, user_id  # noqa: E402
 from torch_kvcanary.testing.soak.table_fault import TableEvidence  # noqa: E402
-from torch_kvcanary.testing.soak.unverified import UnverifiedResult, check_unverified  # noqa: E402
+from torch_kvcanary.testing.soak.unverified import UNCLAIMED, UnverifiedResult, check_unverified  # noqa: E402
 
 REQUESTS, FAULTS = 100, 6
 
@@ -220,31 +220,51 @@ def test_the_pd_quarantine_check_allows_only_holders_of_the_corrupted_block_in_f
     assert problems([error, ok, ok, error])  # came after
 
 
-def _unverified_problems(answers, reason="no_claim", **evidence):
+def _unverified_problems(answers, taken_as="mode_mismatch", **evidence):
     """The P/D soak's misconfiguration checks on made-up evidence: two requests, two NIXL
-    transfers, each counted under no_claim and said once at WARNING, unless ``evidence`` says otherwise."""
-    counts = dict(unverified={"no_claim": 2}, transfers=2, said=[("WARNING", "no_claim")]) | evidence
+    transfers, each counted unverified under mode_mismatch, none compared, said once at
+    WARNING, unless ``evidence`` says otherwise."""
+    counts = dict(unverified={"mode_mismatch": 2}, transfers=2, said=[("WARNING", "mode_mismatch")]) | evidence
+    result = UnverifiedResult("quarantine", 2, name="mixed-modes", **counts)
+    check_unverified(result, answers, [[1, 2, 3, 4], [5, 6, 7, 8]], taken_as)
+    return result.problems
+
+
+def _unclaimed_problems(answers, **evidence):
+    """The same for the drop-claim pass: two transfers counted unclaimed, their 64 slots
+    compared and none failed, said once at WARNING."""
+    counts = dict(unclaimed=2, transfers=2, compared_slots=64, said=[("WARNING", UNCLAIMED)]) | evidence
     result = UnverifiedResult("quarantine", 2, name="drop-claim", **counts)
-    check_unverified(result, answers, [[1, 2, 3, 4], [5, 6, 7, 8]], reason)
+    check_unverified(result, answers, [[1, 2, 3, 4], [5, 6, 7, 8]], UNCLAIMED)
     return result.problems
 
 
 def test_the_pd_unverified_checks_pass_clean_evidence_and_fail_each_broken_one():
     answers = [{"choices": [{"token_ids": tokens, "finish_reason": "length"}]} for tokens in ([1, 2, 3, 4], [5, 6, 7, 8])]
-    assert _unverified_problems(answers) == []
+    assert _unverified_problems(answers) == [] and _unclaimed_problems(answers) == []
     assert any("requests failed" in p for p in _unverified_problems([answers[0], {"error": 502, "body": "x"}]))
     wrong = [answers[0], {"choices": [{"token_ids": [5, 6, 7, 9], "finish_reason": "length"}]}]
     assert any("differ" in p for p in _unverified_problems(wrong))
     broken = [
-        dict(unverified={"no_claim": 1}),  # a transfer not counted
-        dict(unverified={"no_claim": 2, "mode_mismatch": 1}),  # one counted twice
+        dict(unverified={"mode_mismatch": 1}),  # a transfer not counted
+        dict(unverified={"mode_mismatch": 2, "format_version": 1}),  # one counted twice
+        dict(unclaimed=1),  # one counted as compared too
         dict(unverified={}, transfers=0),  # no transfer made
         dict(prefill_unverified=1),
         dict(compared_slots=64),
         dict(said=[]),
-        dict(said=[("WARNING", "no_claim")] * 2),
-        dict(said=[("INFO", "no_claim")]),
+        dict(said=[("WARNING", "mode_mismatch")] * 2),
+        dict(said=[("INFO", "mode_mismatch")]),
     ]
     for evidence in broken:
         assert _unverified_problems(answers, **evidence), evidence
-    assert _unverified_problems(answers, reason="mode_mismatch")  # counted under another reason
+    assert _unverified_problems(answers, taken_as="format_version")  # counted under another reason
+    unclaimed_broken = [
+        dict(unclaimed=1),  # a transfer not counted
+        dict(unverified={"mode_mismatch": 1}),  # one taken unverified too
+        dict(compared_slots=0),  # nothing compared
+        dict(failed_slots=32),  # an intact pair's slots failed
+        dict(said=[("WARNING", "mode_mismatch")]),
+    ]
+    for evidence in unclaimed_broken:
+        assert _unclaimed_problems(answers, **evidence), evidence

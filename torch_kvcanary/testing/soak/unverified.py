@@ -1,13 +1,16 @@
 """Misconfigured P/D pairs instead of faults (`unverified_pd`; tools/vllm_chaos_pd.py
---unverified), for each policy: a clean pass through a pair folding alike (the reference answers), then the same requests behind a router
-that drops the canary's key from every ``kv_transfer_params`` it hands the decode server
-(``drop-claim``), then on a pair whose prefill server folds ``KVCANARY_VLLM_MODE=partial``
-and decode server ``all`` (``mixed-modes``). Each of these passes checks (`check_unverified`):
-no request failed; every answer equals the clean pass's; the decode server, its prefix cache emptied
-before the pass, counted each request the router handed it with P's blocks to read in
-``vllm:kv_canary_transfers_unverified_total`` under the pass's reason (``no_claim``,
-``mode_mismatch``) and compared none; the prefill server counted none; the decode server said
-the reason once, at WARNING. The clean pass counted nothing unverified.
+--unverified), for each policy: a clean pass through a pair folding alike (the reference
+answers), then the same requests behind a router that drops the canary's key from every
+``kv_transfer_params`` it hands the decode server (``drop-claim``), then on a pair whose
+prefill server folds ``KVCANARY_VLLM_MODE=partial`` and decode server ``all``
+(``mixed-modes``). Each of these passes checks (`check_unverified`): no request failed; every
+answer equals the clean pass's; the decode server, its prefix cache emptied before the pass,
+took each request the router handed it with P's blocks to read as the pass says
+(`Misconfigured.taken_as`): ``drop-claim``'s compared all the same (counted in
+``vllm:kv_canary_transfers_unclaimed_total``, its slots verified, none failed),
+``mixed-modes``' unverified (counted in ``vllm:kv_canary_transfers_unverified_total`` under
+``mode_mismatch``, none compared); the prefill server counted none; the decode server said so
+once, at WARNING. The clean pass counted nothing unverified or unclaimed.
 """
 
 from __future__ import annotations
@@ -26,12 +29,34 @@ from torch_kvcanary.testing.serve import Server
 from torch_kvcanary.testing.soak.chaos_pd import PairTarget
 from torch_kvcanary.testing.soak.harness import SoakResult, check_answers, report, run_pass, tokens, workload
 
-# The misconfiguration passes (--unverified), in order: P's and D's KVCANARY_VLLM_MODE, whether
-# the router drops P's claim, and the reason the decode server must count each transfer under.
-UNVERIFIED_PASSES = {"drop-claim": (("all", "all"), True, "no_claim"), "mixed-modes": (("partial", "all"), False, "mode_mismatch")}
+UNCLAIMED = "unclaimed"
+"""How a decode server takes a transfer whose params carry no claim: compared all the same."""
+
+
+@dataclass(frozen=True)
+class Misconfigured:
+    """A misconfiguration pass: P's and D's KVCANARY_VLLM_MODE, whether the router drops P's
+    claim, and how the decode server must take each transfer: `UNCLAIMED`, or unverified
+    under a reason of ``transfers_unverified``."""
+
+    modes: tuple[str, str]
+    drops_claim: bool
+    taken_as: str
+
+
+# The misconfiguration passes (--unverified), in order.
+UNVERIFIED_PASSES = {
+    "drop-claim": Misconfigured(("all", "all"), True, UNCLAIMED),
+    "mixed-modes": Misconfigured(("partial", "all"), False, "mode_mismatch"),
+}
 UNVERIFIED = "vllm:kv_canary_transfers_unverified_total"
-# The decode server's line, once per prefill engine and reason, for a load it takes unverified.
+UNCLAIMED_TOTAL = "vllm:kv_canary_transfers_unclaimed_total"
+# The decode server's lines, once per prefill engine and reason, for a load it takes unverified
+# and for one whose params carry no claim.
 TAKEN_UNVERIFIED = re.compile(r"^kv-canary: the KV this decode side reads from prefill engine (\S+) is taken unverified .*?\), (\w+): ")
+TAKEN_UNCLAIMED = re.compile(
+    r"^kv-canary: the KV this decode side reads from prefill engine (\S+) comes with kv_transfer_params that carry no "
+)
 
 
 @dataclass
@@ -41,60 +66,80 @@ class UnverifiedResult(SoakResult):
 
     HEADER: ClassVar[list[str]] = [
         "pass", "policy", "requests", "failed", "answers differing", "unverified (decode, by reason)", "unverified (prefill)",
-        "handed to D with P's blocks (router)", "slots compared (decode)", "said (WARNING lines)", "wall time (s)",
+        "unclaimed (decode)", "handed to D with P's blocks (router)", "slots compared (decode)", "slots failed (decode)",
+        "said (WARNING lines)", "wall time (s)",
     ]  # fmt: skip
 
     name: str = ""
     unverified: dict = field(default_factory=dict)  # reason -> transfers counted unverified over the pass
     prefill_unverified: float = 0
+    unclaimed: float = 0  # transfers the decode server counted unclaimed (compared all the same) over the pass
     transfers: float = 0  # the requests the router handed the decode server with P's blocks to read
     compared_slots: float = 0  # verified and failed transfer slots
-    said: list = field(default_factory=list)  # (level, reason) of each line saying a load is taken unverified
+    failed_slots: float = 0
+    said: list = field(default_factory=list)  # (level, reason or UNCLAIMED) of each line saying how a load is taken
 
     def row(self) -> list[str]:
         counted = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(self.unverified.items())) or "0"
         return [
             self.name, self.policy, str(self.requests), str(len(self.failed)), str(len(self.differing)), counted,
-            f"{self.prefill_unverified:.0f}", f"{self.transfers:.0f}", f"{self.compared_slots:.0f}",
-            ", ".join(f"{reason} {level}" for level, reason in self.said), f"{self.seconds:.1f}",
+            f"{self.prefill_unverified:.0f}", f"{self.unclaimed:.0f}", f"{self.transfers:.0f}", f"{self.compared_slots:.0f}",
+            f"{self.failed_slots:.0f}", ", ".join(f"{reason} {level}" for level, reason in self.said), f"{self.seconds:.1f}",
         ]  # fmt: skip
 
 
-def check_unverified(result: UnverifiedResult, answers: list[dict], clean_tokens: list, reason: str) -> None:
+def check_unverified(result: UnverifiedResult, answers: list[dict], clean_tokens: list, taken_as: str) -> None:
     """The checks of a misconfiguration pass whose every transfer the decode server must take
-    unverified under ``reason`` (`result`'s counts are the pass's)."""
+    as ``taken_as`` (`Misconfigured.taken_as`; `result`'s counts are the pass's)."""
     check_answers(result, answers, clean_tokens)
     if result.failed:
         result.problems.append(f"{len(result.failed)} requests failed: {sorted(result.failed)[:10]}")
-    counted = sum(result.unverified.values())
-    if result.transfers <= 0 or result.unverified.get(reason, 0) != result.transfers or counted != result.transfers:
+    counted = {UNCLAIMED: result.unclaimed} if result.unclaimed else {}
+    counted |= result.unverified
+    if result.transfers <= 0 or counted.get(taken_as, 0) != result.transfers or sum(counted.values()) != result.transfers:
         result.problems.append(
-            f"the decode server counted {result.unverified} transfers unverified of the {result.transfers:.0f} it was handed: "
-            f"each should be counted once, under {reason}"
+            f"the decode server counted {counted} of the {result.transfers:.0f} transfers it was handed: "
+            f"each should be counted once, as {taken_as}"
         )
     if result.prefill_unverified:
         result.problems.append(f"the prefill server counted {result.prefill_unverified:.0f} transfers unverified: it loads none")
-    if result.compared_slots:
+    if taken_as == UNCLAIMED and (not result.compared_slots or result.failed_slots):
+        result.problems.append(
+            f"the decode server compared {result.compared_slots:.0f} slots and failed {result.failed_slots:.0f}: "
+            "it compares every unclaimed load, and the pair's are intact"
+        )
+    if taken_as != UNCLAIMED and result.compared_slots:
         result.problems.append(f"the decode server compared {result.compared_slots:.0f} slots it cannot compare with P's records")
-    if result.said != [("WARNING", reason)]:
-        result.problems.append(f"the decode server said {result.said} where it should say {reason} once, at WARNING")
+    if result.said != [("WARNING", taken_as)]:
+        result.problems.append(f"the decode server said {result.said} where it should say {taken_as} once, at WARNING")
 
 
 def _unverified_counts(prefill: Server, decode: Server) -> dict:
     by_reason = {}
     for match in re.finditer(rf'^{re.escape(UNVERIFIED)}{{[^}}]*reason="(\w+)"[^}}]*}} (\S+)$', decode.metrics(), re.M):
         by_reason[match[1]] = by_reason.get(match[1], 0.0) + float(match[2])
-    compared = sum(decode.metric(f"vllm:kv_canary_transfer_slots_{verdict}_total") for verdict in ("verified", "failed"))
+    failed = decode.metric("vllm:kv_canary_transfer_slots_failed_total")
+    compared = decode.metric("vllm:kv_canary_transfer_slots_verified_total") + failed
     return dict(
-        unverified=by_reason, prefill_unverified=prefill.metric(UNVERIFIED), compared_slots=compared,
+        unverified=by_reason, prefill_unverified=prefill.metric(UNVERIFIED), unclaimed=decode.metric(UNCLAIMED_TOTAL),
+        compared_slots=compared, failed_slots=failed,
     )  # fmt: skip
 
 
 def _counted_over(result: UnverifiedResult, before: dict, after: dict) -> None:
     result.unverified = {reason: n - before["unverified"].get(reason, 0.0) for reason, n in after["unverified"].items()}
     result.unverified = {reason: n for reason, n in result.unverified.items() if n}
-    for key in ("prefill_unverified", "compared_slots"):
+    for key in ("prefill_unverified", "unclaimed", "compared_slots", "failed_slots"):
         setattr(result, key, after[key] - before[key])
+
+
+def _taken_as(message: str) -> str | None:
+    """How a decode server's line says it takes a load (`UNCLAIMED`, or the reason it is
+    unverified); None for another line."""
+    if TAKEN_UNCLAIMED.match(message):
+        return UNCLAIMED
+    unverified = TAKEN_UNVERIFIED.match(message)
+    return unverified[2] if unverified else None
 
 
 def reset_prefix_cache(server: Server) -> None:
@@ -116,9 +161,9 @@ def unverified_pd(model: Path, vocab_size: int, policy: str, requests: int) -> l
     """The misconfiguration passes (`UNVERIFIED_PASSES`) under ``policy``, the clean pass first."""
     prompts = workload(requests, vocab_size)
     clean_tokens, results = None, []
-    for name, (modes, drops, reason) in UNVERIFIED_PASSES.items():
+    for name, misconfigured in UNVERIFIED_PASSES.items():
         dropping, handed = threading.Event(), []
-        side_env = tuple({"KVCANARY_VLLM_MODE": mode} for mode in modes)
+        side_env = tuple({"KVCANARY_VLLM_MODE": mode} for mode in misconfigured.modes)
         route = _counting(claim_dropper(lambda _body, event=dropping: event.is_set()), handed)
         with pd_pair(model, policy=policy, env={"VLLM_SERVER_DEV_MODE": "1"}, side_env=side_env, route=route) as (prefill, decode, proxy):
             target = PairTarget(proxy.url, model, decode)
@@ -133,9 +178,10 @@ def unverified_pd(model: Path, vocab_size: int, policy: str, requests: int) -> l
                 time.sleep(2.0)  # the last steps' stats reach /metrics
                 if any(t is None for t in clean_tokens):
                     result.problems.append(f"the clean pass had {sum(t is None for t in clean_tokens)} failed requests")
-                if any(_unverified_counts(prefill, decode)["unverified"].values()):
-                    result.problems.append(f"the clean pass counted transfers unverified: {_unverified_counts(prefill, decode)}")
-            if drops:
+                counts = _unverified_counts(prefill, decode)
+                if any(counts["unverified"].values()) or counts["unclaimed"]:
+                    result.problems.append(f"the clean pass counted transfers unverified or unclaimed: {counts}")
+            if misconfigured.drops_claim:
                 dropping.set()
             reset_prefix_cache(decode)  # each request's prompt is read over NIXL, but for the prefixes the pass shares
             before, handed[:] = _unverified_counts(prefill, decode), []
@@ -145,9 +191,8 @@ def unverified_pd(model: Path, vocab_size: int, policy: str, requests: int) -> l
             result.transfers = sum(handed)
             result.seconds = chaotic.seconds
             # Over the server's life: the clean pass said nothing.
-            said = ((level, TAKEN_UNVERIFIED.match(message)) for _, _, level, message in decode.canary_lines())
-            result.said = [(level, match[2]) for level, match in said if match]
-            check_unverified(result, chaotic.answers, clean_tokens, reason)
+            result.said = [(level, how) for _, _, level, message in decode.canary_lines() if (how := _taken_as(message))]
+            check_unverified(result, chaotic.answers, clean_tokens, misconfigured.taken_as)
         results.append(result)
     return results
 
