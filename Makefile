@@ -199,11 +199,12 @@ test-vllm-release:
 
 # Prefill/decode disaggregation through vLLM's NixlConnector: two `vllm serve` and a proxy on
 # 127.0.0.1, with NIXL (its UCX on the loopback) in the vLLM venv: the tests marked nixl (the
-# pair's tests and the P/D chaos soak). The NIXL transport's pieces without a server need no
+# pair's tests, one with a real Prometheus scraping D, and the P/D chaos soak). The NIXL transport's pieces without a server need no
 # NIXL: they are marked vllm.
 NIXL ?= nixl==1.5.1
 VLLM_PD_REPORT := $(VLLM_VENV)/test-vllm-pd.xml
 test-vllm-pd: $(VLLM_VENV)/.built $(VLLM_VENV)/.nixl
+	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 	$(VLLM_BIN)/pytest -q -rs -p no:cacheprovider -m nixl --junitxml=$(VLLM_PD_REPORT) $(PYTEST_ARGS) tests
 	$(VLLM_BIN)/python build_tools/check_vllm_skips.py $(VLLM_PD_REPORT)
 

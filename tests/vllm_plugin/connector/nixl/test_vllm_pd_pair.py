@@ -29,6 +29,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytestmark = pytest.mark.nixl
 
+from prometheus_driver import Prometheus  # noqa: E402
+
 from torch_kvcanary.testing.pd import claim_dropper, pd_pair  # noqa: E402
 from torch_kvcanary.testing.random_models import VOCAB_SIZE  # noqa: E402
 from torch_kvcanary.testing.serve import collective_rpc, complete, install_vllm_plugin, mixed_prompts, path_with  # noqa: E402
@@ -425,6 +427,44 @@ def test_a_load_d_cannot_compare_is_taken_unverified_and_said_once(canary_pair, 
     assert "set KVCANARY_VLLM_MODE to the same value on both sides" in said[0][3]
     said = [line for line in decode.canary_lines() if "compared all the same" in line[3]]
     assert [line[2] for line in said] == ["WARNING"], said
+
+
+def test_loads_taken_unverified_page_in_a_real_prometheus_and_stripped_claims_do_not(canary_pair, tmp_path):
+    """A real Prometheus scraping D with the shipped rules (their alerts' for: 1 s,
+    `prometheus_driver`): three loads whose claim was stripped are compared, and
+    KvCanaryTransfersUnverifiedRatio stays inactive; three whose claim names another fold
+    mode are taken unverified, and it fires."""
+    prefill, decode, _, faults = canary_pair
+    ratio = "KvCanaryTransfersUnverifiedRatio"
+
+    def loads(change) -> None:
+        for prompt in FAULTED[:3]:
+            faults.forget()
+            faults.decoded(prompt, change(faults.prefilled(prompt)))
+
+    def scraped(name: str) -> bool:  # Prometheus holds the value D exports now
+        exported = decode.metric(name)
+        return sum(prometheus.query(name).values()) == exported
+
+    with Prometheus(tmp_path, f"127.0.0.1:{decode.port}") as prometheus:
+        prometheus.wait_for(lambda: prometheus.query("vllm:kv_canary_transfers_loaded_total"), "D's counters scraped")
+        loads(_stripped)
+        prometheus.wait_for(lambda: scraped("vllm:kv_canary_transfers_unclaimed_total"), "the unclaimed loads scraped")
+        time.sleep(3)  # a few evaluations of the rules
+        assert prometheus.alert_states()[ratio] == "inactive"
+
+        def other_mode(params):
+            params["kv_canary_records"]["mode"] = "partial"
+            return params
+
+        loads(other_mode)
+        states = prometheus.wait_for(lambda: _firing(prometheus, ratio), f"{ratio} firing")
+    assert states[ratio] == "firing"
+
+
+def _firing(prometheus, name: str) -> dict[str, str] | None:
+    states = prometheus.alert_states()
+    return states if states[name] == "firing" else None
 
 
 # Of the FAULTED prompts, those whose params the router of the mixed pair rebuilds without P's claim.
