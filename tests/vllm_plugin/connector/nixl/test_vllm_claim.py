@@ -15,6 +15,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytestmark = pytest.mark.vllm
 
+from nixl_fakes import FakeKvCacheManager, vllm_config  # noqa: E402
+
 from torch_kvcanary.integrations.vllm.connector import nixl  # noqa: E402
 from torch_kvcanary.integrations.vllm.connector.nixl import claim  # noqa: E402
 
@@ -29,26 +31,6 @@ P_FACTS = {
     "dtype": "torch.bfloat16",
     "tp_size": 2,
 }
-
-
-def vllm_config(tp=2, extra=None):
-    model = SimpleNamespace(
-        use_mla=False, dtype=torch.bfloat16, get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 64
-    )  # fmt: skip
-    return SimpleNamespace(
-        model_config=model,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, decode_context_parallel_size=1),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
-    )
-
-
-class FakeKvCacheManager:
-    def __init__(self, blocks):
-        self.blocks = blocks
-
-    def get_block_ids(self, request_id):
-        return (self.blocks[request_id],)
 
 
 def prefill_request(request_id, tokens=20):
@@ -67,7 +49,7 @@ def prefill_scheduler(monkeypatch, **env):
     monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    scheduler = nixl.NixlScheduler.build(vllm_config(), 16)
+    scheduler = nixl.NixlScheduler.build(vllm_config(2), 16)
     scheduler.bind_kv_cache_manager(FakeKvCacheManager({"written": [3, 4], "unwritten": [5, 6]}))
     return scheduler
 
@@ -142,7 +124,7 @@ JUDGEMENTS = [
 def test_d_compares_the_claim_with_its_own_facts(params, judged):
     from torch_kvcanary.integrations.vllm.connector import stats
 
-    claims = claim.Claims(claim.facts(vllm_config(), 16, "all"))
+    claims = claim.Claims(claim.facts(vllm_config(2), 16, "all"))
     assert claims.judge(params) == judged
     assert judged[1] is None or judged[1] in stats.UNVERIFIED_REASONS
 
@@ -152,7 +134,7 @@ def test_d_with_its_canary_off_judges_nothing():
 
 
 def test_each_unverifiable_peer_and_reason_is_said_once_with_its_fix(caplog):
-    claims = claim.Claims(claim.facts(vllm_config(), 16, "all"))
+    claims = claim.Claims(claim.facts(vllm_config(2), 16, "all"))
     other_engine = {**with_claim(mode="partial"), "remote_engine_id": "prefill-b"}
     with caplog.at_level(logging.WARNING, logger="vllm.torch_kvcanary"):
         for params in (with_claim(mode="partial"), with_claim(mode="partial"), other_engine, handed_params(), handed_params()):
@@ -169,10 +151,10 @@ def test_each_unverifiable_peer_and_reason_is_said_once_with_its_fix(caplog):
 
 
 def test_the_strict_setting_must_be_a_bool():
-    assert nixl.config.strict_transfers(vllm_config(extra={"kv_canary_strict_transfers": True})) is True
-    assert nixl.config.strict_transfers(vllm_config()) is False
+    assert nixl.config.strict_transfers(vllm_config(2, extra={"kv_canary_strict_transfers": True})) is True
+    assert nixl.config.strict_transfers(vllm_config(2)) is False
     with pytest.raises(ValueError, match=r"^kv-canary: KvCanaryConnector's kv_connector_extra_config 'kv_canary_strict_transfers' must be"):
-        nixl.check_nixl(vllm_config(extra={"kv_canary_strict_transfers": "yes"}))
+        nixl.check_nixl(vllm_config(2, extra={"kv_canary_strict_transfers": "yes"}))
 
 
 def decode_landing(strict: bool, rank: int = 0):

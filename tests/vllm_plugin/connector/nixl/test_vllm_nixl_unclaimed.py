@@ -9,13 +9,14 @@ Without NIXL or a server: D's scheduler over fakes of vLLM's requests and blocks
 over the plugin's canary on buffers shaped as vLLM's runner holds them (`fake_runner`)."""
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM step runs these tests in its own venv")
 pytestmark = pytest.mark.vllm
+
+from nixl_fakes import ordered_load, vllm_config  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import adapter, worker  # noqa: E402
 from torch_kvcanary.integrations.vllm.config import Settings  # noqa: E402
@@ -27,43 +28,17 @@ from torch_kvcanary.testing import fake_runner  # noqa: E402
 BLOCK_SIZE, HEADS, PROMPT = fake_runner.BLOCK_SIZE, fake_runner.NUM_KV_HEADS, 40
 
 
-def vllm_config():
-    model = SimpleNamespace(use_mla=False, dtype=torch.bfloat16, get_total_num_kv_heads=lambda: HEADS, get_head_size=lambda: 64)
-    return SimpleNamespace(
-        model_config=model,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
-    )
-
-
-class Blocks:
-    """vLLM's ``KVCacheBlocks`` of a request that hit no local prefix."""
-
-    def __init__(self, block_ids):
-        self.block_ids = block_ids
-        self.blocks = ([SimpleNamespace(block_hash=None, is_null=False) for _ in block_ids],)
-
-    def get_block_ids(self):
-        return (self.block_ids,)
-
-
 @pytest.fixture
 def decode_scheduler(monkeypatch):
     monkeypatch.setenv("KVCANARY_VLLM", "repair")
     monkeypatch.delenv("KVCANARY_VLLM_MODE", raising=False)
-    return nixl.NixlScheduler.build(vllm_config(), BLOCK_SIZE)
+    return nixl.NixlScheduler.build(vllm_config(heads=HEADS), BLOCK_SIZE)
 
 
 def unclaimed_load(scheduler, tokens: list[int], block_ids: list[int], **params) -> nixl.LoadOrder:
     """The load D's scheduler orders for request 0, whose params carry no claim of P's records."""
     params = {"do_remote_prefill": True, "remote_engine_id": "prefill-a", "remote_block_ids": [block_ids], "tp_size": 1} | params
-    request = SimpleNamespace(
-        request_id="request-0", kv_transfer_params=params, prompt_token_ids=tokens, lora_request=None, cache_salt=None
-    )
-    scheduler.on_alloc(request, Blocks(block_ids), PROMPT)
-    (load,) = scheduler.plan(SimpleNamespace(num_scheduled_tokens={})).loads
-    return load
+    return ordered_load(scheduler, params, tokens, block_ids, PROMPT)
 
 
 class Pair:
