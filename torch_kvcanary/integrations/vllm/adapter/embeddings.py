@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .... import identity
+from .identity import runner_state
 
 _WORDS = "_kvcanary_prompt_words"
 NOT_EMBEDDED = -1
@@ -60,11 +61,7 @@ class PromptWords:
 
 def prompt_words(model_runner) -> PromptWords:
     """The runner's `PromptWords`, made at first use."""
-    found = model_runner.__dict__.get(_WORDS)
-    if found is None:
-        found = PromptWords()
-        setattr(model_runner, _WORDS, found)
-    return found
+    return runner_state(model_runner, _WORDS, PromptWords)
 
 
 def step_input_words(model_runner, request_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> torch.Tensor:

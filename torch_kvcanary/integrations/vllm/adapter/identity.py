@@ -95,13 +95,19 @@ class IdentityNotes:
         return finished
 
 
+def runner_state(model_runner, attribute: str, make):
+    """What the plugin keeps on vLLM's runner under ``attribute`` (an attribute of the
+    instance's own), made by ``make()`` at first use."""
+    found = model_runner.__dict__.get(attribute)
+    if found is None:
+        found = make()
+        setattr(model_runner, attribute, found)
+    return found
+
+
 def notes(model_runner) -> IdentityNotes:
     """The runner's `IdentityNotes`, made at first use."""
-    found = model_runner.__dict__.get(NOTES)
-    if found is None:
-        found = IdentityNotes()
-        setattr(model_runner, NOTES, found)
-    return found
+    return runner_state(model_runner, NOTES, IdentityNotes)
 
 
 def watch_lora_loads(model_runner, loaded: Callable[[int, dict[str, torch.Tensor]], None]) -> bool:
