@@ -202,6 +202,11 @@ def test_every(monkeypatch, value, every):
     assert _settings_with(monkeypatch, "log", "KVCANARY_VLLM_EVERY", value).every == every
 
 
+@pytest.mark.parametrize("value, repairs", [(None, 3), ("", 3), ("1", 1), ("10", 10)])
+def test_max_repairs(monkeypatch, value, repairs):
+    assert _settings_with(monkeypatch, "repair", "KVCANARY_VLLM_MAX_REPAIRS", value).max_repairs == repairs
+
+
 @pytest.mark.parametrize("capacity", [1, 7, 4096])
 @pytest.mark.parametrize("ring_capacity", [1, 1024])
 def test_the_canary_memory(capacity, ring_capacity):
@@ -254,8 +259,8 @@ def test_a_violation_line_names_its_requests_and_no_root():
     # chains are the two roots, unkeyed hashes of the salts. The line gives fingerprints,
     # one root's alike on every line of this process.
     from torch_kvcanary import identity
-    from torch_kvcanary.canary import FailReason, Violation, ViolationKind
     from torch_kvcanary.integrations.vllm.reports import violation_line
+    from torch_kvcanary.violations import FailReason, Violation, ViolationKind
 
     written, read = identity.request_root(cache_salt="tenant-7"), identity.request_root(cache_salt="tenant-8")
     violation = Violation(ViolationKind.VERIFY, 16, 0, 11, 11, written, read, FailReason.VERIFY_IDENTITY_MISMATCH)

@@ -17,6 +17,7 @@ MODE_ENV = "KVCANARY_VLLM_MODE"
 SUMMARY_ENV = "KVCANARY_VLLM_SUMMARY_S"
 DRILL_ENV = "KVCANARY_VLLM_DRILL"
 EVERY_ENV = "KVCANARY_VLLM_EVERY"
+MAX_REPAIRS_ENV = "KVCANARY_VLLM_MAX_REPAIRS"
 # The policies that report violations to vLLM's scheduler through the KV connector, and
 # the kv_load_failure_policy each needs there.
 CONNECTOR_POLICIES = {"repair": "recompute", "quarantine": "fail"}
@@ -25,6 +26,7 @@ CONNECTOR = "KvCanaryConnector"
 """The KV connector's name in vLLM's ``kv_transfer_config``, and its class in `connector`."""
 MODES = {"partial": HashMode.PARTIAL, "all": HashMode.ALL}
 SUMMARY_SECONDS = 60.0
+MAX_REPAIRS = 3
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Settings:
     summary_seconds: float = SUMMARY_SECONDS
     drill: float = 0.0  # the probability per step of a fault drill
     every: int = 1  # each context slot is verified at least once every `every` steps
+    max_repairs: int = MAX_REPAIRS  # under repair, the recomputes of one block a request is given
 
 
 def settings() -> Settings | None:
@@ -46,7 +49,7 @@ def settings() -> Settings | None:
     mode = os.environ.get(MODE_ENV, "all") or "all"
     if mode not in MODES:
         raise ValueError(f"kv-canary: {MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    return Settings(policy, MODES[mode], _summary_seconds(), _drill(), _every())
+    return Settings(policy, MODES[mode], _summary_seconds(), _drill(), _every(), _max_repairs())
 
 
 def _number(name: str, default, parse, valid, must: str):
@@ -68,6 +71,16 @@ def _number(name: str, default, parse, valid, must: str):
 def _every() -> int:
     return _number(
         EVERY_ENV, 1, lambda v: int(v) if v.isdigit() else None, lambda n: n >= 1, "an int >= 1 (1: every context slot at every step)"
+    )
+
+
+def _max_repairs() -> int:
+    return _number(
+        MAX_REPAIRS_ENV,
+        MAX_REPAIRS,
+        lambda v: int(v) if v.isdigit() else None,
+        lambda n: n >= 1,
+        "an int >= 1 (the recomputes of one block a request is given under repair)",
     )
 
 

@@ -4,7 +4,9 @@ into a summary line, and the policy applied to a step's lines (`report`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 from ... import __version__, layouts
 from ...canary import SLOT_BYTES, FailReason, KvCorruptionError, Violation, ViolationKind
@@ -65,9 +67,10 @@ class Reports:
 
 
 _UNREPAIRABLE = (
-    "kv-canary: {setting} hands vLLM the blocks whose bytes alone are wrong, and the blocks of the requests of the step "
-    "that read through a wrong mapping; a violation the ring dropped, or one of no request of the step (a wrong position, "
-    "token, chain or owner outside the step's reads), names no request vLLM's scheduler could fail or recompute, so the step stops"
+    "kv-canary: {setting} hands vLLM the blocks whose bytes alone are wrong, the blocks of the requests of the step "
+    "that read through a wrong mapping, and where the ring overflowed in a step every block of the step's requests; a "
+    "violation of no request of the step (a wrong position, token, chain or owner outside the step's reads, or one the "
+    "ring dropped outside a step) names no request vLLM's scheduler could fail or recompute, so the step stops"
 )
 
 
@@ -82,29 +85,56 @@ def violation_line(violation: Violation, requests: list[str]) -> str:
     return f"{violation.line(LAUNCH_TAG)} request_id={','.join(requests) or 'none'}"
 
 
+def slot_lines(violations: list[Violation], requests_of: Callable[[Violation], list[str]]) -> dict[int, str]:
+    """One line per slot of ``violations`` (`violation_line`): its first violation, with the
+    reasons of all of them and every request behind any of them (``requests_of``)."""
+    by_slot: dict[int, list[Violation]] = {}
+    for violation in violations:
+        by_slot.setdefault(violation.slot, []).append(violation)
+    lines = {}
+    for slot, found in by_slot.items():
+        reasons = found[0].reasons
+        requests: list[str] = []
+        for violation in found:
+            reasons |= violation.reasons
+            requests += [r for r in requests_of(violation) if r not in requests]
+        lines[slot] = violation_line(dataclasses.replace(found[0], reasons=reasons), requests)
+    return lines
+
+
 def report(
-    policy: str, violations: list[Violation], lines: dict[int, str], dropped: int, reports: Reports, *, misreads_taken: bool = False
-) -> None:
+    policy: str,
+    violations: list[Violation],
+    lines: dict[int, str],
+    dropped: int,
+    reports: Reports,
+    *,
+    misreads_taken: bool = False,
+    overflow_taken: bool = False,
+) -> set[int]:
     """The policy over one line per slot (``lines``, by slot) of a poll's ``violations``,
     ``dropped`` of them lost to a full ring: under "log" only the slots detected for the
     first time, the others counted into ``reports``. Under repair and quarantine the
     connector reports blocks to vLLM (the flagged blocks of byte-only violations; for a
     read through a wrong mapping, a block of the request that read, which the connector
-    took on: ``misreads_taken``), and the violations are logged as under "log"; a violation
-    that is not byte-only and was not taken on (or one the ring dropped, which might be
-    such) names no request vLLM's scheduler could act on, so it stops the step as under
-    "raise". With no violation (another tensor-parallel rank found some; the ranks
-    poll together), under "raise" this rank stops too, with a line saying where to look."""
+    took on: ``misreads_taken``; where the ring overflowed in an engine step, every block
+    of the step's requests, which the connector took on: ``overflow_taken``), and the
+    violations are logged as under "log"; a violation that is not byte-only and was not
+    taken on (or ``dropped`` ones not taken on, which might be such) names no request vLLM's
+    scheduler could act on, so it stops the step as under "raise". With no violation (another
+    tensor-parallel rank found some; the ranks poll together), under "raise" this rank stops
+    too, with a line saying where to look. Returns the slots logged now: their first
+    detection since a forward last wrote them (`Reports.first_detection`)."""
     if not violations:
         if policy == "raise":
             line = (
                 f"kv_canary: launch_tag={LAUNCH_TAG} violations on another tensor-parallel rank (see its lines); this rank's checks passed"
             )
             raise KvCorruptionError([line], violations)
-        return
+        return set()
     applied = policy
     if policy in CONNECTOR_POLICIES:
-        unrepairable = dropped or not (misreads_taken or all(byte_only(v) for v in violations))
+        unrepairable = (dropped and not overflow_taken) or not (misreads_taken or all(byte_only(v) for v in violations))
         applied = "raise" if unrepairable else "log"
         if unrepairable:
             lines = {-1: _UNREPAIRABLE.format(setting=f"{POLICY_ENV}={policy}"), **lines}
@@ -118,6 +148,7 @@ def report(
         error=lambda text: KvCorruptionError(text, violations),
         log=logger,
     )
+    return {slot for slot in lines if slot >= 0}
 
 
 def start_line(worker, layout: str, *, token_copy_bytes: int, scratch_bytes: int) -> str:

@@ -3,7 +3,6 @@ step's verify, record and poll around the model forward (its buffers: `step_buff
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
 from ...paged_step import PagedStep, StepPhase
 from . import adapter
 from .config import CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
-from .reports import LAUNCH_TAG, Reports, byte_only, report, start_line, violation_line
+from .reports import LAUNCH_TAG, Reports, byte_only, report, slot_lines, start_line, violation_line
 from .request_roots import RequestRoots
 from .step_buffers import StepRows, TokenCopy
 from .worker_port import WorkerPort
@@ -68,6 +67,7 @@ class WorkerCanary:
         self.drill = chosen.drill
         self.reports = Reports(chosen.summary_seconds)
         self.every = chosen.every
+        self.max_repairs = chosen.max_repairs
         self._steps = 0
         self.faults = 0
         self.on = True
@@ -129,6 +129,8 @@ class WorkerCanary:
         self._ring_overflow = 0
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.canary.device)
         self._flagged = self._no_slots  # the slots verify flagged in the last step read
+        self._overflowed = False  # whether the current step's violations overflowed the ring (`step_overflowed`)
+        self._first_detections: set[int] = set()  # the current step's (`step_first_detections`)
         self._misreads: list[Violation] = []  # the current step's reads through a wrong mapping (`step_misreads`)
         self._step = -1  # the current step's number
         self.step_forward: adapter.Step | None = None  # the current step's forward, once read
@@ -203,7 +205,7 @@ class WorkerCanary:
         """Before the forward: read the step's rows and, under a block-packed backend,
         verify what the forward rewrites. ``read_step`` returns the forward's `adapter.Step`.
         None when the canary is off (or has just turned off)."""
-        self._flagged, self._misreads = self._no_slots, []
+        self._flagged, self._misreads, self._overflowed, self._first_detections = self._no_slots, [], False, set()
         if not self.on:
             return None
         try:
@@ -231,6 +233,16 @@ class WorkerCanary:
         mapping, `reports.byte_only`), each of a request of the step (`Violation.row`), once
         the connector's policy took them on (`_report`); empty otherwise."""
         return self._misreads
+
+    def step_overflowed(self) -> bool:
+        """Whether violations of the current step were lost to a full ring, once the
+        connector's policy took them on (`_report`): which requests read them is unknown."""
+        return self._overflowed
+
+    def step_first_detections(self) -> set[int]:
+        """The slots the current step flagged for the first time since a forward last wrote
+        them (a slot still bad from an earlier step is not among them), under a policy that logs."""
+        return self._first_detections
 
     def step_flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step (int64, on the canary's
@@ -333,38 +345,28 @@ class WorkerCanary:
         """The log line of docs/spec.md for ``violation``, then the ids of the vLLM requests behind it."""
         return violation_line(violation, self.requests_of(violation))
 
-    def slot_lines(self, violations: list[Violation]) -> dict[int, str]:
-        """One line per slot of ``violations``: its first violation, with the reasons of all
-        of them and every request behind any of them."""
-        by_slot: dict[int, list[Violation]] = {}
-        for violation in violations:
-            by_slot.setdefault(violation.slot, []).append(violation)
-        lines = {}
-        for slot, found in by_slot.items():
-            reasons = found[0].reasons
-            requests: list[str] = []
-            for violation in found:
-                reasons |= violation.reasons
-                requests += [r for r in self.requests_of(violation) if r not in requests]
-            lines[slot] = violation_line(dataclasses.replace(found[0], reasons=reasons), requests)
-        return lines
-
     def _report(self, violations: list[Violation]) -> None:
         """The canary's violations of a poll, one line per slot, under this worker's policy
         (`reports.report`), counted by the connector first. Each tensor-parallel rank
         reports its own."""
-        lines = self.slot_lines(violations)
+        lines = slot_lines(violations, self.requests_of)
         overflow = self.canary.stats()["ring_overflow"]
         dropped, self._ring_overflow = overflow - self._ring_overflow, overflow
         if self.connector is not None:
             self.connector.count_violations(violations)
-        report(self.policy, violations, lines, dropped, self.reports, misreads_taken=self._take_misreads(violations, dropped))
+        # Under the connector's policies a full ring in an engine step is taken on as a
+        # violation of every request of the step (`connector.CanaryPort.overflow_blocks`).
+        self._overflowed = bool(dropped) and self.policy in CONNECTOR_POLICIES and self.step_forward is not None
+        taken = self._take_misreads(violations)
+        self._first_detections = report(
+            self.policy, violations, lines, dropped, self.reports, misreads_taken=taken, overflow_taken=self._overflowed
+        )
 
-    def _take_misreads(self, violations: list[Violation], dropped: int) -> bool:
+    def _take_misreads(self, violations: list[Violation]) -> bool:
         """Under the connector's policies, whether the connector takes on the poll's
         violations that are not byte-only (`step_misreads`): each a verify of a request of
-        the current step, and none lost to a full ring (whose requests are unknown)."""
-        if self.policy not in CONNECTOR_POLICIES or dropped:
+        the current step."""
+        if self.policy not in CONNECTOR_POLICIES:
             return False
         misreads = [v for v in violations if not byte_only(v)]
         rows = len(self.step_forward.request_ids) if self.step_forward is not None else 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -11,6 +12,9 @@ import torch
 from ... import digest, layouts
 from ...canary import FailReason, Violation
 from . import adapter
+from .config import MAX_REPAIRS_ENV
+
+logger = logging.getLogger(adapter.LOGGER)
 
 
 class WorkerPort:
@@ -28,6 +32,9 @@ class WorkerPort:
         self._head_views = head_views
         self._mla = mla
         self._head_digests: dict[tuple[range, int], digest.HeadDigests] = {}  # by (heads, num_kv_heads), built at first use
+        self._repairs: dict[tuple[str, int], int] = {}  # (request id, block): the times it was reported for that request
+        self._given_up: set[tuple[str, int]] = set()  # (request id, block): past the repairs the request is given
+        self._readers: set[int] = set()  # the blocks the current step's `misread_blocks` reported
 
     @property
     def policy(self) -> str:
@@ -56,9 +63,11 @@ class WorkerPort:
         forward = worker.step_forward
         stale = []
         for group in worker.groups:
-            for row in range(len(forward.request_ids)):
+            for row, request_id in enumerate(forward.request_ids):
                 blocks = group.row_blocks(row)
                 bad = np.flatnonzero(np.isin(blocks, flagged_blocks))
+                if self._given_up and len(bad):  # a request past its repairs of a block goes on with what it read there
+                    bad = bad[np.array([(request_id, int(block)) not in self._given_up for block in blocks[bad]], dtype=bool)]
                 if not len(bad):
                     continue
                 if worker.every > 1:
@@ -96,6 +105,7 @@ class WorkerPort:
         of what each request with a wrong row wrote in the step are broken: it computed them
         from the wrong context."""
         misreads = self._worker.step_misreads()
+        self._readers = set()
         if not misreads:
             return set(), set()
         worker = self._worker
@@ -126,7 +136,73 @@ class WorkerPort:
             readers.add(last)
         if spoiled:
             self.break_records(torch.from_numpy(np.concatenate(spoiled)))
+        self._readers = readers
         return misread, readers
+
+    def overflow_blocks(self, block_size: int) -> set[int]:
+        """Where the current step's violations overflowed the ring (`worker.WorkerCanary.step_overflowed`),
+        the rule of `connector.CanaryPort.overflow_blocks`: every block of every request of
+        the step up to its context before the step, as the scheduler gave them (Model Runner
+        V1's request state), with their rows set back to those blocks under repair and the
+        records of what the step wrote for them broken; empty otherwise."""
+        worker = self._worker
+        if not worker.step_overflowed():
+            return set()
+        forward, states = worker.step_forward, worker.model_runner.requests
+        blocks, spoiled = set(), []
+        for group in worker.groups:
+            for row, request_id in enumerate(forward.request_ids):
+                own = [int(block) for block in states[request_id].block_ids[group.index]]
+                if self.policy == "repair" and group.row_blocks(row).tolist() != own:
+                    group.block_table.add_row(own, row)
+                context, written = int(forward.num_computed[row]), int(forward.num_scheduled[row])
+                if context == 0:
+                    continue  # nothing of the cache was read but what the step wrote
+                blocks.update(own[: (context - 1) // block_size + 1])
+                positions = np.arange(context, context + written)
+                spoiled.append(np.asarray(own, dtype=np.int64)[positions // block_size] * block_size + positions % block_size)
+        if spoiled:
+            self.break_records(torch.from_numpy(np.concatenate(spoiled)))
+        return blocks
+
+    def ration_repairs(self, blocks: set[int], block_size: int) -> tuple[set[int], int]:
+        """The rule of `connector.CanaryPort.ration_repairs` over the requests of the step,
+        their blocks as the scheduler gave them: ``blocks`` less those every request of the
+        step holding them in its context has had reported more than ``max_repairs`` times,
+        and how many (request, block) pairs passed that limit in this step, each logged. A
+        report counts where the block has a slot flagged for the first time since a forward
+        wrote it (`worker.WorkerCanary.step_first_detections`), or is a block `misread_blocks`
+        reported in this step."""
+        worker = self._worker
+        forward, states = worker.step_forward, worker.model_runner.requests
+        counted = {slot // block_size for slot in worker.step_first_detections()} | self._readers
+        self._repairs = {key: n for key, n in self._repairs.items() if key[0] in states}
+        self._given_up = {key for key in self._given_up if key[0] in states}
+        kept, held = set(), set()
+        passed = []
+        for row, request_id in enumerate(forward.request_ids):
+            context = int(forward.num_computed[row])
+            for group in worker.groups:
+                for block in blocks.intersection(states[request_id].block_ids[group.index][: -(-context // block_size)]):
+                    held.add(block)
+                    key = (request_id, block)
+                    if key in self._given_up:
+                        continue
+                    self._repairs[key] = self._repairs.get(key, 0) + (block in counted)
+                    if self._repairs[key] <= worker.max_repairs:
+                        kept.add(block)
+                        continue
+                    self._given_up.add(key)
+                    passed.append(key)
+        for request_id, block in passed:
+            holders = sorted(r for r, state in states.items() if any(block in ids for ids in state.block_ids))
+            logger.error(
+                "kv-canary: request %s was repaired %d times for block %d (%s) and the block is flagged again: the canary "
+                "stops reporting it for that request, which goes on with the KV as read there (vLLM's kv_load_failure_policy "
+                '"recompute" can fail no single request; KVCANARY_VLLM=quarantine fails it); the block\'s holders: %s',
+                request_id, worker.max_repairs, block, MAX_REPAIRS_ENV, ", ".join(holders),
+            )  # fmt: skip
+        return kept | (blocks - held), len(passed)
 
     def _held_by_its_identity(self, request_id: str, group: int, violations: list[Violation], block_size: int) -> set[int]:
         """The slots of ``violations`` (reads of request ``request_id`` in blocks the scheduler

@@ -23,7 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's
 pytestmark = pytest.mark.vllm
 
 from connector_driver import Reported, _greedy, _metric, _worker_connector, clean_answers, connector_engine, refused_start  # noqa: E402
-from engine_driver import BLOCK_SIZE, ENGINES, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
+from engine_driver import BLOCK_SIZE, Driver, decoding, mixed_workload, parse_violations, random_tokens  # noqa: E402
 
 from torch_kvcanary.integrations.vllm import config, connector, plugin  # noqa: E402
 from torch_kvcanary.testing.serve import Server  # noqa: E402
@@ -60,13 +60,6 @@ def _flip(driver: Driver, request_id: str, block_index: int) -> int:
     block = driver.blocks(request_id)[block_index]
     plugin.active().kv_caches[1].view(torch.int32)[block, 1, 5, 77] ^= 1 << 30  # the top exponent bit: the value is way off
     return block
-
-
-@pytest.fixture
-def repair_engine(tiny_llama):
-    """The engine of the repair tests (`ENGINES`): each leaves it serving, with its requests
-    finished and its prefix cache reset."""
-    return ENGINES.get(("connector", tiny_llama, "repair"), lambda: connector_engine(tiny_llama, "repair"))
 
 
 # Without a transfer -------------------------------------------------------------------
@@ -369,13 +362,6 @@ def test_a_drill_is_caught_and_repaired(tiny_llama):
 # Quarantine -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def quarantine_engine(tiny_llama):
-    """The engine of the quarantine tests (`ENGINES`): each leaves it serving, with its
-    requests finished and its prefix cache reset (a flipped block's bytes stay wrong)."""
-    return ENGINES.get(("connector", tiny_llama, "quarantine"), lambda: connector_engine(tiny_llama, "quarantine"))
-
-
 def test_quarantine_fails_only_the_affected_request(quarantine_engine, monkeypatch):
     llm, lines, _ = quarantine_engine
     assert "policy quarantine through KvCanaryConnector;" in llm.startup_log
@@ -470,10 +456,11 @@ def test_the_counters_are_summed_over_workers_and_logged_by_vllm(monkeypatch):
     (line,) = said
     assert line == (
         "KV Transfer metrics: kv_canary_violations_verify_real_kv_hash=6, kv_canary_violations_verify_token=1, "
-        "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_requests_failed=2, "
-        "kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, kv_canary_drills_expired=0, "
+        "kv_canary_slots_verified=150, kv_canary_slots_recorded=7, kv_canary_blocks_repaired=1, kv_canary_repairs_given_up=0, "
+        "kv_canary_requests_failed=2, kv_canary_drills_injected=1, kv_canary_drills_caught=1, kv_canary_drill_steps_to_catch=0, kv_canary_drills_expired=0, "
         "kv_canary_transfer_slots_verified=0, kv_canary_transfer_slots_failed=0, kv_canary_transfer_slots_handed_over=0, "
-        "kv_canary_canary_faults=0, kv_canary_transfers_loaded=0, kv_canary_transfer_params_unknown_keys=0"
+        "kv_canary_canary_faults=0, kv_canary_transfers_loaded=0, kv_canary_transfers_unclaimed=0, "
+        "kv_canary_transfer_params_unknown_keys=0"
     )
 
 

@@ -223,36 +223,44 @@ class KvCanaryConnector(InnerDelegate):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The inner connector's, and under repair or quarantine the blocks of the slots the
         canary flagged in this step, with the blocks of the requests that read through a
-        wrong mapping (`CanaryPort.misread_blocks`) in place of the blocks they read; the
-        records of what the bad reads spoiled are invalidated, so that a request reading
-        them before they are recomputed is flagged too."""
+        wrong mapping (`CanaryPort.misread_blocks`) in place of the blocks they read, and
+        where the ring overflowed every block of the step's requests (`CanaryPort.overflow_blocks`);
+        the records of what the bad reads spoiled are invalidated, so that a request reading
+        them before they are recomputed is flagged too. Under repair a request is given
+        ``KVCANARY_VLLM_MAX_REPAIRS`` recomputes of a block (`CanaryPort.ration_repairs`)."""
         errors = super().get_block_ids_with_load_errors()
         if not self._forward or self.port is None:
             return errors
         flagged = self.port.flagged_slots()
+        ours: set[int] = set()
         if self._reports_blocks():
             misread, readers = set(), set()  # where the mapping rule fails, every flagged slot is reported as a byte fault
             with self.guard.guarding("mapping"):
                 misread, readers = self.port.misread_blocks(self._block_size)
             if misread:  # the blocks read through a wrong mapping are their owners': not reported
                 flagged = flagged[~torch.isin(flagged, torch.tensor(sorted(misread), dtype=flagged.dtype, device=flagged.device))]
-            if self.port.policy == "repair":
-                self.stats.add("blocks_repaired", len(readers - errors))
-            errors |= readers
+            ours |= readers
+            with self.guard.guarding("repair"):
+                ours |= self.port.overflow_blocks(self._block_size)
         with self.guard.guarding("drill"):
             self._catch_drills(flagged)
         if self._verifying():
             with self.guard.guarding("verifier"):
                 flagged_set = set(flagged.tolist()) if flagged.numel() else set()
                 self._verifier.on_flagged(self.records, flagged_set)  # the verifier counts them by kind (`take_counts`)
-        if self._reports_blocks() and flagged.numel():
-            blocks = set((flagged // self._block_size).tolist())
+        if not self._reports_blocks():
+            return errors
+        ours |= set((flagged // self._block_size).tolist()) if flagged.numel() else set()
+        if self.port.policy == "repair" and ours:
+            given_up = 0  # where the rationing fails, every block is reported
+            with self.guard.guarding("repair"):
+                ours, given_up = self.port.ration_repairs(ours, self._block_size)
+            self.stats.add("repairs_given_up", given_up)
+            self.stats.add("blocks_repaired", len(ours - errors))
+        if flagged.numel():
             with self.guard.guarding("repair"):
                 self.port.break_from_flagged_blocks(flagged)
-            if self.port.policy == "repair":
-                self.stats.add("blocks_repaired", len(blocks))
-            errors |= blocks
-        return errors
+        return errors | ours
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The canary's counters since the last call (vLLM calls it every step). vLLM

@@ -5,7 +5,9 @@ connector owns these interfaces; the plugin's worker implements both in one obje
 (`KvCanaryConnector.attach`).
 
 This module holds the repair rule: what the connector breaks when a step's verify flags
-slots (`CanaryPort.break_from_flagged_blocks`)."""
+slots (`CanaryPort.break_from_flagged_blocks`), what it reports when the step's violations
+overflow the canary's ring (`CanaryPort.overflow_blocks`), and how many recomputes of a
+block a request is given (`CanaryPort.ration_repairs`)."""
 
 from __future__ import annotations
 
@@ -76,7 +78,43 @@ class CanaryPort(Protocol):
         breaking them would report intact slots and roll their request back again. The
         step's own new slots are broken for every reader: one completed in the step is in
         the prefix cache already, and another request could read it before it is written
-        again."""
+        again.
+
+        A request past its repairs of a block (`ration_repairs`) breaks nothing for its
+        reads of that block: it goes on with what it read there."""
+
+    def overflow_blocks(self, block_size: int) -> set[int]:
+        """The blocks to report where the current step's violations overflowed the canary's
+        ring (more than its rows between two polls; the ring keeps the first, and the op
+        counts the rest in ``ring_overflow`` without saying which slots or requests they
+        were): every block of every request of the step up to its context before the step,
+        as vLLM's scheduler gave them (``block_size``: the scheduler's), so that vLLM
+        recomputes (repair) or fails (quarantine) each request of the step, whichever of its
+        reads went bad. vLLM acts on every running request that holds one of them, which
+        under quarantine fails a request outside the step that shares a block with one in
+        it. Under repair the worker's block-table rows of the step's requests are set back
+        to the scheduler's blocks first, and for every request of the step the records of
+        what its forward wrote are broken, computed from reads that may have gone bad. The
+        violations the ring kept are reported by the other rules as well. Empty when the ring
+        did not overflow in the step."""
+
+    def ration_repairs(self, blocks: set[int], block_size: int) -> tuple[set[int], int]:
+        """Under repair, ``blocks`` (the step's, to report for recompute) less those no
+        request may be rolled back for again: each request of the step holding a block of
+        ``blocks`` in its context before the step (as vLLM's scheduler gave it) has it counted
+        as one repair where the fault is new: a slot of the block flagged for the first time
+        since a forward wrote it (the fault came back after a recompute; a block still bad
+        while another holder recomputes it counts once), or the block reported in place of a
+        read through a wrong mapping (`misread_blocks`). A request whose repairs of one block
+        pass ``KVCANARY_VLLM_MAX_REPAIRS``
+        (a block whose bytes keep going bad, or that two requests write) is given up for
+        that block: the block is no longer reported for it (it is still reported while
+        another request of the step holds it within its limit), the request goes on with the
+        KV as read there, and a line names it, the block and every request holding the
+        block. vLLM's ``kv_load_failure_policy="recompute"`` rolls back every request holding
+        a reported block and can fail none, so a request is not failed for it; quarantine
+        fails it at its first report. Blocks no request of the step holds in its context are
+        kept. Also returns how many (request, block) pairs were given up in this step."""
 
     def misread_blocks(self, block_size: int) -> tuple[set[int], set[int]]:
         """The current step's reads through a wrong mapping (a request's block-table entry

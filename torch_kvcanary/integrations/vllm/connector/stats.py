@@ -75,6 +75,11 @@ COUNTERS = (
     CounterSpec("slots_verified", "KV cache slots the canary verified before a forward read them."),
     CounterSpec("slots_recorded", "KV cache slots the canary recorded after a forward wrote them."),
     CounterSpec("blocks_repaired", "KV cache blocks reported to vLLM for recompute (KVCANARY_VLLM=repair)."),
+    CounterSpec(
+        "repairs_given_up",
+        "Requests the canary stopped repairing at a block (KVCANARY_VLLM=repair): flagged there again after "
+        "KVCANARY_VLLM_MAX_REPAIRS recomputes, each goes on with the KV as read there.",
+    ),
     CounterSpec("requests_failed", "Requests vLLM ended with an error for blocks the canary reported (KVCANARY_VLLM=quarantine)."),
     CounterSpec("drills_injected", "Fault drills: bytes of live cached blocks flipped (KVCANARY_VLLM_DRILL)."),
     CounterSpec("drills_caught", "Fault drills the canary caught."),
