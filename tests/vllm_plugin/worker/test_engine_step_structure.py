@@ -6,6 +6,8 @@ where the op ran on the host, and one step later where the device had not finish
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -31,13 +33,19 @@ def _started(runner: str, backend: str = fake_runner.BACKEND, requests: int = 4,
 def test_a_steady_step_is_its_canary_calls_alone(runner, backend, calls):
     buffers, canary = _started(runner, backend)
     steps = 4
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
-        for _ in range(steps):
-            forward = buffers.step(1)  # the runner's work, outside the plugin's step
-            with torch.profiler.record_function(RANGE):
-                run = canary.begin_step(lambda forward=forward: forward)
-            with torch.profiler.record_function(RANGE):
-                canary.end_step(run)
+    # A garbage collection inside the range would run the finalizers of other tests' objects there.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+            for _ in range(steps):
+                forward = buffers.step(1)  # the runner's work, outside the plugin's step
+                with torch.profiler.record_function(RANGE):
+                    run = canary.begin_step(lambda forward=forward: forward)
+                with torch.profiler.record_function(RANGE):
+                    canary.end_step(run)
+    finally:
+        gc.enable()
     events = profile.events()
     called = [e for e in events if e.cpu_parent is not None and e.cpu_parent.name == RANGE]
     assert [e.name for e in called] == ["kvcanary::paged_step"] * (calls * steps)
