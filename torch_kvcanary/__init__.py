@@ -12,7 +12,7 @@ from importlib.metadata import version as _version
 # Importing the package registers every op's fake kernel, paged_step's among them.
 from . import digest, layouts, paged_step  # noqa: F401
 from .binding import SourceTable
-from .canary import FailReason, KvCanary, KvCorruptionError, Violation, ViolationKind
+from .canary import KvCanary
 from .digest import kv_digest
 from .ops import fold
 from .reference import reference_fold
@@ -29,6 +29,7 @@ from .sources import (
     view_source,
 )
 from .transfer import KvTransferError, TransferCheck, verify_transfer
+from .violations import FailReason, KvCorruptionError, Violation, ViolationKind
 
 __version__ = _version("torch_kvcanary")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .canary import KvCorruptionError
 from .policy import apply_policy, check_policy
+from .violations import KvCorruptionError
 
 _MASK64 = (1 << 64) - 1
 

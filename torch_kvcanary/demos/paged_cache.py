@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..canary import FailReason, KvCanary
+from ..canary import KvCanary
 from ..layouts import vllm
 from ..sources import HashMode
+from ..violations import FailReason
 
 HALVES = ("K", "V")
 

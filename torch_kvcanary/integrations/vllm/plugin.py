@@ -15,7 +15,8 @@ import logging
 import math
 from fractions import Fraction
 
-from ...canary import SLOT_BYTES, KvCanary
+from ...canary import KvCanary
+from ...records import SLOT_BYTES
 from . import adapter
 from .config import CONNECTOR, POLICY_ENV, Settings, refusal, settings
 from .worker import WorkerCanary

@@ -11,8 +11,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from ....canary import RECORD_FIELDS
 from ....identity import ANCHOR
+from ....records import RECORD_FIELDS
 from .. import adapter
 from .port import RecordPort, landed_entries, to_device
 from .stats import FAILED

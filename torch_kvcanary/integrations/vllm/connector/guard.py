@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-from ....canary import KvCorruptionError
+from ....violations import KvCorruptionError
 from .. import adapter
 from .stats import FAULT_PARTS
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .....canary import RECORD_FIELDS
+from .....records import RECORD_FIELDS
 
 FIELDS = (*RECORD_FIELDS, "digest")
 """The row of a slot and head: the canary's record of the slot (its token, position, chain and

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .....canary import FOLD
+from .....records import FOLD
 from ... import adapter
 from ..port import RecordPort, to_device
 from ..stats import FAILED, FAILED_KINDS, UNVERIFIED, UNVERIFIED_REASONS
