@@ -165,17 +165,17 @@ class WorkerPort:
             self.break_records(torch.from_numpy(np.concatenate(spoiled)))
         return blocks
 
-    def ration_repairs(self, blocks: set[int], block_size: int) -> tuple[set[int], int]:
+    def ration_repairs(self, blocks: set[int], block_size: int, *, drilled: set[int] = frozenset()) -> tuple[set[int], int]:
         """The rule of `connector.CanaryPort.ration_repairs` over the requests of the step,
         their blocks as the scheduler gave them: ``blocks`` less those every request of the
         step holding them in its context has had reported more than ``max_repairs`` times,
         and how many (request, block) pairs passed that limit in this step, each logged. A
         report counts where the block has a slot flagged for the first time since a forward
-        wrote it (`worker.WorkerCanary.step_first_detections`), or is a block `misread_blocks`
-        reported in this step."""
+        wrote it (`worker.WorkerCanary.step_first_detections`) that is not a drill's
+        (``drilled``), or is a block `misread_blocks` reported in this step."""
         worker = self._worker
         forward, states = worker.step_forward, worker.model_runner.requests
-        counted = {slot // block_size for slot in worker.step_first_detections()} | self._readers
+        counted = {slot // block_size for slot in worker.step_first_detections() - drilled} | self._readers
         self._repairs = {key: n for key, n in self._repairs.items() if key[0] in states}
         self._given_up = {key for key in self._given_up if key[0] in states}
         kept, held = set(), set()

@@ -120,3 +120,31 @@ def test_the_row_reset_reads_the_blocks_the_scheduler_holds(repair_engine, monke
         driver.step()
     assert compared > 3 and lines.take() == []
     llm.reset_prefix_cache()
+
+
+def test_a_drill_flipping_the_same_block_again_is_always_repaired(repair_engine, monkeypatch):
+    # A fault drill's flip is a fault of its own (the operator asked for it), not one that
+    # came back: the same block drilled after every recompute is reported each time, past
+    # the limit, and no request is given up.
+    from torch_kvcanary.integrations.vllm.connector.drill import Drill
+
+    llm, lines, _ = repair_engine
+    state, worker_connector = plugin.active(), _worker_connector()
+    monkeypatch.setattr(state, "max_repairs", 1, raising=False)
+    monkeypatch.setattr(worker_connector, "drill", Drill(0.0))  # flips nothing itself: the test's flips are its drills
+    given_up = _metric("vllm:kv_canary_repairs_given_up_total")
+    reported = Reported(monkeypatch, worker_connector)
+    clean, driver = _clean_then_decoding(llm, lines, "drilled", _prompts(38), 40)
+    block = driver.blocks(driver.ids[1])[1]
+    element = state.kv_caches[1].view(torch.int32)[block, 1, 5]
+    right = int(element[77])
+    for _ in range(8):
+        element[77] = right ^ (1 << 30)
+        worker_connector.drill.pending.update(dict.fromkeys(range(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE), 0))
+        driver.step()
+    assert len([s for s in reported.steps if block in s]) >= 3
+    assert _metric("vllm:kv_canary_repairs_given_up_total") == given_up
+    outputs = _run_to_end(driver)
+    assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
+    lines.take()
+    llm.reset_prefix_cache()

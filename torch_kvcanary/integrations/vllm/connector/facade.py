@@ -242,6 +242,9 @@ class KvCanaryConnector(InnerDelegate):
             ours |= readers
             with self.guard.guarding("repair"):
                 ours |= self.port.overflow_blocks(self._block_size)
+        drilled = set()  # a drill's flip is a fault of its own, not one that came back
+        if self.drill is not None and self.drill.pending and flagged.numel():
+            drilled = set(self.drill.pending) & set(flagged.tolist())
         with self.guard.guarding("drill"):
             self._catch_drills(flagged)
         if self._verifying():
@@ -254,7 +257,7 @@ class KvCanaryConnector(InnerDelegate):
         if self.port.policy == "repair" and ours:
             given_up = 0  # where the rationing fails, every block is reported
             with self.guard.guarding("repair"):
-                ours, given_up = self.port.ration_repairs(ours, self._block_size)
+                ours, given_up = self.port.ration_repairs(ours, self._block_size, drilled=drilled)
             self.stats.add("repairs_given_up", given_up)
             self.stats.add("blocks_repaired", len(ours - errors))
         if flagged.numel():

@@ -98,14 +98,16 @@ class CanaryPort(Protocol):
         violations the ring kept are reported by the other rules as well. Empty when the ring
         did not overflow in the step."""
 
-    def ration_repairs(self, blocks: set[int], block_size: int) -> tuple[set[int], int]:
+    def ration_repairs(self, blocks: set[int], block_size: int, *, drilled: set[int] = frozenset()) -> tuple[set[int], int]:
         """Under repair, ``blocks`` (the step's, to report for recompute) less those no
         request may be rolled back for again: each request of the step holding a block of
         ``blocks`` in its context before the step (as vLLM's scheduler gave it) has it counted
         as one repair where the fault is new: a slot of the block flagged for the first time
         since a forward wrote it (the fault came back after a recompute; a block still bad
         while another holder recomputes it counts once), or the block reported in place of a
-        read through a wrong mapping (`misread_blocks`). A request whose repairs of one block
+        read through a wrong mapping (`misread_blocks`); never for the slots of ``drilled``,
+        a fault drill's flips caught in the step (each a fault of its own). A request whose
+        repairs of one block
         pass ``KVCANARY_VLLM_MAX_REPAIRS``
         (a block whose bytes keep going bad, or that two requests write) is given up for
         that block: the block is no longer reported for it (it is still reported while
