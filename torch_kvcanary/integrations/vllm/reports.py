@@ -140,6 +140,12 @@ def report(
             lines = {-1: _UNREPAIRABLE.format(setting=f"{POLICY_ENV}={policy}"), **lines}
     if applied == "log":
         reports.dropped(dropped)
+        if dropped and overflow_taken:
+            logger.warning(
+                "kv-canary: %d violations of this step lost to a full ring (%s=%s): every request of the step is "
+                "reported to vLLM, which %s each",
+                dropped, POLICY_ENV, policy, "recomputes" if policy == "repair" else "fails",
+            )  # fmt: skip
         lines = {slot: line for slot, line in lines.items() if reports.first_detection(slot)}
     apply_policy(
         applied,

@@ -54,7 +54,12 @@ def test_a_ring_overflow_under_repair_recomputes_every_request_of_the_step(repai
     assert reported.take() >= {b for blocks in held.values() for b in blocks}  # every block of every reader's context
     outputs = _run_to_end(driver)
     assert [outputs[r].outputs[0].token_ids for r in driver.ids] == clean
-    assert state.on and parse_violations(lines.take())
+    said = lines.take()
+    assert state.on and parse_violations([line for line in said if "full ring" not in line])
+    assert any(
+        "lost to a full ring (KVCANARY_VLLM=repair): every request of the step is reported to vLLM, which recomputes each" in line
+        for line in said
+    )
     (after,) = llm.generate([{"prompt_token_ids": _prompts(33)[0]}], _greedy(8), use_tqdm=False)
     assert len(after.outputs[0].token_ids) == 8
     llm.reset_prefix_cache()
@@ -67,7 +72,12 @@ def test_a_ring_overflow_under_quarantine_fails_the_requests_of_the_step(quarant
     outputs = _run_to_end(driver)
     assert all(outputs[r].outputs[0].finish_reason == "error" for r in driver.ids)
     assert _metric("vllm:kv_canary_requests_failed_total") - failed == _READERS
-    assert plugin.active().on and parse_violations(lines.take())
+    said = lines.take()
+    assert plugin.active().on and parse_violations([line for line in said if "full ring" not in line])
+    assert any(
+        "lost to a full ring (KVCANARY_VLLM=quarantine): every request of the step is reported to vLLM, which fails each" in line
+        for line in said
+    )
     (after,) = llm.generate([{"prompt_token_ids": _prompts(34)[0]}], _greedy(8), use_tqdm=False)
     assert len(after.outputs[0].token_ids) == 8
     llm.reset_prefix_cache()
