@@ -9,8 +9,9 @@ import logging
 from collections.abc import Callable
 
 from ... import __version__, layouts
-from ...canary import SLOT_BYTES, FailReason, KvCorruptionError, Violation, ViolationKind
 from ...policy import apply_policy
+from ...records import SLOT_BYTES
+from ...violations import FailReason, KvCorruptionError, Violation, ViolationKind
 from . import adapter
 from .config import CONNECTOR, CONNECTOR_POLICIES, POLICY_ENV
 

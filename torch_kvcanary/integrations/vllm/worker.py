@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from ... import digest, layouts
-from ...canary import KvCanary, KvCorruptionError, Violation, ViolationKind
+from ...canary import KvCanary
 from ...paged_step import PagedStep, StepPhase
+from ...violations import KvCorruptionError, Violation, ViolationKind
 from . import adapter
 from .config import CONNECTOR_POLICIES, POLICY_ENV, EngineFacts, Settings, connector_needs, connector_refusal, refusal
 from .reports import LAUNCH_TAG, Reports, byte_only, report, slot_lines, start_line, violation_line

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ... import digest, layouts
-from ...canary import FailReason, Violation
+from ...violations import FailReason, Violation
 from . import adapter
 from .config import MAX_REPAIRS_ENV
 
@@ -49,7 +49,8 @@ class WorkerPort:
         return self._worker.on
 
     def counters(self) -> dict[str, int]:
-        return self._worker.stats()
+        # Read at every step (vLLM's connector stats): without waiting for the device.
+        return self._canary.stats(wait=False)
 
     def flagged_slots(self) -> torch.Tensor:
         return self._worker.step_flagged_slots()

@@ -46,7 +46,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ....canary import Violation
+from ....violations import Violation
 from .. import adapter
 from ..config import CONNECTOR_POLICIES
 from .checks import check_inner

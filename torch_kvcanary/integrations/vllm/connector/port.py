@@ -57,7 +57,9 @@ class CanaryPort(Protocol):
         """Whether the canary still watches (False once a fault of its own turned it off)."""
 
     def counters(self) -> dict[str, int]:
-        """The canary's counters (`KvCanary.stats`)."""
+        """The canary's counters, read at every step without waiting for the device
+        (`KvCanary.stats` with ``wait=False``): each an earlier value of the counter where the
+        device's copies are in flight, caught up by the next reads."""
 
     def flagged_slots(self) -> torch.Tensor:
         """The distinct slots verify flagged in the current step (empty before its forward ended)."""

@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ....canary import FailReason, Violation
+from ....violations import FailReason, Violation
 from ..config import settings
 
 REASONS = tuple(label for reason in FailReason for label in reason.labels)
