@@ -23,7 +23,7 @@ from .ops import integer_view, may_check_bounds, refusal
 from .policy import apply_policy, check_policy
 from .records import FOLD, RECORD_FIELDS, SLOT_BYTES, StepTables
 from .sources import HashMode, KvSource, active_sources, as_mode, as_sources, folded_bytes
-from .violations import ORIGIN_FIELDS, VIOLATION_FIELDS, FailReason, KvCorruptionError, Violation, ViolationKind  # noqa: F401
+from .violations import ORIGIN_FIELDS, VIOLATION_FIELDS, KvCorruptionError, Violation
 
 
 def _counter_index() -> dict[str, int]:

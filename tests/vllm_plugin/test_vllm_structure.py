@@ -89,7 +89,7 @@ def test_the_import_graph_is_read():
     vllm = "torch_kvcanary.integrations.vllm"
     assert f"{vllm}.worker" in graph[f"{vllm}.plugin"]
     assert f"{vllm}.connector" in graph[f"{vllm}.worker"]  # inside a function
-    assert "torch_kvcanary.canary" in graph[f"{vllm}.connector.facade"]
+    assert "torch_kvcanary.violations" in graph[f"{vllm}.connector.facade"]
 
 
 def test_no_import_cycle():
