@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import REPO
 
-from torch_kvcanary.violations import ORIGIN_FIELDS
 from torch_kvcanary.paged_step import MailboxWord, StepPhase
+from torch_kvcanary.violations import ORIGIN_FIELDS
 
 pytestmark = pytest.mark.contract  # every torch of .ci/run's TORCH_VERSIONS runs it
 
