@@ -38,7 +38,12 @@ NUMBER_SETTINGS = [
     ("KVCANARY_VLLM_SUMMARY_S", "log", ["-1", "soon", "nan", "inf"], r"a number of seconds >= 0 \(0: after every step\)"),
     ("KVCANARY_VLLM_DRILL", "repair", ["-0.1", "1.5", "nan", "often"], r"a probability per step in \[0, 1\] \(0 or unset: no drills\)"),
     ("KVCANARY_VLLM_EVERY", "log", ["0", "-2", "two", "1.5"], r"an int >= 1 \(1: every context slot at every step\)"),
-    ("KVCANARY_VLLM_MAX_REPAIRS", "repair", ["0", "-1", "three", "2.5"], r"an int >= 1 \(the recomputes of one block a request is given under repair\)"),
+    (
+        "KVCANARY_VLLM_MAX_REPAIRS",
+        "repair",
+        ["0", "-1", "three", "2.5"],
+        r"an int >= 1 \(the recomputes of one block a request is given under repair\)",
+    ),
 ]
 
 
