@@ -115,10 +115,10 @@ ENGINES = EnginePool()
 
 @contextlib.contextmanager
 def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", environ: dict[str, str] | None = None, **options):
-    """An in-process engine on ``model`` with the plugin on under ``policy`` (and the
-    plugin's other variables of ``environ`` set while it starts), and the plugin's
-    WARNING and ERROR lines (`Lines`) and the requests vLLM preempts meanwhile: (llm, lines,
-    preemptions). ``options`` override the engine's (prefix caching and chunked prefill of
+    """An in-process engine on ``model`` with the plugin on under ``policy`` (it, the
+    plugin's other variables of ``environ`` and vLLM's in-process switch set while it
+    starts, and only then), and the plugin's WARNING and ERROR lines (`Lines`) and the
+    requests vLLM preempts meanwhile: (llm, lines, preemptions). ``options`` override the engine's (prefix caching and chunked prefill of
     `PER_STEP` tokens a step in blocks of `BLOCK_SIZE`); ``llm.startup_log`` is what vLLM
     logged while it started."""
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -156,19 +156,19 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", en
         max_num_seqs=8,
     )
     try:
-        with vllm_log() as startup_log:
-            llm = vllm.LLM(model=str(model), **{**settings, **options})
+        try:
+            with vllm_log() as startup_log:
+                llm = vllm.LLM(model=str(model), **{**settings, **options})
+        finally:
+            # Read at the start alone: a pooled engine that goes on running must not hand them
+            # to the servers and processes the next tests start.
+            _restore(saved)
         llm.startup_log = startup_log.getvalue()
         plugin.logger.addHandler(lines)  # once vLLM has configured its logging, which clears its children's handlers
         yield llm, lines, preemptions
     finally:
         Scheduler._preempt_request = preempt
         plugin.logger.removeHandler(lines)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         # Another engine may start in this process: this one's state goes, also after a start that failed.
         from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -178,6 +178,15 @@ def started_engine(model, *, kv_budget: int = KV_BUDGET, policy: str = "log", en
             del llm
         ensure_kv_transfer_shutdown()  # vLLM builds a worker's KV connector once per process
         cleanup_dist_env_and_memory()
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    """Sets each variable of ``saved`` back to its value (None: unset)."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

@@ -173,6 +173,8 @@ def _fake_runner(*, multimodal: bool, prompt_embeds: bool = False):
         input_ids=types.SimpleNamespace(gpu=torch.tensor([11, 12, 13, 14, 15, 0, 0])),
         supports_mm_inputs=multimodal,
         enable_prompt_embeds=prompt_embeds,
+        # Which positions the runner's input ids give (the others, embedding rows): all here.
+        is_token_ids=types.SimpleNamespace(np=np.ones(7, dtype=bool), gpu=torch.ones(7, dtype=torch.bool)),
     )
 
 
@@ -183,8 +185,10 @@ def test_an_mrope_models_step_reads_the_runners_sequence_positions_and_input_ids
     step = adapter.v1._step(runner, scheduled, None, mrope_positions)
     assert step.positions[: step.num_tokens].tolist() == [7, 8, 9, 4, 5]  # the runner's buffers, not sliced
     assert step.input_ids[: step.num_tokens].tolist() == [11, 12, 13, 14, 15]  # a multimodal model runs on their embeddings
-    # Prompt embeddings have no token ids to record.
-    assert adapter.v1._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions).input_ids is None
+    # With prompt embeddings on, positions given as token ids are recorded with them (those
+    # given as embedding rows, with the rows' words: test_vllm_prompt_embeds.py).
+    step = adapter.v1._step(_fake_runner(multimodal=True, prompt_embeds=True), scheduled, None, mrope_positions)
+    assert step.input_ids[: step.num_tokens].tolist() == [11, 12, 13, 14, 15]
 
 
 def test_a_kv_cache_group_the_plugin_cannot_watch_is_refused_at_start():
