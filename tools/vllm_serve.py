@@ -18,7 +18,7 @@ from pathlib import Path
 # Imported for its effect, at import (vLLM's spawned processes import this file again): the
 # version of `vllm` answered as vLLM's own platform check does.
 from torch_kvcanary.testing import vllm_cli
-from torch_kvcanary.testing.serve import CANARY_GROWTH_BOUND, soak_workload, soaks_in_turns
+from torch_kvcanary.testing.soak.memory import CANARY_GROWTH_BOUND, soak_workload, soaks_in_turns
 
 
 def soak_main(argv: list[str]) -> int:

@@ -16,22 +16,13 @@ pytestmark = pytest.mark.vllm
 from helpers import HOST_AMX, PROJECT_VERSION, needs_isa  # noqa: E402
 
 from torch_kvcanary.testing.random_models import VOCAB_SIZE, make_model  # noqa: E402
-from torch_kvcanary.testing.serve import (  # noqa: E402
-    CANARY_GROWTH_BOUND,
-    Server,
-    flip,
-    install_flip_plugin,
-    install_vllm_plugin,
-    path_with,
-    soak_server,
-    soak_workload,
-    soaks_in_turns,
-)
+from torch_kvcanary.testing.serve import Server, flip, install_flip_plugin, install_vllm_plugin, path_with  # noqa: E402
+from torch_kvcanary.testing.soak.memory import CANARY_GROWTH_BOUND, soak_server, soak_workload, soaks_in_turns  # noqa: E402
 
 # The soak (about 10 s a pass here, four passes a server): 1,000 requests, enough for a request to read, in one
 # step, a block another request of the step writes (recorded in the right order,
 # `worker._CanaryStep`), and for a leak of a few KiB a request to stand out of the
-# allocators' noise (`vllm_serve.CANARY_GROWTH_BOUND`).
+# allocators' noise (`soak.memory.CANARY_GROWTH_BOUND`).
 SOAK_REQUESTS = 1000
 SOAK_ENV = dict(KVCANARY_VLLM="log")
 

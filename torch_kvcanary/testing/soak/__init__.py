@@ -8,5 +8,7 @@ canary named each one and that the policy did what it promises.
 - `table_fault`: a block-table entry pointed at another request's block, and its checks.
 - `chaos_pd`: a prefill/decode pair, faults on either side, and its checks.
 - `unverified`: misconfigured pairs (a router dropping the canary's key, two fold modes).
+- `memory`: the memory soak of `vllm serve` (tools/vllm_serve.py): passes of mixed requests,
+  the engine's growth with the canary off, then on.
 - `faults`: the injector itself, the source of a vLLM general plugin (read as text, never imported).
 """
